@@ -1,0 +1,126 @@
+"""Command line (contract §7): ``agent-runtime serve`` and ``agent-runtime db upgrade|status``.
+
+A bad configuration or an unreachable backend ends the process at once with one line on
+stderr and exit status 2, before uvicorn starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from pydantic import ValidationError
+
+from agent_runtime.config import ConfigError, Settings
+from agent_runtime.db import schema
+from agent_runtime.db.engine import Database
+
+EXIT_CONFIG = 2
+
+
+def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
+    env_file = getattr(args, "env_file", None)
+    if env_file is not None and not Path(env_file).is_file():
+        raise ConfigError(f"env file {env_file} does not exist")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return Settings(_env_file=env_file, **given)  # type: ignore[call-arg]
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"setting AGENT_RUNTIME_{field.upper()}: {first['msg']}") from None
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from agent_runtime.main import create_app
+    from agent_runtime.wiring import build_backends, check_backends
+
+    settings = _settings(args, mode=args.mode, host=args.host, port=args.port)
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    settings.check_server()
+
+    async def preflight() -> None:
+        backends = build_backends(settings)
+        try:
+            await check_backends(settings, backends)
+        finally:
+            await backends.redis.aclose()
+            await backends.db.close()
+
+    asyncio.run(preflight())
+    app = create_app(settings)
+
+    class DrainingServer(uvicorn.Server):
+        """Turns /healthz to 503 the moment a stop signal arrives, before connections close."""
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            svc = getattr(app.state, "services", None)
+            if svc is not None:
+                svc.draining = True
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=int(settings.shutdown_timeout),
+        access_log=False,
+    )
+    DrainingServer(config).run()
+
+
+def _db(args: argparse.Namespace) -> None:
+    settings = _settings(args)
+    db = Database.from_url(settings.sqlalchemy_url(), connect_timeout=settings.db_connect_timeout)
+    try:
+        if args.action == "upgrade":
+            schema.upgrade(db.engine)
+        status = schema.status(db.engine)
+        print(status.describe())
+        if not status.up_to_date:
+            sys.exit(1)
+    except Exception as exc:
+        raise ConfigError(f"database: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+    finally:
+        db.engine.dispose()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agent-runtime", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the service (uvicorn)")
+    serve.add_argument("--mode", choices=["local", "server"], default=None)
+    serve.add_argument("--host", default=None)
+    serve.add_argument("--port", type=int, default=None)
+    serve.add_argument("--env-file", default=None, help="dotenv file with AGENT_RUNTIME_* settings")
+    serve.set_defaults(handler=_serve)
+
+    db = commands.add_parser("db", help="database schema")
+    db.add_argument("action", choices=["upgrade", "status"])
+    db.add_argument("--env-file", default=None)
+    db.set_defaults(handler=_db)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.handler(args)
+    except ConfigError as exc:
+        print(f"agent-runtime: error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+
+
+if __name__ == "__main__":
+    main()

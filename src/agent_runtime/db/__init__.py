@@ -1,0 +1,1 @@
+"""The SQL configuration store: tables, the async-safe engine wrapper, schema migrations."""

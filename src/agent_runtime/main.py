@@ -1,0 +1,83 @@
+"""App assembly: ``create_app(settings)`` builds one FastAPI app; its lifespan wires the process.
+
+Startup: build (or take injected) backends → check them (schema too) → seed local defaults →
+start Kubernetes (a failure only degrades the pod jobs) → wire services → ready. Shutdown
+runs in reverse; ``/healthz`` is 503 until ready and from the moment draining starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from agent_runtime import envelope
+from agent_runtime.config import API_PREFIX, Mode, Settings
+from agent_runtime.metrics import CONTENT_TYPE_LATEST, Metrics, MetricsMiddleware
+from agent_runtime.session_manager.handlers import router as session_router
+from agent_runtime.wiring import Backends, Services, build_backends, check_backends, wire
+
+log = logging.getLogger(__name__)
+
+
+def create_app(
+    settings: Settings, *, backends: Backends | None = None, owns_backends: bool | None = None
+) -> FastAPI:
+    """The service. Pass ``backends`` to share Redis/DB/Kubernetes (tests, replicas in one
+    process); they are then closed by their owner unless ``owns_backends`` is true."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        owned = backends is None if owns_backends is None else owns_backends
+        live = backends or build_backends(settings)
+        try:
+            await check_backends(settings, live)
+            svc = wire(settings, live)
+            if settings.mode is Mode.LOCAL and settings.local_seed:
+                await svc.config_store.seed_local_defaults()
+            try:
+                await live.k8s.start()
+            except Exception as exc:  # pods jobs degrade; config and routing of warm pods go on
+                log.error("kubernetes client failed to start: %s", exc)
+            app.state.services = svc
+            svc.ready = True
+            log.info("agent-runtime ready (mode=%s, instance=%s)", settings.mode, settings.instance_id)
+            yield
+        finally:
+            svc_now: Services | None = getattr(app.state, "services", None)
+            if svc_now is not None:
+                svc_now.ready = False
+                svc_now.draining = True
+            if owned:
+                await live.close()
+
+    app = FastAPI(
+        title="agent-runtime",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        strict_content_type=False,  # a body is JSON whatever Content-Type a client sent
+    )
+    envelope.install(app)
+    app.include_router(session_router, prefix=API_PREFIX)
+    metrics = Metrics()
+    known = frozenset(r.path for r in app.routes if hasattr(r, "path")) | {"/healthz", "/metrics"}
+    app.add_middleware(MetricsMiddleware, metrics=metrics, known_paths=known)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/healthz")
+    async def healthz(request: Request) -> JSONResponse:
+        svc: Services | None = getattr(request.app.state, "services", None)
+        if svc is None or not svc.ready or svc.draining:
+            state = "draining" if svc is not None and svc.draining else "starting"
+            return JSONResponse({"ok": False, "state": state}, status_code=503)
+        return JSONResponse({"ok": True, "instance_id": settings.instance_id})
+
+    return app

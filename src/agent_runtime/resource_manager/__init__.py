@@ -1,0 +1,1 @@
+"""Resource manager: per-scope pod pools. No HTTP routes; reached only through ``facade``."""

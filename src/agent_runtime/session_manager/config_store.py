@@ -1,0 +1,304 @@
+"""The config layer: ``resolve`` (cache first, then the DB) and ``config_sync``.
+
+config_sync order, and why (contract §2.3): validate → take the cluster-wide lock → plan
+against the current DB (404/409/sunset checks) → write the DB → propagate to Redis and the
+resource manager. Every refusal happens before the write, so a refused call changes nothing;
+a failed write happens before any cache or pool change, so it changes nothing either.
+
+Propagation is idempotent and driven by the target state, not by the diff: a sync retried
+after a Redis failure mid-propagation brings every affected scope to the template it should
+run, even though the DB write already happened and the retry sees no change.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection
+
+from agent_runtime.db.engine import Database
+from agent_runtime.errors import (
+    ConfigNotFound,
+    ConfigSyncBusy,
+    Conflict,
+    NotFound,
+    ValidationFailed,
+)
+from agent_runtime.resource_manager.facade import ResourceManagerFacade
+from agent_runtime.session_manager import config_repo as repo
+from agent_runtime.session_manager.config_repo import Snapshot
+from agent_runtime.session_manager.models import (
+    ConfigSyncRequest,
+    RoutingRuleItem,
+    RoutingRuleKey,
+    ScopeConfig,
+    TemplateItem,
+    TemplateKey,
+    parse_item,
+)
+from agent_runtime.session_manager.state import SessionState
+from agent_runtime.spec_fields import classify_change
+
+log = logging.getLogger(__name__)
+
+_CLASS_RANK = {"none": 0, "policy": 1, "deploy": 2}
+
+LOCAL_DEFAULT_TEMPLATE = TemplateItem(template_id="default", image="agentserver:local")
+LOCAL_DEFAULT_RULE = RoutingRuleItem(group_id="*", bot_id="*", template_id="default")
+
+
+@dataclass(frozen=True)
+class ScopeChange:
+    """One known scope, the template it runs on now and the one it will run on."""
+
+    scope_id: str
+    group_id: str
+    bot_id: str
+    before: TemplateItem | None
+    after: TemplateItem | None
+
+    @property
+    def version_changes(self) -> bool:
+        return (
+            self.before is not None
+            and self.after is not None
+            and self.before.deploy_ver() != self.after.deploy_ver()
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    kind: str
+    op: str
+    id: str
+    change_class: str
+    write: Any  # Callable[[Connection], None]
+    scopes: list[ScopeChange]
+    drop_all_caches: bool
+
+
+class ConfigStore:
+    def __init__(
+        self, *, db: Database, state: SessionState, resources: ResourceManagerFacade
+    ) -> None:
+        self._db = db
+        self._state = state
+        self._resources = resources
+
+    # --- resolve -------------------------------------------------------------------------------
+
+    async def resolve(self, scope_id: str, group_id: str, bot_id: str) -> ScopeConfig:
+        """The scope's configuration: the Redis cache, else the DB (then cached)."""
+        cached = await self._state.get_scope_config(scope_id)
+        if cached:
+            try:
+                return ScopeConfig.from_hash(scope_id, cached)
+            except (KeyError, ValueError):
+                log.warning("resolve cache of scope %s is malformed; reloading", scope_id)
+        generation = await self._state.config_generation()
+        template = await self._db.read(lambda conn: repo.match(conn, group_id, bot_id))
+        if template is None:
+            raise ConfigNotFound(
+                f"no enabled template for group_id={group_id!r} bot_id={bot_id!r}"
+            )
+        config = ScopeConfig.of(scope_id, group_id, bot_id, template)
+        await self._state.fill_scope_config(
+            scope_id, group_id, bot_id, config.to_hash(), generation
+        )
+        return config
+
+    async def seed_local_defaults(self) -> bool:
+        """Local mode, first start: a ``default`` template and a ``(*, *)`` rule, so a route
+        answers at once. Does nothing when either table already has rows."""
+
+        def seed(conn: Connection) -> bool:
+            if repo.count_rows(conn) != (0, 0):
+                return False
+            repo.put_template(conn, LOCAL_DEFAULT_TEMPLATE, exists=False)
+            repo.put_rule(conn, LOCAL_DEFAULT_RULE, exists=False)
+            return True
+
+        seeded = await self._db.write(seed)
+        if seeded:
+            log.info("seeded the local default template and (*, *) rule")
+        return seeded
+
+    # --- config_sync ---------------------------------------------------------------------------
+
+    async def config_sync(self, request: ConfigSyncRequest) -> dict[str, Any]:
+        parsed = _parse(request)
+        async with self._state.config_sync_lock() as taken:
+            if not taken:
+                raise ConfigSyncBusy("another config_sync is running; retry shortly")
+            plan = await self._plan(request.kind, request.op, parsed)
+            await self._check_sunset(plan)
+            await self._db.write(plan.write)
+            affected = await self._propagate(plan)
+        return {
+            "kind": plan.kind,
+            "op": plan.op,
+            "id": plan.id,
+            "change_class": plan.change_class,
+            "affected_scopes": affected,
+        }
+
+    async def _plan(self, kind: str, op: str, parsed: Any) -> Plan:
+        snapshot = await self._db.read(repo.load_snapshot)
+        known = await self._state.known_scopes()
+        if kind == "template":
+            return _plan_template(op, parsed, snapshot, known)
+        return _plan_rule(op, parsed, snapshot, known)
+
+    async def _check_sunset(self, plan: Plan) -> None:
+        """A version change is refused while the scope still has pods of an older version."""
+        changing = {c.scope_id: c for c in plan.scopes if c.version_changes}
+        if not changing:
+            return
+        registered = await self._state.registered_pods_by_scope(set(changing))
+        for scope_id, pod_ids in registered.items():
+            current = changing[scope_id].before
+            assert current is not None
+            versions = await self._state.pod_versions(scope_id, pod_ids)
+            sunset = [p for p, v in versions.items() if v is not None and v != current.deploy_ver()]
+            if sunset:
+                raise ConfigSyncBusy(
+                    f"scope {scope_id} still has {len(sunset)} sunset pod(s) from the previous "
+                    "deploy change; retry when they are reclaimed"
+                )
+
+    async def _propagate(self, plan: Plan) -> int:
+        """Bring Redis and the resource manager to the new configuration (idempotent)."""
+        await self._state.bump_config_generation()
+        if plan.drop_all_caches:
+            await self._state.drop_all_scope_configs()
+        for change in plan.scopes:
+            await self._apply(change)
+        return len(plan.scopes)
+
+    async def _apply(self, change: ScopeChange) -> None:
+        template = change.after
+        if template is None:
+            await self._state.drop_scope_configs([change.scope_id])
+            return
+        version = template.deploy_ver()
+        candidates = await self._state.candidate_pods(change.scope_id)
+        versions = await self._state.pod_versions(change.scope_id, candidates)
+        await self._state.remove_candidates(
+            change.scope_id, [p for p, v in versions.items() if v is not None and v != version]
+        )
+        config = ScopeConfig.of(change.scope_id, change.group_id, change.bot_id, template)
+        if change.version_changes:
+            await self._state.write_scope_config(
+                change.scope_id, change.group_id, change.bot_id, config.to_hash()
+            )
+        else:
+            await self._state.drop_scope_configs([change.scope_id])
+        await self._resources.update_pool_config(
+            change.scope_id, config.pool_config(), pod_spec=config.pod_spec
+        )
+
+
+# --- planning (pure) ---------------------------------------------------------------------------
+
+
+def _parse(request: ConfigSyncRequest) -> Any:
+    """Validate the item for its kind and op; update is partial (validated after merging)."""
+    full, key = (
+        (TemplateItem, TemplateKey) if request.kind == "template" else (RoutingRuleItem, RoutingRuleKey)
+    )
+    if request.op in ("create", "sync") or (request.op == "update" and full is RoutingRuleItem):
+        return parse_item(full, request.item)
+    unknown = sorted(set(request.item) - set(full.model_fields))
+    if unknown:
+        raise ValidationFailed("; ".join(f"item.{f}: unknown field" for f in unknown))
+    ids = parse_item(key, {f: request.item[f] for f in key.model_fields if f in request.item})
+    # delete needs only the id fields; a partial template update keeps the rest for merging
+    return ids if request.op == "delete" else request.item
+
+
+def _scope_changes(
+    known: dict[str, tuple[str, str]], before: Snapshot, after: Snapshot, *, always: set[str]
+) -> list[ScopeChange]:
+    """Known scopes whose template changes, plus those resolving to a template in ``always``."""
+    changes = []
+    for scope_id, (group_id, bot_id) in known.items():
+        old, new = before.resolve(group_id, bot_id), after.resolve(group_id, bot_id)
+        rule_tid = repo.best_rule(after.rules, group_id, bot_id)
+        if old != new or rule_tid in always:
+            changes.append(ScopeChange(scope_id, group_id, bot_id, old, new))
+    return changes
+
+
+def _plan_template(
+    op: str, parsed: Any, snap: Snapshot, known: dict[str, tuple[str, str]]
+) -> Plan:
+    template_id = parsed["template_id"] if op == "update" else parsed.template_id
+    current = snap.templates.get(template_id)
+    after = Snapshot(templates=dict(snap.templates), rules=snap.rules)
+    if op == "delete":
+        if current is None:
+            raise NotFound(f"template {template_id!r} does not exist")
+        in_use = sorted(k for k, tid in snap.rules.items() if tid == template_id)
+        if in_use:
+            raise Conflict(
+                f"template {template_id!r} is used by {len(in_use)} routing rule(s), "
+                f"e.g. group_id={in_use[0][0]!r} bot_id={in_use[0][1]!r}"
+            )
+        del after.templates[template_id]
+        return Plan(
+            "template", op, template_id, "none",
+            lambda conn: repo.delete_template(conn, template_id), [], False,
+        )  # fmt: skip
+    if op == "create" and current is not None:
+        raise Conflict(f"template {template_id!r} already exists")
+    if op == "update":
+        if current is None:
+            raise NotFound(f"template {template_id!r} does not exist")
+        new = parse_item(TemplateItem, {**current.as_dict(), **parsed})
+    else:
+        new = parsed
+    after.templates[template_id] = new
+    change_class = classify_change(current.as_dict(), new.as_dict()) if current else "none"
+    exists = current is not None
+    return Plan(
+        "template", op, template_id, change_class,
+        lambda conn: repo.put_template(conn, new, exists=exists),
+        _scope_changes(known, snap, after, always={template_id}), False,
+    )  # fmt: skip
+
+
+def _plan_rule(op: str, parsed: Any, snap: Snapshot, known: dict[str, tuple[str, str]]) -> Plan:
+    key = (parsed.group_id, parsed.bot_id)
+    rule_id = f"{parsed.group_id}/{parsed.bot_id}"
+    current = snap.rules.get(key)
+    after = Snapshot(templates=snap.templates, rules=dict(snap.rules))
+    if op == "delete":
+        if current is None:
+            raise NotFound(f"routing rule ({key[0]!r}, {key[1]!r}) does not exist")
+        del after.rules[key]
+        write: Any = lambda conn: repo.delete_rule(conn, *key)  # noqa: E731
+    else:
+        if op == "create" and current is not None:
+            raise Conflict(f"routing rule ({key[0]!r}, {key[1]!r}) already exists")
+        if op == "update" and current is None:
+            raise NotFound(f"routing rule ({key[0]!r}, {key[1]!r}) does not exist")
+        if parsed.template_id not in snap.templates:
+            raise ValidationFailed(f"item.template_id: template {parsed.template_id!r} does not exist")
+        after.rules[key] = parsed.template_id
+        exists = current is not None
+        write = lambda conn: repo.put_rule(conn, parsed, exists=exists)  # noqa: E731
+    scopes = _scope_changes(known, snap, after, always=set())
+    change_class = max(
+        (_scope_class(c) for c in scopes),
+        key=_CLASS_RANK.__getitem__,
+        default="none" if current == after.rules.get(key) else "policy",
+    )
+    return Plan("routing_rule", op, rule_id, change_class, write, scopes, True)
+
+
+def _scope_class(change: ScopeChange) -> str:
+    if change.before is None or change.after is None:
+        return "policy"
+    return classify_change(change.before.as_dict(), change.after.as_dict())

@@ -1,0 +1,254 @@
+"""Configuration items (contract §3) and the resolved view of a scope.
+
+Items are validated strictly: unknown fields are refused, bools are not ints, numbers are in
+range, names are what Kubernetes accepts. A bad item is refused before anything is locked or
+written, with a message that names the field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from agent_runtime import spec_fields
+from agent_runtime.envelope import Id, no_control, validate_as
+from agent_runtime.util import max_pods
+
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_QUANTITY = re.compile(
+    r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[numkMGTPE]|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+)
+_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+# The pod name is "{pod_name}-{10}-{5}" and is also the `app` label value (max 63).
+POD_NAME_MAX = 63 - 17
+MAX_CONCURRENCY = 100_000
+MAX_TTL = 30 * 24 * 3600
+
+
+def _dns_label(value: str) -> str:
+    if not _DNS1123_LABEL.match(value):
+        raise ValueError("must be a DNS-1123 label (lowercase alphanumerics and '-')")
+    return value
+
+
+def _quantity(value: str) -> str:
+    if not _QUANTITY.match(value):
+        raise ValueError("must be a Kubernetes quantity such as 500m, 1, 256Mi or 1Gi")
+    return value
+
+
+def _abs_path(value: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError("must be an absolute path starting with '/'")
+    return value
+
+
+def _env(value: dict[str, str]) -> dict[str, str]:
+    for name in value:
+        if not _ENV_NAME.match(name):
+            raise ValueError(f"env name {name!r} is not a valid environment variable name")
+    return value
+
+
+Text = Annotated[str, Field(min_length=1, max_length=1024), AfterValidator(no_control)]
+DnsLabel = Annotated[str, Field(min_length=1, max_length=63), AfterValidator(_dns_label)]
+Quantity = Annotated[str, Field(min_length=1, max_length=32), AfterValidator(_quantity)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+Concurrency = Annotated[int, Field(ge=1, le=MAX_CONCURRENCY)]
+Ttl = Annotated[int, Field(ge=1, le=MAX_TTL)]
+AbsPath = Annotated[str, Field(min_length=1, max_length=1024), AfterValidator(_abs_path)]
+
+_STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class TemplateItem(BaseModel):
+    """One template, complete (defaults filled). Field names are the contract's."""
+
+    model_config = _STRICT
+
+    template_id: Id
+    enabled: bool = True
+    # deploy fields
+    image: Text
+    pod_name: Annotated[str, Field(max_length=POD_NAME_MAX), AfterValidator(_dns_label)] = (
+        "agent"
+    )
+    namespace: DnsLabel | None = None
+    container_port: Port = 8080
+    sse_port: Port = 8080
+    sse_path: Annotated[str, Field(max_length=256), AfterValidator(_abs_path)] = "/sse"
+    cpu_request: Quantity | None = None
+    cpu_limit: Quantity | None = None
+    memory_request: Quantity | None = None
+    memory_limit: Quantity | None = None
+    env: Annotated[dict[Text, Annotated[str, Field(max_length=32768)]], AfterValidator(_env)] = (
+        Field(default_factory=dict)
+    )
+    nfs_server: Text | None = None
+    nfs_path: AbsPath | None = None
+    nfs_mount_path: AbsPath | None = None
+    ready_timeout: Annotated[float, Field(gt=0, le=3600)] = 300.0
+    ready_poll_interval: Annotated[float, Field(gt=0, le=60)] = 2.0
+    kubeconfig: Text | None = None
+    # policy fields
+    scope_concurrency: Concurrency = 10
+    pod_concurrency: Concurrency = 5
+    session_ttl: Ttl = 60
+    pod_ttl: Ttl = 300
+    min_idle_pods: Annotated[int, Field(ge=0, le=MAX_CONCURRENCY)] = 0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TemplateItem:
+        nfs = (self.nfs_server, self.nfs_path, self.nfs_mount_path)
+        if any(v is not None for v in nfs) and not all(v is not None for v in nfs):
+            raise ValueError("nfs_server, nfs_path and nfs_mount_path go together: set all or none")
+        if self.ready_poll_interval > self.ready_timeout:
+            raise ValueError("ready_poll_interval must not exceed ready_timeout")
+        if self.min_idle_pods > self.max_pods:
+            raise ValueError(
+                f"min_idle_pods ({self.min_idle_pods}) exceeds max_pods ({self.max_pods} = "
+                "ceil(scope_concurrency / pod_concurrency))"
+            )
+        return self
+
+    @property
+    def max_pods(self) -> int:
+        return max_pods(self.scope_concurrency, self.pod_concurrency)
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.model_dump()
+
+    def deploy_ver(self) -> str:
+        return spec_fields.deploy_ver(self.as_dict())
+
+    def pod_spec(self) -> dict[str, Any]:
+        return spec_fields.deploy_subset(self.as_dict())
+
+    def pool_config(self) -> dict[str, int]:
+        """What the resource manager needs to size the scope's pool."""
+        return {
+            "min_idle_pods": self.min_idle_pods,
+            "max_pods": self.max_pods,
+            "pod_ttl": self.pod_ttl,
+            "pod_concurrency": self.pod_concurrency,
+        }
+
+
+class RoutingRuleItem(BaseModel):
+    """``(group_id, bot_id) → template_id``; ``*`` is a wildcard on either side."""
+
+    model_config = _STRICT
+
+    group_id: Id
+    bot_id: Id
+    template_id: Id
+
+
+class TemplateKey(BaseModel):
+    model_config = _STRICT
+    template_id: Id
+
+
+class RoutingRuleKey(BaseModel):
+    model_config = _STRICT
+    group_id: Id
+    bot_id: Id
+
+
+M = TypeVar("M", bound=BaseModel)
+Kind = Literal["template", "routing_rule"]
+Op = Literal["create", "update", "delete", "sync"]
+
+
+class ConfigSyncRequest(BaseModel):
+    """``rawdata`` of config_sync."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    kind: Kind
+    op: Op
+    item: dict[str, Any]
+
+
+def parse_item(model: type[M], data: dict[str, Any]) -> M:
+    """Validate a config_sync ``item``; a failure names each bad field (``item.<field>``)."""
+    return validate_as(model, data, prefix="item")
+
+
+@dataclass(frozen=True, slots=True)
+class ScopeConfig:
+    """A scope's resolved configuration, as kept in the resolve cache ``scope:{sid}:config``."""
+
+    scope_id: str
+    group_id: str
+    bot_id: str
+    template_id: str
+    scope_concurrency: int
+    pod_concurrency: int
+    max_pods: int
+    session_ttl: int
+    pod_ttl: int
+    min_idle_pods: int
+    deploy_ver: str
+    pod_spec: dict[str, Any]
+
+    @classmethod
+    def of(cls, scope_id: str, group_id: str, bot_id: str, template: TemplateItem) -> ScopeConfig:
+        return cls(
+            scope_id=scope_id,
+            group_id=group_id,
+            bot_id=bot_id,
+            template_id=template.template_id,
+            scope_concurrency=template.scope_concurrency,
+            pod_concurrency=template.pod_concurrency,
+            max_pods=template.max_pods,
+            session_ttl=template.session_ttl,
+            pod_ttl=template.pod_ttl,
+            min_idle_pods=template.min_idle_pods,
+            deploy_ver=template.deploy_ver(),
+            pod_spec=template.pod_spec(),
+        )
+
+    def to_hash(self) -> dict[str, str]:
+        return {
+            "group_id": self.group_id,
+            "bot_id": self.bot_id,
+            "template_id": self.template_id,
+            "scope_concurrency": str(self.scope_concurrency),
+            "pod_concurrency": str(self.pod_concurrency),
+            "max_pods": str(self.max_pods),
+            "session_ttl": str(self.session_ttl),
+            "pod_ttl": str(self.pod_ttl),
+            "min_idle_pods": str(self.min_idle_pods),
+            "deploy_ver": self.deploy_ver,
+            "pod_spec_json": json.dumps(self.pod_spec, sort_keys=True, separators=(",", ":")),
+        }
+
+    @classmethod
+    def from_hash(cls, scope_id: str, h: dict[str, str]) -> ScopeConfig:
+        return cls(
+            scope_id=scope_id,
+            group_id=h["group_id"],
+            bot_id=h["bot_id"],
+            template_id=h["template_id"],
+            scope_concurrency=int(h["scope_concurrency"]),
+            pod_concurrency=int(h["pod_concurrency"]),
+            max_pods=int(h["max_pods"]),
+            session_ttl=int(h["session_ttl"]),
+            pod_ttl=int(h["pod_ttl"]),
+            min_idle_pods=int(h["min_idle_pods"]),
+            deploy_ver=h["deploy_ver"],
+            pod_spec=json.loads(h["pod_spec_json"]),
+        )
+
+    def pool_config(self) -> dict[str, int]:
+        return {
+            "min_idle_pods": self.min_idle_pods,
+            "max_pods": self.max_pods,
+            "pod_ttl": self.pod_ttl,
+            "pod_concurrency": self.pod_concurrency,
+        }

@@ -1,0 +1,141 @@
+"""Building the process: backends per mode, the startup checks, and the wired services.
+
+``Backends`` are the external resources (Redis, DB, Kubernetes); tests inject their own, e.g.
+two apps over one real Redis as two replicas. ``Services`` is the typed object the lifespan
+puts on ``app.state``; handlers reach it through the ``services`` dependency. Nothing here
+runs at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from fastapi import Request
+from redis.asyncio import Redis
+from redis.backoff import ExponentialBackoff
+from redis.asyncio.retry import Retry
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from agent_runtime.config import ConfigError, Mode, Settings
+from agent_runtime.db import schema
+from agent_runtime.db.engine import Database
+from agent_runtime.errors import BackendUnavailable
+from agent_runtime.resource_manager.facade import ResourceManagerFacade
+from agent_runtime.resource_manager.k8s import FakeK8sPodClient, K8sPodClient, RealK8sPodClient
+from agent_runtime.resource_manager.state import ResourceState
+from agent_runtime.session_manager.config_store import ConfigStore
+from agent_runtime.session_manager.state import SessionState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Backends:
+    redis: Redis
+    db: Database
+    k8s: K8sPodClient
+
+    async def close(self) -> None:
+        await self.k8s.close()
+        await self.redis.aclose()
+        await self.db.close()
+
+
+def build_redis(settings: Settings) -> Redis:
+    if settings.mode is Mode.LOCAL and not settings.redis_url:
+        import fakeredis
+
+        return fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    assert settings.redis_url is not None
+    # Scripts are replay-safe, so a command whose reply was lost may be re-sent once or twice;
+    # timeouts keep a dead Redis a fast 503 instead of a hang.
+    return Redis.from_url(
+        settings.redis_url,
+        decode_responses=True,
+        socket_timeout=settings.redis_timeout,
+        socket_connect_timeout=settings.redis_timeout,
+        health_check_interval=30,
+        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+    )
+
+
+def build_backends(settings: Settings) -> Backends:
+    settings.check_server()
+    db = Database.from_url(
+        settings.sqlalchemy_url(),
+        pool_size=settings.db_pool_size,
+        connect_timeout=settings.db_connect_timeout,
+    )
+    k8s: K8sPodClient = (
+        FakeK8sPodClient()
+        if settings.mode is Mode.LOCAL
+        else RealK8sPodClient(kubeconfig=settings.kubeconfig)
+    )
+    return Backends(redis=build_redis(settings), db=db, k8s=k8s)
+
+
+async def check_backends(settings: Settings, backends: Backends) -> None:
+    """Reach Redis and the DB, and bring the schema up (local) or refuse an old one (server).
+
+    Raises ConfigError with a one-line reason.
+    """
+    try:
+        await backends.redis.ping()
+    except Exception as exc:
+        raise ConfigError(f"redis unreachable: {type(exc).__name__}: {exc}") from None
+    try:
+        await backends.db.ping()
+    except Exception as exc:
+        raise ConfigError(f"database unreachable: {type(exc).__name__}: {_first_line(exc)}") from None
+    if settings.mode is Mode.LOCAL:
+        await backends.db.run(schema.upgrade, backends.db.engine)
+        return
+    status = await backends.db.run(schema.status, backends.db.engine)
+    if not status.up_to_date:
+        raise ConfigError(
+            f"database {status.describe()}: run `agent-runtime db upgrade` (same environment)"
+        )
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else ""
+
+
+@dataclass
+class Services:
+    """Everything a request or a job needs, wired once per process."""
+
+    settings: Settings
+    backends: Backends
+    session_state: SessionState
+    resource_state: ResourceState
+    resources: ResourceManagerFacade
+    config_store: ConfigStore
+    ready: bool = False  # set once startup completed; /healthz and handlers wait for it
+    draining: bool = False  # set on SIGTERM; /healthz turns 503 first
+
+
+def wire(settings: Settings, backends: Backends) -> Services:
+    session_state = SessionState(backends.redis)
+    resource_state = ResourceState(backends.redis)
+    resources = ResourceManagerFacade(state=resource_state)
+    config_store = ConfigStore(db=backends.db, state=session_state, resources=resources)
+    return Services(
+        settings=settings,
+        backends=backends,
+        session_state=session_state,
+        resource_state=resource_state,
+        resources=resources,
+        config_store=config_store,
+    )
+
+
+def services(request: Request) -> Services:
+    """FastAPI dependency: the wired services, or 503 while starting or stopping."""
+    svc: Services | None = getattr(request.app.state, "services", None)
+    if svc is None or not svc.ready:
+        raise BackendUnavailable("service is starting or stopping")
+    return svc
