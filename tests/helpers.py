@@ -1,0 +1,152 @@
+"""Helpers shared by the tests (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from agent_runtime.config import Mode, Settings
+from agent_runtime.db.engine import Database, normalize_url
+from agent_runtime.main import create_app
+from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from agent_runtime.wiring import Backends
+
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+REDIS_URL = os.environ.get("AGENT_RUNTIME_TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
+MYSQL_URL = os.environ.get(
+    "AGENT_RUNTIME_TEST_MYSQL_URL", "mysql+pymysql://root@127.0.0.1:3306/test"
+)
+PG_URL = os.environ.get(
+    "AGENT_RUNTIME_TEST_PG_URL", "postgresql+psycopg://root@127.0.0.1:5432/test"
+)
+CLAIM_KEY = "agent_runtime_test:claim"
+
+
+def unavailable(what: str, exc: BaseException) -> None:
+    first_line = str(exc).splitlines()[0] if str(exc) else ""
+    message = f"{what} unreachable: {type(exc).__name__}: {first_line}"
+    if IN_CI:
+        pytest.fail(f"CI=true and a configured backend is down: {message}", pytrace=False)
+    pytest.skip(message)
+
+
+# --- Redis ---
+
+
+async def claim_real_redis() -> Redis:
+    client = Redis.from_url(REDIS_URL, decode_responses=True, socket_connect_timeout=2)
+    try:
+        await client.ping()
+    except Exception as exc:
+        await client.aclose()
+        unavailable(f"redis at {REDIS_URL}", exc)
+    size = await client.dbsize()
+    if size and not await client.exists(CLAIM_KEY):
+        await client.aclose()
+        pytest.fail(
+            f"{REDIS_URL} holds {size} keys that are not ours; point "
+            "AGENT_RUNTIME_TEST_REDIS_URL at an empty db index",
+            pytrace=False,
+        )
+    await client.flushdb()  # ours: claimed by a marker from this or an earlier test run
+    await client.set(CLAIM_KEY, "agent-runtime tests")
+    return client
+
+
+async def redis_keys(client: Redis, pattern: str = "*") -> set[str]:
+    return {k async for k in client.scan_iter(match=pattern) if k != CLAIM_KEY}
+
+
+# --- SQL ---
+
+
+@dataclass
+class SqlBackend:
+    name: str
+    url: str
+    cleanup: Any
+
+
+def _sqlite(tmp_dir: Path) -> SqlBackend:
+    path = tmp_dir / f"config-{uuid.uuid4().hex[:8]}.db"
+    return SqlBackend("sqlite", f"sqlite:///{path}", lambda: path.unlink(missing_ok=True))
+
+
+def _server_db(name: str, admin_url: str) -> SqlBackend:
+    """A fresh database on a server, dropped again by ``cleanup``."""
+    db_name = f"ar_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    url = make_url(normalize_url(admin_url))
+    isolation = "AUTOCOMMIT"
+    admin = create_engine(url, isolation_level=isolation, connect_args={"connect_timeout": 3})
+    try:
+        with admin.connect() as conn:
+            if name == "mariadb":
+                conn.execute(text(f"CREATE DATABASE `{db_name}` CHARACTER SET utf8mb4"))
+            else:
+                conn.execute(text(f'CREATE DATABASE "{db_name}"'))
+    except Exception as exc:
+        admin.dispose()
+        unavailable(f"{name} at {admin_url}", exc)
+
+    def cleanup() -> None:
+        with admin.connect() as conn:
+            if name == "mariadb":
+                conn.execute(text(f"DROP DATABASE IF EXISTS `{db_name}`"))
+            else:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)'))
+        admin.dispose()
+
+    return SqlBackend(
+        name, url.set(database=db_name).render_as_string(hide_password=False), cleanup
+    )
+
+
+def make_sql_backend(name: str, tmp_dir: Path) -> SqlBackend:
+    if name == "sqlite":
+        return _sqlite(tmp_dir)
+    return _server_db(name, MYSQL_URL if name == "mariadb" else PG_URL)
+
+
+# --- the app ---
+
+
+def make_settings(**overrides: Any) -> Settings:
+    base: dict[str, Any] = {"mode": Mode.LOCAL, "local_seed": False, "instance_id": "test-1"}
+    base.update(overrides)
+    return Settings(_env_file=None, **base)  # type: ignore[call-arg]
+
+
+@asynccontextmanager
+async def running_app(
+    redis: Redis, db: Database, **overrides: Any
+) -> AsyncIterator[httpx.AsyncClient]:
+    """The app over the given backends, lifespan started, as an httpx client."""
+    settings = make_settings(**overrides)
+    backends = Backends(redis=redis, db=db, k8s=FakeK8sPodClient())
+    app = create_app(settings, backends=backends, owns_backends=False)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            client.app = app  # type: ignore[attr-defined]
+            yield client
+
+
+def envelope(rawdata: dict[str, Any] | None = None, **metadata: Any) -> dict[str, Any]:
+    metadata.setdefault("request_id", f"r-{uuid.uuid4().hex[:8]}")
+    return {"metadata": metadata, "rawdata": rawdata or {}}
+
+
+def sync_body(kind: str, op: str, item: dict[str, Any], **metadata: Any) -> dict[str, Any]:
+    return envelope({"kind": kind, "op": op, "item": item}, **metadata)
