@@ -65,9 +65,7 @@ class Settings(BaseSettings):
     local_seed: bool = Field(
         True, description="local mode seeds a `default` template and a (*, *) rule on first start"
     )
-    kubeconfig: str | None = Field(
-        None, description="kubeconfig path when not running in-cluster"
-    )
+    kubeconfig: str | None = Field(None, description="kubeconfig path when not running in-cluster")
     default_namespace: str = Field("default", description="namespace for pods and cleanup")
     scope_full_timeout: float = Field(30.0, gt=0, description="max wait in a scope's queue (s)")
     default_session_ttl: float = Field(60.0, gt=0, description="session ttl fallback (s)")
@@ -94,9 +92,7 @@ class Settings(BaseSettings):
     db_connect_timeout: int = Field(5, ge=1, description="DB connect timeout (s)")
     db_pool_size: int = Field(8, ge=1, le=128, description="DB connections (and DB threads)")
 
-    _split_gateway = field_validator("gateway_tokens", "admin_tokens", mode="before")(
-        _split_tokens
-    )
+    _split_gateway = field_validator("gateway_tokens", "admin_tokens", mode="before")(_split_tokens)
 
     @field_validator("log_level")
     @classmethod

@@ -44,7 +44,7 @@ def create_app(
                 log.error("kubernetes client failed to start: %s", exc)
             app.state.services = svc
             svc.ready = True
-            log.info("agent-runtime ready (mode=%s, instance=%s)", settings.mode, settings.instance_id)
+            log.info("ready: mode=%s instance=%s", settings.mode, settings.instance_id)
             yield
         finally:
             svc_now: Services | None = getattr(app.state, "services", None)

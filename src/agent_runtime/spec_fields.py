@@ -58,15 +58,13 @@ def deploy_subset(template: Mapping[str, Any]) -> dict[str, Any]:
 
 def deploy_ver(template: Mapping[str, Any]) -> str:
     """First 16 hex of md5 over the versioned deploy fields, sorted by name, nulls dropped."""
-    fields = {
-        f: template[f] for f in DEPLOY_VER_FIELDS if template.get(f) is not None
-    }
+    fields = {f: template[f] for f in DEPLOY_VER_FIELDS if template.get(f) is not None}
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.md5(canonical.encode("utf-8")).hexdigest()[:16]
 
 
 def classify_change(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
-    """``deploy`` if any deploy field differs, else ``policy`` if a policy field does, else ``none``.
+    """``deploy`` if a deploy field differs, else ``policy`` if a policy field does, else ``none``.
 
     A kubeconfig-only change is ``deploy`` by class but leaves ``deploy_ver`` as it is, so it
     sunsets no pod: only new deploys use it.

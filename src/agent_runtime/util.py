@@ -14,4 +14,3 @@ def scope_id_of(group_id: str, bot_id: str) -> str:
 def max_pods(scope_concurrency: int, pod_concurrency: int) -> int:
     """Derived, never stored as configuration: enough pods for a full scope."""
     return math.ceil(scope_concurrency / pod_concurrency)
-

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from fastapi import Request
 from redis.asyncio import Redis
-from redis.backoff import ExponentialBackoff
 from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -89,7 +89,8 @@ async def check_backends(settings: Settings, backends: Backends) -> None:
     try:
         await backends.db.ping()
     except Exception as exc:
-        raise ConfigError(f"database unreachable: {type(exc).__name__}: {_first_line(exc)}") from None
+        reason = f"{type(exc).__name__}: {_first_line(exc)}"
+        raise ConfigError(f"database unreachable: {reason}") from None
     if settings.mode is Mode.LOCAL:
         await backends.db.run(schema.upgrade, backends.db.engine)
         return

@@ -19,7 +19,11 @@ from sqlalchemy.engine import Engine, make_url
 
 T = TypeVar("T")
 
-_DRIVER_OF = {"mysql": "mysql+pymysql", "mariadb": "mariadb+pymysql", "postgresql": "postgresql+psycopg"}
+_DRIVER_OF = {
+    "mysql": "mysql+pymysql",
+    "mariadb": "mariadb+pymysql",
+    "postgresql": "postgresql+psycopg",
+}
 
 
 def normalize_url(url: str) -> str:

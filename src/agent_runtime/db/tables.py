@@ -37,9 +37,10 @@ ID_LEN = 256
 
 def id_column_type() -> String:
     """Ids are case-sensitive: MySQL/MariaDB's default collation is not, so use a binary one."""
-    return String(ID_LEN).with_variant(  # type: ignore[return-value]
+    return String(ID_LEN).with_variant(
         mysql.VARCHAR(ID_LEN, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
     )
+
 
 service_config_template = Table(
     "service_config_template",

@@ -27,7 +27,5 @@ class ResourceManagerFacade:
             raise ValueError(f"pool_config lacks {', '.join(missing)}")
         config = {f: int(pool_config[f]) for f in POOL_CONFIG_FIELDS}
         version = spec_fields.deploy_ver(pod_spec) if pod_spec is not None else None
-        await self._state.write_pool_config(
-            scope_id, config, deploy_ver=version, pod_spec=pod_spec
-        )
+        await self._state.write_pool_config(scope_id, config, deploy_ver=version, pod_spec=pod_spec)
         return {"updated": True}

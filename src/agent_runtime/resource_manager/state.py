@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import Redis
 
@@ -34,7 +34,7 @@ class ResourceState:
             assert deploy_ver is not None
             fields["deploy_ver"] = deploy_ver
             fields["pod_spec_json"] = json.dumps(pod_spec, sort_keys=True, separators=(",", ":"))
-        await self.redis.hset(scope_config_key(scope_id), mapping=fields)
+        await self.redis.hset(scope_config_key(scope_id), mapping=cast(dict[Any, Any], fields))
 
     async def pool_config(self, scope_id: str) -> dict[str, str]:
-        return dict(await self.redis.hgetall(scope_config_key(scope_id)))
+        return cast(dict[str, str], await self.redis.hgetall(scope_config_key(scope_id)))

@@ -50,7 +50,7 @@ class Snapshot:
 # --- rows ↔ items ------------------------------------------------------------------------------
 
 
-def _template_from_row(row: Mapping[str, Any]) -> TemplateItem:
+def _template_from_row(row: Mapping[Any, Any]) -> TemplateItem:
     data = {FIELD_OF.get(col, col): row[col] for col in row.keys()}  # noqa: SIM118
     data.pop("created_at", None)
     data.pop("updated_at", None)
@@ -70,11 +70,15 @@ def _template_to_row(item: TemplateItem) -> dict[str, Any]:
 def match(conn: Connection, group_id: str, bot_id: str) -> TemplateItem | None:
     """Resolve one scope with one query: the up-to-4 candidate rules joined with templates."""
     t, r = service_config_template, routing_rule
-    rows = conn.execute(
-        select(r.c.group_id, r.c.bot_id, t)
-        .select_from(r.join(t, r.c.template_id == t.c.template_id, isouter=True))
-        .where(r.c.group_id.in_((group_id, WILDCARD)), r.c.bot_id.in_((bot_id, WILDCARD)))
-    ).mappings().all()
+    rows = (
+        conn.execute(
+            select(r.c.group_id, r.c.bot_id, t)
+            .select_from(r.join(t, r.c.template_id == t.c.template_id, isouter=True))
+            .where(r.c.group_id.in_((group_id, WILDCARD)), r.c.bot_id.in_((bot_id, WILDCARD)))
+        )
+        .mappings()
+        .all()
+    )
     row = best_rule({(row["group_id"], row["bot_id"]): row for row in rows}, group_id, bot_id)
     if row is None or row["template_id"] is None:  # no rule, or it names a missing template
         return None
@@ -140,9 +144,8 @@ def put_template(conn: Connection, item: TemplateItem, *, exists: bool) -> None:
     t = service_config_template
     if exists:
         row.pop("template_id")
-        conn.execute(
-            update(t).where(t.c.template_id == item.template_id).values(**row, updated_at=func.now())
-        )
+        where = t.c.template_id == item.template_id
+        conn.execute(update(t).where(where).values(**row, updated_at=func.now()))
     else:
         _insert(conn, insert(t).values(**row), f"template {item.template_id!r} already exists")
 

@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
 from sqlalchemy import Connection
 
 from agent_runtime.db.engine import Database
@@ -100,9 +101,7 @@ class ConfigStore:
         generation = await self._state.config_generation()
         template = await self._db.read(lambda conn: repo.match(conn, group_id, bot_id))
         if template is None:
-            raise ConfigNotFound(
-                f"no enabled template for group_id={group_id!r} bot_id={bot_id!r}"
-            )
+            raise ConfigNotFound(f"no enabled template for group_id={group_id!r} bot_id={bot_id!r}")
         config = ScopeConfig.of(scope_id, group_id, bot_id, template)
         await self._state.fill_scope_config(
             scope_id, group_id, bot_id, config.to_hash(), generation
@@ -205,9 +204,8 @@ class ConfigStore:
 
 def _parse(request: ConfigSyncRequest) -> Any:
     """Validate the item for its kind and op; update is partial (validated after merging)."""
-    full, key = (
-        (TemplateItem, TemplateKey) if request.kind == "template" else (RoutingRuleItem, RoutingRuleKey)
-    )
+    full: type[BaseModel] = TemplateItem if request.kind == "template" else RoutingRuleItem
+    key: type[BaseModel] = TemplateKey if request.kind == "template" else RoutingRuleKey
     if request.op in ("create", "sync") or (request.op == "update" and full is RoutingRuleItem):
         return parse_item(full, request.item)
     unknown = sorted(set(request.item) - set(full.model_fields))
@@ -231,9 +229,7 @@ def _scope_changes(
     return changes
 
 
-def _plan_template(
-    op: str, parsed: Any, snap: Snapshot, known: dict[str, tuple[str, str]]
-) -> Plan:
+def _plan_template(op: str, parsed: Any, snap: Snapshot, known: dict[str, tuple[str, str]]) -> Plan:
     template_id = parsed["template_id"] if op == "update" else parsed.template_id
     current = snap.templates.get(template_id)
     after = Snapshot(templates=dict(snap.templates), rules=snap.rules)
@@ -285,7 +281,8 @@ def _plan_rule(op: str, parsed: Any, snap: Snapshot, known: dict[str, tuple[str,
         if op == "update" and current is None:
             raise NotFound(f"routing rule ({key[0]!r}, {key[1]!r}) does not exist")
         if parsed.template_id not in snap.templates:
-            raise ValidationFailed(f"item.template_id: template {parsed.template_id!r} does not exist")
+            missing = parsed.template_id
+            raise ValidationFailed(f"item.template_id: template {missing!r} does not exist")
         after.rules[key] = parsed.template_id
         exists = current is not None
         write = lambda conn: repo.put_rule(conn, parsed, exists=exists)  # noqa: E731

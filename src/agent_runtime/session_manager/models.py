@@ -30,13 +30,13 @@ MAX_TTL = 30 * 24 * 3600
 
 
 def _dns_label(value: str) -> str:
-    if not _DNS1123_LABEL.match(value):
+    if not _DNS1123_LABEL.fullmatch(value):
         raise ValueError("must be a DNS-1123 label (lowercase alphanumerics and '-')")
     return value
 
 
 def _quantity(value: str) -> str:
-    if not _QUANTITY.match(value):
+    if not _QUANTITY.fullmatch(value):
         raise ValueError("must be a Kubernetes quantity such as 500m, 1, 256Mi or 1Gi")
     return value
 
@@ -49,7 +49,7 @@ def _abs_path(value: str) -> str:
 
 def _env(value: dict[str, str]) -> dict[str, str]:
     for name in value:
-        if not _ENV_NAME.match(name):
+        if not _ENV_NAME.fullmatch(name):
             raise ValueError(f"env name {name!r} is not a valid environment variable name")
     return value
 
@@ -74,9 +74,7 @@ class TemplateItem(BaseModel):
     enabled: bool = True
     # deploy fields
     image: Text
-    pod_name: Annotated[str, Field(max_length=POD_NAME_MAX), AfterValidator(_dns_label)] = (
-        "agent"
-    )
+    pod_name: Annotated[str, Field(max_length=POD_NAME_MAX), AfterValidator(_dns_label)] = "agent"
     namespace: DnsLabel | None = None
     container_port: Port = 8080
     sse_port: Port = 8080

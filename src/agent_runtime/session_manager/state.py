@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
+from typing import Any, cast
 
 from redis.asyncio import Redis
 from redis.exceptions import LockError, WatchError
@@ -45,8 +46,8 @@ CONFIG_GEN_KEY = f"{P}config_gen"
 SCOPE_CONFIG_PATTERN = f"{P}scope:*:config"
 
 
-def _scope_of_config_key(key: str) -> str:
-    return key[len(f"{P}scope:") : -len(":config")]
+def _mapping(fields: dict[str, str]) -> dict[Any, Any]:
+    return fields  # redis-py's hset typing wants a wider key type than str
 
 
 class SessionState:
@@ -58,8 +59,7 @@ class SessionState:
     # --- resolve cache -----------------------------------------------------------------------
 
     async def get_scope_config(self, scope_id: str) -> dict[str, str]:
-        raw = await self.redis.hgetall(scope_config_key(scope_id))
-        return dict(raw)
+        return cast(dict[str, str], await self.redis.hgetall(scope_config_key(scope_id)))
 
     async def config_generation(self) -> int:
         return int(await self.redis.get(CONFIG_GEN_KEY) or 0)
@@ -80,7 +80,7 @@ class SessionState:
                     return False
                 pipe.multi()
                 pipe.delete(key)
-                pipe.hset(key, mapping=fields)
+                pipe.hset(key, mapping=_mapping(fields))
                 pipe.hset(SCOPE_REGISTRY_KEY, scope_id, json.dumps([group_id, bot_id]))
                 await pipe.execute()
                 return True
@@ -94,7 +94,7 @@ class SessionState:
         key = scope_config_key(scope_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(key)
-            pipe.hset(key, mapping=fields)
+            pipe.hset(key, mapping=_mapping(fields))
             pipe.hset(SCOPE_REGISTRY_KEY, scope_id, json.dumps([group_id, bot_id]))
             await pipe.execute()
 
@@ -149,7 +149,7 @@ class SessionState:
         return dict(zip(pod_ids, versions, strict=True))
 
     async def candidate_pods(self, scope_id: str) -> list[str]:
-        return list(await self.redis.zrange(scope_pods_key(scope_id), 0, -1))
+        return cast(list[str], await self.redis.zrange(scope_pods_key(scope_id), 0, -1))
 
     async def remove_candidates(self, scope_id: str, pod_ids: list[str]) -> int:
         """Sunset: the pods leave first-fit at once; their sessions stay where they are."""
@@ -161,14 +161,15 @@ class SessionState:
 
     @asynccontextmanager
     async def config_sync_lock(self) -> AsyncIterator[bool]:
-        """Token-owned ``SET NX EX 60``; yields whether it was taken; released by compare-and-delete."""
+        """Token-owned ``SET NX EX 60``; yields whether it was taken.
+
+        Released by compare-and-delete (redis-py's Lock script), never by a bare DEL.
+        """
         lock = self.redis.lock(CONFIG_SYNC_LOCK_KEY, timeout=CONFIG_SYNC_LOCK_TTL, blocking=False)
         taken = await lock.acquire()
         try:
             yield bool(taken)
         finally:
             if taken:
-                try:
+                with suppress(LockError):  # expired, maybe re-taken by another: not ours
                     await lock.release()
-                except LockError:
-                    pass  # expired and maybe taken by another: not ours to delete

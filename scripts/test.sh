@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone: backends up, a venv with the locked versions,
+# then lint, format, types, import boundaries and pytest (fakeredis + real Redis, SQLite +
+# MariaDB + PostgreSQL). Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${AGENT_RUNTIME_SKIP_SERVICES:-}" != "1" ]; then
+  scripts/services.sh
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.installed-$(cat requirements.lock pyproject.toml | sha256sum | cut -c1-16)
+if [ ! -f "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -r requirements.lock
+  .venv/bin/python -m pip install -q --no-deps -e .
+  rm -f .venv/.installed-* && touch "$stamp"
+fi
+
+echo "== ruff";         .venv/bin/ruff check .
+echo "== ruff format";  .venv/bin/ruff format --check .
+echo "== mypy";         .venv/bin/mypy
+echo "== import-linter"; .venv/bin/lint-imports
+echo "== pytest"
+exec .venv/bin/pytest "$@"
