@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator
@@ -150,3 +152,85 @@ def envelope(rawdata: dict[str, Any] | None = None, **metadata: Any) -> dict[str
 
 def sync_body(kind: str, op: str, item: dict[str, Any], **metadata: Any) -> dict[str, Any]:
     return envelope({"kind": kind, "op": op, "item": item}, **metadata)
+
+
+# --- a backend that can go down ---
+
+
+class TcpProxy:
+    """An asyncio TCP forwarder on 127.0.0.1 in front of a backend (Redis, a SQL server).
+
+    ``stop()`` closes the listener and every forwarded connection, so clients see the backend
+    go away (reset connections, then refused connects); ``start()`` listens again on the same
+    port, so the same clients can reconnect. Use as ``async with TcpProxy(host, port) as p``.
+    """
+
+    def __init__(self, upstream_host: str, upstream_port: int) -> None:
+        self.upstream = (upstream_host, upstream_port)
+        self.port = 0  # chosen by the OS on the first start, kept for restarts
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None
+
+    async def start(self) -> None:
+        assert self._server is None, "already running"
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.close()
+        for writer in list(self._writers):
+            writer.close()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await server.wait_closed()
+
+    async def __aenter__(self) -> TcpProxy:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.get_running_loop().create_task(self._forward(reader, writer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers = [writer]
+        self._writers.add(writer)
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+            writers.append(up_writer)
+            self._writers.add(up_writer)
+            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            for w in writers:
+                self._writers.discard(w)
+                w.close()
+            for w in writers:
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await w.wait_closed()
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    finally:
+        if writer.can_write_eof() and not writer.is_closing():
+            with contextlib.suppress(OSError):
+                writer.write_eof()  # half-close: the other direction may still be talking

@@ -218,7 +218,7 @@ async def test_routing_rule_create_update_delete_sync(store: ConfigStore, db: Da
         await sync(store, "routing_rule", "create", group_id="g", bot_id="*", template_id="t2")
     await sync(store, "routing_rule", "update", group_id="g", bot_id="*", template_id="t2")
     assert (await db.read(lambda c: config_repo.get_rule(c, "g", "*"))).template_id == "t2"
-    with pytest.raises(ValidationFailed, match="item.template_id"):
+    with pytest.raises(ValidationFailed, match=r"item\.template_id"):
         await sync(store, "routing_rule", "sync", group_id="g", bot_id="*", template_id="missing")
     with pytest.raises(Conflict):  # a template that rules still use cannot go
         await sync(store, "template", "delete", template_id="t2")
@@ -233,14 +233,14 @@ async def test_routing_rule_create_update_delete_sync(store: ConfigStore, db: Da
 
 async def test_delete_needs_only_the_id_fields_and_refuses_unknown_ones(store: ConfigStore) -> None:
     await template(store, "t1")
-    with pytest.raises(ValidationFailed, match="item.colour: unknown field"):
+    with pytest.raises(ValidationFailed, match=r"item\.colour: unknown field"):
         await sync(store, "template", "delete", template_id="t1", colour="red")
     await sync(store, "template", "delete", template_id="t1", image="ignored")
 
 
 async def test_invalid_item_is_refused_before_the_lock(store: ConfigStore, redis: Redis) -> None:
     await redis.set(CONFIG_SYNC_LOCK_KEY, "someone-else")
-    with pytest.raises(ValidationFailed, match="item.pod_concurrency"):
+    with pytest.raises(ValidationFailed, match=r"item\.pod_concurrency"):
         await sync(store, "template", "create", template_id="t1", image="a", pod_concurrency=0)
     with pytest.raises(ConfigSyncBusy):
         await sync(store, "template", "create", template_id="t1", image="a")

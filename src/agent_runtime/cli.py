@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 from pathlib import Path
 from types import FrameType
@@ -43,9 +44,6 @@ def _serve(args: argparse.Namespace) -> None:
     from agent_runtime.wiring import build_backends, check_backends
 
     settings = _settings(args, mode=args.mode, host=args.host, port=args.port)
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
     settings.check_server()
 
     async def preflight() -> None:
@@ -57,6 +55,10 @@ def _serve(args: argparse.Namespace) -> None:
             await backends.db.close()
 
     asyncio.run(preflight())
+    # only now: a failed preflight must leave exactly one line on stderr, not library logs
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
     app = create_app(settings)
 
     class DrainingServer(uvicorn.Server):
@@ -67,6 +69,12 @@ def _serve(args: argparse.Namespace) -> None:
             if svc is not None:
                 svc.draining = True
             super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM:
+                # SIGTERM is the normal stop of a replica: once drained, exit 0. uvicorn would
+                # re-raise the signal after shutdown and the process would die of it (-15).
+                captured = getattr(self, "_captured_signals", [])
+                while sig in captured:
+                    captured.remove(sig)
 
     config = uvicorn.Config(
         app,

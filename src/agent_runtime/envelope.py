@@ -7,6 +7,7 @@ connection errors (Redis, DB) become 503 ``BACKEND_UNAVAILABLE`` with ``retry_af
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -76,16 +77,16 @@ def _message(err: Any) -> str:
     return str(err.get("msg", "invalid")).removeprefix("Value error, ")
 
 
-def describe_validation_error(exc: ValidationError, *, prefix: str) -> str:
+def describe_validation_error(exc: ValidationError, *, prefix: str | None) -> str:
     """One readable part per problem, naming the field: ``item.sse_port: Input should be ...``."""
     parts = []
     for err in exc.errors(include_url=False):
-        loc = ".".join(str(p) for p in (prefix, *err["loc"]))
+        loc = ".".join(str(p) for p in (*([prefix] if prefix else []), *err["loc"])) or "body"
         parts.append(f"{loc}: {_message(err)}")
     return "; ".join(parts)
 
 
-def validate_as(model: type[M], data: Any, *, prefix: str) -> M:
+def validate_as(model: type[M], data: Any, *, prefix: str | None) -> M:
     """``model.model_validate(data)``, failing with 400 ``VALIDATION`` naming the fields."""
     try:
         return model.model_validate(data)
@@ -95,6 +96,32 @@ def validate_as(model: type[M], data: Any, *, prefix: str) -> M:
 
 def parse_rawdata(model: type[M], rawdata: Any) -> M:
     return validate_as(model, rawdata, prefix="rawdata")
+
+
+def echoable_request_id(body: Any) -> str | None:
+    """``metadata.request_id`` of a parsed body if it is a valid id, else None: an invalid id
+    (control characters, over 256 characters) is never echoed back."""
+    metadata = body.get("metadata") if isinstance(body, dict) else None
+    rid = metadata.get("request_id") if isinstance(metadata, dict) else None
+    if isinstance(rid, str) and 1 <= len(rid) <= 256 and not _CONTROL.search(rid):
+        return rid
+    return None
+
+
+async def read_envelope(request: Request, model: type[M]) -> M:
+    """The request body as ``model``, whatever the Content-Type; anything else is 400
+    ``VALIDATION``. Called after the token check (so a caller without a token learns nothing
+    about the body rules); remembers the request_id as soon as it parses, so every later
+    error echoes it."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):  # bad JSON, bad UTF-8, absurd nesting
+        raise ValidationFailed("body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise ValidationFailed("body must be a JSON object")
+    remember_request_id(request, echoable_request_id(data))
+    return validate_as(model, data, prefix=None)
 
 
 # --- responses ---------------------------------------------------------------------------------
@@ -154,11 +181,7 @@ def _describe(errors: list[Any]) -> str:
 
 async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    request_id = None
-    body = getattr(exc, "body", None)
-    if isinstance(body, dict) and isinstance(body.get("metadata"), dict):
-        rid = body["metadata"].get("request_id")
-        request_id = rid if isinstance(rid, str) and len(rid) <= 256 else None
+    request_id = echoable_request_id(getattr(exc, "body", None))
     return failure(400, ErrorCode.VALIDATION, _describe(list(exc.errors())), request_id)
 
 
@@ -202,8 +225,12 @@ def install(app: FastAPI) -> None:
     app.add_middleware(GuardMiddleware)
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised from ``receive``: an HTTPException, so that code reading the body (FastAPI's
+    own body parsing re-raises HTTPExceptions) turns it into this 400, not a generic one."""
+
+    def __init__(self) -> None:
+        super().__init__(400, f"body exceeds {MAX_BODY_BYTES} bytes")
 
 
 class GuardMiddleware:

@@ -65,7 +65,9 @@ def create_app(
     envelope.install(app)
     app.include_router(session_router, prefix=API_PREFIX)
     metrics = Metrics()
-    known = frozenset(r.path for r in app.routes if hasattr(r, "path")) | {"/healthz", "/metrics"}
+    # from the router itself: FastAPI keeps an included router as one nested entry of app.routes
+    api_paths = {API_PREFIX + r.path for r in session_router.routes if hasattr(r, "path")}
+    known = frozenset(api_paths | {"/healthz", "/metrics"})
     app.add_middleware(MetricsMiddleware, metrics=metrics, known_paths=known)
 
     @app.get("/metrics")

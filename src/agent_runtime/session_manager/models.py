@@ -126,15 +126,6 @@ class TemplateItem(BaseModel):
     def pod_spec(self) -> dict[str, Any]:
         return spec_fields.deploy_subset(self.as_dict())
 
-    def pool_config(self) -> dict[str, int]:
-        """What the resource manager needs to size the scope's pool."""
-        return {
-            "min_idle_pods": self.min_idle_pods,
-            "max_pods": self.max_pods,
-            "pod_ttl": self.pod_ttl,
-            "pod_concurrency": self.pod_concurrency,
-        }
-
 
 class RoutingRuleItem(BaseModel):
     """``(group_id, bot_id) → template_id``; ``*`` is a wildcard on either side."""
