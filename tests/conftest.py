@@ -9,18 +9,44 @@ run; elsewhere it is skipped with the reason.
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import fakeredis
 import pytest
+from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 from sqlalchemy import create_engine
 
+import helpers
 from agent_runtime.db import schema
 from agent_runtime.db.engine import Database
 from agent_runtime.db.tables import routing_rule, service_config_template
-from helpers import SqlBackend, claim_real_redis, make_sql_backend
+from helpers import (
+    CLAIM_KEY,
+    REDIS_URL,
+    SqlBackend,
+    claim_real_redis,
+    make_sql_backend,
+    real_redis_url,
+)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _release_real_redis() -> Iterator[None]:
+    """At the end of the run, leave the claimed db as we found it: empty."""
+    yield
+    url = real_redis_url()
+    if url == REDIS_URL and not helpers._claimed_url:
+        return  # never claimed
+    client = SyncRedis.from_url(url, decode_responses=True, socket_connect_timeout=2)
+    try:
+        if client.get(CLAIM_KEY) == f"{socket.gethostname()}:{os.getpid()}":
+            client.flushdb()
+    finally:
+        client.close()
 
 
 @pytest.fixture(params=["fake", "real"])
@@ -32,10 +58,12 @@ async def redis(request: pytest.FixtureRequest) -> AsyncIterator[Redis]:
         await client.aclose()
         return
     client = await claim_real_redis()
+    owner = await client.get(CLAIM_KEY)
     try:
         yield client
     finally:
         await client.flushdb()
+        await client.set(CLAIM_KEY, owner)  # keep the db ours for the next test
         await client.aclose()
 
 

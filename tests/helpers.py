@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -47,24 +48,65 @@ def unavailable(what: str, exc: BaseException) -> None:
 # --- Redis ---
 
 
-async def claim_real_redis() -> Redis:
-    client = Redis.from_url(REDIS_URL, decode_responses=True, socket_connect_timeout=2)
+_claimed_url: str | None = None
+
+
+def _owner_alive(owner: str) -> bool:
+    host, _, pid = owner.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return True  # another machine's run: assume alive
     try:
-        await client.ping()
-    except Exception as exc:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def real_redis_url() -> str:
+    """The real-Redis URL this test process claimed (see ``claim_real_redis``)."""
+    return _claimed_url or REDIS_URL
+
+
+async def claim_real_redis() -> Redis:
+    """A client on a db index that this test process owns, flushed.
+
+    The configured db (default 13) or, while another live test run holds it, the next lower
+    ones down to 9. Ownership is a marker key naming host and pid: a db whose owner died is
+    taken over; a db with keys and no marker belongs to someone else and is never flushed.
+    """
+    global _claimed_url
+    me = f"{socket.gethostname()}:{os.getpid()}"
+    base, _, index = REDIS_URL.rpartition("/")
+    candidates = (
+        [_claimed_url]
+        if _claimed_url
+        else [f"{base}/{db}" for db in range(int(index or 0), max(int(index or 0) - 5, -1), -1)]
+    )
+    refused = []
+    for url in candidates:
+        client = Redis.from_url(url, decode_responses=True, socket_connect_timeout=2)
+        try:
+            await client.ping()
+        except Exception as exc:
+            await client.aclose()
+            unavailable(f"redis at {url}", exc)
+        owner = await client.get(CLAIM_KEY)
+        size = await client.dbsize()
+        if (owner is None and size == 0) or owner == me or (owner and not _owner_alive(owner)):
+            await client.flushdb()
+            await client.set(CLAIM_KEY, me)
+            _claimed_url = url
+            return client
+        refused.append(f"{url} ({'held by ' + owner if owner else f'{size} foreign keys'})")
         await client.aclose()
-        unavailable(f"redis at {REDIS_URL}", exc)
-    size = await client.dbsize()
-    if size and not await client.exists(CLAIM_KEY):
-        await client.aclose()
-        pytest.fail(
-            f"{REDIS_URL} holds {size} keys that are not ours; point "
-            "AGENT_RUNTIME_TEST_REDIS_URL at an empty db index",
-            pytrace=False,
-        )
-    await client.flushdb()  # ours: claimed by a marker from this or an earlier test run
-    await client.set(CLAIM_KEY, "agent-runtime tests")
-    return client
+    pytest.fail(
+        "no free real-Redis db for the tests: "
+        + "; ".join(refused)
+        + " — point AGENT_RUNTIME_TEST_REDIS_URL at an empty db index",
+        pytrace=False,
+    )
 
 
 async def redis_keys(client: Redis, pattern: str = "*") -> set[str]:
@@ -125,7 +167,12 @@ def make_sql_backend(name: str, tmp_dir: Path) -> SqlBackend:
 
 
 def make_settings(**overrides: Any) -> Settings:
-    base: dict[str, Any] = {"mode": Mode.LOCAL, "local_seed": False, "instance_id": "test-1"}
+    base: dict[str, Any] = {
+        "mode": Mode.LOCAL,
+        "local_seed": False,
+        "instance_id": "test-1",
+        "jobs_enabled": False,  # tests tick jobs by hand unless they say otherwise
+    }
     base.update(overrides)
     return Settings(_env_file=None, **base)  # type: ignore[call-arg]
 
@@ -234,3 +281,14 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         if writer.can_write_eof() and not writer.is_closing():
             with contextlib.suppress(OSError):
                 writer.write_eof()  # half-close: the other direction may still be talking
+
+
+def other_client(redis: Redis) -> Redis:
+    """A second connection to the same Redis (another replica): same fake server, or the
+    same real server and db."""
+    kwargs = redis.connection_pool.connection_kwargs
+    if "server" in kwargs:  # fakeredis
+        import fakeredis
+
+        return fakeredis.FakeAsyncRedis(server=kwargs["server"], decode_responses=True)
+    return Redis.from_url(real_redis_url(), decode_responses=True)

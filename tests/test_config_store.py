@@ -19,7 +19,10 @@ from agent_runtime.errors import (
     NotFound,
     ValidationFailed,
 )
+from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.facade import ResourceManagerFacade
+from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.resource_manager.state import scope_config_key as rm_config_key
 from agent_runtime.session_manager import config_repo
@@ -66,7 +69,14 @@ def store(redis: Redis, counting_db: CountingDatabase) -> ConfigStore:
     return ConfigStore(
         db=counting_db,  # type: ignore[arg-type]
         state=SessionState(redis),
-        resources=ResourceManagerFacade(state=ResourceState(redis)),
+        resources=ResourceManagerFacade(
+            orchestrator=ResourceOrchestrator(
+                state=ResourceState(redis),
+                k8s=FakeK8sPodClient(),
+                notifier=Notifier(redis, patterns=[]),
+                default_namespace="default",
+            )
+        ),
     )
 
 

@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     reclaim_interval: float = Field(1.0, gt=0, description="idle reclaim tick (s)")
     watch_interval: float = Field(10.0, gt=0, description="dead/half-dead pod watch tick (s)")
     reconcile_interval: float = Field(30.0, gt=0, description="Redis/Kubernetes reconcile tick (s)")
+    jobs_enabled: bool = Field(
+        True, description="run the background jobs (tests switch them off to tick by hand)"
+    )
     instance_id: str = Field(default_factory=_default_instance_id, description="replica id")
     log_level: str = Field("INFO", description="root log level")
     gateway_tokens: TokenList = Field(

@@ -7,6 +7,7 @@ runs in reverse; ``/healthz`` is 503 until ready and from the moment draining st
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -42,7 +43,8 @@ def create_app(
                 await live.k8s.start()
             except Exception as exc:  # pods jobs degrade; config and routing of warm pods go on
                 log.error("kubernetes client failed to start: %s", exc)
-            app.state.services = svc
+            app.state.services = svc  # before start(): a failed start is still stopped below
+            await svc.start()
             svc.ready = True
             log.info("ready: mode=%s instance=%s", settings.mode, settings.instance_id)
             yield
@@ -51,6 +53,10 @@ def create_app(
             if svc_now is not None:
                 svc_now.ready = False
                 svc_now.draining = True
+                try:
+                    await asyncio.wait_for(svc_now.stop(), settings.shutdown_timeout)
+                except Exception:
+                    log.exception("shutdown: services did not stop cleanly")
             if owned:
                 await live.close()
 
@@ -77,7 +83,8 @@ def create_app(
     @app.get("/healthz")
     async def healthz(request: Request) -> JSONResponse:
         svc: Services | None = getattr(request.app.state, "services", None)
-        if svc is None or not svc.ready or svc.draining:
+        jobs_down = svc is not None and settings.jobs_enabled and not svc.jobs.running
+        if svc is None or not svc.ready or svc.draining or jobs_down:
             state = "draining" if svc is not None and svc.draining else "starting"
             return JSONResponse({"ok": False, "state": state}, status_code=503)
         return JSONResponse({"ok": True, "instance_id": settings.instance_id})

@@ -22,10 +22,15 @@ from agent_runtime.config import ConfigError, Mode, Settings
 from agent_runtime.db import schema
 from agent_runtime.db.engine import Database
 from agent_runtime.errors import BackendUnavailable
+from agent_runtime.jobs import Job, JobRunner
+from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.facade import ResourceManagerFacade
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient, K8sPodClient, RealK8sPodClient
-from agent_runtime.resource_manager.state import ResourceState
+from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
+from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
+from agent_runtime.resource_manager.sweeper import ResourceSweeper
 from agent_runtime.session_manager.config_store import ConfigStore
+from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
 
 log = logging.getLogger(__name__)
@@ -69,10 +74,11 @@ def build_backends(settings: Settings) -> Backends:
         pool_size=settings.db_pool_size,
         connect_timeout=settings.db_connect_timeout,
     )
+    namespace = settings.default_namespace
     k8s: K8sPodClient = (
-        FakeK8sPodClient()
+        FakeK8sPodClient(default_namespace=namespace)
         if settings.mode is Mode.LOCAL
-        else RealK8sPodClient(kubeconfig=settings.kubeconfig)
+        else RealK8sPodClient(kubeconfig=settings.kubeconfig, default_namespace=namespace)
     )
     return Backends(redis=build_redis(settings), db=db, k8s=k8s)
 
@@ -113,24 +119,70 @@ class Services:
     backends: Backends
     session_state: SessionState
     resource_state: ResourceState
+    notifier: Notifier
+    orchestrator: ResourceOrchestrator
     resources: ResourceManagerFacade
+    sessions: SessionManagerFacade
+    sweeper: ResourceSweeper
+    jobs: JobRunner
     config_store: ConfigStore
     ready: bool = False  # set once startup completed; /healthz and handlers wait for it
     draining: bool = False  # set on SIGTERM; /healthz turns 503 first
 
+    async def start(self) -> None:
+        await self.notifier.start()
+        if self.settings.jobs_enabled:
+            self.jobs.start()
+
+    async def stop(self) -> None:
+        """Reverse order: no new ticks, then running deploys finish or clean up."""
+        await self.jobs.stop()
+        await self.sweeper.wait_for_warm_deploys()
+        await self.orchestrator.close()
+        await self.notifier.stop()
+
 
 def wire(settings: Settings, backends: Backends) -> Services:
-    session_state = SessionState(backends.redis)
-    resource_state = ResourceState(backends.redis)
-    resources = ResourceManagerFacade(state=resource_state)
-    config_store = ConfigStore(db=backends.db, state=session_state, resources=resources)
+    redis = backends.redis
+    session_state = SessionState(redis)
+    resource_state = ResourceState(redis)
+    notifier = Notifier(redis, patterns=[REGISTERED_PATTERN])
+    orchestrator = ResourceOrchestrator(
+        state=resource_state,
+        k8s=backends.k8s,
+        notifier=notifier,
+        default_namespace=settings.default_namespace,
+    )
+    resources = ResourceManagerFacade(orchestrator=orchestrator)
+    sessions = SessionManagerFacade(state=session_state)
+    sweeper = ResourceSweeper(
+        state=resource_state,
+        k8s=backends.k8s,
+        orchestrator=orchestrator,
+        sessions=sessions,
+        default_namespace=settings.default_namespace,
+    )
+    jobs = JobRunner(
+        redis=redis,
+        jobs=[
+            Job("rm_autoscale", settings.autoscale_interval, sweeper.autoscale_once),
+            Job("rm_reclaim", settings.reclaim_interval, sweeper.reclaim_once),
+            Job("rm_watch", settings.watch_interval, sweeper.watch_once),
+            Job("rm_reconcile", settings.reconcile_interval, sweeper.reconcile_once),
+        ],
+    )
     return Services(
         settings=settings,
         backends=backends,
         session_state=session_state,
         resource_state=resource_state,
+        notifier=notifier,
+        orchestrator=orchestrator,
         resources=resources,
-        config_store=config_store,
+        sessions=sessions,
+        sweeper=sweeper,
+        jobs=jobs,
+        config_store=ConfigStore(db=backends.db, state=session_state, resources=resources),
     )
 
 

@@ -1,31 +1,43 @@
-"""``ResourceManagerFacade``: the only way the session manager reaches the resource manager."""
+"""``ResourceManagerFacade``: the only way the session manager reaches the resource manager.
+
+Thin on purpose: the work is in ``orchestrator``. The resource manager's own failures are
+re-exported here, so the session side can map them without importing anything else.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from agent_runtime import spec_fields
-from agent_runtime.resource_manager.state import ResourceState
+from agent_runtime.resource_manager.models import DeployFailed, K8sApiError, MaxPodsReached
+from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 
-POOL_CONFIG_FIELDS = ("min_idle_pods", "max_pods", "pod_ttl", "pod_concurrency")
+__all__ = ["DeployFailed", "K8sApiError", "MaxPodsReached", "ResourceManagerFacade"]
 
 
 class ResourceManagerFacade:
-    def __init__(self, *, state: ResourceState) -> None:
-        self._state = state
+    def __init__(self, *, orchestrator: ResourceOrchestrator) -> None:
+        self._orchestrator = orchestrator
+
+    async def acquire(
+        self, scope_id: str, pod_spec: dict[str, Any], pool_config: dict[str, int], request_id: str
+    ) -> dict[str, str]:
+        """``{pod_id, pod_sse_url}`` of a warm pod or of one new deploy (followers share it).
+
+        Raises ``MaxPodsReached`` (cap, or the follower room is full) or ``DeployFailed``.
+        """
+        return await self._orchestrator.acquire(scope_id, pod_spec, pool_config, request_id)
+
+    async def idle_consider(self, pod_id: str, scope_id: str) -> dict[str, bool]:
+        """The session side saw the pod empty: into the warm pool (idempotent)."""
+        return await self._orchestrator.idle_consider(pod_id, scope_id)
 
     async def update_pool_config(
         self, scope_id: str, pool_config: dict[str, int], pod_spec: dict[str, Any] | None = None
     ) -> dict[str, bool]:
-        """Set the scope's pool parameters; with a pod spec also its ``deploy_ver``.
+        """Set the scope's pool parameters; with a pod spec also its ``deploy_ver`` (computed
+        here with ``spec_fields.deploy_ver``, so the two sides never disagree)."""
+        return await self._orchestrator.update_pool_config(scope_id, pool_config, pod_spec)
 
-        The version is computed here from the spec (``spec_fields.deploy_ver``, the one
-        function both modules use), so the two sides can never disagree on it.
-        """
-        missing = [f for f in POOL_CONFIG_FIELDS if f not in pool_config]
-        if missing:
-            raise ValueError(f"pool_config lacks {', '.join(missing)}")
-        config = {f: int(pool_config[f]) for f in POOL_CONFIG_FIELDS}
-        version = spec_fields.deploy_ver(pod_spec) if pod_spec is not None else None
-        await self._state.write_pool_config(scope_id, config, deploy_ver=version, pod_spec=pod_spec)
-        return {"updated": True}
+    async def cleanup(self, namespace: str | None = None, label_selector: str | None = None) -> int:
+        """Delete AgentServer pods; raises ``K8sApiError`` when Kubernetes refuses (e.g. 403)."""
+        return await self._orchestrator.cleanup(namespace, label_selector)

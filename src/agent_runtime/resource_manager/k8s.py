@@ -1,62 +1,784 @@
 """The Kubernetes adapter: ``RealK8sPodClient`` (kubernetes_asyncio) and ``FakeK8sPodClient``.
 
-This file holds the client lifecycle; the pod operations (deploy, delete, list, probe) arrive
-with the resource manager's acquire and jobs. Hazard: ``load_incluster_config`` is a plain
-function, ``load_kube_config`` a coroutine; awaiting the first is a TypeError in-cluster.
+Both implement ``K8sPodClient`` exactly; the resource manager never sees a kubernetes_asyncio
+object. The pure pieces (``new_pod_name``, ``build_pod_body``, ``pod_status``,
+``label_selector_matches``) are module functions so they can be tested without a cluster.
+
+Hazard: ``load_incluster_config`` is a plain function, ``load_kube_config`` a coroutine;
+awaiting the first is a TypeError in-cluster.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
+import json
 import logging
+import math
+import random
+import secrets
+import string
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
+
+import aiohttp
+
+from agent_runtime.resource_manager.models import (
+    APP_LABEL,
+    COMPONENT_LABEL,
+    COMPONENT_VALUE,
+    DEPLOY_VER_LABEL,
+    SCOPE_LABEL,
+    DeployFailed,
+    K8sApiError,
+    PodDeployInfo,
+    PodStatus,
+    normalize_phase,
+)
 
 log = logging.getLogger(__name__)
 
+CONTAINER_NAME = "agentserver"
+NFS_VOLUME = "nfs"
+HEALTH_PATH = "/health"
+PROBE_TIMEOUT = 3.0  # seconds for one GET /health (contract §5 half-dead rule)
+REQUEST_TIMEOUT = 30.0  # cap of one API call; a deploy's own deadline may cut it shorter
+DISCARD_TIMEOUT = 5.0  # best-effort delete after a failed deploy
+CREATE_NAME_TRIES = 3  # 409 AlreadyExists → a new name, this many names in all
+BACKOFF_BASE = 0.2
+BACKOFF_CAP = 5.0
+# A pod_spec normally comes complete from a template; these fill a partial one (tests, tools).
+DEFAULT_POD_NAME = "agent"
+DEFAULT_PORT = 8080
+DEFAULT_SSE_PATH = "/sse"
+DEFAULT_READY_TIMEOUT = 300.0
+DEFAULT_READY_POLL_INTERVAL = 2.0
+
+_NAME_ALPHABET = string.ascii_lowercase + string.digits
+# Transport failures: the request may or may not have reached the API server.
+_LOST_REPLY = (TimeoutError, aiohttp.ClientError)
+
 
 class K8sPodClient(Protocol):
-    async def start(self) -> None: ...
+    """What the resource manager needs from Kubernetes. Real and fake share it exactly."""
+
+    async def start(self) -> None:
+        """Load credentials and open the shared API client. May raise: the caller degrades."""
 
     async def close(self) -> None: ...
 
+    async def deploy(
+        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any]
+    ) -> PodDeployInfo:
+        """Create one AgentServer pod and wait until it is Ready with an IP.
+
+        Labels per contract §5; name ``{pod_name}-{10}-{5}`` (409 → a new name, 3 tries);
+        polls every ``ready_poll_interval`` up to ``ready_timeout``. Timeout, a terminal
+        phase, a dead waiting reason or disappearance → the pod is deleted, ``DeployFailed``.
+        """
+
+    async def delete(self, pod_id: str, namespace: str) -> bool:
+        """Delete a pod; False if it did not exist (404)."""
+
+    async def get_pod(self, pod_id: str, namespace: str) -> PodStatus | None: ...
+
+    async def list_pods(self, namespace: str, label_selector: str) -> list[PodStatus]:
+        """One LIST call. A namespace that does not exist → []; 403 → ``K8sApiError``."""
+
+    async def probe_health(self, pod_ip: str, port: int) -> bool:
+        """``GET http://{pod_ip}:{port}/health`` within 3 s; only a 200 is healthy."""
+
+
+# --- pure helpers ----------------------------------------------------------------------------
+
+
+def _random_chars(n: int) -> str:
+    return "".join(secrets.choice(_NAME_ALPHABET) for _ in range(n))
+
+
+def new_pod_name(pod_name: str | None) -> str:
+    """``{pod_name}-{10}-{5}``: random, so a pod name never leaks a business id."""
+    return f"{pod_name or DEFAULT_POD_NAME}-{_random_chars(10)}-{_random_chars(5)}"
+
+
+def pod_labels(pod_id: str, scope_id: str, deploy_ver: str) -> dict[str, str]:
+    """The labels watch, reconcile and cleanup select on (contract §5)."""
+    return {
+        COMPONENT_LABEL: COMPONENT_VALUE,
+        APP_LABEL: pod_id,
+        SCOPE_LABEL: scope_id,
+        DEPLOY_VER_LABEL: deploy_ver,
+    }
+
+
+def sse_url(pod_ip: str, pod_spec: dict[str, Any]) -> str:
+    port = pod_spec.get("sse_port") or DEFAULT_PORT
+    return f"http://{pod_ip}:{port}{pod_spec.get('sse_path') or DEFAULT_SSE_PATH}"
+
+
+def _resources(pod_spec: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """Requests and limits with only the quantities the template sets (K8s defaults the rest)."""
+    out: dict[str, dict[str, str]] = {}
+    for kind, field_kind in (("requests", "request"), ("limits", "limit")):
+        quantities = {
+            res: pod_spec[f"{res}_{field_kind}"]
+            for res in ("cpu", "memory")
+            if pod_spec.get(f"{res}_{field_kind}")
+        }
+        if quantities:
+            out[kind] = quantities
+    return out
+
+
+def build_pod_body(
+    pod_id: str, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any]
+) -> dict[str, Any]:
+    """The Pod manifest (camelCase JSON) for ``create_namespaced_pod``; namespace is in the path."""
+    if not pod_spec.get("image"):
+        raise DeployFailed("pod_spec has no image")
+    sse_port = int(pod_spec.get("sse_port") or DEFAULT_PORT)
+    container_port = int(pod_spec.get("container_port") or sse_port)
+    ports: list[dict[str, Any]] = [{"name": "sse", "containerPort": sse_port, "protocol": "TCP"}]
+    if container_port != sse_port:
+        ports.append({"name": "http", "containerPort": container_port, "protocol": "TCP"})
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": pod_spec["image"],
+        "ports": ports,
+        "env": [{"name": k, "value": v} for k, v in sorted((pod_spec.get("env") or {}).items())],
+        # A short period so Ready shows soon after start; the timeout matches our own probe.
+        "readinessProbe": {
+            "httpGet": {"path": HEALTH_PATH, "port": sse_port},
+            "periodSeconds": 2,
+            "timeoutSeconds": int(PROBE_TIMEOUT),
+        },
+    }
+    resources = _resources(pod_spec)
+    if resources:
+        container["resources"] = resources
+    spec: dict[str, Any] = {"restartPolicy": "Always", "containers": [container]}
+    if pod_spec.get("nfs_server") and pod_spec.get("nfs_path") and pod_spec.get("nfs_mount_path"):
+        container["volumeMounts"] = [{"name": NFS_VOLUME, "mountPath": pod_spec["nfs_mount_path"]}]
+        spec["volumes"] = [
+            {
+                "name": NFS_VOLUME,
+                "nfs": {"server": pod_spec["nfs_server"], "path": pod_spec["nfs_path"]},
+            }
+        ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": pod_id, "labels": pod_labels(pod_id, scope_id, deploy_ver)},
+        "spec": spec,
+    }
+
+
+def _waiting_reasons(status: Any) -> list[str]:
+    statuses = [*(status.init_container_statuses or []), *(status.container_statuses or [])]
+    return [
+        cs.state.waiting.reason
+        for cs in statuses
+        if cs.state is not None and cs.state.waiting is not None and cs.state.waiting.reason
+    ]
+
+
+def pod_status(v1pod: Any) -> PodStatus:
+    """A kubernetes_asyncio ``V1Pod`` as a ``PodStatus`` (phase normalised per contract §5)."""
+    meta, status = v1pod.metadata, v1pod.status
+    conditions = (status.conditions if status is not None else None) or []
+    return PodStatus(
+        pod_id=meta.name,
+        namespace=meta.namespace or "",
+        phase=normalize_phase(
+            status.phase if status is not None else None,
+            deleting=meta.deletion_timestamp is not None,
+            waiting_reasons=_waiting_reasons(status) if status is not None else (),
+        ),
+        ready=any(c.type == "Ready" and c.status == "True" for c in conditions),
+        pod_ip=(status.pod_ip if status is not None else None) or None,
+        labels=dict(meta.labels or {}),
+    )
+
+
+def parse_label_selector(selector: str) -> list[tuple[str, str, str]]:
+    """``a=b,c!=d,e,!f`` → ``[(key, op, value)]`` with op ``=``, ``!=``, ``exists``, ``!exists``.
+
+    Set-based forms (``in``, ``notin``) are refused rather than silently mismatched.
+    """
+    terms: list[tuple[str, str, str]] = []
+    for raw in selector.split(","):
+        term = raw.strip()
+        if not term:
+            continue
+        if "(" in term or " in " in term or " notin " in term:
+            raise ValueError(f"set-based label selector not supported: {term!r}")
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            terms.append((key.strip(), "!=", value.strip()))
+        elif "=" in term:
+            key, value = term.replace("==", "=", 1).split("=", 1)
+            terms.append((key.strip(), "=", value.strip()))
+        elif term.startswith("!"):
+            terms.append((term[1:].strip(), "!exists", ""))
+        else:
+            terms.append((term, "exists", ""))
+    return terms
+
+
+def label_selector_matches(selector: str, labels: dict[str, str]) -> bool:
+    """Whether ``labels`` satisfy every term of ``selector`` (an empty selector matches all)."""
+    for key, op, value in parse_label_selector(selector):
+        ok = {
+            "=": labels.get(key) == value,
+            "!=": labels.get(key) != value,
+            "exists": key in labels,
+            "!exists": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+def _deploy_timing(pod_spec: dict[str, Any]) -> tuple[float, float]:
+    timeout = float(pod_spec.get("ready_timeout") or DEFAULT_READY_TIMEOUT)
+    poll = float(pod_spec.get("ready_poll_interval") or DEFAULT_READY_POLL_INTERVAL)
+    return timeout, min(poll, timeout)
+
+
+# --- real client -----------------------------------------------------------------------------
+
+# Opens a CoreV1Api-like object for a kubeconfig path (None: the process default). It must
+# carry ``api_client`` with an async ``close()``. Tests inject a fake here.
+ApiFactory = Callable[[str | None], Awaitable[Any]]
+
+
+# kubernetes_asyncio is imported where used: it costs ~0.6 s and local mode never needs it.
+
+
+def _api_status(exc: BaseException) -> int | None:
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    return exc.status if isinstance(exc, ApiException) else None
+
+
+def _api_error_text(exc: BaseException) -> str:
+    """``403 Forbidden: pods is forbidden: …`` — status, reason and the API server's message."""
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    if not isinstance(exc, ApiException):
+        return f"{type(exc).__name__}: {exc}".rstrip(": ")
+    text = f"{exc.status} {exc.reason or ''}".rstrip()
+    with contextlib.suppress(Exception):
+        message = json.loads(exc.body or "{}").get("message")
+        if message:
+            text += f": {str(message)[:300]}"
+    return text
+
+
+def _retry_after(exc: BaseException) -> float | None:
+    """The ``Retry-After`` header in seconds (the delta form; an HTTP date is ignored)."""
+    headers = getattr(exc, "headers", None)
+    if not headers:
+        return None
+    with contextlib.suppress(TypeError, ValueError):
+        seconds = float(headers.get("Retry-After"))
+        if math.isfinite(seconds):
+            return max(seconds, 0.0)
+    return None
+
+
+def _retryable(exc: BaseException) -> bool:
+    """429, 5xx and lost replies are worth another try; any other refusal is final."""
+    status = _api_status(exc)
+    if status is None:
+        return isinstance(exc, _LOST_REPLY)
+    return status == 429 or status >= 500
+
+
+class _Deadline:
+    """A monotonic deadline shared by every step of one deploy."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._at = asyncio.get_running_loop().time() + seconds
+
+    def remaining(self) -> float:
+        return self._at - asyncio.get_running_loop().time()
+
+    def call_timeout(self) -> float:
+        return max(min(self.remaining(), REQUEST_TIMEOUT), 0.0)
+
+
+@dataclasses.dataclass
+class _DeployJob:
+    """One deploy's inputs, and ``sent``: the names whose create may have landed (so a failed
+    or cancelled deploy deletes them)."""
+
+    api: Any
+    namespace: str
+    scope_id: str
+    deploy_ver: str
+    pod_spec: dict[str, Any]
+    deadline: _Deadline
+    sent: set[str] = dataclasses.field(default_factory=set)
+
 
 class RealK8sPodClient:
-    """One shared API client: in-cluster service account first, else a kubeconfig."""
+    """kubernetes_asyncio with one shared ``ApiClient`` per kubeconfig.
 
-    def __init__(self, *, kubeconfig: str | None = None) -> None:
+    The process default is the in-cluster service account, else ``kubeconfig``. A template
+    may name its own kubeconfig; that client is opened on first use and serves new deploys
+    only. delete, get_pod, list_pods (and so watch, reconcile and cleanup) always use the
+    default client: pods deployed through a template's own kubeconfig into another cluster
+    are not seen by them (a known limitation).
+    """
+
+    def __init__(
+        self,
+        *,
+        kubeconfig: str | None = None,
+        default_namespace: str = "default",
+        api_factory: ApiFactory | None = None,
+    ) -> None:
         self._kubeconfig = kubeconfig
-        self.api_client: Any = None
+        self._default_namespace = default_namespace
+        self._open_api = api_factory or self._open_real_api
+        self._apis: dict[str | None, Any] = {}
+        self._apis_lock = asyncio.Lock()
+        self._http: aiohttp.ClientSession | None = None
+        self._closed = False
         self.source: str | None = None
 
+    # lifecycle
+
     async def start(self) -> None:
+        self._closed = False
+        await self._api(None)
+
+    async def close(self) -> None:
+        self._closed = True
+        apis, self._apis = self._apis, {}
+        for api in apis.values():
+            with contextlib.suppress(Exception):
+                await api.api_client.close()
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    async def _open_real_api(self, kubeconfig: str | None) -> Any:
+        """A CoreV1Api for a template's kubeconfig, or for the process default.
+
+        The kubeconfig file is read on the loop: once per path, small, at first use.
+        """
         from kubernetes_asyncio import client, config
         from kubernetes_asyncio.config import ConfigException
 
         configuration = client.Configuration()
-        try:
-            config.load_incluster_config(client_configuration=configuration)
-            self.source = "in-cluster"
-        except ConfigException:
+        if kubeconfig is not None:
             await config.load_kube_config(
-                config_file=self._kubeconfig, client_configuration=configuration
+                config_file=kubeconfig, client_configuration=configuration
             )
-            self.source = f"kubeconfig {self._kubeconfig or '~/.kube/config'}"
-        self.api_client = client.ApiClient(configuration=configuration)
-        log.info("kubernetes client ready (%s)", self.source)
+            source = f"template kubeconfig {kubeconfig}"
+        else:
+            try:
+                config.load_incluster_config(client_configuration=configuration)
+                source = "in-cluster"
+            except ConfigException:
+                await config.load_kube_config(
+                    config_file=self._kubeconfig, client_configuration=configuration
+                )
+                source = f"kubeconfig {self._kubeconfig or '~/.kube/config'}"
+            self.source = source
+        log.info("kubernetes client ready (%s)", source)
+        return client.CoreV1Api(api_client=client.ApiClient(configuration=configuration))
 
-    async def close(self) -> None:
-        if self.api_client is not None:
-            await self.api_client.close()
-            self.api_client = None
+    async def _api(self, kubeconfig: str | None) -> Any:
+        """The cached API for a kubeconfig; opened on first use (so a failed start heals)."""
+        if self._closed:
+            raise K8sApiError("kubernetes client is closed")
+        api = self._apis.get(kubeconfig)
+        if api is None:
+            async with self._apis_lock:
+                api = self._apis.get(kubeconfig)
+                if api is None:
+                    try:
+                        api = await self._open_api(kubeconfig)
+                    except Exception as exc:
+                        raise K8sApiError(
+                            f"kubernetes client unavailable: {_api_error_text(exc)}"
+                        ) from exc
+                    self._apis[kubeconfig] = api
+        return api
+
+    async def _call(self, what: str, coro_fn: Callable[[], Awaitable[Any]]) -> Any:
+        """One API call outside a deploy: bounded, and every failure a ``K8sApiError``."""
+        try:
+            async with asyncio.timeout(REQUEST_TIMEOUT):
+                return await coro_fn()
+        except Exception as exc:
+            raise K8sApiError(f"{what}: {_api_error_text(exc)}", status=_api_status(exc)) from exc
+
+    # reads and deletes (default client)
+
+    async def delete(self, pod_id: str, namespace: str) -> bool:
+        api = await self._api(None)
+        try:
+            await self._call(
+                f"delete pod {namespace}/{pod_id}",
+                lambda: api.delete_namespaced_pod(pod_id, namespace),
+            )
+        except K8sApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def get_pod(self, pod_id: str, namespace: str) -> PodStatus | None:
+        api = await self._api(None)
+        try:
+            v1pod = await self._call(
+                f"get pod {namespace}/{pod_id}", lambda: api.read_namespaced_pod(pod_id, namespace)
+            )
+        except K8sApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return pod_status(v1pod)
+
+    async def list_pods(self, namespace: str, label_selector: str) -> list[PodStatus]:
+        api = await self._api(None)
+        try:
+            pod_list = await self._call(
+                f"list pods in {namespace} ({label_selector})",
+                lambda: api.list_namespaced_pod(namespace, label_selector=label_selector),
+            )
+        except K8sApiError as exc:
+            if exc.status == 404:
+                return []
+            raise
+        return [pod_status(p) for p in pod_list.items or []]
+
+    async def probe_health(self, pod_ip: str, port: int) -> bool:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT))
+        try:
+            async with self._http.get(f"http://{pod_ip}:{port}{HEALTH_PATH}") as resp:
+                return resp.status == 200
+        except Exception:
+            return False
+
+    # deploy
+
+    async def deploy(
+        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any]
+    ) -> PodDeployInfo:
+        ready_timeout, poll = _deploy_timing(pod_spec)
+        deadline = _Deadline(ready_timeout)  # create and readiness together
+        try:
+            api = await self._api(pod_spec.get("kubeconfig"))
+        except K8sApiError as exc:
+            raise DeployFailed(str(exc)) from exc
+        job = _DeployJob(
+            api=api,
+            namespace=pod_spec.get("namespace") or self._default_namespace,
+            scope_id=scope_id,
+            deploy_ver=deploy_ver,
+            pod_spec=pod_spec,
+            deadline=deadline,
+        )
+        try:
+            name = await self._create(job)
+            pod_ip = await self._wait_ready(job, name, poll)
+        except BaseException:  # DeployFailed, and also cancellation: never leave a pod behind
+            for maybe_created in job.sent:
+                await self._discard(api, maybe_created, job.namespace)
+            raise
+        return PodDeployInfo(name, job.namespace, pod_ip, sse_url(pod_ip, pod_spec))
+
+    async def _create(self, job: _DeployJob) -> str:
+        """Create the pod and return its name.
+
+        409 → a new name (3 names in all). 429 / 5xx / a lost reply → the same name again
+        after a backoff, so a create that did land shows up as our own pod (GET, or the next
+        create's 409) instead of an orphan. Any other refusal is final.
+        """
+        names_tried = attempt = 0
+        body: dict[str, Any] | None = None
+        while True:  # ends by return, by raise, or at the deadline
+            if body is None:
+                names_tried += 1
+                if names_tried > CREATE_NAME_TRIES:
+                    raise DeployFailed(
+                        f"pod name taken {CREATE_NAME_TRIES} times in {job.namespace}"
+                    )
+                pod_name = new_pod_name(job.pod_spec.get("pod_name"))
+                body = build_pod_body(pod_name, job.scope_id, job.deploy_ver, job.pod_spec)
+            name = body["metadata"]["name"]
+            what = f"create pod {job.namespace}/{name}"
+            if job.deadline.remaining() <= 0:
+                raise DeployFailed(f"{what}: no time left")
+            job.sent.add(name)
+            try:
+                async with asyncio.timeout(job.deadline.call_timeout()):
+                    await job.api.create_namespaced_pod(job.namespace, body)
+                return name
+            except Exception as exc:
+                error = exc
+            status = _api_status(error)
+            if status == 409:
+                if await self._is_ours(job, name):
+                    return name
+                job.sent.discard(name)  # another pod's name: never ours to delete
+                body = None
+                continue
+            if not _retryable(error):
+                job.sent.discard(name)
+                raise DeployFailed(f"{what} refused: {_api_error_text(error)}") from error
+            if status != 429 and await self._is_ours(job, name):
+                return name
+            await self._backoff(attempt, error, job.deadline, what)
+            attempt += 1
+
+    @staticmethod
+    async def _is_ours(job: _DeployJob, name: str) -> bool:
+        """Whether ``name`` exists with our scope and deploy-ver labels (a create that landed).
+
+        Unknown (the GET failed too) counts as no; the name stays in ``job.sent``, so a
+        failed deploy still deletes it.
+        """
+        if job.deadline.remaining() <= 0:
+            return False
+        try:
+            async with asyncio.timeout(job.deadline.call_timeout()):
+                found = pod_status(await job.api.read_namespaced_pod(name, job.namespace))
+        except Exception as exc:
+            log.debug("get pod %s/%s after a failed create: %s", job.namespace, name, exc)
+            return False
+        return found.scope_id == job.scope_id and found.deploy_ver == job.deploy_ver
+
+    @staticmethod
+    async def _backoff(attempt: int, error: BaseException, deadline: _Deadline, what: str) -> None:
+        """Sleep ``Retry-After`` or a capped exponential delay; fail now if it would pass the
+        deadline (no point sleeping into a certain timeout)."""
+        delay = _retry_after(error)
+        if delay is None:
+            delay = min(BACKOFF_BASE * 2**attempt, BACKOFF_CAP) * random.uniform(0.5, 1.0)
+        if delay >= deadline.remaining():
+            raise DeployFailed(f"{what}: {_api_error_text(error)} (no time left to retry)")
+        log.warning("%s: %s; retry in %.2fs", what, _api_error_text(error), delay)
+        await asyncio.sleep(delay)
+
+    @staticmethod
+    async def _wait_ready(job: _DeployJob, name: str, poll: float) -> str:
+        """Poll until Ready with an IP; dead or gone fails at once, a GET hiccup waits."""
+        where = f"pod {job.namespace}/{name}"
+        last = "unknown"
+        while True:
+            try:
+                async with asyncio.timeout(job.deadline.call_timeout()):
+                    found = pod_status(await job.api.read_namespaced_pod(name, job.namespace))
+            except Exception as exc:
+                if _api_status(exc) == 404:
+                    raise DeployFailed(f"{where} disappeared") from exc
+                if not _retryable(exc):
+                    raise DeployFailed(f"{where}: get refused: {_api_error_text(exc)}") from exc
+                last = f"get failed: {_api_error_text(exc)}"
+            else:
+                if found.dead:
+                    raise DeployFailed(f"{where} is {found.phase}")
+                if found.ready and found.pod_ip:
+                    return found.pod_ip
+                last = found.phase
+            remaining = job.deadline.remaining()
+            if remaining <= 0:
+                raise DeployFailed(
+                    f"{where} not Ready within {job.deadline.seconds:g}s (last: {last})"
+                )
+            await asyncio.sleep(min(poll, remaining))
+
+    @staticmethod
+    async def _discard(api: Any, name: str, namespace: str) -> None:
+        """Delete a failed deploy's pod at once (grace 0). Best effort: reconcile catches a miss."""
+        try:
+            async with asyncio.timeout(DISCARD_TIMEOUT):
+                await api.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
+        except Exception as exc:
+            if _api_status(exc) != 404:
+                log.warning("delete of failed pod %s/%s: %s", namespace, name, exc)
+
+
+# --- fake client -----------------------------------------------------------------------------
 
 
 class FakeK8sPodClient:
-    """In-process stand-in for local mode and tests."""
+    """In-memory Kubernetes for local mode and tests; faults are plain public knobs.
 
-    def __init__(self) -> None:
+    Knobs: ``fail_next_deploys`` (that many deploys raise ``DeployFailed``), ``never_ready``
+    (deploy waits its ``ready_timeout``, deletes the pod, raises), ``ready_delay`` (seconds to
+    Ready), ``unhealthy`` (pod ids whose health probe fails), ``missing_namespaces`` (list → [],
+    deploy refused) and ``forbidden_namespaces`` (every call → 403). Actions: ``set_phase``,
+    ``kill``, ``remove`` (vanishes behind our back), ``add_pod`` (a pod we did not create).
+    Records: ``deploy_calls``, ``deleted`` (pod ids, in order), ``pods``.
+
+    Pod IPs are loopback: 127.0.1.1 … 127.0.1.254, then 127.0.2.x and so on.
+    """
+
+    def __init__(self, *, default_namespace: str = "default", ready_delay: float = 0.0) -> None:
+        self.default_namespace = default_namespace
+        self.ready_delay = ready_delay
+        self.never_ready = False
+        self.fail_next_deploys = 0
+        self.unhealthy: set[str] = set()
+        self.missing_namespaces: set[str] = set()
+        self.forbidden_namespaces: set[str] = set()
+        self.pods: dict[str, PodStatus] = {}
+        self.deleted: list[str] = []
+        self.deploy_calls = 0
         self.started = False
+        self._ips_given = 0
 
     async def start(self) -> None:
         self.started = True
 
     async def close(self) -> None:
         self.started = False
+
+    # faults and test helpers
+
+    def set_phase(
+        self,
+        pod_id: str,
+        phase: str,
+        waiting_reason: str | None = None,
+        *,
+        ready: bool | None = None,
+    ) -> None:
+        """Move a pod to ``phase`` (a waiting reason wins, as in ``pod_status``); Ready follows
+        Running unless ``ready`` says otherwise."""
+        pod = self.pods[pod_id]
+        reasons = (waiting_reason,) if waiting_reason else ()
+        phase = normalize_phase(phase, deleting=False, waiting_reasons=reasons)
+        running = phase == "Running"
+        self.pods[pod_id] = dataclasses.replace(
+            pod,
+            phase=phase,
+            ready=running if ready is None else ready,
+            pod_ip=pod.pod_ip or (self._next_ip() if running else None),
+        )
+
+    def kill(self, pod_id: str) -> None:
+        self.set_phase(pod_id, "Failed")
+
+    def remove(self, pod_id: str) -> None:
+        """The pod vanishes as if someone else deleted it (not recorded in ``deleted``)."""
+        self.pods.pop(pod_id, None)
+
+    def add_pod(
+        self,
+        *,
+        scope_id: str,
+        deploy_ver: str,
+        pod_id: str | None = None,
+        namespace: str | None = None,
+        phase: str = "Running",
+        ready: bool | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> PodStatus:
+        """A pod we did not deploy (e.g. found after a Redis wipe); ``labels`` override ours."""
+        pod_id = pod_id or new_pod_name(None)
+        pod = PodStatus(
+            pod_id=pod_id,
+            namespace=namespace or self.default_namespace,
+            phase=phase,
+            ready=phase == "Running" if ready is None else ready,
+            pod_ip=None if phase == "Pending" else self._next_ip(),
+            labels={**pod_labels(pod_id, scope_id, deploy_ver), **(labels or {})},
+        )
+        self.pods[pod_id] = pod
+        return pod
+
+    def _next_ip(self) -> str:
+        n, self._ips_given = self._ips_given, self._ips_given + 1
+        return f"127.0.{1 + n // 254}.{1 + n % 254}"
+
+    def _check_namespace(self, namespace: str) -> None:
+        if namespace in self.forbidden_namespaces:
+            raise K8sApiError(f"fake: namespace {namespace} is forbidden", status=403)
+
+    # K8sPodClient
+
+    async def deploy(
+        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any]
+    ) -> PodDeployInfo:
+        self.deploy_calls += 1
+        namespace = pod_spec.get("namespace") or self.default_namespace
+        if self.fail_next_deploys > 0:
+            self.fail_next_deploys -= 1
+            raise DeployFailed("fake: injected deploy failure")
+        if namespace in self.forbidden_namespaces:
+            raise DeployFailed(f"create pod in {namespace} refused: 403 Forbidden")
+        if namespace in self.missing_namespaces:
+            raise DeployFailed(f"create pod in {namespace} refused: 404 namespace not found")
+        body = build_pod_body(
+            new_pod_name(pod_spec.get("pod_name")), scope_id, deploy_ver, pod_spec
+        )
+        pod_id = body["metadata"]["name"]
+        self.pods[pod_id] = PodStatus(
+            pod_id, namespace, "Pending", False, None, body["metadata"]["labels"]
+        )
+        try:
+            pod_ip = await self._wait_ready(pod_id, pod_spec)
+        except BaseException:  # as the real client: a failed or cancelled deploy leaves no pod
+            if self.pods.pop(pod_id, None) is not None:
+                self.deleted.append(pod_id)
+            raise
+        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec))
+
+    async def _wait_ready(self, pod_id: str, pod_spec: dict[str, Any]) -> str:
+        """Like the real poll loop: a pod killed or removed meanwhile fails at the next poll."""
+        timeout, poll = _deploy_timing(pod_spec)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        while True:
+            pod = self.pods.get(pod_id)
+            if pod is None:
+                raise DeployFailed(f"pod {pod_id} disappeared")
+            if pod.dead:
+                raise DeployFailed(f"pod {pod_id} is {pod.phase}")
+            ready_at = math.inf if self.never_ready else self.ready_delay
+            elapsed = loop.time() - started
+            if elapsed >= ready_at:
+                self.set_phase(pod_id, "Running")
+                return self.pods[pod_id].pod_ip or ""
+            if elapsed >= timeout:
+                raise DeployFailed(f"pod {pod_id} not Ready within {timeout:g}s (last: Pending)")
+            await asyncio.sleep(min(poll, min(ready_at, timeout) - elapsed))
+
+    async def delete(self, pod_id: str, namespace: str) -> bool:
+        self._check_namespace(namespace)
+        pod = self.pods.get(pod_id)
+        if pod is None or pod.namespace != namespace:
+            return False
+        del self.pods[pod_id]
+        self.deleted.append(pod_id)
+        return True
+
+    async def get_pod(self, pod_id: str, namespace: str) -> PodStatus | None:
+        self._check_namespace(namespace)
+        pod = self.pods.get(pod_id)
+        return pod if pod is not None and pod.namespace == namespace else None
+
+    async def list_pods(self, namespace: str, label_selector: str) -> list[PodStatus]:
+        self._check_namespace(namespace)
+        if namespace in self.missing_namespaces:
+            return []
+        return [
+            p
+            for p in self.pods.values()
+            if p.namespace == namespace and label_selector_matches(label_selector, p.labels)
+        ]
+
+    async def probe_health(self, pod_ip: str, port: int) -> bool:
+        pod = next((p for p in self.pods.values() if p.pod_ip == pod_ip), None)
+        return pod is not None and pod.phase == "Running" and pod.pod_id not in self.unhealthy

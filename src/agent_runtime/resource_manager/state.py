@@ -1,17 +1,95 @@
-"""Resource manager state in Redis: the only module that knows the ``resource_manager:`` keys."""
+"""Resource manager state in Redis: the only module that knows the ``resource_manager:`` keys.
+
+Key table: contract §4 and ``docs/design/hld.md`` §5. Every change of a pool is one Lua
+script from ``lua/`` (registered once, called by EVALSHA); plain commands are used only for
+reads, for single-command changes (SREM out of the idle pool, the per-pod fail counter) and
+for the pool config (one HSET).
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, cast
 
 from redis.asyncio import Redis
 
+from agent_runtime import lua
 from agent_runtime.config import RM_KEY_PREFIX as P
+
+SCOPE_PREFIX = f"{P}resource:scope:"
+POD_PREFIX = f"{P}resource:pod:"
+PODS_ALL_KEY = f"{P}resource:pods:all"
+SCOPE_CONFIG_PATTERN = f"{SCOPE_PREFIX}*:config"
+IDEM_TTL = 60
 
 
 def scope_config_key(scope_id: str) -> str:
-    return f"{P}resource:scope:{scope_id}:config"
+    return f"{SCOPE_PREFIX}{scope_id}:config"
+
+
+def scope_pods_key(scope_id: str) -> str:
+    return f"{SCOPE_PREFIX}{scope_id}:pods"
+
+
+def scope_idle_key(scope_id: str) -> str:
+    return f"{SCOPE_PREFIX}{scope_id}:idle"
+
+
+def scope_deploying_key(scope_id: str) -> str:
+    return f"{SCOPE_PREFIX}{scope_id}:deploying"
+
+
+def scope_followers_key(scope_id: str) -> str:
+    return f"{SCOPE_PREFIX}{scope_id}:deploy_followers"
+
+
+def pod_info_key(pod_id: str) -> str:
+    return f"{POD_PREFIX}{pod_id}:info"
+
+
+def pod_idle_since_key(pod_id: str) -> str:
+    return f"{POD_PREFIX}{pod_id}:idle_since"
+
+
+def pod_health_fails_key(pod_id: str) -> str:
+    return f"{POD_PREFIX}{pod_id}:health_fails"
+
+
+def deploy_lock_key(scope_id: str) -> str:
+    return f"{P}lock:rm:deploy:{scope_id}"
+
+
+def registered_channel(scope_id: str) -> str:
+    """Pub/sub: a pod of the scope was registered (payload: pod id). Wakes deploy followers."""
+    return f"{SCOPE_PREFIX}{scope_id}:registered"
+
+
+REGISTERED_PATTERN = f"{SCOPE_PREFIX}*:registered"
+
+
+def idem_key(request_id: str) -> str:
+    return f"{P}idem:{request_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class AcquireOutcome:
+    """What the ``acquire`` script decided."""
+
+    action: str  # cached | reuse | no_config | max_reached | need_deploy
+    pod_id: str | None = None
+    pod_sse_url: str | None = None
+    placeholder: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    min_idle_pods: int
+    max_pods: int
+    pod_ttl: int
+    pod_concurrency: int
+    deploy_ver: str | None
+    pod_spec: dict[str, Any] | None
 
 
 class ResourceState:
@@ -19,6 +97,15 @@ class ResourceState:
 
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
+        pkg = "agent_runtime.resource_manager"
+        self._acquire = lua.register(redis, pkg, "acquire", prelude="_placeholders")
+        self._placeholder = lua.register(redis, pkg, "placeholder", prelude="_placeholders")
+        self._register = lua.register(redis, pkg, "register")
+        self._release = lua.register(redis, pkg, "release")
+        self._purge = lua.register(redis, pkg, "purge")
+        self._follower_gate = lua.register(redis, pkg, "deploy_follower_gate")
+
+    # --- pool config ---------------------------------------------------------------------------
 
     async def write_pool_config(
         self,
@@ -36,5 +123,201 @@ class ResourceState:
             fields["pod_spec_json"] = json.dumps(pod_spec, sort_keys=True, separators=(",", ":"))
         await self.redis.hset(scope_config_key(scope_id), mapping=cast(dict[Any, Any], fields))
 
-    async def pool_config(self, scope_id: str) -> dict[str, str]:
-        return cast(dict[str, str], await self.redis.hgetall(scope_config_key(scope_id)))
+    async def pool_config(self, scope_id: str) -> PoolConfig | None:
+        raw = cast(dict[str, str], await self.redis.hgetall(scope_config_key(scope_id)))
+        if not raw:
+            return None
+        spec = raw.get("pod_spec_json")
+        return PoolConfig(
+            min_idle_pods=int(raw.get("min_idle_pods", 0)),
+            max_pods=int(raw.get("max_pods", 0)),
+            pod_ttl=int(raw.get("pod_ttl", 0)),
+            pod_concurrency=int(raw.get("pod_concurrency", 1)),
+            deploy_ver=raw.get("deploy_ver"),
+            pod_spec=json.loads(spec) if spec else None,
+        )
+
+    async def scopes_with_config(self) -> list[str]:
+        """Every scope with a pool config (SCAN, never KEYS)."""
+        prefix, suffix = len(SCOPE_PREFIX), len(":config")
+        return [
+            key[prefix:-suffix]
+            async for key in self.redis.scan_iter(match=SCOPE_CONFIG_PATTERN, count=500)
+        ]
+
+    # --- scripts -------------------------------------------------------------------------------
+
+    async def acquire(
+        self, scope_id: str, request_id: str, token: str, placeholder_ttl: int
+    ) -> AcquireOutcome:
+        reply = await self._acquire(
+            keys=[
+                scope_config_key(scope_id),
+                scope_idle_key(scope_id),
+                scope_pods_key(scope_id),
+                scope_deploying_key(scope_id),
+                idem_key(request_id),
+            ],
+            args=[POD_PREFIX, token, placeholder_ttl, IDEM_TTL],
+        )
+        action = reply[0]
+        if action == "cached":
+            cached = json.loads(reply[1])
+            return AcquireOutcome("cached", cached["pod_id"], cached["pod_sse_url"])
+        if action == "reuse":
+            return AcquireOutcome("reuse", reply[1], reply[2])
+        if action == "need_deploy":
+            return AcquireOutcome("need_deploy", placeholder=reply[1])
+        return AcquireOutcome(action)
+
+    async def add_placeholder(self, scope_id: str, token: str, placeholder_ttl: int) -> str | None:
+        member = await self._placeholder(
+            keys=[
+                scope_config_key(scope_id),
+                scope_pods_key(scope_id),
+                scope_deploying_key(scope_id),
+            ],
+            args=[token, placeholder_ttl],
+        )
+        return cast(str | None, member or None)
+
+    async def drop_placeholder(self, scope_id: str, member: str) -> None:
+        await self.redis.srem(scope_deploying_key(scope_id), member)
+
+    async def register(
+        self,
+        *,
+        scope_id: str,
+        pod_id: str,
+        placeholder: str | None,
+        pod_sse_url: str,
+        pod_ip: str,
+        namespace: str,
+        deploy_ver: str,
+        warm: bool,
+    ) -> bool:
+        """Returns whether the placeholder was still held (False: it expired meanwhile)."""
+        held = await self._register(
+            keys=[
+                pod_info_key(pod_id),
+                scope_pods_key(scope_id),
+                PODS_ALL_KEY,
+                scope_deploying_key(scope_id),
+                scope_idle_key(scope_id),
+                pod_idle_since_key(pod_id),
+            ],
+            args=[
+                pod_id,
+                placeholder or "",
+                scope_id,
+                pod_sse_url,
+                pod_ip,
+                namespace,
+                deploy_ver,
+                "1" if warm else "0",
+            ],
+        )
+        return bool(held)
+
+    async def release(self, scope_id: str, pod_id: str) -> bool:
+        became_idle = await self._release(
+            keys=[
+                scope_pods_key(scope_id),
+                scope_idle_key(scope_id),
+                pod_idle_since_key(pod_id),
+                pod_info_key(pod_id),
+            ],
+            args=[pod_id],
+        )
+        return bool(became_idle)
+
+    async def purge(self, pod_id: str) -> str | None:
+        scope = await self._purge(
+            keys=[
+                pod_info_key(pod_id),
+                pod_idle_since_key(pod_id),
+                pod_health_fails_key(pod_id),
+                PODS_ALL_KEY,
+            ],
+            args=[pod_id, SCOPE_PREFIX],
+        )
+        return cast(str | None, scope or None)
+
+    async def take_follower_seat(
+        self, scope_id: str, member: str, hold_seconds: int, limit: int
+    ) -> bool:
+        seated = await self._follower_gate(
+            keys=[scope_followers_key(scope_id)], args=[member, hold_seconds, limit]
+        )
+        return bool(seated)
+
+    async def leave_follower_seat(self, scope_id: str, member: str) -> None:
+        await self.redis.zrem(scope_followers_key(scope_id), member)
+
+    # --- reads and single-command changes ------------------------------------------------------
+
+    async def take_out_of_idle(self, scope_id: str, pod_id: str) -> bool:
+        """Atomically leave the warm pool, only if still in it (reclaim, before deleting)."""
+        removed = await self.redis.srem(scope_idle_key(scope_id), pod_id)
+        if removed:
+            await self.redis.delete(pod_idle_since_key(pod_id))
+        return bool(removed)
+
+    async def pod_info(self, pod_id: str) -> dict[str, str]:
+        return cast(dict[str, str], await self.redis.hgetall(pod_info_key(pod_id)))
+
+    async def pod_versions(self, pod_ids: list[str]) -> dict[str, str | None]:
+        if not pod_ids:
+            return {}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for pod_id in pod_ids:
+                pipe.hget(pod_info_key(pod_id), "deploy_ver")
+            versions = await pipe.execute()
+        return dict(zip(pod_ids, versions, strict=True))
+
+    async def scope_pods(self, scope_id: str) -> list[str]:
+        return cast(list[str], await self.redis.zrange(scope_pods_key(scope_id), 0, -1))
+
+    async def pods_registered_since(self, scope_id: str, since: float) -> list[str]:
+        """Pods of the scope registered at or after ``since`` (Redis seconds), newest first."""
+        return cast(
+            list[str],
+            await self.redis.zrevrangebyscore(scope_pods_key(scope_id), "+inf", since),
+        )
+
+    async def idle_pods(self, scope_id: str) -> dict[str, float]:
+        """Warm pods → idle_since (Redis seconds)."""
+        pods = cast(list[str], await self.redis.smembers(scope_idle_key(scope_id)))
+        if not pods:
+            return {}
+        since = await self.redis.mget([pod_idle_since_key(p) for p in pods])
+        return {p: float(s or 0) for p, s in zip(pods, since, strict=True)}
+
+    async def deploying(self, scope_id: str) -> list[str]:
+        return cast(list[str], list(await self.redis.smembers(scope_deploying_key(scope_id))))
+
+    async def all_pods(self) -> list[str]:
+        return [p async for p in self.redis.sscan_iter(PODS_ALL_KEY, count=500)]
+
+    async def cached_result(self, request_id: str) -> dict[str, str] | None:
+        raw = await self.redis.get(idem_key(request_id))
+        return cast(dict[str, str], json.loads(raw)) if raw else None
+
+    async def cache_result(self, request_id: str, result: dict[str, str]) -> None:
+        await self.redis.set(idem_key(request_id), json.dumps(result), ex=IDEM_TTL)
+
+    async def count_health_failure(self, pod_id: str) -> int:
+        key = pod_health_fails_key(pod_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.incr(key)
+            pipe.expire(key, 3600)
+            fails, _ = await pipe.execute()
+        return int(fails)
+
+    async def clear_health_failures(self, pod_id: str) -> None:
+        await self.redis.delete(pod_health_fails_key(pod_id))
+
+    async def now(self) -> float:
+        """Redis server time: the one clock all replicas share."""
+        seconds, micros = await self.redis.time()
+        return seconds + micros / 1_000_000

@@ -19,6 +19,7 @@ from typing import Any, cast
 from redis.asyncio import Redis
 from redis.exceptions import LockError, WatchError
 
+from agent_runtime import lua
 from agent_runtime.config import SM_KEY_PREFIX as P
 
 CONFIG_SYNC_LOCK_TTL = 60  # seconds; a config_sync is a handful of DB and Redis calls
@@ -39,7 +40,32 @@ def pod_info_key(scope_id: str, pod_id: str) -> str:
     return f"{P}pod:{scope_id}:{pod_id}:info"
 
 
+def pod_sessions_key(scope_id: str, pod_id: str) -> str:
+    return f"{P}pod:{scope_id}:{pod_id}:sessions"
+
+
+def pod_idle_notified_key(scope_id: str, pod_id: str) -> str:
+    return f"{P}pod:{scope_id}:{pod_id}:idle_notified"
+
+
+def pod_scopes_key(pod_id: str) -> str:
+    return f"{P}pods:{pod_id}:scopes"
+
+
+def session_key(session_id: str) -> str:
+    return f"{P}session:{session_id}"
+
+
+def scope_sessions_key(scope_id: str) -> str:
+    return f"{P}scope:{scope_id}:sessions"
+
+
+def scope_free_channel(scope_id: str) -> str:
+    return f"{P}scope:{scope_id}:free"
+
+
 PODS_REGISTERED_KEY = f"{P}pods:registered"
+SESSION_EXPIRY_KEY = f"{P}session_expiry"
 CONFIG_SYNC_LOCK_KEY = f"{P}lock:config_sync"
 SCOPE_REGISTRY_KEY = f"{P}scope_registry"
 CONFIG_GEN_KEY = f"{P}config_gen"
@@ -55,6 +81,53 @@ class SessionState:
 
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
+        pkg = "agent_runtime.session_manager"
+        self._evict = lua.register(redis, pkg, "evict")
+        self._cleanup_pod = lua.register(redis, pkg, "cleanup_pod")
+
+    # --- sessions and pods (scripts) -----------------------------------------------------------
+
+    async def evict(self, session_id: str) -> tuple[str, str, int] | None:
+        """Remove a session from its four places; (scope, pod, sessions left) or None."""
+        reply = await self._evict(
+            keys=[session_key(session_id), SESSION_EXPIRY_KEY], args=[P, session_id]
+        )
+        if not reply:
+            return None
+        return str(reply[0]), str(reply[1]), int(reply[2])
+
+    async def cleanup_pod(self, scope_id: str, pod_id: str) -> int:
+        """-1: sessions remain (evict them, call again); 1: cleaned; 0: was not registered."""
+        return int(
+            await self._cleanup_pod(
+                keys=[
+                    scope_pods_key(scope_id),
+                    pod_info_key(scope_id, pod_id),
+                    pod_sessions_key(scope_id, pod_id),
+                    pod_idle_notified_key(scope_id, pod_id),
+                    PODS_REGISTERED_KEY,
+                    pod_scopes_key(pod_id),
+                ],
+                args=[scope_id, pod_id],
+            )
+        )
+
+    async def pod_scopes(self, pod_id: str) -> list[str]:
+        return cast(list[str], list(await self.redis.smembers(pod_scopes_key(pod_id))))
+
+    async def pod_sessions(self, scope_id: str, pod_id: str) -> list[str]:
+        return cast(list[str], list(await self.redis.smembers(pod_sessions_key(scope_id, pod_id))))
+
+    async def pod_usage(self, pods: list[tuple[str, str]]) -> list[tuple[bool, int]]:
+        """For each (scope, pod): (is a placement candidate, live sessions on it)."""
+        if not pods:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for scope_id, pod_id in pods:
+                pipe.zscore(scope_pods_key(scope_id), pod_id)
+                pipe.scard(pod_sessions_key(scope_id, pod_id))
+            replies = await pipe.execute()
+        return [(replies[i] is not None, int(replies[i + 1])) for i in range(0, len(replies), 2)]
 
     # --- resolve cache -----------------------------------------------------------------------
 

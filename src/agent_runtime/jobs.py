@@ -1,0 +1,116 @@
+"""One periodic runner for every background job, with a leader lock per job across replicas.
+
+Each job has a Redis lock ``agent_runtime:job:{name}`` (token-owned, NX, TTL 2 × interval).
+The replica holding it refreshes it every tick and runs the tick; the others try to take it
+every tick, so a dead leader is replaced within one TTL. Hazard: a tick that outlives its lock
+could overlap a new leader's tick, so every tick is cut off by a timeout shorter than the TTL
+and checks ownership first. A failing tick is logged and the loop goes on; stop() ends the
+loops and gives the locks back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from redis.asyncio import Redis
+from redis.asyncio.lock import Lock
+from redis.exceptions import LockError
+
+log = logging.getLogger(__name__)
+
+JOB_LOCK_PREFIX = "agent_runtime:job:"
+MIN_LOCK_TTL = 2.0
+
+
+@dataclass
+class Job:
+    name: str
+    interval: float
+    tick: Callable[[], Awaitable[object]]
+    runs: int = field(default=0, init=False)
+    failures: int = field(default=0, init=False)
+    last_success: float | None = field(default=None, init=False)
+
+    @property
+    def lock_ttl(self) -> float:
+        return max(2 * self.interval, MIN_LOCK_TTL)
+
+    @property
+    def tick_timeout(self) -> float:
+        # ends well before the lock could lapse, so two leaders never tick at once
+        return self.lock_ttl * 0.75
+
+
+class JobRunner:
+    def __init__(self, *, redis: Redis, jobs: list[Job]) -> None:
+        self._redis = redis
+        self.jobs = {job.name: job for job in jobs}
+        self._locks = {
+            job.name: Lock(
+                redis, JOB_LOCK_PREFIX + job.name, timeout=job.lock_ttl, thread_local=False
+            )
+            for job in jobs
+        }
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        for job in self.jobs.values():
+            self._tasks.append(asyncio.create_task(self._loop(job), name=f"job:{job.name}"))
+
+    @property
+    def running(self) -> bool:
+        return bool(self._tasks) and not any(t.done() for t in self._tasks)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        for lock in self._locks.values():
+            with contextlib.suppress(Exception):  # not ours any more, or Redis is gone
+                await lock.release()
+
+    async def is_leader(self, name: str) -> bool:
+        return bool(await self._locks[name].owned())
+
+    async def run_once(self, name: str) -> bool:
+        """One tick of ``name`` if this replica leads it; returns whether it ran."""
+        job, lock = self.jobs[name], self._locks[name]
+        if not await self._lead(lock):
+            return False
+        job.runs += 1
+        try:
+            await asyncio.wait_for(job.tick(), timeout=job.tick_timeout)
+        except Exception:
+            job.failures += 1
+            log.exception("job %s: tick failed", name)
+        else:
+            job.last_success = time.time()
+        return True
+
+    async def _lead(self, lock: Lock) -> bool:
+        try:
+            if await lock.owned():
+                await lock.reacquire()  # refresh the TTL: leadership stays put while alive
+                return True
+            return bool(await lock.acquire(blocking=False))
+        except LockError:
+            return False  # lapsed between the check and the refresh: somebody else leads
+
+    async def _loop(self, job: Job) -> None:
+        while not self._stop.is_set():
+            started = asyncio.get_running_loop().time()
+            try:
+                await self.run_once(job.name)
+            except Exception:  # Redis down: try again next tick
+                log.warning("job %s: could not take its lock", job.name, exc_info=True)
+            elapsed = asyncio.get_running_loop().time() - started
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), max(job.interval - elapsed, 0.01))

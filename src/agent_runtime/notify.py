@@ -1,0 +1,99 @@
+"""One shared pub/sub connection per replica, fanned out to waiting tasks in process.
+
+A waiter calls ``listen(channel)`` BEFORE it checks the state it waits for, then
+``wait(timeout)``: a signal published between the check and the wait is not lost. Signals are
+hints, never the truth: the waiter always re-checks the state (and polls it as a safety net),
+so a lost message costs at most one poll interval. The reader task subscribes to patterns
+given at start, so no per-request SUBSCRIBE ever runs on the shared connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+from collections.abc import AsyncIterator
+
+from redis.asyncio import Redis
+
+log = logging.getLogger(__name__)
+
+
+class Listener:
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self.payloads: list[str] = []
+
+    def deliver(self, payload: str) -> None:
+        self.payloads.append(payload)
+        self._event.set()
+
+    async def wait(self, within: float) -> bool:
+        """True if a signal arrived (since the last wait), False on timeout."""
+        try:
+            await asyncio.wait_for(self._event.wait(), within)
+        except TimeoutError:
+            return False
+        self._event.clear()
+        return True
+
+
+class Notifier:
+    def __init__(self, redis: Redis, *, patterns: list[str]) -> None:
+        self._redis = redis
+        self._patterns = patterns
+        self._listeners: dict[str, set[Listener]] = defaultdict(set)
+        self._task: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="notifier")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), 5.0)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+
+    async def publish(self, channel: str, payload: str = "") -> None:
+        await self._redis.publish(channel, payload)
+
+    @contextlib.asynccontextmanager
+    async def listen(self, channel: str) -> AsyncIterator[Listener]:
+        listener = Listener()
+        self._listeners[channel].add(listener)
+        try:
+            yield listener
+        finally:
+            listeners = self._listeners.get(channel)
+            if listeners is not None:
+                listeners.discard(listener)
+                if not listeners:
+                    del self._listeners[channel]
+
+    async def _run(self) -> None:
+        while True:  # reconnect after a Redis outage; waiters keep polling meanwhile
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.psubscribe(*self._patterns)
+                self._ready.set()
+                while True:
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is not None and message.get("type") == "pmessage":
+                        self._dispatch(str(message["channel"]), str(message["data"]))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("notifier: pub/sub connection lost (%s); reconnecting", exc)
+                await asyncio.sleep(0.5)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
+    def _dispatch(self, channel: str, payload: str) -> None:
+        for listener in list(self._listeners.get(channel, ())):
+            listener.deliver(payload)

@@ -1,0 +1,54 @@
+-- acquire (uses _placeholders.lua): hand out a warm pod of the scope's current version, or reserve a deploy slot.
+--
+-- KEYS[1] resource:scope:{sid}:config     HASH  (deploy_ver, max_pods)
+-- KEYS[2] resource:scope:{sid}:idle       SET   warm pool
+-- KEYS[3] resource:scope:{sid}:pods       ZSET  every pod of the scope
+-- KEYS[4] resource:scope:{sid}:deploying  SET   placeholders "{token}@{deadline}"
+-- KEYS[5] idem:{request_id}               STRING cached acquire result (JSON)
+-- ARGV[1] pod key prefix, e.g. "resource_manager:resource:pod:" (derives {prefix}{pod}:info
+--         and {prefix}{pod}:idle_since for the warm pods: the only derived keys)
+-- ARGV[2] placeholder token (unique per attempt; the same token on a re-sent call)
+-- ARGV[3] placeholder lifetime in seconds (ready_timeout + margin)
+-- ARGV[4] idem TTL in seconds
+--
+-- returns {"cached", json}                 this request already got a pod (replay)
+--         {"reuse", pod_id, pod_sse_url}   a warm pod left the pool and is in use
+--         {"no_config"}                    the scope has no pool config yet
+--         {"max_reached"}                  ZCARD pods + SCARD deploying >= max_pods
+--         {"need_deploy", member}          a placeholder was added (or already was: replay)
+--
+-- invariant: ZCARD pods + SCARD deploying <= max_pods after every call; expired placeholders
+-- (a crashed deployer) are dropped before counting, so a crash never lowers the cap for good.
+local cached = redis.call('GET', KEYS[5])
+if cached then return {'cached', cached} end
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'no_config'} end
+
+local now = tonumber(redis.call('TIME')[1])
+local mine = sweep_placeholders(KEYS[4], ARGV[2], now)
+if mine then return {'need_deploy', mine} end
+
+-- a config without deploy_ver matches no pod (HGET of a missing field is false on both sides)
+local version = redis.call('HGET', KEYS[1], 'deploy_ver')
+local best, best_since = nil, -1
+for _, pod in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  local info = ARGV[1] .. pod .. ':info'
+  if version and redis.call('HGET', info, 'deploy_ver') == version then
+    local since = tonumber(redis.call('GET', ARGV[1] .. pod .. ':idle_since') or '0')
+    if since > best_since then best, best_since = pod, since end  -- most recently idle first
+  end
+end
+if best then
+  local info = ARGV[1] .. best .. ':info'
+  redis.call('SREM', KEYS[2], best)
+  redis.call('DEL', ARGV[1] .. best .. ':idle_since')
+  redis.call('HSET', info, 'phase', 'in_use')
+  local url = redis.call('HGET', info, 'pod_sse_url') or ''
+  redis.call('SET', KEYS[5], cjson.encode({pod_id = best, pod_sse_url = url}), 'EX', tonumber(ARGV[4]))
+  return {'reuse', best, url}
+end
+
+local max_pods = tonumber(redis.call('HGET', KEYS[1], 'max_pods') or '0')
+if redis.call('ZCARD', KEYS[3]) + redis.call('SCARD', KEYS[4]) >= max_pods then
+  return {'max_reached'}
+end
+return {'need_deploy', add_placeholder(KEYS[4], ARGV[2], now, tonumber(ARGV[3]))}

@@ -1,0 +1,90 @@
+"""Resource manager data: pod views, labels, the dead-pod rules (contract §5), and its errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+COMPONENT_LABEL = "jiuwenclaw-component"
+COMPONENT_VALUE = "agentserver"
+APP_LABEL = "app"
+SCOPE_LABEL = "agent-runtime/scope"
+DEPLOY_VER_LABEL = "agent-runtime/deploy-ver"
+COMPONENT_SELECTOR = f"{COMPONENT_LABEL}={COMPONENT_VALUE}"
+
+# Waiting reasons after which a container will not come up by itself.
+DEAD_WAITING_REASONS = frozenset(
+    {"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName"}
+)
+# Normalised phases that mean dead (Pending is not: a deploy has its own ready_timeout).
+DEAD_PHASES = frozenset({"Terminating", "Failed", "Succeeded", *DEAD_WAITING_REASONS})
+
+
+@dataclass(frozen=True, slots=True)
+class PodDeployInfo:
+    """A pod that a deploy brought to Ready."""
+
+    pod_id: str
+    namespace: str
+    pod_ip: str
+    pod_sse_url: str
+
+
+@dataclass(frozen=True, slots=True)
+class PodStatus:
+    """Kubernetes' view of one pod, normalised.
+
+    ``phase`` is the pod phase unless something says more: ``Terminating`` while a deletion
+    timestamp is set, else a container's waiting reason (CrashLoopBackOff, …) wins over
+    ``Running``/``Pending``.
+    """
+
+    pod_id: str
+    namespace: str
+    phase: str
+    ready: bool
+    pod_ip: str | None
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def dead(self) -> bool:
+        return self.phase in DEAD_PHASES
+
+    @property
+    def scope_id(self) -> str | None:
+        return self.labels.get(SCOPE_LABEL)
+
+    @property
+    def deploy_ver(self) -> str | None:
+        return self.labels.get(DEPLOY_VER_LABEL)
+
+
+def normalize_phase(
+    phase: str | None, *, deleting: bool, waiting_reasons: list[str] | tuple[str, ...] = ()
+) -> str:
+    """The phase the dead/alive rules look at (see ``PodStatus``)."""
+    if deleting:
+        return "Terminating"
+    for reason in waiting_reasons:
+        if reason in DEAD_WAITING_REASONS:
+            return reason
+    return phase or "Unknown"
+
+
+class ResourceError(Exception):
+    """Base of the resource manager's own failures (the session side maps them)."""
+
+
+class MaxPodsReached(ResourceError):
+    """No pod can be had now: the scope is at max_pods, or the follower room is full."""
+
+
+class DeployFailed(ResourceError):
+    """A deploy did not give a Ready pod (timeout, image pull, crash loop, API refusal)."""
+
+
+class K8sApiError(ResourceError):
+    """Kubernetes refused an operator call; ``status`` is the HTTP status it answered."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status

@@ -1,0 +1,295 @@
+"""Acquire a pod for a scope: a warm one, or exactly one new deploy per scope at a time.
+
+Concurrent cold acquires of one scope (on any replica) race for ``lock:rm:deploy:{sid}``.
+The winner deploys; the others give back their placeholder and wait in the follower room
+(at most ``pod_concurrency - 1`` seats: what the new pod can still hold) for the leader's
+pod, woken by the registration signal. Followers never take over a failed deploy: same
+image, same failure. Hazard: every exit path must give back what it took — the placeholder,
+the follower seat, the lock — and a pod created by a failed deploy is deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio.lock import Lock
+from redis.exceptions import LockError
+
+from agent_runtime import spec_fields
+from agent_runtime.notify import Notifier
+from agent_runtime.resource_manager.k8s import K8sPodClient
+from agent_runtime.resource_manager.models import (
+    COMPONENT_SELECTOR,
+    DeployFailed,
+    MaxPodsReached,
+    PodDeployInfo,
+)
+from agent_runtime.resource_manager.state import (
+    ResourceState,
+    deploy_lock_key,
+    registered_channel,
+)
+
+log = logging.getLogger(__name__)
+
+FOLLOWER_MARGIN = 10  # seconds a follower waits beyond ready_timeout (registration overhead)
+LOCK_MARGIN = 30  # seconds the deploy lock outlives ready_timeout
+FOLLOWER_POLL = 0.25  # safety net under the registration signal
+CLEANUP_CONCURRENCY = 10
+POOL_CONFIG_FIELDS = ("min_idle_pods", "max_pods", "pod_ttl", "pod_concurrency")
+
+
+@dataclass
+class _Requester:
+    """Whether the caller is still there when its deploy finishes."""
+
+    gone: bool = False
+
+
+class ResourceOrchestrator:
+    def __init__(
+        self,
+        *,
+        state: ResourceState,
+        k8s: K8sPodClient,
+        notifier: Notifier,
+        default_namespace: str,
+    ) -> None:
+        self._state = state
+        self._k8s = k8s
+        self._notifier = notifier
+        self._default_namespace = default_namespace
+        self._deploys: set[asyncio.Task[Any]] = set()
+
+    # --- acquire -------------------------------------------------------------------------------
+
+    async def acquire(
+        self, scope_id: str, pod_spec: dict[str, Any], pool_config: dict[str, int], request_id: str
+    ) -> dict[str, str]:
+        cached = await self._state.cached_result(request_id)
+        if cached is not None:
+            return cached
+        ready_timeout = float(pod_spec.get("ready_timeout") or 300)
+        placeholder_ttl = math.ceil(ready_timeout) + LOCK_MARGIN
+        started_at = await self._state.now()
+        wrote_config = False
+        while True:
+            token = f"{request_id}:{uuid.uuid4().hex[:8]}"
+            outcome = await self._state.acquire(scope_id, request_id, token, placeholder_ttl)
+            if outcome.action in ("cached", "reuse"):
+                assert outcome.pod_id is not None and outcome.pod_sse_url is not None
+                return {"pod_id": outcome.pod_id, "pod_sse_url": outcome.pod_sse_url}
+            if outcome.action == "no_config":
+                if wrote_config:
+                    raise DeployFailed(f"scope {scope_id}: pool config vanished during acquire")
+                await self.update_pool_config(scope_id, pool_config, pod_spec)
+                wrote_config = True
+                continue
+            if outcome.action == "max_reached":
+                if await self._state.redis.exists(deploy_lock_key(scope_id)):
+                    # the cap is held by a deploy in flight: its pod may have room for us
+                    return await self._follow(
+                        scope_id, request_id, pool_config, ready_timeout, started_at
+                    )
+                raise MaxPodsReached(f"scope {scope_id} is at max_pods")
+            assert outcome.placeholder is not None
+            return await self._deploy_or_follow(
+                scope_id, pod_spec, pool_config, request_id, outcome.placeholder, started_at
+            )
+
+    async def _deploy_or_follow(
+        self,
+        scope_id: str,
+        pod_spec: dict[str, Any],
+        pool_config: dict[str, int],
+        request_id: str,
+        placeholder: str,
+        started_at: float,
+    ) -> dict[str, str]:
+        ready_timeout = float(pod_spec.get("ready_timeout") or 300)
+        lock = Lock(
+            self._state.redis,
+            deploy_lock_key(scope_id),
+            timeout=ready_timeout + LOCK_MARGIN,
+            thread_local=False,
+        )
+        try:
+            leader = await lock.acquire(blocking=False)
+        except BaseException:
+            await self._state.drop_placeholder(scope_id, placeholder)
+            raise
+        if not leader:
+            await self._state.drop_placeholder(scope_id, placeholder)
+            return await self._follow(scope_id, request_id, pool_config, ready_timeout, started_at)
+        requester = _Requester()
+        task = asyncio.create_task(
+            self._lead(scope_id, pod_spec, placeholder, lock, request_id, started_at, requester)
+        )
+        # Our own task: a caller that disconnects does not abort a deploy half-way (that would
+        # leave a pod nobody tracks, or a lock released while its deploy still runs).
+        self._deploys.add(task)
+        task.add_done_callback(self._deploys.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            requester.gone = True  # the pod, once Ready, goes to the warm pool
+            raise
+
+    async def _lead(
+        self,
+        scope_id: str,
+        pod_spec: dict[str, Any],
+        placeholder: str,
+        lock: Lock,
+        request_id: str,
+        started_at: float,
+        requester: _Requester,
+    ) -> dict[str, str]:
+        try:
+            # a leader that finished just before we took the lock may have brought our pod
+            fresh = await self._registered_since(scope_id, started_at)
+            if fresh is not None:
+                await self._state.drop_placeholder(scope_id, placeholder)
+                return fresh
+            result = await self.deploy_and_register(
+                scope_id, pod_spec, placeholder, warm=False, requester=requester
+            )
+            await self._state.cache_result(request_id, result)
+            return result
+        finally:
+            with contextlib.suppress(LockError, Exception):
+                await lock.release()
+
+    async def deploy_and_register(
+        self,
+        scope_id: str,
+        pod_spec: dict[str, Any],
+        placeholder: str,
+        *,
+        warm: bool,
+        requester: _Requester | None = None,
+    ) -> dict[str, str]:
+        """Deploy one pod and register it; the placeholder is given back on every path."""
+        version = spec_fields.deploy_ver(pod_spec)
+        try:
+            info = await self._k8s.deploy(scope_id=scope_id, deploy_ver=version, pod_spec=pod_spec)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                await self._state.drop_placeholder(scope_id, placeholder)
+            if isinstance(exc, DeployFailed | asyncio.CancelledError):
+                raise
+            raise DeployFailed(f"scope {scope_id}: deploy failed: {exc}") from exc
+        warm = warm or (requester is not None and requester.gone)
+        try:
+            await self._state.register(
+                scope_id=scope_id,
+                pod_id=info.pod_id,
+                placeholder=placeholder,
+                pod_sse_url=info.pod_sse_url,
+                pod_ip=info.pod_ip,
+                namespace=info.namespace,
+                deploy_ver=version,
+                warm=warm,
+            )
+        except BaseException:
+            # Ready in Kubernetes but not in Redis: delete it rather than leak it
+            await self._discard_pod(scope_id, info, placeholder)
+            raise
+        with contextlib.suppress(Exception):  # followers also poll; the signal only speeds up
+            await self._notifier.publish(registered_channel(scope_id), info.pod_id)
+        log.info(
+            "scope %s: pod %s registered (%s)", scope_id, info.pod_id, "warm" if warm else "in use"
+        )
+        return {"pod_id": info.pod_id, "pod_sse_url": info.pod_sse_url}
+
+    async def _discard_pod(self, scope_id: str, info: PodDeployInfo, placeholder: str) -> None:
+        with contextlib.suppress(Exception):
+            await self._k8s.delete(info.pod_id, info.namespace)
+        with contextlib.suppress(Exception):
+            await self._state.drop_placeholder(scope_id, placeholder)
+
+    async def _follow(
+        self,
+        scope_id: str,
+        request_id: str,
+        pool_config: dict[str, int],
+        ready_timeout: float,
+        started_at: float,
+    ) -> dict[str, str]:
+        limit = max(int(pool_config.get("pod_concurrency", 1)) - 1, 0)
+        hold = math.ceil(ready_timeout) + FOLLOWER_MARGIN
+        if not await self._state.take_follower_seat(scope_id, request_id, hold, limit):
+            raise MaxPodsReached(f"scope {scope_id}: a deploy is running and its room is full")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + hold
+        try:
+            async with self._notifier.listen(registered_channel(scope_id)) as listener:
+                while True:
+                    fresh = await self._registered_since(scope_id, started_at)
+                    if fresh is not None:
+                        return fresh
+                    if not await self._state.redis.exists(deploy_lock_key(scope_id)):
+                        # the leader is done and brought nothing: its deploy failed
+                        fresh = await self._registered_since(scope_id, started_at)
+                        if fresh is not None:
+                            return fresh
+                        raise DeployFailed(f"scope {scope_id}: the leader's deploy failed")
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        raise MaxPodsReached(f"scope {scope_id}: no pod within {hold} s")
+                    await listener.wait(min(FOLLOWER_POLL, remaining))
+        finally:
+            with contextlib.suppress(Exception):
+                await self._state.leave_follower_seat(scope_id, request_id)
+
+    async def _registered_since(self, scope_id: str, since: float) -> dict[str, str] | None:
+        """The newest in-use pod of the scope registered since ``since`` (Redis seconds)."""
+        for pod_id in await self._state.pods_registered_since(scope_id, since):
+            info = await self._state.pod_info(pod_id)
+            if info.get("pod_sse_url") and info.get("phase") == "in_use":
+                return {"pod_id": pod_id, "pod_sse_url": info["pod_sse_url"]}
+        return None
+
+    # --- the rest of the facade ----------------------------------------------------------------
+
+    async def idle_consider(self, pod_id: str, scope_id: str) -> dict[str, bool]:
+        return {"transitioned_to_idle": await self._state.release(scope_id, pod_id)}
+
+    async def update_pool_config(
+        self, scope_id: str, pool_config: dict[str, int], pod_spec: dict[str, Any] | None = None
+    ) -> dict[str, bool]:
+        missing = [f for f in POOL_CONFIG_FIELDS if f not in pool_config]
+        if missing:
+            raise ValueError(f"pool_config lacks {', '.join(missing)}")
+        config = {f: int(pool_config[f]) for f in POOL_CONFIG_FIELDS}
+        version = spec_fields.deploy_ver(pod_spec) if pod_spec is not None else None
+        await self._state.write_pool_config(scope_id, config, deploy_ver=version, pod_spec=pod_spec)
+        return {"updated": True}
+
+    async def cleanup(self, namespace: str | None = None, label_selector: str | None = None) -> int:
+        """Delete AgentServer pods matching the selector (the component label always ANDed
+        in). Redis is not touched: watch and reconcile notice the deleted pods."""
+        ns = namespace or self._default_namespace
+        selector = (
+            COMPONENT_SELECTOR if not label_selector else f"{COMPONENT_SELECTOR},{label_selector}"
+        )
+        pods = await self._k8s.list_pods(ns, selector)
+        gate = asyncio.Semaphore(CLEANUP_CONCURRENCY)
+
+        async def delete(pod_id: str) -> bool:
+            async with gate:
+                return await self._k8s.delete(pod_id, ns)
+
+        deleted = await asyncio.gather(*(delete(p.pod_id) for p in pods))
+        return sum(1 for d in deleted if d)
+
+    async def close(self) -> None:
+        """Let running deploys finish or clean up (they give back their placeholders)."""
+        if self._deploys:
+            await asyncio.gather(*self._deploys, return_exceptions=True)

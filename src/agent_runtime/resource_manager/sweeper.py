@@ -1,0 +1,329 @@
+"""The resource manager's four background jobs: autoscale, reclaim, watch, reconcile.
+
+Each is one ``*_once`` tick run by ``jobs.JobRunner`` under its leader lock. Invariant for
+all of them: a pod with a live session is never deleted, except when Kubernetes says it is
+dead or it failed its health checks twice. Hazard: reads of Redis and Kubernetes are not one
+snapshot, so their order matters (see ``reconcile_once``), and a LIST that failed is never
+taken to mean "no pods".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import uuid
+from collections import defaultdict
+from typing import Any
+
+from agent_runtime.resource_manager.k8s import K8sPodClient, sse_url
+from agent_runtime.resource_manager.models import (
+    COMPONENT_SELECTOR,
+    SCOPE_LABEL,
+    K8sApiError,
+    PodStatus,
+)
+from agent_runtime.resource_manager.orchestrator import LOCK_MARGIN, ResourceOrchestrator
+from agent_runtime.resource_manager.state import PoolConfig, ResourceState
+from agent_runtime.session_manager.facade import SessionManagerFacade
+
+log = logging.getLogger(__name__)
+
+WARM_TOKEN_PREFIX = "warm:"
+HEALTH_FAILS_TO_DEAD = 2
+PROBE_CONCURRENCY = 16
+MAX_WARM_DEPLOYS = 8  # per replica at once
+# ours only: a pod without our scope label (another tool's AgentServer) is never touched
+OWN_PODS_SELECTOR = f"{COMPONENT_SELECTOR},{SCOPE_LABEL}"
+
+
+class ResourceSweeper:
+    def __init__(
+        self,
+        *,
+        state: ResourceState,
+        k8s: K8sPodClient,
+        orchestrator: ResourceOrchestrator,
+        sessions: SessionManagerFacade,
+        default_namespace: str,
+    ) -> None:
+        self._state = state
+        self._k8s = k8s
+        self._orchestrator = orchestrator
+        self._sessions = sessions
+        self._default_namespace = default_namespace
+        self._warm_deploys: set[asyncio.Task[Any]] = set()
+        self._unused_last_pass: set[str] = set()
+
+    # --- autoscale (scenario H) ----------------------------------------------------------------
+
+    async def autoscale_once(self) -> int:
+        """Refill each scope's warm floor with pods of its current version; returns deploys
+        started. Deploys run in the background (a tick must stay short); their placeholders
+        count against max_pods and against the floor while they run."""
+        started = 0
+        for scope_id in await self._state.scopes_with_config():
+            config = await self._state.pool_config(scope_id)
+            if config is None or config.pod_spec is None or config.min_idle_pods <= 0:
+                continue
+            warm = await self._current_idle(scope_id, config)
+            in_flight = sum(
+                1 for m in await self._state.deploying(scope_id) if m.startswith(WARM_TOKEN_PREFIX)
+            )
+            for _ in range(config.min_idle_pods - len(warm) - in_flight):
+                if len(self._warm_deploys) >= MAX_WARM_DEPLOYS:
+                    return started
+                ttl = math.ceil(float(config.pod_spec.get("ready_timeout") or 300)) + LOCK_MARGIN
+                token = f"{WARM_TOKEN_PREFIX}{uuid.uuid4().hex}"
+                placeholder = await self._state.add_placeholder(scope_id, token, ttl)
+                if placeholder is None:
+                    break  # at max_pods
+                self._spawn_warm_deploy(scope_id, config.pod_spec, placeholder)
+                started += 1
+        return started
+
+    def _spawn_warm_deploy(self, scope_id: str, pod_spec: dict[str, Any], placeholder: str) -> None:
+        async def deploy() -> None:
+            try:
+                await self._orchestrator.deploy_and_register(
+                    scope_id, pod_spec, placeholder, warm=True
+                )
+            except Exception as exc:  # the placeholder is given back; the next tick retries
+                log.warning("scope %s: warm deploy failed: %s", scope_id, exc)
+
+        task = asyncio.create_task(deploy(), name=f"warm-deploy:{scope_id}")
+        self._warm_deploys.add(task)
+        task.add_done_callback(self._warm_deploys.discard)
+
+    async def wait_for_warm_deploys(self) -> None:
+        if self._warm_deploys:
+            await asyncio.gather(*self._warm_deploys, return_exceptions=True)
+
+    async def _current_idle(self, scope_id: str, config: PoolConfig) -> dict[str, float]:
+        idle = await self._state.idle_pods(scope_id)
+        versions = await self._state.pod_versions(list(idle))
+        return {p: since for p, since in idle.items() if versions.get(p) == config.deploy_ver}
+
+    # --- reclaim (scenario K) ------------------------------------------------------------------
+
+    async def reclaim_once(self) -> int:
+        """Delete warm pods of an old version at once, and current ones idle ≥ pod_ttl above
+        the min_idle floor; returns pods reclaimed."""
+        now = await self._state.now()
+        reclaimed = 0
+        for scope_id in await self._state.scopes_with_config():
+            config = await self._state.pool_config(scope_id)
+            if config is None:
+                continue
+            idle = await self._state.idle_pods(scope_id)
+            versions = await self._state.pod_versions(list(idle))
+            old = [p for p in idle if versions.get(p) != config.deploy_ver]
+            current = sorted((since, p) for p, since in idle.items() if p not in old)
+            # the floor keeps the longest-idle ones: acquire takes the most recently idle
+            expired = [
+                p for since, p in current[config.min_idle_pods :] if now - since >= config.pod_ttl
+            ]
+            for pod_id in [*old, *expired]:
+                if await self._reclaim(scope_id, pod_id):
+                    reclaimed += 1
+        return reclaimed
+
+    async def _reclaim(self, scope_id: str, pod_id: str) -> bool:
+        # out of the pool first (only if still there), so no acquire can get a pod being deleted
+        if not await self._state.take_out_of_idle(scope_id, pod_id):
+            return False
+        info = await self._state.pod_info(pod_id)
+        try:
+            await self._k8s.delete(pod_id, info.get("namespace") or self._default_namespace)
+        except Exception as exc:
+            log.warning("pod %s: reclaim delete failed (%s); back to the pool", pod_id, exc)
+            await self._state.release(scope_id, pod_id)
+            return False
+        await self._forget(pod_id)
+        return True
+
+    async def _forget(self, pod_id: str) -> None:
+        """Purge the pod's RM keys and tell the session side (both idempotent)."""
+        await self._state.purge(pod_id)
+        try:
+            await self._sessions.notify_pod_dead(pod_id)
+        except Exception as exc:  # reconcile repeats it
+            log.warning("pod %s: notify_pod_dead failed: %s", pod_id, exc)
+
+    # --- watch (scenarios J, N) ----------------------------------------------------------------
+
+    async def watch_once(self) -> int:
+        """Clean pods Kubernetes reports missing or dead, and pods whose /health failed on
+        two passes in a row; returns pods cleaned. One LIST per namespace."""
+        known = await self._pods_by_namespace()
+        cleaned = 0
+        probes: list[tuple[str, PodStatus]] = []
+        for namespace, pods in known.items():
+            listed = await self._list(namespace)
+            if listed is None:
+                continue
+            for pod_id in pods:
+                status = listed.get(pod_id)
+                if status is None or status.dead:
+                    reason = "missing" if status is None else status.phase
+                    await self._clean_dead(pod_id, namespace, exists=status is not None, why=reason)
+                    cleaned += 1
+                elif status.phase == "Running" and status.pod_ip:
+                    probes.append((pod_id, status))
+        cleaned += await self._probe_all(probes)
+        return cleaned
+
+    async def _probe_all(self, probes: list[tuple[str, PodStatus]]) -> int:
+        gate = asyncio.Semaphore(PROBE_CONCURRENCY)
+        ports = await self._sse_ports()
+
+        async def probe(pod_id: str, status: PodStatus) -> bool:
+            port = ports.get(status.scope_id or "")
+            if port is None or status.pod_ip is None:
+                return False
+            async with gate:
+                healthy = await self._k8s.probe_health(status.pod_ip, port)
+            if healthy:
+                await self._state.clear_health_failures(pod_id)
+                return False
+            if await self._state.count_health_failure(pod_id) < HEALTH_FAILS_TO_DEAD:
+                return False
+            await self._clean_dead(pod_id, status.namespace, exists=True, why="half-dead")
+            return True
+
+        results = await asyncio.gather(*(probe(p, s) for p, s in probes))
+        return sum(results)
+
+    async def _sse_ports(self) -> dict[str, int]:
+        ports: dict[str, int] = {}
+        for scope_id in await self._state.scopes_with_config():
+            config = await self._state.pool_config(scope_id)
+            if config is not None and config.pod_spec is not None:
+                ports[scope_id] = int(config.pod_spec.get("sse_port") or 8080)
+        return ports
+
+    async def _clean_dead(self, pod_id: str, namespace: str, *, exists: bool, why: str) -> None:
+        log.info("pod %s: %s; cleaning it", pod_id, why)
+        if exists:
+            with contextlib.suppress(Exception):  # reconcile retries a delete that failed
+                await self._k8s.delete(pod_id, namespace)
+        await self._forget(pod_id)
+
+    # --- reconcile (scenario L) ----------------------------------------------------------------
+
+    async def reconcile_once(self) -> dict[str, int]:
+        """Redis vs Kubernetes, both ways, and pods the session side stopped using.
+
+        Read order matters: Redis' pods BEFORE the LIST (a pod registered after it would look
+        missing), placeholders and then pods:all AFTER it (a pod listed while still deploying
+        has a placeholder, or is registered by then: never an orphan).
+        """
+        counts = {"purged": 0, "released": 0, "adopted": 0, "deleted": 0}
+        known_before = await self._pods_by_namespace()
+        namespaces = set(known_before) | await self._config_namespaces()
+        listings: dict[str, dict[str, PodStatus]] = {}
+        for namespace in namespaces:
+            listed = await self._list(namespace)
+            if listed is not None:
+                listings[namespace] = listed
+        for namespace, pods in known_before.items():
+            listed = listings.get(namespace)
+            if listed is None:
+                continue
+            for pod_id in pods:
+                if pod_id not in listed:
+                    await self._forget(pod_id)
+                    counts["purged"] += 1
+        counts["released"] = await self._release_unused()
+        deploying = {
+            s: await self._state.deploying(s) for s in await self._state.scopes_with_config()
+        }
+        known_now = set(await self._state.all_pods())
+        for listed in listings.values():
+            for status in listed.values():
+                if status.pod_id in known_now or status.phase == "Terminating":
+                    continue
+                if deploying.get(status.scope_id or "", []):
+                    continue  # a deploy of that scope is in flight: maybe this very pod
+                # a dead one is deleted, never adopted: nobody else would (watch only sees
+                # pods Redis knows, and retries a failed delete of its own through here)
+                if not status.dead and await self._adopt(status):
+                    counts["adopted"] += 1
+                else:
+                    with contextlib.suppress(Exception):
+                        await self._k8s.delete(status.pod_id, status.namespace)
+                    counts["deleted"] += 1
+        return counts
+
+    async def _release_unused(self) -> int:
+        """In-use pods the session side neither places on nor has sessions on → warm pool."""
+        view: dict[str, str] = {}
+        for pod_id in await self._state.all_pods():
+            info = await self._state.pod_info(pod_id)
+            if info.get("phase") == "in_use" and info.get("scope_id"):
+                view[pod_id] = info["scope_id"]
+        if not view:
+            return 0
+        usage = await self._sessions.reconcile_pods(view)
+        unused = {p for p in view if (use := usage.get(p)) is None or use.unused}
+        # Two passes in a row: a pod just handed out by acquire is in use before the session
+        # side registers it; one pass could catch it in between and release a pod about to
+        # take sessions.
+        confirmed, self._unused_last_pass = unused & self._unused_last_pass, unused
+        released = 0
+        for pod_id in confirmed:
+            if await self._state.release(view[pod_id], pod_id):
+                released += 1
+        return released
+
+    async def _adopt(self, status: PodStatus) -> bool:
+        """A pod of ours that Redis forgot (e.g. Redis lost its data): keep it as a warm pod
+        if it is Ready and of its scope's current version and the scope has room."""
+        if not (status.ready and status.pod_ip and status.scope_id):
+            return False
+        config = await self._state.pool_config(status.scope_id)
+        if config is None or config.pod_spec is None or status.deploy_ver != config.deploy_ver:
+            return False
+        token = f"adopt:{status.pod_id}"
+        placeholder = await self._state.add_placeholder(status.scope_id, token, LOCK_MARGIN)
+        if placeholder is None:
+            return False  # at max_pods: the pod goes
+        await self._state.register(
+            scope_id=status.scope_id,
+            pod_id=status.pod_id,
+            placeholder=placeholder,
+            pod_sse_url=sse_url(status.pod_ip, config.pod_spec),
+            pod_ip=status.pod_ip,
+            namespace=status.namespace,
+            deploy_ver=config.deploy_ver or "",
+            warm=True,
+        )
+        log.info("pod %s adopted into scope %s's warm pool", status.pod_id, status.scope_id)
+        return True
+
+    # --- shared reads --------------------------------------------------------------------------
+
+    async def _pods_by_namespace(self) -> dict[str, list[str]]:
+        grouped: dict[str, list[str]] = defaultdict(list)
+        for pod_id in await self._state.all_pods():
+            info = await self._state.pod_info(pod_id)
+            grouped[info.get("namespace") or self._default_namespace].append(pod_id)
+        return grouped
+
+    async def _config_namespaces(self) -> set[str]:
+        namespaces = {self._default_namespace}
+        for scope_id in await self._state.scopes_with_config():
+            config = await self._state.pool_config(scope_id)
+            if config is not None and config.pod_spec is not None:
+                namespaces.add(config.pod_spec.get("namespace") or self._default_namespace)
+        return namespaces
+
+    async def _list(self, namespace: str) -> dict[str, PodStatus] | None:
+        """Our pods in a namespace, or None when Kubernetes could not say (never "none")."""
+        try:
+            pods = await self._k8s.list_pods(namespace, OWN_PODS_SELECTOR)
+        except (K8sApiError, OSError, TimeoutError) as exc:
+            log.warning("namespace %s: list failed (%s); skipped this tick", namespace, exc)
+            return None
+        return {p.pod_id: p for p in pods}

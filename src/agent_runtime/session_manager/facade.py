@@ -1,0 +1,59 @@
+"""``SessionManagerFacade``: what the resource manager may ask of the session side.
+
+The resource manager never reads session keys; it asks through this class. Keep it small:
+two questions, both idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from agent_runtime.session_manager.state import SessionState
+
+log = logging.getLogger(__name__)
+
+MAX_CLEANUP_ROUNDS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class PodUsage:
+    """How the session side uses one (scope, pod)."""
+
+    candidate: bool  # new sessions may be placed on it
+    sessions: int  # live sessions on it now
+
+    @property
+    def unused(self) -> bool:
+        return not self.candidate and self.sessions == 0
+
+
+class SessionManagerFacade:
+    def __init__(self, *, state: SessionState) -> None:
+        self._state = state
+
+    async def notify_pod_dead(self, pod_id: str) -> int:
+        """The pod is gone (deleted, dead, half-dead, reclaimed): evict its sessions (each
+        frees its slot and wakes a waiter; the next route re-places the session) and drop
+        every registration of it. Idempotent; returns the sessions evicted."""
+        evicted = 0
+        for scope_id in await self._state.pod_scopes(pod_id):
+            for _ in range(MAX_CLEANUP_ROUNDS):
+                if await self._state.cleanup_pod(scope_id, pod_id) != -1:
+                    break
+                for session_id in await self._state.pod_sessions(scope_id, pod_id):
+                    if await self._state.evict(session_id) is not None:
+                        evicted += 1
+            else:
+                log.warning("pod %s in scope %s: sessions keep arriving", pod_id, scope_id)
+        return evicted
+
+    async def reconcile_pods(self, view: Mapping[str, str]) -> dict[str, PodUsage]:
+        """For each ``pod_id → scope_id``: is it a placement candidate, how many sessions."""
+        pairs = [(scope_id, pod_id) for pod_id, scope_id in view.items()]
+        usage = await self._state.pod_usage(pairs)
+        return {
+            pod_id: PodUsage(candidate=candidate, sessions=sessions)
+            for (_, pod_id), (candidate, sessions) in zip(pairs, usage, strict=True)
+        }

@@ -1,0 +1,62 @@
+"""The app's lifespan with the background jobs on: ready only once jobs run, one leader per
+job across two replicas, locks given back on shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from redis.asyncio import Redis
+
+from agent_runtime.db.engine import Database
+from agent_runtime.jobs import JOB_LOCK_PREFIX
+from helpers import other_client, running_app
+
+JOBS = ("rm_autoscale", "rm_reclaim", "rm_watch", "rm_reconcile")
+
+
+async def wait_for(predicate, within: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if await predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+async def test_two_replicas_lead_each_job_once_and_give_locks_back(
+    redis: Redis, db: Database
+) -> None:
+    second = other_client(redis)
+    fast = {"jobs_enabled": True, "autoscale_interval": 0.1, "reclaim_interval": 0.1,
+            "watch_interval": 0.1, "reconcile_interval": 0.1}  # fmt: skip
+    async with (
+        running_app(redis, db, instance_id="a", **fast) as a,
+        running_app(second, db, instance_id="b", **fast) as b,
+    ):
+        assert (await a.get("/healthz")).json() == {"ok": True, "instance_id": "a"}
+        assert (await b.get("/healthz")).json() == {"ok": True, "instance_id": "b"}
+
+        async def all_led() -> bool:
+            return all([await redis.exists(JOB_LOCK_PREFIX + j) for j in JOBS])
+
+        await wait_for(all_led)
+        runners = [a.app.state.services.jobs, b.app.state.services.jobs]  # type: ignore[attr-defined]
+        for name in JOBS:
+            leaders = [await r.is_leader(name) for r in runners]
+            assert leaders.count(True) == 1, f"{name}: {leaders}"
+        await asyncio.sleep(0.5)
+        for name in JOBS:
+            runs = [r.jobs[name].runs for r in runners]
+            assert min(runs) == 0 and max(runs) >= 3, f"{name} ran on both replicas: {runs}"
+    for name in JOBS:
+        assert not await redis.exists(JOB_LOCK_PREFIX + name), f"{name} lock kept after stop"
+    await second.aclose()
+
+
+async def test_healthz_is_503_when_the_jobs_are_not_running(redis: Redis, db: Database) -> None:
+    async with running_app(redis, db, jobs_enabled=True) as client:
+        assert (await client.get("/healthz")).status_code == 200
+        await client.app.state.services.jobs.stop()  # type: ignore[attr-defined]
+        response = await client.get("/healthz")
+        assert response.status_code == 503 and response.json()["ok"] is False
