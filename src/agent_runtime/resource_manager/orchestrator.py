@@ -129,7 +129,16 @@ class ResourceOrchestrator:
             return await self._follow(scope_id, request_id, pool_config, ready_timeout, started_at)
         requester = _Requester()
         task = asyncio.create_task(
-            self._lead(scope_id, pod_spec, placeholder, lock, request_id, started_at, requester)
+            self._lead(
+                scope_id,
+                pod_spec,
+                pool_config,
+                placeholder,
+                lock,
+                request_id,
+                started_at,
+                requester,
+            )
         )
         # Our own task: a caller that disconnects does not abort a deploy half-way (that would
         # leave a pod nobody tracks, or a lock released while its deploy still runs).
@@ -145,6 +154,7 @@ class ResourceOrchestrator:
         self,
         scope_id: str,
         pod_spec: dict[str, Any],
+        pool_config: dict[str, int],
         placeholder: str,
         lock: Lock,
         request_id: str,
@@ -152,8 +162,10 @@ class ResourceOrchestrator:
         requester: _Requester,
     ) -> dict[str, str]:
         try:
-            # a leader that finished just before we took the lock may have brought our pod
-            fresh = await self._registered_since(scope_id, started_at)
+            # a leader that finished just before we took the lock may have brought a pod with
+            # room for us (never with pod_concurrency 1: it is full with its own session)
+            shareable = int(pool_config.get("pod_concurrency", 1)) > 1
+            fresh = await self._registered_since(scope_id, started_at) if shareable else None
             if fresh is not None:
                 await self._state.drop_placeholder(scope_id, placeholder)
                 return fresh

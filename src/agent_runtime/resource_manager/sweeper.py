@@ -248,7 +248,9 @@ class ResourceSweeper:
                     continue  # a deploy of that scope is in flight: maybe this very pod
                 # a dead one is deleted, never adopted: nobody else would (watch only sees
                 # pods Redis knows, and retries a failed delete of its own through here)
-                if not status.dead and await self._adopt(status):
+                if not status.dead and (
+                    await self._adopt_with_sessions(status) or await self._adopt(status)
+                ):
                     counts["adopted"] += 1
                 else:
                     with contextlib.suppress(Exception):
@@ -300,6 +302,31 @@ class ResourceSweeper:
             warm=True,
         )
         log.info("pod %s adopted into scope %s's warm pool", status.pod_id, status.scope_id)
+        return True
+
+    async def _adopt_with_sessions(self, status: PodStatus) -> bool:
+        """Redis lost only our keys but the session side still has sessions on the pod: keep
+        it in use whatever its version or the cap (a pod with live sessions is never deleted
+        for bookkeeping reasons); sunset and reclaim take their normal course afterwards."""
+        if not (status.pod_ip and status.scope_id):
+            return False
+        usage = await self._sessions.reconcile_pods({status.pod_id: status.scope_id})
+        use = usage.get(status.pod_id)
+        if use is None or use.sessions == 0:
+            return False
+        config = await self._state.pool_config(status.scope_id)
+        spec = config.pod_spec if config is not None and config.pod_spec else {}
+        await self._state.register(
+            scope_id=status.scope_id,
+            pod_id=status.pod_id,
+            placeholder=None,
+            pod_sse_url=sse_url(status.pod_ip, spec),
+            pod_ip=status.pod_ip,
+            namespace=status.namespace,
+            deploy_ver=status.deploy_ver or "",
+            warm=False,
+        )
+        log.info("pod %s re-adopted in use: %d live sessions", status.pod_id, use.sessions)
         return True
 
     # --- shared reads --------------------------------------------------------------------------

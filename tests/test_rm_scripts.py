@@ -1,0 +1,930 @@
+"""The resource manager's six Lua scripts, through ``ResourceState``, on fakeredis and real Redis.
+
+Each script alone (every branch, limits at the edge, replay = the same EVALSHA sent twice),
+real concurrency on the gates (acquire, follower room), and a Hypothesis state machine over
+acquire/placeholder/register/release/purge that checks the pool invariants after every step.
+Assertions read the Redis keys by their contract names (§4), not only the return values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import fakeredis
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from redis.asyncio import Redis
+
+from agent_runtime.resource_manager.state import (
+    POD_PREFIX,
+    AcquireOutcome,
+    ResourceState,
+)
+from helpers import REDIS_URL, claim_real_redis
+
+T = TypeVar("T")
+TTL = 600  # placeholder lifetime: no placeholder expires during a test unless made so on purpose
+HOLD = 120  # follower seat lifetime
+
+
+class K:
+    """Contract §4 key names (resource_manager part), spelled out here on purpose."""
+
+    @staticmethod
+    def config(sid: str) -> str:
+        return f"resource_manager:resource:scope:{sid}:config"
+
+    @staticmethod
+    def pods(sid: str) -> str:
+        return f"resource_manager:resource:scope:{sid}:pods"
+
+    @staticmethod
+    def idle(sid: str) -> str:
+        return f"resource_manager:resource:scope:{sid}:idle"
+
+    @staticmethod
+    def deploying(sid: str) -> str:
+        return f"resource_manager:resource:scope:{sid}:deploying"
+
+    @staticmethod
+    def followers(sid: str) -> str:
+        return f"resource_manager:resource:scope:{sid}:deploy_followers"
+
+    @staticmethod
+    def info(pod: str) -> str:
+        return f"resource_manager:resource:pod:{pod}:info"
+
+    @staticmethod
+    def idle_since(pod: str) -> str:
+        return f"resource_manager:resource:pod:{pod}:idle_since"
+
+    @staticmethod
+    def health_fails(pod: str) -> str:
+        return f"resource_manager:resource:pod:{pod}:health_fails"
+
+    PODS_ALL = "resource_manager:resource:pods:all"
+
+    @staticmethod
+    def idem(request_id: str) -> str:
+        return f"resource_manager:idem:{request_id}"
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rs(redis: Redis) -> ResourceState:
+    return ResourceState(redis)
+
+
+def sse(pod: str) -> str:
+    return f"http://10.0.0.1:8080/sse/{pod}"
+
+
+async def rnow(redis: Redis) -> int:
+    seconds, _ = await redis.time()
+    return int(seconds)
+
+
+async def configure(rs: ResourceState, sid: str, *, max_pods: int = 3, ver: str = "v1") -> None:
+    pool = {"min_idle_pods": 0, "max_pods": max_pods, "pod_ttl": 300, "pod_concurrency": 4}
+    await rs.write_pool_config(sid, pool, deploy_ver=ver, pod_spec={"image": f"img:{ver}"})
+
+
+async def add_pod(
+    rs: ResourceState, sid: str, pod: str, *, ver: str = "v1", warm: bool = False
+) -> None:
+    """The normal path: a placeholder, then register with it."""
+    member = await rs.add_placeholder(sid, f"tok-{pod}", TTL)
+    assert member is not None, "test setup: the scope is at max_pods"
+    held = await register(rs, sid, pod, member, ver=ver, warm=warm)
+    assert held
+
+
+async def register(
+    rs: ResourceState,
+    sid: str,
+    pod: str,
+    placeholder: str | None,
+    *,
+    ver: str = "v1",
+    warm: bool = False,
+) -> bool:
+    return await rs.register(
+        scope_id=sid,
+        pod_id=pod,
+        placeholder=placeholder,
+        pod_sse_url=sse(pod),
+        pod_ip="10.0.0.1",
+        namespace="agents",
+        deploy_ver=ver,
+        warm=warm,
+    )
+
+
+async def smembers(redis: Redis, key: str) -> set[str]:
+    return set(await redis.smembers(key))  # type: ignore[misc]
+
+
+async def zmembers(redis: Redis, key: str) -> set[str]:
+    return set(await redis.zrange(key, 0, -1))
+
+
+async def pod_keys(redis: Redis, pod: str) -> set[str]:
+    return {k async for k in redis.scan_iter(match=f"resource_manager:*{pod}*")}
+
+
+async def same_second(redis: Redis, action: Callable[[int], Awaitable[T]]) -> tuple[int, T]:
+    """Run ``action(now)`` so that the script's TIME is exactly ``now`` (retry across a tick)."""
+    for _ in range(20):
+        before = await rnow(redis)
+        result = await action(before)
+        if await rnow(redis) == before:
+            return before, result
+    raise AssertionError("the Redis clock ticked on every try")
+
+
+@asynccontextmanager
+async def second_client(redis: Redis) -> AsyncIterator[Redis]:
+    """Another client on the same server (another replica): its own connections."""
+    if isinstance(redis, fakeredis.FakeAsyncRedis):
+        server = redis.connection_pool.connection_kwargs["server"]
+        client: Redis = fakeredis.FakeAsyncRedis(server=server, decode_responses=True)
+    else:
+        client = Redis.from_url(REDIS_URL, decode_responses=True)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+def acquire_call(sid: str, request_id: str, token: str) -> dict[str, Any]:
+    """The exact EVALSHA keys/args ``ResourceState.acquire`` sends."""
+    keys = [K.config(sid), K.idle(sid), K.pods(sid), K.deploying(sid), K.idem(request_id)]
+    return {"keys": keys, "args": [POD_PREFIX, token, TTL, 60]}
+
+
+# --- acquire -----------------------------------------------------------------------------------
+
+
+async def test_acquire_without_config_is_no_config_and_writes_nothing(
+    rs: ResourceState, redis: Redis
+) -> None:
+    out = await rs.acquire("s1", "r1", "t1", TTL)
+    assert out == AcquireOutcome("no_config")
+    assert not await redis.exists(K.deploying("s1"), K.idem("r1"), K.config("s1"))
+
+
+async def test_acquire_reuses_only_a_warm_pod_of_the_current_version(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, "s1", max_pods=4, ver="v1")
+    await add_pod(rs, "s1", "old", ver="v1", warm=True)
+    await configure(rs, "s1", max_pods=4, ver="v2")  # a new pod spec: "old" is out of date
+    await add_pod(rs, "s1", "new", ver="v2", warm=True)
+
+    first = await rs.acquire("s1", "r1", "t1", TTL)
+    assert first == AcquireOutcome("reuse", "new", sse("new"))
+    second = await rs.acquire("s1", "r2", "t2", TTL)
+    assert second.action == "need_deploy"  # never the old-version pod
+
+    assert await smembers(redis, K.idle("s1")) == {"old"}  # stays in the pool (for reclaim)
+    assert await redis.exists(K.idle_since("old"))
+    assert await redis.hget(K.info("old"), "phase") == "idle"
+    assert await zmembers(redis, K.pods("s1")) == {"old", "new"}
+
+
+async def test_acquire_reuse_pops_the_pod_and_caches_the_result(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, "s1")
+    await add_pod(rs, "s1", "p1", warm=True)
+    await add_pod(rs, "s1", "p2", warm=True)
+    await redis.set(K.idle_since("p1"), 100)
+    await redis.set(K.idle_since("p2"), 50)  # p1 is the most recently idle
+
+    out = await rs.acquire("s1", "r1", "t1", TTL)
+    assert out == AcquireOutcome("reuse", "p1", sse("p1"))
+    assert await smembers(redis, K.idle("s1")) == {"p2"}
+    assert not await redis.exists(K.idle_since("p1"))
+    assert await redis.hget(K.info("p1"), "phase") == "in_use"
+    assert "p1" in await zmembers(redis, K.pods("s1"))  # still one of the scope's pods
+    assert json.loads(await redis.get(K.idem("r1"))) == {"pod_id": "p1", "pod_sse_url": sse("p1")}
+    assert 0 < await redis.ttl(K.idem("r1")) <= 60
+
+    again = await rs.acquire("s1", "r1", "t1-retry", TTL)  # same request id
+    assert again == AcquireOutcome("cached", "p1", sse("p1"))
+    assert await smembers(redis, K.idle("s1")) == {"p2"}  # p2 not taken by the replay
+    assert not await redis.exists(K.deploying("s1"))
+
+
+async def test_acquire_reuse_replayed_evalsha_is_cached(rs: ResourceState, redis: Redis) -> None:
+    await configure(rs, "s1")
+    await add_pod(rs, "s1", "p1", warm=True)
+    await add_pod(rs, "s1", "p2", warm=True)
+    call = acquire_call("s1", "r1", "t1")
+    first = await rs._acquire(**call)
+    second = await rs._acquire(**call)
+    assert first[0] == "reuse"
+    assert second[0] == "cached"
+    assert json.loads(second[1]) == {"pod_id": first[1], "pod_sse_url": first[2]}
+    assert len(await smembers(redis, K.idle("s1"))) == 1  # one pod left the pool, not two
+
+
+async def test_acquire_hands_out_the_most_recently_idle_pod_first(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, "s1", max_pods=3)
+    for pod in ("a", "b", "c"):
+        await add_pod(rs, "s1", pod, warm=True)
+    for pod, since in (("a", 200), ("b", 300), ("c", 100)):
+        await redis.set(K.idle_since(pod), since)
+    got = [(await rs.acquire("s1", f"r{i}", f"t{i}", TTL)).pod_id for i in range(3)]
+    assert got == ["b", "a", "c"]
+    assert not await redis.exists(K.idle("s1"))
+
+
+async def test_acquire_max_reached_counts_pods_and_placeholders(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, "s1", max_pods=3)
+    await add_pod(rs, "s1", "p1")  # in use
+    assert await rs.add_placeholder("s1", "other", TTL) is not None
+    third = await rs.acquire("s1", "r1", "t1", TTL)
+    assert third.action == "need_deploy"  # 1 pod + 1 placeholder + this one = 3 = max_pods
+    assert await redis.zcard(K.pods("s1")) + await redis.scard(K.deploying("s1")) == 3
+
+    full = await rs.acquire("s1", "r2", "t2", TTL)
+    assert full == AcquireOutcome("max_reached")
+    assert await redis.scard(K.deploying("s1")) == 2
+    assert not any(m.startswith("t2@") for m in await smembers(redis, K.deploying("s1")))
+    assert not await redis.exists(K.idem("r2"))
+
+    # an old-version warm pod counts too (it is one of the scope's pods until reclaimed)
+    await configure(rs, "s2", max_pods=1, ver="v1")
+    await add_pod(rs, "s2", "q1", ver="v1", warm=True)
+    await configure(rs, "s2", max_pods=1, ver="v2")
+    assert (await rs.acquire("s2", "r3", "t3", TTL)).action == "max_reached"
+
+    # max_pods 0: nothing ever
+    await configure(rs, "s3", max_pods=0)
+    assert (await rs.acquire("s3", "r4", "t4", TTL)).action == "max_reached"
+    assert not await redis.exists(K.deploying("s3"))
+
+
+async def test_acquire_need_deploy_adds_exactly_one_placeholder_and_replay_keeps_it(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, "s1", max_pods=3)
+    before = await rnow(redis)
+    out = await rs.acquire("s1", "r1", "t1", TTL)
+    after = await rnow(redis)
+    assert out.action == "need_deploy"
+    assert out.placeholder is not None
+    token, deadline = out.placeholder.rsplit("@", 1)
+    assert token == "t1"
+    assert before + TTL <= int(deadline) <= after + TTL
+    assert await smembers(redis, K.deploying("s1")) == {out.placeholder}
+
+    again = await rs.acquire("s1", "r1", "t1", TTL)  # the same call re-sent
+    assert again == out
+    raw = acquire_call("s1", "r1", "t1")
+    assert await rs._acquire(**raw) == ["need_deploy", out.placeholder]
+    assert await rs._acquire(**raw) == ["need_deploy", out.placeholder]
+    assert await smembers(redis, K.deploying("s1")) == {out.placeholder}
+    assert not await redis.exists(K.idem("r1"))  # only a handed-out pod is cached
+
+
+async def test_acquire_replay_at_the_cap_still_returns_its_placeholder(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, "s1", max_pods=1)
+    out = await rs.acquire("s1", "r1", "t1", TTL)
+    assert out.action == "need_deploy"
+    assert await rs.acquire("s1", "r1", "t1", TTL) == out  # not max_reached: it is ours
+    assert (await rs.acquire("s1", "r2", "t2", TTL)).action == "max_reached"
+
+
+async def test_acquire_drops_expired_placeholders_which_stop_counting(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, "s1", max_pods=2)
+    now = await rnow(redis)
+    await redis.sadd(K.deploying("s1"), f"crashed@{now - 5}", f"also@{now - 1}", "garbage")
+    first = await rs.acquire("s1", "r1", "t1", TTL)
+    assert first.action == "need_deploy"
+    assert await smembers(redis, K.deploying("s1")) == {first.placeholder}
+    second = await rs.acquire("s1", "r2", "t2", TTL)
+    assert second.action == "need_deploy"
+    assert (await rs.acquire("s1", "r3", "t3", TTL)).action == "max_reached"
+
+
+async def test_placeholder_deadline_is_inclusive(rs: ResourceState, redis: Redis) -> None:
+    """A placeholder expires after its deadline second, not at it (both engines alike)."""
+    await configure(rs, "s1", max_pods=5)
+
+    async def act(now: int) -> AcquireOutcome:
+        await redis.sadd(K.deploying("s1"), f"edge{now}@{now}")
+        return await rs.acquire("s1", f"r{now}", f"t{now}", TTL)
+
+    now, out = await same_second(redis, act)
+    assert out.action == "need_deploy"
+    assert f"edge{now}@{now}" in await smembers(redis, K.deploying("s1"))
+
+
+async def test_acquire_replaces_its_own_expired_placeholder(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, "s1", max_pods=1)
+    now = await rnow(redis)
+    await redis.sadd(K.deploying("s1"), f"t1@{now - 3}")
+    out = await rs.acquire("s1", "r1", "t1", TTL)
+    assert out.action == "need_deploy"
+    assert out.placeholder is not None
+    assert int(out.placeholder.rsplit("@", 1)[1]) >= now + TTL
+    assert await smembers(redis, K.deploying("s1")) == {out.placeholder}
+
+
+async def test_acquire_without_deploy_ver_in_config_reuses_nothing(
+    rs: ResourceState, redis: Redis
+) -> None:
+    pool = {"min_idle_pods": 0, "max_pods": 3, "pod_ttl": 300, "pod_concurrency": 4}
+    await rs.write_pool_config("s1", pool)  # no pod spec yet: no deploy_ver
+    await redis.sadd(K.idle("s1"), "ghost")  # an idle member without info
+    await redis.zadd(K.pods("s1"), {"ghost": 1})
+    out = await rs.acquire("s1", "r1", "t1", TTL)
+    assert out.action == "need_deploy"
+    assert await smembers(redis, K.idle("s1")) == {"ghost"}
+
+
+async def test_acquire_concurrent_cold_scope_reserves_exactly_max_pods(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, "s1", max_pods=3)
+    async with second_client(redis) as other:
+        rs2 = ResourceState(other)
+        outs = await asyncio.gather(
+            *((rs if i % 2 else rs2).acquire("s1", f"r{i}", f"t{i}", TTL) for i in range(30))
+        )
+    actions = [o.action for o in outs]
+    assert actions.count("need_deploy") == 3
+    assert actions.count("max_reached") == 27
+    members = {o.placeholder for o in outs if o.action == "need_deploy"}
+    assert await smembers(redis, K.deploying("s1")) == members
+    assert len(members) == 3
+
+
+async def test_acquire_concurrent_reuses_each_warm_pod_once_then_reserves_up_to_max(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, "s1", max_pods=5)
+    await add_pod(rs, "s1", "w1", warm=True)
+    await add_pod(rs, "s1", "w2", warm=True)
+    outs = await asyncio.gather(*(rs.acquire("s1", f"r{i}", f"t{i}", TTL) for i in range(30)))
+    actions = [o.action for o in outs]
+    assert sorted(o.pod_id for o in outs if o.action == "reuse") == ["w1", "w2"]
+    assert actions.count("need_deploy") == 3  # 2 pods + 3 placeholders = 5
+    assert actions.count("max_reached") == 25
+    assert not await redis.exists(K.idle("s1"), K.idle_since("w1"), K.idle_since("w2"))
+    assert await redis.scard(K.deploying("s1")) == 3
+    cached = {i for i, o in enumerate(outs) if o.action == "reuse"}
+    for i in range(30):
+        assert bool(await redis.exists(K.idem(f"r{i}"))) == (i in cached)
+
+
+# --- placeholder -------------------------------------------------------------------------------
+
+
+async def test_placeholder_without_config_is_none(rs: ResourceState, redis: Redis) -> None:
+    assert await rs.add_placeholder("s1", "t1", TTL) is None
+    assert not await redis.exists(K.deploying("s1"))
+
+
+async def test_placeholder_caps_at_max_pods_and_never_touches_idle(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, "s1", max_pods=3)
+    await add_pod(rs, "s1", "w1", warm=True)
+    before = await redis.get(K.idle_since("w1"))
+    a = await rs.add_placeholder("s1", "a", TTL)
+    b = await rs.add_placeholder("s1", "b", TTL)
+    assert a is not None
+    assert b is not None
+    assert a.startswith("a@")
+    assert await rs.add_placeholder("s1", "c", TTL) is None  # 1 pod + 2 placeholders = 3
+    assert await smembers(redis, K.deploying("s1")) == {a, b}
+    assert await smembers(redis, K.idle("s1")) == {"w1"}  # the warm pod was not consumed
+    assert await redis.get(K.idle_since("w1")) == before
+    assert await redis.hget(K.info("w1"), "phase") == "idle"
+
+
+async def test_placeholder_replay_returns_the_same_member(rs: ResourceState, redis: Redis) -> None:
+    await configure(rs, "s1", max_pods=1)
+    keys = [K.config("s1"), K.pods("s1"), K.deploying("s1")]
+    first = await rs._placeholder(keys=keys, args=["t1", TTL])
+    second = await rs._placeholder(keys=keys, args=["t1", TTL])  # at the cap, but ours
+    assert first == second
+    assert await smembers(redis, K.deploying("s1")) == {first}
+    assert await rs.add_placeholder("s1", "t1", TTL) == first
+    assert await rs.add_placeholder("s1", "t2", TTL) is None
+
+
+async def test_placeholder_drops_expired_ones_first(rs: ResourceState, redis: Redis) -> None:
+    await configure(rs, "s1", max_pods=1)
+    now = await rnow(redis)
+    await redis.sadd(K.deploying("s1"), f"crashed@{now - 1}")
+    member = await rs.add_placeholder("s1", "t1", TTL)
+    assert member is not None
+    assert await smembers(redis, K.deploying("s1")) == {member}
+
+
+async def test_drop_placeholder_frees_the_slot(rs: ResourceState, redis: Redis) -> None:
+    await configure(rs, "s1", max_pods=1)
+    member = await rs.add_placeholder("s1", "t1", TTL)
+    assert member is not None
+    await rs.drop_placeholder("s1", member)
+    assert not await redis.exists(K.deploying("s1"))
+    await rs.drop_placeholder("s1", member)  # idempotent
+    assert await rs.add_placeholder("s1", "t2", TTL) is not None
+
+
+# --- register ----------------------------------------------------------------------------------
+
+
+async def test_register_writes_info_pods_and_pods_all_and_gives_back_the_placeholder(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, "s1", max_pods=1)
+    member = await rs.add_placeholder("s1", "t1", TTL)
+    before = await rnow(redis)
+    held = await register(rs, "s1", "p1", member, ver="v1", warm=False)
+    after = await rnow(redis)
+    assert held is True
+    info = await redis.hgetall(K.info("p1"))
+    created = float(info.pop("created_ts"))  # Redis seconds with microseconds
+    assert before <= created < after + 1
+    assert info == {
+        "scope_id": "s1",
+        "pod_sse_url": sse("p1"),
+        "pod_ip": "10.0.0.1",
+        "namespace": "agents",
+        "phase": "in_use",
+        "deploy_ver": "v1",
+    }
+    assert await redis.zscore(K.pods("s1"), "p1") == created
+    assert await smembers(redis, K.PODS_ALL) == {"p1"}
+    assert not await redis.exists(K.deploying("s1"))  # the slot is now the pod's
+    assert not await redis.exists(K.idle("s1"), K.idle_since("p1"))
+    assert await redis.zcard(K.pods("s1")) + await redis.scard(K.deploying("s1")) == 1
+
+
+async def test_register_warm_goes_straight_into_the_pool(rs: ResourceState, redis: Redis) -> None:
+    await configure(rs, "s1")
+    member = await rs.add_placeholder("s1", "t1", TTL)
+    assert await register(rs, "s1", "p1", member, warm=True)
+    assert await smembers(redis, K.idle("s1")) == {"p1"}
+    created = await redis.hget(K.info("p1"), "created_ts")
+    assert await redis.get(K.idle_since("p1")) == created
+    assert await redis.hget(K.info("p1"), "phase") == "idle"
+
+
+async def test_register_replay_keeps_the_first_values_and_answer(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, "s1")
+    member = await rs.add_placeholder("s1", "t1", TTL)
+    assert member is not None
+    keys = [
+        K.info("p1"),
+        K.pods("s1"),
+        K.PODS_ALL,
+        K.deploying("s1"),
+        K.idle("s1"),
+        K.idle_since("p1"),
+    ]
+    args = ["p1", member, "s1", sse("p1"), "10.0.0.1", "agents", "v1", "1"]
+    assert await rs._register(keys=keys, args=args) == 1
+    # make the first call look older, so that a rewrite would show
+    await redis.hset(K.info("p1"), "created_ts", "1000")
+    await redis.zadd(K.pods("s1"), {"p1": 1000}, xx=True)
+    await redis.set(K.idle_since("p1"), "1000")
+    snapshot = await redis.hgetall(K.info("p1"))
+
+    assert await rs._register(keys=keys, args=args) == 1  # the same answer as the first call
+    assert await register(rs, "s1", "p1", member, warm=True) is True
+    assert await redis.hgetall(K.info("p1")) == snapshot
+    assert await redis.zscore(K.pods("s1"), "p1") == 1000
+    assert await redis.get(K.idle_since("p1")) == "1000"
+    assert await smembers(redis, K.idle("s1")) == {"p1"}
+    assert await zmembers(redis, K.pods("s1")) == {"p1"}
+    assert await smembers(redis, K.PODS_ALL) == {"p1"}
+    assert not await redis.exists(K.deploying("s1"))
+
+
+async def test_register_replay_never_puts_a_taken_pod_back_into_the_pool(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, "s1")
+    member = await rs.add_placeholder("s1", "t1", TTL)
+    assert await register(rs, "s1", "p1", member, warm=True)
+    assert (await rs.acquire("s1", "r1", "t-acq", TTL)).pod_id == "p1"  # handed out meanwhile
+    assert await register(rs, "s1", "p1", member, warm=True) is True  # a late re-send
+    assert not await redis.exists(K.idle("s1"), K.idle_since("p1"))
+    assert await redis.hget(K.info("p1"), "phase") == "in_use"
+
+
+async def test_register_with_an_expired_placeholder_registers_but_reports_not_held(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, "s1", max_pods=2)
+    now = await rnow(redis)
+    stale = f"t1@{now - 10}"
+    await redis.sadd(K.deploying("s1"), stale)  # expired, not yet swept
+    assert await register(rs, "s1", "p1", stale) is False
+    assert await register(rs, "s1", "p1", stale) is False  # replay: the same answer
+    assert not await redis.exists(K.deploying("s1"))
+    assert await redis.hget(K.info("p1"), "scope_id") == "s1"
+    assert await zmembers(redis, K.pods("s1")) == {"p1"}
+    assert await smembers(redis, K.PODS_ALL) == {"p1"}
+
+    # expired and already swept by someone else's acquire
+    swept = f"t2@{now - 10}"
+    await redis.sadd(K.deploying("s1"), swept)
+    assert (await rs.acquire("s1", "r9", "t9", TTL)).action == "need_deploy"
+    assert swept not in await smembers(redis, K.deploying("s1"))
+    assert await register(rs, "s1", "p2", swept, warm=True) is False
+    assert await register(rs, "s1", "p2", swept, warm=True) is False
+    assert await zmembers(redis, K.pods("s1")) == {"p1", "p2"}
+    assert await smembers(redis, K.idle("s1")) == {"p2"}
+    assert await redis.exists(K.idle_since("p2"))
+
+
+async def test_register_placeholder_holds_during_its_deadline_second(
+    rs: ResourceState, redis: Redis
+) -> None:
+    """The same boundary as the sweep: deadline == now is not expired yet."""
+
+    async def act(now: int) -> bool:
+        member = f"t{now}@{now}"
+        await redis.sadd(K.deploying("s1"), member)
+        return await register(rs, "s1", f"p{now}", member)
+
+    now, held = await same_second(redis, act)
+    assert held is True
+    assert await register(rs, "s1", f"p{now}", f"t{now}@{now}") is True  # replay
+
+
+async def test_register_without_placeholder(rs: ResourceState, redis: Redis) -> None:
+    assert await register(rs, "s1", "adopted", None, warm=True) is False
+    assert await smembers(redis, K.idle("s1")) == {"adopted"}
+    assert await smembers(redis, K.PODS_ALL) == {"adopted"}
+
+
+# --- release -----------------------------------------------------------------------------------
+
+
+async def test_release_puts_an_in_use_pod_into_the_pool_once(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, "s1")
+    await add_pod(rs, "s1", "p1", warm=False)
+    before = await rnow(redis)
+    assert await rs.release("s1", "p1") is True
+    after = await rnow(redis)
+    assert await smembers(redis, K.idle("s1")) == {"p1"}
+    assert before <= float(await redis.get(K.idle_since("p1"))) < after + 1
+    assert await redis.hget(K.info("p1"), "phase") == "idle"
+
+    await redis.set(K.idle_since("p1"), "1000")  # so that a restart of the clock would show
+    assert await rs.release("s1", "p1") is False
+    assert await redis.get(K.idle_since("p1")) == "1000"
+    assert await smembers(redis, K.idle("s1")) == {"p1"}
+
+
+async def test_release_of_a_pod_not_in_the_scope_writes_nothing(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, "s1")
+    await configure(rs, "s2")
+    await add_pod(rs, "s2", "theirs", warm=False)
+    assert await rs.release("s1", "theirs") is False  # another scope's pod
+    assert await rs.release("s1", "nobody") is False  # unknown (or purged) pod
+    assert not await redis.exists(K.idle("s1"), K.idle("s2"))
+    assert not await redis.exists(K.idle_since("theirs"), K.idle_since("nobody"))
+    assert not await redis.exists(K.info("nobody"))
+    assert await redis.hget(K.info("theirs"), "phase") == "in_use"
+
+
+# --- purge -------------------------------------------------------------------------------------
+
+
+async def test_purge_forgets_every_key_of_the_pod(rs: ResourceState, redis: Redis) -> None:
+    await configure(rs, "s1")
+    await add_pod(rs, "s1", "p1", warm=True)
+    await add_pod(rs, "s1", "p2", warm=True)
+    await rs.count_health_failure("p1")
+    assert await pod_keys(redis, "p1") == {K.info("p1"), K.idle_since("p1"), K.health_fails("p1")}
+
+    assert await rs.purge("p1") == "s1"
+    assert await pod_keys(redis, "p1") == set()
+    assert await zmembers(redis, K.pods("s1")) == {"p2"}
+    assert await smembers(redis, K.idle("s1")) == {"p2"}
+    assert await smembers(redis, K.PODS_ALL) == {"p2"}
+
+    assert await rs.purge("p1") is None  # again
+    assert await rs.purge("never") is None
+    assert await pod_keys(redis, "never") == set()
+    assert await redis.exists(K.info("p2"), K.idle_since("p2")) == 2
+
+
+async def test_purge_of_an_in_use_pod(rs: ResourceState, redis: Redis) -> None:
+    await configure(rs, "s1", max_pods=1)
+    await add_pod(rs, "s1", "p1", warm=False)
+    assert await rs.purge("p1") == "s1"
+    assert not await redis.exists(K.pods("s1"), K.PODS_ALL, K.info("p1"))
+    assert await rs.add_placeholder("s1", "t1", TTL) is not None  # its slot is free again
+
+
+async def test_take_out_of_idle_only_while_idle(rs: ResourceState, redis: Redis) -> None:
+    await configure(rs, "s1")
+    await add_pod(rs, "s1", "p1", warm=True)
+    assert await rs.take_out_of_idle("s1", "p1") is True
+    assert not await redis.exists(K.idle("s1"), K.idle_since("p1"))
+    assert await rs.take_out_of_idle("s1", "p1") is False
+    assert (await rs.acquire("s1", "r1", "t1", TTL)).action == "need_deploy"
+
+
+# --- deploy_follower_gate ----------------------------------------------------------------------
+
+
+async def test_follower_gate_seats_up_to_the_limit(rs: ResourceState, redis: Redis) -> None:
+    before = await rnow(redis)
+    seated = [await rs.take_follower_seat("s1", f"f{i}", HOLD, 3) for i in range(5)]
+    after = await rnow(redis)
+    assert seated == [True, True, True, False, False]
+    room = dict(await redis.zrange(K.followers("s1"), 0, -1, withscores=True))
+    assert set(room) == {"f0", "f1", "f2"}  # the refused ones did not stay
+    assert all(before + HOLD <= score <= after + HOLD for score in room.values())
+
+    await rs.leave_follower_seat("s1", "f1")
+    assert await rs.take_follower_seat("s1", "f3", HOLD, 3) is True
+    assert await zmembers(redis, K.followers("s1")) == {"f0", "f2", "f3"}
+
+
+async def test_follower_gate_drops_expired_seats(rs: ResourceState, redis: Redis) -> None:
+    now = await rnow(redis)
+    await redis.zadd(K.followers("s1"), {"crashed": now - 5, "alive": now + 100})
+    assert await rs.take_follower_seat("s1", "me", HOLD, 2) is True
+    assert await zmembers(redis, K.followers("s1")) == {"alive", "me"}
+    assert await rs.take_follower_seat("s1", "late", HOLD, 2) is False
+
+
+async def test_follower_gate_deadline_bound_is_exclusive(rs: ResourceState, redis: Redis) -> None:
+    """ZREMRANGEBYSCORE '(now': a seat whose deadline is this very second is still held."""
+
+    async def act(now: int) -> bool:
+        await redis.delete(K.followers("s1"))  # a retry starts from an empty room
+        await redis.zadd(K.followers("s1"), {f"edge{now}": now})
+        return await rs.take_follower_seat("s1", f"me{now}", HOLD, 1)
+
+    now, seated = await same_second(redis, act)
+    assert seated is False  # the edge seat still counts, so the room (limit 1) is full
+    assert await zmembers(redis, K.followers("s1")) == {f"edge{now}"}
+
+
+async def test_follower_gate_limit_zero_refuses_everyone(rs: ResourceState, redis: Redis) -> None:
+    assert await rs.take_follower_seat("s1", "f1", HOLD, 0) is False
+    assert await rs.take_follower_seat("s1", "f1", HOLD, 0) is False
+    assert not await redis.exists(K.followers("s1"))
+
+
+async def test_follower_gate_replay_of_a_seated_member(rs: ResourceState, redis: Redis) -> None:
+    assert await rs.take_follower_seat("s1", "f1", HOLD, 2) is True
+    assert await rs.take_follower_seat("s1", "f2", HOLD, 2) is True
+    keys, args = [K.followers("s1")], ["f1", HOLD, 2]
+    assert await rs._follower_gate(keys=keys, args=args) == 1
+    assert await rs._follower_gate(keys=keys, args=args) == 1
+    assert await redis.zcard(K.followers("s1")) == 2
+    assert await rs.take_follower_seat("s1", "f3", HOLD, 2) is False
+
+
+@pytest.mark.parametrize("clients", [1, 2])
+async def test_follower_gate_under_real_concurrency(
+    rs: ResourceState, redis: Redis, clients: int
+) -> None:
+    async with second_client(redis) as other:
+        states = [rs, ResourceState(other)][:clients]
+        seated = await asyncio.gather(
+            *(states[i % clients].take_follower_seat("s1", f"f{i}", HOLD, 4) for i in range(50))
+        )
+    assert sum(seated) == 4
+    winners = {f"f{i}" for i, ok in enumerate(seated) if ok}
+    assert await zmembers(redis, K.followers("s1")) == winners
+
+
+# --- the pool as a state machine ---------------------------------------------------------------
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """One scope, its Python model, and the invariants checked in Redis after every step.
+
+    Driven synchronously: each step runs the async call on a loop owned by the test.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, redis: Redis) -> None:
+        super().__init__()
+        self.loop, self.redis = loop, redis
+        self.rs = ResourceState(redis)
+        self.sid = f"hyp-{uuid.uuid4().hex[:10]}"
+        self.max_pods = 0
+        self.configured = False
+        self.ver = 1
+        self.seq = 0
+        self.placeholders: dict[str, str] = {}  # token -> member
+        self.pods: dict[str, tuple[int, bool]] = {}  # pod -> (version, idle)
+        self.gone: set[str] = set()  # purged pods
+
+    def run(self, coro: Awaitable[T]) -> T:
+        return self.loop.run_until_complete(coro)  # type: ignore[arg-type]
+
+    def next_id(self, kind: str) -> str:
+        self.seq += 1
+        return f"{self.sid}-{kind}{self.seq}"
+
+    def used(self) -> int:
+        return len(self.pods) + len(self.placeholders)
+
+    async def write_config(self) -> None:
+        await configure(self.rs, self.sid, max_pods=self.max_pods, ver=f"v{self.ver}")
+
+    @initialize(max_pods=st.integers(0, 4), configured=st.integers(0, 4))
+    def setup(self, max_pods: int, configured: int) -> None:
+        self.max_pods = max_pods
+        if configured:  # mostly configured; sometimes the no_config branch for a while
+            self.configured = True
+            self.run(self.write_config())
+
+    @precondition(lambda self: not self.configured)
+    @rule()
+    def add_config(self) -> None:
+        self.configured = True
+        self.run(self.write_config())
+
+    @precondition(lambda self: self.configured)
+    @rule()
+    def new_version(self) -> None:
+        self.ver += 1
+        self.run(self.write_config())
+
+    @rule(replay=st.booleans())
+    def acquire(self, replay: bool) -> None:
+        request_id, token = self.next_id("r"), self.next_id("t")
+        out = self.run(self.rs.acquire(self.sid, request_id, token, TTL))
+        warm = {p for p, (v, idle) in self.pods.items() if idle and v == self.ver}
+        if not self.configured:
+            assert out == AcquireOutcome("no_config")
+        elif warm:
+            assert out.action == "reuse"
+            assert out.pod_id in warm
+            self.pods[out.pod_id] = (self.ver, False)
+        elif self.used() >= self.max_pods:
+            assert out == AcquireOutcome("max_reached")
+        else:
+            assert out.action == "need_deploy"
+            assert out.placeholder is not None
+            assert out.placeholder.startswith(f"{token}@")
+            self.placeholders[token] = out.placeholder
+        if replay:
+            again = self.run(self.rs.acquire(self.sid, request_id, token, TTL))
+            if out.action == "reuse":
+                assert again == AcquireOutcome("cached", out.pod_id, out.pod_sse_url)
+            else:
+                assert again == out
+
+    @rule(replay=st.booleans())
+    def add_placeholder(self, replay: bool) -> None:
+        token = self.next_id("t")
+        member = self.run(self.rs.add_placeholder(self.sid, token, TTL))
+        if not self.configured or self.used() >= self.max_pods:
+            assert member is None
+        else:
+            assert member is not None
+            self.placeholders[token] = member
+        if replay:
+            assert self.run(self.rs.add_placeholder(self.sid, token, TTL)) == member
+
+    @precondition(lambda self: self.placeholders)
+    @rule(data=st.data())
+    def drop_placeholder(self, data: st.DataObject) -> None:
+        token = data.draw(st.sampled_from(sorted(self.placeholders)))
+        self.run(self.rs.drop_placeholder(self.sid, self.placeholders.pop(token)))
+
+    @precondition(lambda self: self.placeholders)
+    @rule(data=st.data(), warm=st.booleans(), old=st.booleans(), replay=st.booleans())
+    def register(self, data: st.DataObject, warm: bool, old: bool, replay: bool) -> None:
+        token = data.draw(st.sampled_from(sorted(self.placeholders)))
+        member = self.placeholders.pop(token)
+        pod, ver = self.next_id("p"), self.ver - 1 if old else self.ver
+        for _ in range(2 if replay else 1):
+            held = self.run(register(self.rs, self.sid, pod, member, ver=f"v{ver}", warm=warm))
+            assert held is True
+        self.pods[pod] = (ver, warm)
+
+    def any_pod(self, data: st.DataObject) -> str:
+        known = sorted(self.pods) + sorted(self.gone) + [f"{self.sid}-unknown"]
+        return data.draw(st.sampled_from(known))
+
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        pod = self.any_pod(data)
+        expected = pod in self.pods and not self.pods[pod][1]
+        assert self.run(self.rs.release(self.sid, pod)) is expected
+        if expected:
+            self.pods[pod] = (self.pods[pod][0], True)
+
+    @rule(data=st.data())
+    def purge(self, data: st.DataObject) -> None:
+        pod = self.any_pod(data)
+        assert self.run(self.rs.purge(pod)) == (self.sid if pod in self.pods else None)
+        self.pods.pop(pod, None)
+        if not pod.endswith("-unknown"):
+            self.gone.add(pod)
+
+    @precondition(lambda self: self.pods)
+    @rule(data=st.data())
+    def take_out_of_idle(self, data: st.DataObject) -> None:
+        pod = data.draw(st.sampled_from(sorted(self.pods)))
+        ver, idle = self.pods[pod]
+        assert self.run(self.rs.take_out_of_idle(self.sid, pod)) is idle
+        self.pods[pod] = (ver, False)
+
+    @invariant()
+    def redis_keys_hold_the_invariants(self) -> None:
+        self.run(self.check())
+
+    async def check(self) -> None:
+        r, sid = self.redis, self.sid
+        pods = await zmembers(r, K.pods(sid))
+        idle = await smembers(r, K.idle(sid))
+        deploying = await smembers(r, K.deploying(sid))
+        assert len(pods) + len(deploying) <= self.max_pods
+        assert idle <= pods
+        for pod in pods | self.gone | set(self.pods):
+            assert bool(await r.exists(K.idle_since(pod))) == (pod in idle), pod
+        for pod in pods:
+            assert await r.hget(K.info(pod), "scope_id") == sid
+            assert await r.sismember(K.PODS_ALL, pod)
+        for pod in self.gone:
+            assert not await r.exists(K.info(pod))
+            assert not await r.sismember(K.PODS_ALL, pod)
+        # and Redis agrees with the model
+        assert pods == set(self.pods)
+        assert idle == {p for p, (_, is_idle) in self.pods.items() if is_idle}
+        assert deploying == set(self.placeholders.values())
+
+
+async def _machine_client(backend: str) -> Redis:
+    if backend == "fake":
+        return fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    return await claim_real_redis()
+
+
+async def _machine_cleanup(client: Redis, backend: str) -> None:
+    if backend == "real":
+        await client.flushdb()
+    await client.aclose()
+
+
+@pytest.mark.parametrize("backend", ["fake", "real"])
+def test_pool_state_machine(backend: str) -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        client = loop.run_until_complete(_machine_client(backend))
+        try:
+            run_state_machine_as_test(
+                lambda: PoolMachine(loop, client),
+                settings=settings(
+                    max_examples=100,
+                    stateful_step_count=40,
+                    deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow],
+                ),
+            )
+        finally:
+            loop.run_until_complete(_machine_cleanup(client, backend))
+    finally:
+        loop.close()
