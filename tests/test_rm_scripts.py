@@ -198,7 +198,7 @@ async def test_acquire_reuses_only_a_warm_pod_of_the_current_version(
     await add_pod(rs, "s1", "new", ver="v2", warm=True)
 
     first = await rs.acquire("s1", "r1", "t1", TTL)
-    assert first == AcquireOutcome("reuse", "new", sse("new"))
+    assert first == AcquireOutcome("reuse", "new", sse("new"), "v2")
     second = await rs.acquire("s1", "r2", "t2", TTL)
     assert second.action == "need_deploy"  # never the old-version pod
 
@@ -218,16 +218,21 @@ async def test_acquire_reuse_pops_the_pod_and_caches_the_result(
     await redis.set(K.idle_since("p2"), 50)  # p1 is the most recently idle
 
     out = await rs.acquire("s1", "r1", "t1", TTL)
-    assert out == AcquireOutcome("reuse", "p1", sse("p1"))
+    ver = await redis.hget(K.info("p1"), "deploy_ver")
+    assert out == AcquireOutcome("reuse", "p1", sse("p1"), ver)
     assert await smembers(redis, K.idle("s1")) == {"p2"}
     assert not await redis.exists(K.idle_since("p1"))
     assert await redis.hget(K.info("p1"), "phase") == "in_use"
     assert "p1" in await zmembers(redis, K.pods("s1"))  # still one of the scope's pods
-    assert json.loads(await redis.get(K.idem("r1"))) == {"pod_id": "p1", "pod_sse_url": sse("p1")}
+    assert json.loads(await redis.get(K.idem("r1"))) == {
+        "pod_id": "p1",
+        "pod_sse_url": sse("p1"),
+        "deploy_ver": ver,
+    }
     assert 0 < await redis.ttl(K.idem("r1")) <= 60
 
     again = await rs.acquire("s1", "r1", "t1-retry", TTL)  # same request id
-    assert again == AcquireOutcome("cached", "p1", sse("p1"))
+    assert again == AcquireOutcome("cached", "p1", sse("p1"), ver)
     assert await smembers(redis, K.idle("s1")) == {"p2"}  # p2 not taken by the replay
     assert not await redis.exists(K.deploying("s1"))
 
@@ -241,7 +246,11 @@ async def test_acquire_reuse_replayed_evalsha_is_cached(rs: ResourceState, redis
     second = await rs._acquire(**call)
     assert first[0] == "reuse"
     assert second[0] == "cached"
-    assert json.loads(second[1]) == {"pod_id": first[1], "pod_sse_url": first[2]}
+    assert json.loads(second[1]) == {
+        "pod_id": first[1],
+        "pod_sse_url": first[2],
+        "deploy_ver": first[3],
+    }
     assert len(await smembers(redis, K.idle("s1"))) == 1  # one pod left the pool, not two
 
 
@@ -811,7 +820,9 @@ class PoolMachine(RuleBasedStateMachine):
         if replay:
             again = self.run(self.rs.acquire(self.sid, request_id, token, TTL))
             if out.action == "reuse":
-                assert again == AcquireOutcome("cached", out.pod_id, out.pod_sse_url)
+                assert again == AcquireOutcome(
+                    "cached", out.pod_id, out.pod_sse_url, out.deploy_ver
+                )
             else:
                 assert again == out
 

@@ -98,6 +98,13 @@ class ScopeFullTimeout(AgentRuntimeError):
     default_retry_after = 1
 
 
+class ClientDisconnected(AgentRuntimeError):
+    """The caller went away while waiting (nobody reads this answer; 499 as nginx logs it)."""
+
+    code = ErrorCode.VALIDATION
+    http_status = 499
+
+
 class InternalError(AgentRuntimeError):
     code = ErrorCode.INTERNAL
     http_status = 500

@@ -31,7 +31,9 @@ from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceSta
 from agent_runtime.resource_manager.sweeper import ResourceSweeper
 from agent_runtime.session_manager.config_store import ConfigStore
 from agent_runtime.session_manager.facade import SessionManagerFacade
-from agent_runtime.session_manager.state import SessionState
+from agent_runtime.session_manager.orchestrator import SessionOrchestrator
+from agent_runtime.session_manager.state import FREE_PATTERN, SessionState
+from agent_runtime.session_manager.sweeper import SessionSweeper
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +126,8 @@ class Services:
     resources: ResourceManagerFacade
     sessions: SessionManagerFacade
     sweeper: ResourceSweeper
+    session_orchestrator: SessionOrchestrator
+    session_sweeper: SessionSweeper
     jobs: JobRunner
     config_store: ConfigStore
     ready: bool = False  # set once startup completed; /healthz and handlers wait for it
@@ -137,6 +141,7 @@ class Services:
     async def stop(self) -> None:
         """Reverse order: no new ticks, then running deploys finish or clean up."""
         await self.jobs.stop()
+        await self.session_sweeper.wait_for_notices()
         await self.sweeper.wait_for_warm_deploys()
         await self.orchestrator.close()
         await self.notifier.stop()
@@ -146,7 +151,7 @@ def wire(settings: Settings, backends: Backends) -> Services:
     redis = backends.redis
     session_state = SessionState(redis)
     resource_state = ResourceState(redis)
-    notifier = Notifier(redis, patterns=[REGISTERED_PATTERN])
+    notifier = Notifier(redis, patterns=[REGISTERED_PATTERN, FREE_PATTERN])
     orchestrator = ResourceOrchestrator(
         state=resource_state,
         k8s=backends.k8s,
@@ -162,9 +167,12 @@ def wire(settings: Settings, backends: Backends) -> Services:
         sessions=sessions,
         default_namespace=settings.default_namespace,
     )
+    config_store = ConfigStore(db=backends.db, state=session_state, resources=resources)
+    session_sweeper = SessionSweeper(state=session_state, resources=resources)
     jobs = JobRunner(
         redis=redis,
         jobs=[
+            Job("sm_sweep", settings.sweep_interval, session_sweeper.sweep_once),
             Job("rm_autoscale", settings.autoscale_interval, sweeper.autoscale_once),
             Job("rm_reclaim", settings.reclaim_interval, sweeper.reclaim_once),
             Job("rm_watch", settings.watch_interval, sweeper.watch_once),
@@ -181,8 +189,16 @@ def wire(settings: Settings, backends: Backends) -> Services:
         resources=resources,
         sessions=sessions,
         sweeper=sweeper,
+        session_orchestrator=SessionOrchestrator(
+            state=session_state,
+            config_store=config_store,
+            resources=resources,
+            notifier=notifier,
+            scope_full_timeout=settings.scope_full_timeout,
+        ),
+        session_sweeper=session_sweeper,
         jobs=jobs,
-        config_store=ConfigStore(db=backends.db, state=session_state, resources=resources),
+        config_store=config_store,
     )
 
 

@@ -8,10 +8,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from agent_runtime.resource_manager.models import DeployFailed, K8sApiError, MaxPodsReached
+from agent_runtime.resource_manager.models import (
+    DeployFailed,
+    DeployInProgress,
+    K8sApiError,
+    MaxPodsReached,
+)
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 
-__all__ = ["DeployFailed", "K8sApiError", "MaxPodsReached", "ResourceManagerFacade"]
+__all__ = [
+    "DeployFailed",
+    "DeployInProgress",
+    "K8sApiError",
+    "MaxPodsReached",
+    "ResourceManagerFacade",
+]
 
 
 class ResourceManagerFacade:
@@ -21,9 +32,12 @@ class ResourceManagerFacade:
     async def acquire(
         self, scope_id: str, pod_spec: dict[str, Any], pool_config: dict[str, int], request_id: str
     ) -> dict[str, str]:
-        """``{pod_id, pod_sse_url}`` of a warm pod or of one new deploy (followers share it).
+        """``{pod_id, pod_sse_url, deploy_ver}`` of a warm pod or of one new deploy (followers
+        share it).
 
-        Raises ``MaxPodsReached`` (cap, or the follower room is full) or ``DeployFailed``.
+        Raises ``MaxPodsReached`` (the cap is held by pods that exist), its subclass
+        ``DeployInProgress`` (the cap is held by a deploy in flight whose follower room is
+        full: its pod registers soon) or ``DeployFailed``.
         """
         return await self._orchestrator.acquire(scope_id, pod_spec, pool_config, request_id)
 

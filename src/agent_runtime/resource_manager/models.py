@@ -78,6 +78,11 @@ class MaxPodsReached(ResourceError):
     """No pod can be had now: the scope is at max_pods, or the follower room is full."""
 
 
+class DeployInProgress(MaxPodsReached):
+    """No pod now, but one is being deployed for the scope (its slots may be for us): the
+    caller may wait for the registration instead of failing."""
+
+
 class DeployFailed(ResourceError):
     """A deploy did not give a Ready pod (timeout, image pull, crash loop, API refusal)."""
 

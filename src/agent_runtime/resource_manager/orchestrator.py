@@ -23,10 +23,11 @@ from redis.exceptions import LockError
 
 from agent_runtime import spec_fields
 from agent_runtime.notify import Notifier
-from agent_runtime.resource_manager.k8s import K8sPodClient
+from agent_runtime.resource_manager.k8s import K8sPodClient, parse_label_selector
 from agent_runtime.resource_manager.models import (
     COMPONENT_SELECTOR,
     DeployFailed,
+    DeployInProgress,
     MaxPodsReached,
     PodDeployInfo,
 )
@@ -84,7 +85,11 @@ class ResourceOrchestrator:
             outcome = await self._state.acquire(scope_id, request_id, token, placeholder_ttl)
             if outcome.action in ("cached", "reuse"):
                 assert outcome.pod_id is not None and outcome.pod_sse_url is not None
-                return {"pod_id": outcome.pod_id, "pod_sse_url": outcome.pod_sse_url}
+                return {
+                    "pod_id": outcome.pod_id,
+                    "pod_sse_url": outcome.pod_sse_url,
+                    "deploy_ver": outcome.deploy_ver or "",
+                }
             if outcome.action == "no_config":
                 if wrote_config:
                     raise DeployFailed(f"scope {scope_id}: pool config vanished during acquire")
@@ -92,7 +97,7 @@ class ResourceOrchestrator:
                 wrote_config = True
                 continue
             if outcome.action == "max_reached":
-                if await self._state.redis.exists(deploy_lock_key(scope_id)):
+                if await self._deploy_in_flight(scope_id):
                     # the cap is held by a deploy in flight: its pod may have room for us
                     return await self._follow(
                         scope_id, request_id, pool_config, ready_timeout, started_at
@@ -218,7 +223,7 @@ class ResourceOrchestrator:
         log.info(
             "scope %s: pod %s registered (%s)", scope_id, info.pod_id, "warm" if warm else "in use"
         )
-        return {"pod_id": info.pod_id, "pod_sse_url": info.pod_sse_url}
+        return {"pod_id": info.pod_id, "pod_sse_url": info.pod_sse_url, "deploy_ver": version}
 
     async def _discard_pod(self, scope_id: str, info: PodDeployInfo, placeholder: str) -> None:
         with contextlib.suppress(Exception):
@@ -237,7 +242,7 @@ class ResourceOrchestrator:
         limit = max(int(pool_config.get("pod_concurrency", 1)) - 1, 0)
         hold = math.ceil(ready_timeout) + FOLLOWER_MARGIN
         if not await self._state.take_follower_seat(scope_id, request_id, hold, limit):
-            raise MaxPodsReached(f"scope {scope_id}: a deploy is running and its room is full")
+            raise DeployInProgress(f"scope {scope_id}: a deploy is running and its room is full")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + hold
         try:
@@ -246,7 +251,7 @@ class ResourceOrchestrator:
                     fresh = await self._registered_since(scope_id, started_at)
                     if fresh is not None:
                         return fresh
-                    if not await self._state.redis.exists(deploy_lock_key(scope_id)):
+                    if not await self._deploy_in_flight(scope_id):
                         # the leader is done and brought nothing: its deploy failed
                         fresh = await self._registered_since(scope_id, started_at)
                         if fresh is not None:
@@ -260,12 +265,23 @@ class ResourceOrchestrator:
             with contextlib.suppress(Exception):
                 await self._state.leave_follower_seat(scope_id, request_id)
 
+    async def _deploy_in_flight(self, scope_id: str) -> bool:
+        """A leader holds the lock, or a placeholder is taken (a caller on its way to the lock,
+        or a warm deploy)."""
+        if await self._state.redis.exists(deploy_lock_key(scope_id)):
+            return True
+        return bool(await self._state.deploying(scope_id))
+
     async def _registered_since(self, scope_id: str, since: float) -> dict[str, str] | None:
         """The newest in-use pod of the scope registered since ``since`` (Redis seconds)."""
         for pod_id in await self._state.pods_registered_since(scope_id, since):
             info = await self._state.pod_info(pod_id)
             if info.get("pod_sse_url") and info.get("phase") == "in_use":
-                return {"pod_id": pod_id, "pod_sse_url": info["pod_sse_url"]}
+                return {
+                    "pod_id": pod_id,
+                    "pod_sse_url": info["pod_sse_url"],
+                    "deploy_ver": info.get("deploy_ver", ""),
+                }
         return None
 
     # --- the rest of the facade ----------------------------------------------------------------
@@ -288,6 +304,8 @@ class ResourceOrchestrator:
         """Delete AgentServer pods matching the selector (the component label always ANDed
         in). Redis is not touched: watch and reconcile notice the deleted pods."""
         ns = namespace or self._default_namespace
+        if label_selector:
+            parse_label_selector(label_selector)  # ValueError for a malformed selector
         selector = (
             COMPONENT_SELECTOR if not label_selector else f"{COMPONENT_SELECTOR},{label_selector}"
         )

@@ -79,6 +79,7 @@ class AcquireOutcome:
     action: str  # cached | reuse | no_config | max_reached | need_deploy
     pod_id: str | None = None
     pod_sse_url: str | None = None
+    deploy_ver: str | None = None
     placeholder: str | None = None
 
 
@@ -163,9 +164,11 @@ class ResourceState:
         action = reply[0]
         if action == "cached":
             cached = json.loads(reply[1])
-            return AcquireOutcome("cached", cached["pod_id"], cached["pod_sse_url"])
+            return AcquireOutcome(
+                "cached", cached["pod_id"], cached["pod_sse_url"], cached.get("deploy_ver")
+            )
         if action == "reuse":
-            return AcquireOutcome("reuse", reply[1], reply[2])
+            return AcquireOutcome("reuse", reply[1], reply[2], reply[3])
         if action == "need_deploy":
             return AcquireOutcome("need_deploy", placeholder=reply[1])
         return AcquireOutcome(action)

@@ -43,7 +43,7 @@ class SessionManagerFacade:
                 if await self._state.cleanup_pod(scope_id, pod_id) != -1:
                     break
                 for session_id in await self._state.pod_sessions(scope_id, pod_id):
-                    if await self._state.evict(session_id) is not None:
+                    if await self._state.evict(session_id, pod_died=True) is not None:
                         evicted += 1
             else:
                 log.warning("pod %s in scope %s: sessions keep arriving", pod_id, scope_id)

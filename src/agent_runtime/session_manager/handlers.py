@@ -1,38 +1,86 @@
-"""HTTP handlers of ``/api/session``. Thin: parse the envelope, check the token, delegate."""
+"""HTTP handlers of ``/api/session``. Thin: check the token, parse the envelope, delegate.
+
+Bodies are read in a dependency after the token check (FastAPI would parse a declared body
+before any dependency runs), so without a valid token every request is the same 401.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from agent_runtime.auth import check_bearer
 from agent_runtime.envelope import AdminEnvelope, ok, parse_rawdata, read_envelope
-from agent_runtime.session_manager.config_store import ConfigStore
-from agent_runtime.session_manager.models import ConfigSyncRequest
+from agent_runtime.errors import K8sError, ValidationFailed
+from agent_runtime.resource_manager.facade import K8sApiError
+from agent_runtime.session_manager.models import (
+    CleanupRequest,
+    ConfigSyncRequest,
+    RouteEnvelope,
+    TouchEnvelope,
+)
 from agent_runtime.wiring import Services, services
 
 router = APIRouter(strict_content_type=False)  # JSON whatever the Content-Type
 
 ServicesDep = Annotated[Services, Depends(services)]
+E = TypeVar("E", bound=BaseModel)
 
 
-async def _admin_envelope(request: Request, svc: ServicesDep) -> AdminEnvelope:
-    """The token first, then the body: without a valid token every request is the same 401.
+def _body(model: type[E], *, admin: bool):  # type: ignore[no-untyped-def]
+    async def dependency(request: Request, svc: ServicesDep) -> E:
+        tokens = svc.settings.admin_tokens if admin else svc.settings.gateway_tokens
+        check_bearer(request.headers.get("authorization"), tokens)
+        return await read_envelope(request, model)
 
-    The body is read here rather than declared as a parameter, because FastAPI parses a
-    declared body before any dependency runs."""
-    check_bearer(request.headers.get("authorization"), svc.settings.admin_tokens)
-    return await read_envelope(request, AdminEnvelope)
+    return Depends(dependency)
 
 
-AdminBody = Annotated[AdminEnvelope, Depends(_admin_envelope)]
+AdminBody = Annotated[AdminEnvelope, _body(AdminEnvelope, admin=True)]
+RouteBody = Annotated[RouteEnvelope, _body(RouteEnvelope, admin=False)]
+TouchBody = Annotated[TouchEnvelope, _body(TouchEnvelope, admin=False)]
+
+
+@router.post("/route")
+async def route(envelope: RouteBody, request: Request, svc: ServicesDep) -> JSONResponse:
+    """Which pod serves this session: refresh, placed or rebound (gateway)."""
+    meta = envelope.metadata
+    data = await svc.session_orchestrator.route(
+        meta.request_id,
+        meta.session_id,
+        meta.extra.group_id,
+        meta.bot_id,
+        disconnected=request.is_disconnected,
+    )
+    return ok(meta.request_id, data)
+
+
+@router.post("/touch")
+async def touch(envelope: TouchBody, svc: ServicesDep) -> JSONResponse:
+    """Keep a session alive, or end it with ``rawdata.eos`` (gateway)."""
+    meta = envelope.metadata
+    data = await svc.session_orchestrator.touch(meta.session_id, eos=envelope.rawdata.eos)
+    return ok(meta.request_id, data)
 
 
 @router.post("/config_sync")
 async def config_sync(envelope: AdminBody, svc: ServicesDep) -> JSONResponse:
     """Create, update, delete or sync one template or routing rule (admin)."""
     body = parse_rawdata(ConfigSyncRequest, envelope.rawdata)
-    store: ConfigStore = svc.config_store
-    return ok(envelope.metadata.request_id, await store.config_sync(body))
+    return ok(envelope.metadata.request_id, await svc.config_store.config_sync(body))
+
+
+@router.post("/cleanup")
+async def cleanup(envelope: AdminBody, svc: ServicesDep) -> JSONResponse:
+    """Bulk-delete AgentServer pods in Kubernetes (admin); Redis is left to watch/reconcile."""
+    body = parse_rawdata(CleanupRequest, envelope.rawdata)
+    try:
+        cleaned = await svc.resources.cleanup(body.namespace, body.label_selector)
+    except ValueError as exc:
+        raise ValidationFailed(f"rawdata.label_selector: {exc}") from None
+    except K8sApiError as exc:
+        raise K8sError(f"kubernetes refused the cleanup: {exc}") from None
+    return ok(envelope.metadata.request_id, {"cleaned": cleaned})

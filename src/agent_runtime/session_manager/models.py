@@ -148,6 +148,52 @@ class RoutingRuleKey(BaseModel):
     bot_id: Id
 
 
+class RouteExtra(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    group_id: Id
+
+
+class RouteMetadata(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    request_id: Id
+    session_id: Id
+    bot_id: Id
+    extra: RouteExtra
+
+
+class RouteEnvelope(BaseModel):
+    """route: every id required (contract §2.3)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    metadata: RouteMetadata
+    rawdata: dict[str, Any] = Field(default_factory=dict)
+
+
+class TouchMetadata(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    request_id: Id | None = None
+    session_id: Id
+
+
+class TouchRawdata(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    eos: bool = False
+
+
+class TouchEnvelope(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    metadata: TouchMetadata
+    rawdata: TouchRawdata = Field(default_factory=TouchRawdata)
+
+
+class CleanupRequest(BaseModel):
+    """``rawdata`` of cleanup: both optional (default namespace; the component label)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    namespace: DnsLabel | None = None
+    label_selector: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+
+
 M = TypeVar("M", bound=BaseModel)
 Kind = Literal["template", "routing_rule"]
 Op = Literal["create", "update", "delete", "sync"]

@@ -64,6 +64,28 @@ def scope_free_channel(scope_id: str) -> str:
     return f"{P}scope:{scope_id}:free"
 
 
+def scope_waiters_key(scope_id: str) -> str:
+    return f"{P}scope:{scope_id}:waiters"
+
+
+def scope_pod_seq_key(scope_id: str) -> str:
+    return f"{P}scope:{scope_id}:pod_seq"
+
+
+def route_key(request_id: str) -> str:
+    """Replay of a route: its answer (JSON) for 60 s, or ``pending:{token}`` while running."""
+    return f"{P}route:{request_id}"
+
+
+def previous_pod_key(session_id: str) -> str:
+    """Tombstone: the pod that died under the session (for ``rebound``), for session_ttl."""
+    return f"{P}session:{session_id}:previous_pod"
+
+
+FREE_PATTERN = f"{P}scope:*:free"
+REPLAY_TTL = 60
+
+
 PODS_REGISTERED_KEY = f"{P}pods:registered"
 SESSION_EXPIRY_KEY = f"{P}session_expiry"
 CONFIG_SYNC_LOCK_KEY = f"{P}lock:config_sync"
@@ -82,15 +104,125 @@ class SessionState:
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
         pkg = "agent_runtime.session_manager"
-        self._evict = lua.register(redis, pkg, "evict")
+        self._route_place = lua.register(redis, pkg, "route_place", prelude="_session")
+        self._evict = lua.register(redis, pkg, "evict", prelude="_session")
+        self._touch = lua.register(redis, pkg, "touch", prelude="_session")
+        self._sweep_idle_notify = lua.register(redis, pkg, "sweep_idle_notify")
+        self._register_pod = lua.register(redis, pkg, "register_pod")
         self._cleanup_pod = lua.register(redis, pkg, "cleanup_pod")
+        self._waiter_gate = lua.register(redis, pkg, "waiter_gate")
+
+    # --- route and touch (scripts) -------------------------------------------------------------
+
+    async def route_place(
+        self, *, request_id: str, session_id: str, scope_id: str, token: str
+    ) -> list[str]:
+        """One EVALSHA: replay, refresh, or first-fit placement (see route_place.lua)."""
+        return cast(
+            list[str],
+            await self._route_place(
+                keys=[
+                    session_key(session_id),
+                    SESSION_EXPIRY_KEY,
+                    scope_sessions_key(scope_id),
+                    scope_pods_key(scope_id),
+                    scope_config_key(scope_id),
+                    PODS_REGISTERED_KEY,
+                    route_key(request_id),
+                    previous_pod_key(session_id),
+                ],
+                args=[P, session_id, scope_id, token, REPLAY_TTL],
+            ),
+        )
+
+    async def abandon_route(self, request_id: str, token: str) -> None:
+        """A failed route gives up its pending replay marker (only its own), so a retry runs."""
+        key = route_key(request_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            with suppress(WatchError):
+                await pipe.watch(key)
+                if await pipe.get(key) == f"pending:{token}":
+                    pipe.multi()
+                    pipe.delete(key)
+                    await pipe.execute()
+
+    async def touch(self, session_id: str, *, eos: bool) -> tuple[bool, bool]:
+        """(touched, released) — see touch.lua."""
+        touched, released = await self._touch(
+            keys=[session_key(session_id), SESSION_EXPIRY_KEY],
+            args=[P, session_id, "1" if eos else "0"],
+        )
+        return bool(touched), bool(released)
+
+    async def register_pod(self, scope_id: str, pod_id: str, sse_url: str, deploy_ver: str) -> bool:
+        """Make the pod a candidate; False if it is not of the scope's current version."""
+        return bool(
+            await self._register_pod(
+                keys=[
+                    scope_pods_key(scope_id),
+                    scope_pod_seq_key(scope_id),
+                    pod_info_key(scope_id, pod_id),
+                    PODS_REGISTERED_KEY,
+                    pod_scopes_key(pod_id),
+                    pod_idle_notified_key(scope_id, pod_id),
+                    scope_config_key(scope_id),
+                ],
+                args=[P, scope_id, pod_id, sse_url, deploy_ver],
+            )
+        )
+
+    async def sweep_idle_notify(self, scope_id: str, pod_id: str, grace: float) -> bool:
+        return bool(
+            await self._sweep_idle_notify(
+                keys=[
+                    pod_sessions_key(scope_id, pod_id),
+                    pod_idle_notified_key(scope_id, pod_id),
+                    scope_pods_key(scope_id),
+                    pod_info_key(scope_id, pod_id),
+                ],
+                args=[pod_id, grace],
+            )
+        )
+
+    async def take_waiter_seat(
+        self, scope_id: str, request_id: str, hold_seconds: float, limit: int
+    ) -> bool:
+        return bool(
+            await self._waiter_gate(
+                keys=[scope_waiters_key(scope_id)], args=[request_id, hold_seconds, limit]
+            )
+        )
+
+    async def leave_waiter_seat(self, scope_id: str, request_id: str) -> None:
+        await self.redis.zrem(scope_waiters_key(scope_id), request_id)
+
+    async def expired_sessions(self, limit: int) -> list[str]:
+        """Sessions whose expiry passed (Redis clock), oldest first, at most ``limit``."""
+        seconds, micros = await self.redis.time()
+        now = seconds + micros / 1_000_000
+        return cast(
+            list[str],
+            await self.redis.zrangebyscore(SESSION_EXPIRY_KEY, "-inf", now, start=0, num=limit),
+        )
+
+    async def registered_pods(self) -> list[tuple[str, str]]:
+        """Every registered (scope, pod), by SSCAN."""
+        pairs = []
+        async for member in self.redis.sscan_iter(PODS_REGISTERED_KEY, count=500):
+            scope_id, _, pod_id = member.partition(":")
+            pairs.append((scope_id, pod_id))
+        return pairs
 
     # --- sessions and pods (scripts) -----------------------------------------------------------
 
-    async def evict(self, session_id: str) -> tuple[str, str, int] | None:
-        """Remove a session from its four places; (scope, pod, sessions left) or None."""
+    async def evict(
+        self, session_id: str, *, pod_died: bool = False
+    ) -> tuple[str, str, int] | None:
+        """Remove a session from its four places; (scope, pod, sessions left) or None.
+        ``pod_died`` leaves a tombstone so the session's next route answers ``rebound``."""
         reply = await self._evict(
-            keys=[session_key(session_id), SESSION_EXPIRY_KEY], args=[P, session_id]
+            keys=[session_key(session_id), SESSION_EXPIRY_KEY],
+            args=[P, session_id, "1" if pod_died else "0"],
         )
         if not reply:
             return None

@@ -12,7 +12,7 @@
 -- ARGV[4] idem TTL in seconds
 --
 -- returns {"cached", json}                 this request already got a pod (replay)
---         {"reuse", pod_id, pod_sse_url}   a warm pod left the pool and is in use
+--         {"reuse", pod_id, pod_sse_url, deploy_ver}   a warm pod left the pool, now in use
 --         {"no_config"}                    the scope has no pool config yet
 --         {"max_reached"}                  ZCARD pods + SCARD deploying >= max_pods
 --         {"need_deploy", member}          a placeholder was added (or already was: replay)
@@ -43,8 +43,9 @@ if best then
   redis.call('DEL', ARGV[1] .. best .. ':idle_since')
   redis.call('HSET', info, 'phase', 'in_use')
   local url = redis.call('HGET', info, 'pod_sse_url') or ''
-  redis.call('SET', KEYS[5], cjson.encode({pod_id = best, pod_sse_url = url}), 'EX', tonumber(ARGV[4]))
-  return {'reuse', best, url}
+  redis.call('SET', KEYS[5], cjson.encode({pod_id = best, pod_sse_url = url, deploy_ver = version}),
+    'EX', tonumber(ARGV[4]))
+  return {'reuse', best, url, version}
 end
 
 local max_pods = tonumber(redis.call('HGET', KEYS[1], 'max_pods') or '0')

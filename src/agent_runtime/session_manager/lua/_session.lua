@@ -1,0 +1,27 @@
+-- Shared by evict.lua, touch.lua and route_place.lua (prepended when they are loaded).
+-- Key names are derived from the prefix p ("session_manager:") and the session's own hash.
+
+-- Current Redis time in seconds, with microseconds.
+local function redis_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
+-- Take a session out of its four places at once and signal a waiter of its scope. With
+-- `tombstone_ttl` > 0 the pod it was on is remembered, so its next route says `rebound`.
+-- Returns scope, pod and the sessions left on the pod, or nil for an unknown session.
+local function evict_session(p, session_key, expiry_key, session_id, tombstone_ttl)
+  local scope = redis.call('HGET', session_key, 'scope_id')
+  local pod = redis.call('HGET', session_key, 'pod_id')
+  redis.call('ZREM', expiry_key, session_id)
+  redis.call('DEL', session_key)
+  if not scope or not pod then return nil end
+  redis.call('SREM', p .. 'scope:' .. scope .. ':sessions', session_id)
+  local pod_sessions = p .. 'pod:' .. scope .. ':' .. pod .. ':sessions'
+  redis.call('SREM', pod_sessions, session_id)
+  if tombstone_ttl and tombstone_ttl > 0 then
+    redis.call('SET', session_key .. ':previous_pod', pod, 'EX', math.ceil(tombstone_ttl))
+  end
+  redis.call('PUBLISH', p .. 'scope:' .. scope .. ':free', session_id)
+  return {scope, pod, redis.call('SCARD', pod_sessions)}
+end

@@ -1,0 +1,102 @@
+-- route_place (uses _session.lua): the atomic core of route. One call decides and commits,
+-- so a route for a known scope is one round trip whether it refreshes or places.
+--
+-- KEYS[1] session:{session_id}                HASH (scope_id, pod_id, expiry, session_ttl)
+-- KEYS[2] session_expiry                      ZSET
+-- KEYS[3] scope:{sid}:sessions                SET
+-- KEYS[4] scope:{sid}:pods                    ZSET candidates in arrival order
+-- KEYS[5] scope:{sid}:config                  HASH resolve cache (the scope's policy)
+-- KEYS[6] pods:registered                     SET "{sid}:{pod}"
+-- KEYS[7] route:{request_id}                  STRING replay: the answer JSON, or "pending:{token}"
+-- KEYS[8] session:{session_id}:previous_pod   STRING tombstone of a pod that died under it
+-- ARGV[1] key prefix "session_manager:" (derives pod:{sid}:{pod}:sessions|info|idle_notified,
+--         scope:{sid}:free for the bound or chosen pod)
+-- ARGV[2] session_id   ARGV[3] scope_id
+-- ARGV[4] token of this request's caller (a caller that is still working on its request
+--         passes its own token and is not told "in_flight")
+-- ARGV[5] seconds an answer is kept for replay (60)
+--
+-- returns {"replay", json}                   this request_id was answered already
+--         {"in_flight"}                      another call with this request_id is running
+--         {"refresh", pod_id, sse_url}       binding kept, expiry extended by its own ttl
+--         {"placed", pod_id, sse_url}        new binding, committed in its four places
+--         {"rebound", pod_id, sse_url, previous_pod_id}  new binding after its pod died/left
+--         {"need_config"} | {"need_acquire"} | {"scope_full"}   (the request is marked pending)
+--
+-- invariant: SCARD scope:{sid}:sessions <= scope_concurrency and SCARD pod sessions <=
+-- pod_concurrency after every call; a session is in its four places or in none. Replay-safe:
+-- a re-sent call finds its own answer in KEYS[7].
+local p, sid, scope, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local replay_ttl = tonumber(ARGV[5])
+
+local cached = redis.call('GET', KEYS[7])
+if cached then
+  if string.sub(cached, 1, 8) ~= 'pending:' then return {'replay', cached} end
+  if cached ~= 'pending:' .. token then return {'in_flight'} end
+end
+
+local function pending(outcome)
+  redis.call('SET', KEYS[7], 'pending:' .. token, 'EX', replay_ttl)
+  return {outcome}
+end
+
+local function answer(placement, pod, url, previous)
+  local reply = {pod_id = pod, pod_sse_url = url, placement = placement}
+  if previous then reply.previous_pod_id = previous end
+  redis.call('SET', KEYS[7], cjson.encode(reply), 'EX', replay_ttl)
+  return {placement, pod, url, previous or ''}
+end
+
+local function pod_key(pod, what) return p .. 'pod:' .. scope .. ':' .. pod .. ':' .. what end
+
+local now = redis_now()
+local previous = nil
+
+-- (1) an existing binding
+local bound = redis.call('HMGET', KEYS[1], 'scope_id', 'pod_id', 'expiry', 'session_ttl')
+if bound[2] then
+  local alive = tonumber(bound[3]) > now
+  local registered = redis.call('SISMEMBER', KEYS[6], bound[1] .. ':' .. bound[2]) == 1
+  if alive and registered and bound[1] == scope then
+    local expiry = now + tonumber(bound[4])
+    redis.call('HSET', KEYS[1], 'expiry', string.format('%.6f', expiry))
+    redis.call('ZADD', KEYS[2], expiry, sid)
+    return answer('refresh', bound[2], redis.call('HGET', pod_key(bound[2], 'info'), 'sse_url') or '')
+  end
+  if alive and not registered then previous = bound[2] end  -- its pod was removed
+  evict_session(p, KEYS[1], KEYS[2], sid, 0)  -- expired (lazy), pod gone, or another scope
+end
+previous = previous or redis.call('GET', KEYS[8]) or nil
+
+-- (2) the scope's policy, from the resolve cache
+local policy = redis.call('HMGET', KEYS[5], 'scope_concurrency', 'pod_concurrency', 'max_pods',
+  'session_ttl')
+if not policy[1] then return pending('need_config') end
+local scope_concurrency, pod_concurrency = tonumber(policy[1]), tonumber(policy[2])
+if redis.call('SCARD', KEYS[3]) >= scope_concurrency then return pending('scope_full') end
+
+-- (3) first-fit over the candidates in arrival order
+local chosen = nil
+for _, pod in ipairs(redis.call('ZRANGE', KEYS[4], 0, -1)) do
+  if redis.call('SCARD', pod_key(pod, 'sessions')) < pod_concurrency then
+    chosen = pod
+    break
+  end
+end
+if not chosen then
+  if redis.call('ZCARD', KEYS[4]) < tonumber(policy[3]) then return pending('need_acquire') end
+  return pending('scope_full')
+end
+
+-- (4) commit the four places at once
+local ttl = tonumber(policy[4])
+local expiry = now + ttl
+redis.call('HSET', KEYS[1], 'scope_id', scope, 'pod_id', chosen,
+  'expiry', string.format('%.6f', expiry), 'session_ttl', ttl)
+redis.call('ZADD', KEYS[2], expiry, sid)
+redis.call('SADD', KEYS[3], sid)
+redis.call('SADD', pod_key(chosen, 'sessions'), sid)
+redis.call('DEL', pod_key(chosen, 'idle_notified'), KEYS[8])
+local url = redis.call('HGET', pod_key(chosen, 'info'), 'sse_url') or ''
+if previous then return answer('rebound', chosen, url, previous) end
+return answer('placed', chosen, url, nil)

@@ -1,0 +1,223 @@
+"""Route and touch: which pod serves a session, and keeping it alive.
+
+``route`` loops on the ``route_place`` script, the only judge of placement: it answers from
+the replay cache, refreshes a binding, or places on the first candidate with room in one
+round trip. Everything else is the slow path: fill the resolve cache (``need_config``), get a
+pod from the resource manager (``need_acquire``), or wait for a slot (``scope_full``, or a
+deploy in flight) in a bounded queue, woken by the scope's ``free`` signal. Hazard: the queue
+seat and the pending replay marker must be given back on every exit, including cancellation
+and a client that disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from agent_runtime.errors import (
+    BackendUnavailable,
+    ClientDisconnected,
+    NoPodAvailable,
+    ScopeFullTimeout,
+    ScopeQueueFull,
+)
+from agent_runtime.notify import Listener, Notifier
+from agent_runtime.resource_manager.facade import (
+    DeployFailed,
+    DeployInProgress,
+    MaxPodsReached,
+    ResourceManagerFacade,
+)
+from agent_runtime.session_manager.config_store import ConfigStore
+from agent_runtime.session_manager.state import SessionState, scope_free_channel
+from agent_runtime.util import scope_id_of
+
+log = logging.getLogger(__name__)
+
+POLL = 0.5  # safety net under the free signal
+MAX_SLOW_STEPS = 20  # config fills and acquires per route: a loop that does not converge ends
+PLACED = ("refresh", "placed", "rebound")
+
+
+class SessionOrchestrator:
+    def __init__(
+        self,
+        *,
+        state: SessionState,
+        config_store: ConfigStore,
+        resources: ResourceManagerFacade,
+        notifier: Notifier,
+        scope_full_timeout: float,
+    ) -> None:
+        self._state = state
+        self._config = config_store
+        self._resources = resources
+        self._notifier = notifier
+        self._scope_full_timeout = scope_full_timeout
+
+    # --- route ---------------------------------------------------------------------------------
+
+    async def route(
+        self,
+        request_id: str,
+        session_id: str,
+        group_id: str,
+        bot_id: str,
+        *,
+        disconnected: Callable[[], Awaitable[bool]] | None = None,
+    ) -> dict[str, Any]:
+        """``{pod_id, pod_sse_url, placement[, previous_pod_id]}``; the same request_id within
+        60 s gets the first answer again (also on another replica)."""
+        scope_id = scope_id_of(group_id, bot_id)
+        token = uuid.uuid4().hex
+        reply = await self._state.route_place(
+            request_id=request_id, session_id=session_id, scope_id=scope_id, token=token
+        )
+        if reply[0] in PLACED or reply[0] == "replay":  # the hot path: one round trip
+            return _answer(reply)
+        route = _Route(self, request_id, session_id, group_id, bot_id, scope_id, token)
+        try:
+            return await route.run(reply, disconnected)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._state.abandon_route(request_id, token)
+            raise
+        finally:
+            await route.leave_queue()
+
+    # --- touch ---------------------------------------------------------------------------------
+
+    async def touch(self, session_id: str, *, eos: bool = False) -> dict[str, bool]:
+        touched, released = await self._state.touch(session_id, eos=eos)
+        if eos:
+            return {"touched": touched, "released": released}
+        return {"touched": touched}
+
+
+class _Route:
+    """The slow path of one route call: its seat, its deadline, its listener."""
+
+    def __init__(
+        self,
+        owner: SessionOrchestrator,
+        request_id: str,
+        session_id: str,
+        group_id: str,
+        bot_id: str,
+        scope_id: str,
+        token: str,
+    ) -> None:
+        self.o = owner
+        self.request_id, self.session_id = request_id, session_id
+        self.group_id, self.bot_id, self.scope_id = group_id, bot_id, scope_id
+        self.token = token
+        self.seated = False
+        self.deadline: float | None = None
+        self.listening: contextlib.AsyncExitStack | None = None
+        self.listener: Listener | None = None
+
+    async def run(
+        self, reply: list[str], disconnected: Callable[[], Awaitable[bool]] | None
+    ) -> dict[str, Any]:
+        steps = 0
+        while True:
+            action = reply[0]
+            if action in PLACED or action == "replay":
+                return _answer(reply)
+            if action == "need_config":
+                await self.o._config.resolve(self.scope_id, self.group_id, self.bot_id)
+            elif action == "need_acquire":
+                if not await self.acquire(steps):
+                    await self.wait(disconnected, seat=True)
+            elif action == "scope_full":
+                await self.wait(disconnected, seat=True)
+            elif action == "in_flight":  # a duplicate: wait for the first call's answer
+                await self.wait(disconnected, seat=False)
+            else:
+                raise BackendUnavailable(f"unexpected route outcome {action!r}")
+            if action in ("need_config", "need_acquire"):
+                steps += 1
+                if steps > MAX_SLOW_STEPS:
+                    raise NoPodAvailable(f"scope {self.scope_id}: placement did not converge")
+            reply = await self.o._state.route_place(
+                request_id=self.request_id,
+                session_id=self.session_id,
+                scope_id=self.scope_id,
+                token=self.token,
+            )
+
+    async def acquire(self, attempt: int) -> bool:
+        """Get a pod and make it a candidate; False when a deploy is in flight (wait)."""
+        config = await self.o._config.resolve(self.scope_id, self.group_id, self.bot_id)
+        try:
+            pod = await self.o._resources.acquire(
+                self.scope_id,
+                config.pod_spec,
+                config.pool_config(),
+                f"{self.request_id}:{self.token[:8]}:{attempt}",
+            )
+        except DeployInProgress:
+            return False
+        except (MaxPodsReached, DeployFailed) as exc:
+            raise NoPodAvailable(f"no pod for scope {self.scope_id}: {exc}") from None
+        registered = await self.o._state.register_pod(
+            self.scope_id, pod["pod_id"], pod["pod_sse_url"], pod.get("deploy_ver", "")
+        )
+        if not registered:
+            log.info(
+                "scope %s: pod %s is of an old version; not used", self.scope_id, pod["pod_id"]
+            )
+        return True
+
+    async def wait(self, disconnected: Callable[[], Awaitable[bool]] | None, *, seat: bool) -> None:
+        """Wait for a slot (or the first call's answer), bounded by scope_full_timeout."""
+        loop = asyncio.get_running_loop()
+        if self.deadline is None:
+            self.deadline = loop.time() + self.o._scope_full_timeout
+        if seat and not self.seated:
+            config = await self.o._config.resolve(self.scope_id, self.group_id, self.bot_id)
+            hold = self.o._scope_full_timeout + 5  # a crashed replica's seat expires by this
+            if not await self.o._state.take_waiter_seat(
+                self.scope_id, self.request_id, hold, 2 * config.scope_concurrency
+            ):
+                raise ScopeQueueFull(
+                    f"scope {self.scope_id} is full and so is its wait queue", retry_after=1
+                )
+            self.seated = True
+        if self.listener is None:
+            self.listening = contextlib.AsyncExitStack()
+            self.listener = await self.listening.enter_async_context(
+                self.o._notifier.listen(scope_free_channel(self.scope_id))
+            )
+        remaining = self.deadline - loop.time()
+        if remaining <= 0:
+            raise ScopeFullTimeout(
+                f"scope {self.scope_id}: no slot within {self.o._scope_full_timeout:g} s",
+                retry_after=1,
+            )
+        await self.listener.wait(min(POLL, remaining))
+        if disconnected is not None and await disconnected():
+            raise ClientDisconnected(f"{self.request_id}: the caller disconnected")
+
+    async def leave_queue(self) -> None:
+        if self.seated:
+            with contextlib.suppress(Exception):
+                await self.o._state.leave_waiter_seat(self.scope_id, self.request_id)
+            self.seated = False
+        if self.listening is not None:
+            await self.listening.aclose()
+            self.listening = None
+
+
+def _answer(reply: list[str]) -> dict[str, Any]:
+    if reply[0] == "replay":
+        return dict(json.loads(reply[1]))
+    answer: dict[str, Any] = {"pod_id": reply[1], "pod_sse_url": reply[2], "placement": reply[0]}
+    if reply[0] == "rebound":
+        answer["previous_pod_id"] = reply[3]
+    return answer

@@ -1,0 +1,68 @@
+"""The session side's job (``sm_sweep``, 1 s): expiry pass and empty-pod pass.
+
+Expiry: sessions whose expiry passed (Redis clock) are evicted in batches — the only way an
+abandoned session leaves. Empty pods: ``sweep_idle_notify`` takes an empty pod out of the
+candidates and, once per 60 s, the resource manager is told (``idle_consider``) so the pod
+joins the warm pool. That notice is fire-and-forget: a failure is logged and the 60 s notice
+expiry sends it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from agent_runtime.resource_manager.facade import ResourceManagerFacade
+from agent_runtime.session_manager.state import SessionState
+
+log = logging.getLogger(__name__)
+
+EXPIRY_BATCH = 500
+MAX_EXPIRY_BATCHES = 20  # per tick: a backlog is worked off over several ticks
+IDLE_GRACE = 2.0  # seconds: a pod registered this recently is getting its first session
+
+
+class SessionSweeper:
+    def __init__(self, *, state: SessionState, resources: ResourceManagerFacade) -> None:
+        self._state = state
+        self._resources = resources
+        self._notices: set[asyncio.Task[Any]] = set()
+
+    async def sweep_once(self) -> dict[str, int]:
+        return {"expired": await self.expire_once(), "idle": await self.notify_idle_once()}
+
+    async def expire_once(self) -> int:
+        evicted = 0
+        for _ in range(MAX_EXPIRY_BATCHES):
+            expired = await self._state.expired_sessions(EXPIRY_BATCH)
+            if not expired:
+                break
+            results = await asyncio.gather(*(self._state.evict(s) for s in expired))
+            evicted += sum(1 for r in results if r is not None)
+            if len(expired) < EXPIRY_BATCH:
+                break
+        return evicted
+
+    async def notify_idle_once(self) -> int:
+        notified = 0
+        for scope_id, pod_id in await self._state.registered_pods():
+            if await self._state.sweep_idle_notify(scope_id, pod_id, IDLE_GRACE):
+                notified += 1
+                self._notice(scope_id, pod_id)
+        return notified
+
+    def _notice(self, scope_id: str, pod_id: str) -> None:
+        async def send() -> None:
+            try:
+                await self._resources.idle_consider(pod_id, scope_id)
+            except Exception as exc:
+                log.warning("pod %s: idle notice failed (%s); resent in 60 s", pod_id, exc)
+
+        task = asyncio.create_task(send(), name=f"idle-notice:{pod_id}")
+        self._notices.add(task)
+        task.add_done_callback(self._notices.discard)
+
+    async def wait_for_notices(self) -> None:
+        if self._notices:
+            await asyncio.gather(*self._notices, return_exceptions=True)
