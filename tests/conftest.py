@@ -62,8 +62,12 @@ async def redis(request: pytest.FixtureRequest) -> AsyncIterator[Redis]:
     try:
         yield client
     finally:
-        await client.flushdb()
-        await client.set(CLAIM_KEY, owner)  # keep the db ours for the next test
+        # keep the db ours for the next test: flushed and marked in one transaction, so that
+        # another run never finds it empty and unmarked for a moment and takes it too
+        async with client.pipeline(transaction=True) as pipe:
+            pipe.flushdb()
+            pipe.set(CLAIM_KEY, owner)
+            await pipe.execute()
         await client.aclose()
 
 

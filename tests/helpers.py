@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import WatchError
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
@@ -92,13 +93,23 @@ async def claim_real_redis() -> Redis:
         except Exception as exc:
             await client.aclose()
             unavailable(f"redis at {url}", exc)
-        owner = await client.get(CLAIM_KEY)
-        size = await client.dbsize()
-        if (owner is None and size == 0) or owner == me or (owner and not _owner_alive(owner)):
-            await client.flushdb()
-            await client.set(CLAIM_KEY, me)
-            _claimed_url = url
-            return client
+        # check and claim in one transaction (WATCH): two runs that see the same free db at
+        # once must not both take it, and a db is never empty and unmarked in between
+        async with client.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(CLAIM_KEY)
+                owner = await pipe.get(CLAIM_KEY)
+                size = await pipe.dbsize()
+                free = (owner is None and size == 0) or owner == me
+                if free or (owner and not _owner_alive(owner)):
+                    pipe.multi()
+                    pipe.flushdb()
+                    pipe.set(CLAIM_KEY, me)
+                    await pipe.execute()
+                    _claimed_url = url
+                    return client
+            except WatchError:  # another run claimed it at this very moment
+                owner = "another run, just now"
         refused.append(f"{url} ({'held by ' + owner if owner else f'{size} foreign keys'})")
         await client.aclose()
     pytest.fail(
@@ -179,11 +190,12 @@ def make_settings(**overrides: Any) -> Settings:
 
 @asynccontextmanager
 async def running_app(
-    redis: Redis, db: Database, **overrides: Any
+    redis: Redis, db: Database, *, k8s: FakeK8sPodClient | None = None, **overrides: Any
 ) -> AsyncIterator[httpx.AsyncClient]:
-    """The app over the given backends, lifespan started, as an httpx client."""
+    """The app over the given backends, lifespan started, as an httpx client. Pass one
+    ``k8s`` to several apps to make them replicas of one (fake) cluster."""
     settings = make_settings(**overrides)
-    backends = Backends(redis=redis, db=db, k8s=FakeK8sPodClient())
+    backends = Backends(redis=redis, db=db, k8s=k8s or FakeK8sPodClient())
     app = create_app(settings, backends=backends, owns_backends=False)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)

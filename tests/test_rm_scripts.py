@@ -34,7 +34,7 @@ from agent_runtime.resource_manager.state import (
     AcquireOutcome,
     ResourceState,
 )
-from helpers import REDIS_URL, claim_real_redis
+from helpers import CLAIM_KEY, claim_real_redis, real_redis_url
 
 T = TypeVar("T")
 TTL = 600  # placeholder lifetime: no placeholder expires during a test unless made so on purpose
@@ -165,7 +165,7 @@ async def second_client(redis: Redis) -> AsyncIterator[Redis]:
         server = redis.connection_pool.connection_kwargs["server"]
         client: Redis = fakeredis.FakeAsyncRedis(server=server, decode_responses=True)
     else:
-        client = Redis.from_url(REDIS_URL, decode_responses=True)
+        client = Redis.from_url(real_redis_url(), decode_responses=True)  # the claimed db
     try:
         yield client
     finally:
@@ -915,8 +915,12 @@ async def _machine_client(backend: str) -> Redis:
 
 
 async def _machine_cleanup(client: Redis, backend: str) -> None:
-    if backend == "real":
-        await client.flushdb()
+    if backend == "real":  # flushed, but still ours (marked in the same transaction)
+        owner = await client.get(CLAIM_KEY)
+        async with client.pipeline(transaction=True) as pipe:
+            pipe.flushdb()
+            pipe.set(CLAIM_KEY, owner)
+            await pipe.execute()
     await client.aclose()
 
 

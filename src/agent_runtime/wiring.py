@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from fastapi import Request
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -50,16 +50,29 @@ class Backends:
         await self.db.close()
 
 
+REDIS_MAX_CONNECTIONS = 100  # per replica; more concurrent commands wait for a free one
+
+
 def build_redis(settings: Settings) -> Redis:
+    # A blocking pool: a burst of more concurrent commands than connections waits (server: at most
+    # redis_timeout) for a free one. redis-py's default pool raises at once instead, which
+    # turned a burst of routes into 503 BACKEND_UNAVAILABLE while Redis was fine.
     if settings.mode is Mode.LOCAL and not settings.redis_url:
         import fakeredis
 
-        return fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
+        return fakeredis.FakeAsyncRedis(
+            server=fakeredis.FakeServer(),
+            decode_responses=True,
+            connection_pool_class=BlockingConnectionPool,
+            max_connections=REDIS_MAX_CONNECTIONS,
+        )
     assert settings.redis_url is not None
     # Scripts are replay-safe, so a command whose reply was lost may be re-sent once or twice;
     # timeouts keep a dead Redis a fast 503 instead of a hang.
-    return Redis.from_url(
+    pool = BlockingConnectionPool.from_url(
         settings.redis_url,
+        max_connections=REDIS_MAX_CONNECTIONS,
+        timeout=settings.redis_timeout,  # the wait for a free connection
         decode_responses=True,
         socket_timeout=settings.redis_timeout,
         socket_connect_timeout=settings.redis_timeout,
@@ -67,6 +80,7 @@ def build_redis(settings: Settings) -> Redis:
         retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
+    return Redis.from_pool(pool)  # the client owns the pool: aclose() closes it
 
 
 def build_backends(settings: Settings) -> Backends:

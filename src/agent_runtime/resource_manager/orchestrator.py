@@ -97,10 +97,14 @@ class ResourceOrchestrator:
                 wrote_config = True
                 continue
             if outcome.action == "max_reached":
-                if await self._deploy_in_flight(scope_id):
+                # the leader's start, read now: a leader that registered its pod just before
+                # we started may release its lock before _follow looks
+                leader_started = await self._leader_started_at(scope_id)
+                if leader_started is not None or await self._state.deploying(scope_id):
                     # the cap is held by a deploy in flight: its pod may have room for us
+                    since = min(started_at, leader_started or math.inf)
                     return await self._follow(
-                        scope_id, request_id, pool_config, ready_timeout, started_at
+                        scope_id, request_id, pool_config, ready_timeout, since
                     )
                 raise MaxPodsReached(f"scope {scope_id} is at max_pods")
             assert outcome.placeholder is not None
@@ -124,14 +128,25 @@ class ResourceOrchestrator:
             timeout=ready_timeout + LOCK_MARGIN,
             thread_local=False,
         )
+        # the token carries when this acquire started, for followers (_leader_started_at)
+        token = f"{uuid.uuid4().hex}@{started_at!r}"
+        since = started_at
         try:
-            leader = await lock.acquire(blocking=False)
+            leader = await lock.acquire(blocking=False, token=token)
+            for _ in range(3):  # a leader that finished in between is gone: lead ourselves
+                if leader:
+                    break
+                leader_started = await self._leader_started_at(scope_id)
+                if leader_started is not None:
+                    since = min(since, leader_started)
+                    break
+                leader = await lock.acquire(blocking=False, token=token)
         except BaseException:
             await self._state.drop_placeholder(scope_id, placeholder)
             raise
         if not leader:
             await self._state.drop_placeholder(scope_id, placeholder)
-            return await self._follow(scope_id, request_id, pool_config, ready_timeout, started_at)
+            return await self._follow(scope_id, request_id, pool_config, ready_timeout, since)
         requester = _Requester()
         task = asyncio.create_task(
             self._lead(
@@ -245,15 +260,21 @@ class ResourceOrchestrator:
             raise DeployInProgress(f"scope {scope_id}: a deploy is running and its room is full")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + hold
+        since = started_at
         try:
             async with self._notifier.listen(registered_channel(scope_id)) as listener:
                 while True:
-                    fresh = await self._registered_since(scope_id, started_at)
+                    # the leader may bring a pod registered before we started (its own, its
+                    # lock not yet released; or one it found registered since it started)
+                    leader_started = await self._leader_started_at(scope_id)
+                    if leader_started is not None:
+                        since = min(since, leader_started)
+                    fresh = await self._registered_since(scope_id, since)
                     if fresh is not None:
                         return fresh
                     if not await self._deploy_in_flight(scope_id):
                         # the leader is done and brought nothing: its deploy failed
-                        fresh = await self._registered_since(scope_id, started_at)
+                        fresh = await self._registered_since(scope_id, since)
                         if fresh is not None:
                             return fresh
                         raise DeployFailed(f"scope {scope_id}: the leader's deploy failed")
@@ -264,6 +285,18 @@ class ResourceOrchestrator:
         finally:
             with contextlib.suppress(Exception):
                 await self._state.leave_follower_seat(scope_id, request_id)
+
+    async def _leader_started_at(self, scope_id: str) -> float | None:
+        """When the current deploy leader's acquire started (Redis seconds, from its lock
+        token), None without a leader: every pod it brings was registered at or after that."""
+        token = await self._state.redis.get(deploy_lock_key(scope_id))
+        if token is None:
+            return None
+        _, at, started = str(token).rpartition("@")
+        try:
+            return float(started) if at else math.inf
+        except ValueError:
+            return math.inf  # not our token format: nothing known, nothing widened
 
     async def _deploy_in_flight(self, scope_id: str) -> bool:
         """A leader holds the lock, or a placeholder is taken (a caller on its way to the lock,

@@ -310,11 +310,20 @@ class ResourceState:
         await self.redis.set(idem_key(request_id), json.dumps(result), ex=IDEM_TTL)
 
     async def count_health_failure(self, pod_id: str) -> int:
+        """One more failed probe; 0 if the pod has been forgotten meanwhile.
+
+        A probe can race the pod's purge (reclaim, watch or reconcile of another tick or
+        replica): checked AFTER the increment, so either the purge comes later and deletes the
+        counter itself, or we see it gone and delete the counter we just made.
+        """
         key = pod_health_fails_key(pod_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.incr(key)
             pipe.expire(key, 3600)
             fails, _ = await pipe.execute()
+        if not await self.redis.sismember(PODS_ALL_KEY, pod_id):
+            await self.redis.delete(key)
+            return 0
         return int(fails)
 
     async def clear_health_failures(self, pod_id: str) -> None:

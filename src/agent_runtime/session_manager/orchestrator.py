@@ -40,6 +40,10 @@ from agent_runtime.util import scope_id_of
 log = logging.getLogger(__name__)
 
 POLL = 0.5  # safety net under the free signal
+# max_pods reported while the scope had fewer candidates: the cap may be held by a pod another
+# call has just got and is about to make a candidate (it signals `free` when it does); such a
+# route waits and looks again for this long before the cap counts as real (NO_POD_AVAILABLE)
+CAP_GRACE = 0.5
 MAX_SLOW_STEPS = 20  # config fills and acquires per route: a loop that does not converge ends
 PLACED = ("refresh", "placed", "rebound")
 
@@ -75,9 +79,16 @@ class SessionOrchestrator:
         60 s gets the first answer again (also on another replica)."""
         scope_id = scope_id_of(group_id, bot_id)
         token = uuid.uuid4().hex
-        reply = await self._state.route_place(
-            request_id=request_id, session_id=session_id, scope_id=scope_id, token=token
-        )
+        try:
+            reply = await self._state.route_place(
+                request_id=request_id, session_id=session_id, scope_id=scope_id, token=token
+            )
+        except BaseException:
+            # the script may have marked the request pending before its reply was read (the
+            # caller went away): give the marker back, or a retry would wait for this answer
+            with contextlib.suppress(Exception):
+                await self._state.abandon_route(request_id, token)
+            raise
         if reply[0] in PLACED or reply[0] == "replay":  # the hot path: one round trip
             return _answer(reply)
         route = _Route(self, request_id, session_id, group_id, bot_id, scope_id, token)
@@ -118,6 +129,7 @@ class _Route:
         self.token = token
         self.seated = False
         self.deadline: float | None = None
+        self.cap_since: float | None = None  # when acquire first said max_pods
         self.listening: contextlib.AsyncExitStack | None = None
         self.listener: Listener | None = None
 
@@ -163,7 +175,14 @@ class _Route:
             )
         except DeployInProgress:
             return False
-        except (MaxPodsReached, DeployFailed) as exc:
+        except MaxPodsReached as exc:
+            now = asyncio.get_running_loop().time()
+            if self.cap_since is None:
+                self.cap_since = now
+            if now - self.cap_since < CAP_GRACE:
+                return False  # wait for a candidate that may be on its way, then look again
+            raise NoPodAvailable(f"no pod for scope {self.scope_id}: {exc}") from None
+        except DeployFailed as exc:
             raise NoPodAvailable(f"no pod for scope {self.scope_id}: {exc}") from None
         registered = await self.o._state.register_pod(
             self.scope_id, pod["pod_id"], pod["pod_sse_url"], pod.get("deploy_ver", "")
@@ -182,13 +201,17 @@ class _Route:
         if seat and not self.seated:
             config = await self.o._config.resolve(self.scope_id, self.group_id, self.bot_id)
             hold = self.o._scope_full_timeout + 5  # a crashed replica's seat expires by this
+            # seated BEFORE the call: a cancellation while it runs (the seat taken in Redis,
+            # its reply not yet read) must still give the seat back (leave_queue: a ZREM)
+            self.seated = True
             if not await self.o._state.take_waiter_seat(
                 self.scope_id, self.request_id, hold, 2 * config.scope_concurrency
             ):
+                self.seated = False  # refused: the gate kept no seat
                 raise ScopeQueueFull(
                     f"scope {self.scope_id} is full and so is its wait queue", retry_after=1
                 )
-            self.seated = True
+        fresh = self.listener is None
         if self.listener is None:
             self.listening = contextlib.AsyncExitStack()
             self.listener = await self.listening.enter_async_context(
@@ -200,6 +223,10 @@ class _Route:
                 f"scope {self.scope_id}: no slot within {self.o._scope_full_timeout:g} s",
                 retry_after=1,
             )
+        if fresh:
+            # the state was read before we listened: a slot freed in between sent its signal
+            # to nobody, so look again first (from now on every signal reaches the listener)
+            return
         await self.listener.wait(min(POLL, remaining))
         if disconnected is not None and await disconnected():
             raise ClientDisconnected(f"{self.request_id}: the caller disconnected")

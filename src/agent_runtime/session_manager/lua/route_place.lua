@@ -9,6 +9,8 @@
 -- KEYS[6] pods:registered                     SET "{sid}:{pod}"
 -- KEYS[7] route:{request_id}                  STRING replay: the answer JSON, or "pending:{token}"
 -- KEYS[8] session:{session_id}:previous_pod   STRING tombstone of a pod that died under it
+--         (written by evict with pod_died, or here when the bound pod is no longer
+--         registered; read for `rebound`, deleted when the session is placed again)
 -- ARGV[1] key prefix "session_manager:" (derives pod:{sid}:{pod}:sessions|info|idle_notified,
 --         scope:{sid}:free for the bound or chosen pod)
 -- ARGV[2] session_id   ARGV[3] scope_id
@@ -16,10 +18,12 @@
 --         passes its own token and is not told "in_flight")
 -- ARGV[5] seconds an answer is kept for replay (60)
 --
--- returns {"replay", json}                   this request_id was answered already
+-- returns {"replay", json}                   this request_id was answered already (json: the
+--                                            first answer {pod_id, pod_sse_url, placement[,
+--                                            previous_pod_id]}; cjson may escape "/" as "\/")
 --         {"in_flight"}                      another call with this request_id is running
---         {"refresh", pod_id, sse_url}       binding kept, expiry extended by its own ttl
---         {"placed", pod_id, sse_url}        new binding, committed in its four places
+--         {"refresh", pod_id, sse_url, ""}   binding kept, expiry extended by its own ttl
+--         {"placed", pod_id, sse_url, ""}    new binding, committed in its four places
 --         {"rebound", pod_id, sse_url, previous_pod_id}  new binding after its pod died/left
 --         {"need_config"} | {"need_acquire"} | {"scope_full"}   (the request is marked pending)
 --
@@ -63,8 +67,15 @@ if bound[2] then
     redis.call('ZADD', KEYS[2], expiry, sid)
     return answer('refresh', bound[2], redis.call('HGET', pod_key(bound[2], 'info'), 'sse_url') or '')
   end
-  if alive and not registered then previous = bound[2] end  -- its pod was removed
-  evict_session(p, KEYS[1], KEYS[2], sid, 0)  -- expired (lazy), pod gone, or another scope
+  -- expired (lazy), pod gone, or another scope. A pod that left is remembered in the
+  -- tombstone like one that died: this call may answer need_* and the one that places later
+  -- must still say `rebound`.
+  local tombstone_ttl = 0
+  if alive and not registered then
+    previous = bound[2]
+    tombstone_ttl = tonumber(bound[4])
+  end
+  evict_session(p, KEYS[1], KEYS[2], sid, tombstone_ttl)
 end
 previous = previous or redis.call('GET', KEYS[8]) or nil
 

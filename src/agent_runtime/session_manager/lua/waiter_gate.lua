@@ -8,7 +8,8 @@
 --
 -- invariant: ZCARD <= limit after every call. Add first, then leave again if over: never
 -- "check then add", which lets two callers both see room for one. Seats of a crashed
--- replica expire by their deadline score.
+-- replica expire by their deadline score. Replay-safe: a re-sent call of a seated member
+-- keeps its seat (its deadline is renewed), one of a refused member is refused again.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)

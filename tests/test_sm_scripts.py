@@ -1,0 +1,1458 @@
+"""The session manager's seven Lua scripts, through ``SessionState``, on fakeredis and real Redis.
+
+Each script alone (every branch, the limits at the edge, replay = the same EVALSHA sent twice
+with identical keys and args), real concurrency on the gates (route_place, waiter_gate; one
+client and two), the ``free`` signal (subscribed), and a Hypothesis state machine over
+route / touch / eos / expiry / pod death / idle notice / registration / deploy change that
+checks the four-places invariant, the limits and the model after every step. Assertions read
+the Redis keys by their contract names (§4), not only the return values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import fakeredis
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+
+from agent_runtime.session_manager.state import SessionState
+from helpers import claim_real_redis, other_client
+
+T = TypeVar("T")
+P = "session_manager:"
+SID = "scope-a"
+TTL = 600  # session_ttl: nothing expires during a test unless made so on purpose
+
+
+class K:
+    """Contract §4 key names (session_manager part), spelled out here on purpose."""
+
+    EXPIRY = f"{P}session_expiry"
+    REGISTERED = f"{P}pods:registered"
+
+    @staticmethod
+    def session(session_id: str) -> str:
+        return f"{P}session:{session_id}"
+
+    @staticmethod
+    def tombstone(session_id: str) -> str:
+        return f"{P}session:{session_id}:previous_pod"
+
+    @staticmethod
+    def route(request_id: str) -> str:
+        return f"{P}route:{request_id}"
+
+    @staticmethod
+    def scope_sessions(sid: str) -> str:
+        return f"{P}scope:{sid}:sessions"
+
+    @staticmethod
+    def candidates(sid: str) -> str:
+        return f"{P}scope:{sid}:pods"
+
+    @staticmethod
+    def pod_seq(sid: str) -> str:
+        return f"{P}scope:{sid}:pod_seq"
+
+    @staticmethod
+    def config(sid: str) -> str:
+        return f"{P}scope:{sid}:config"
+
+    @staticmethod
+    def waiters(sid: str) -> str:
+        return f"{P}scope:{sid}:waiters"
+
+    @staticmethod
+    def free(sid: str) -> str:
+        return f"{P}scope:{sid}:free"
+
+    @staticmethod
+    def pod_sessions(sid: str, pod: str) -> str:
+        return f"{P}pod:{sid}:{pod}:sessions"
+
+    @staticmethod
+    def pod_info(sid: str, pod: str) -> str:
+        return f"{P}pod:{sid}:{pod}:info"
+
+    @staticmethod
+    def idle_notified(sid: str, pod: str) -> str:
+        return f"{P}pod:{sid}:{pod}:idle_notified"
+
+    @staticmethod
+    def pod_scopes(pod: str) -> str:
+        return f"{P}pods:{pod}:scopes"
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+class Recorder:
+    """Wraps a registered script object: remembers each call's keys/args so a test can send
+    exactly the same EVALSHA again (a client retry after a lost reply)."""
+
+    def __init__(self, script: Any) -> None:
+        self.script = script
+        self.calls: list[tuple[list[Any], list[Any]]] = []
+
+    async def __call__(self, keys: Any = None, args: Any = None, client: Any = None) -> Any:
+        self.calls.append((list(keys or []), list(args or [])))
+        return await self.script(keys=keys, args=args, client=client)
+
+    async def again(self, index: int = -1) -> Any:
+        """A recorded call (the last by default), re-sent with identical keys and args."""
+        keys, args = self.calls[index]
+        return await self.script(keys=keys, args=args)
+
+
+def record(state: SessionState, script: str) -> Recorder:
+    recorder = Recorder(getattr(state, f"_{script}"))
+    setattr(state, f"_{script}", recorder)
+    return recorder
+
+
+def url(pod: str) -> str:
+    return f"http://{pod}.pods:8080/sse"  # slashes: real Redis's cjson escapes them, fakeredis not
+
+
+def answer_of(reply: list[Any]) -> dict[str, str]:
+    """What the gateway sees, from a placing reply or from a replay (the stored JSON)."""
+    if reply[0] == "replay":
+        return dict(json.loads(reply[1]))
+    answer = {"pod_id": reply[1], "pod_sse_url": reply[2], "placement": reply[0]}
+    if reply[0] == "rebound":
+        answer["previous_pod_id"] = reply[3]
+    return answer
+
+
+async def configure(
+    redis: Redis,
+    sid: str = SID,
+    *,
+    scope_concurrency: int = 10,
+    pod_concurrency: int = 4,
+    max_pods: int | None = None,
+    session_ttl: int = TTL,
+    deploy_ver: str = "v1",
+) -> None:
+    """The resolve cache as config_store fills it (the fields the scripts read)."""
+    if max_pods is None:
+        max_pods = math.ceil(scope_concurrency / pod_concurrency)
+    await redis.hset(
+        K.config(sid),
+        mapping={
+            "scope_concurrency": str(scope_concurrency),
+            "pod_concurrency": str(pod_concurrency),
+            "max_pods": str(max_pods),
+            "session_ttl": str(session_ttl),
+            "deploy_ver": deploy_ver,
+        },
+    )
+
+
+async def add_pod(state: SessionState, pod: str, sid: str = SID, ver: str = "v1") -> bool:
+    return await state.register_pod(sid, pod, url(pod), ver)
+
+
+_rid = 0
+
+
+async def route(
+    state: SessionState,
+    session_id: str,
+    sid: str = SID,
+    *,
+    request_id: str | None = None,
+    token: str = "tok",
+) -> list[Any]:
+    global _rid
+    _rid += 1
+    return await state.route_place(
+        request_id=request_id or f"auto-{_rid}", session_id=session_id, scope_id=sid, token=token
+    )
+
+
+def placed(pod: str, kind: str = "placed", previous: str = "") -> list[str]:
+    return [kind, pod, url(pod), previous]
+
+
+async def rnow(redis: Redis) -> float:
+    seconds, micros = await redis.time()
+    return seconds + micros / 1_000_000
+
+
+async def expiry_of(redis: Redis, session_id: str) -> float:
+    """The session's expiry, after checking that the hash and the ZSET agree."""
+    field = await redis.hget(K.session(session_id), "expiry")
+    score = await redis.zscore(K.EXPIRY, session_id)
+    assert field is not None and score is not None
+    assert abs(float(field) - score) < 1e-5
+    return score
+
+
+async def set_expiry(redis: Redis, session_id: str, when: float) -> None:
+    """Move a session's expiry (both places), e.g. into the past to expire it."""
+    await redis.hset(K.session(session_id), "expiry", f"{when:.6f}")
+    await redis.zadd(K.EXPIRY, {session_id: when})
+
+
+async def expire(redis: Redis, session_id: str) -> None:
+    await set_expiry(redis, session_id, await rnow(redis) - 5)
+
+
+async def four_places(redis: Redis, session_id: str, sid: str, pod: str) -> list[bool]:
+    return [
+        bool(await redis.exists(K.session(session_id))),
+        await redis.zscore(K.EXPIRY, session_id) is not None,
+        bool(await redis.sismember(K.scope_sessions(sid), session_id)),
+        bool(await redis.sismember(K.pod_sessions(sid, pod), session_id)),
+    ]
+
+
+@asynccontextmanager
+async def listening(redis: Redis, sid: str = SID) -> AsyncIterator[PubSub]:
+    """Subscribed to the scope's ``free`` channel on another connection (another replica)."""
+    client = other_client(redis)
+    pubsub = client.pubsub()
+    try:
+        await pubsub.subscribe(K.free(sid))
+        confirm = await pubsub.get_message(timeout=2)
+        assert confirm is not None and confirm["type"] == "subscribe"
+        yield pubsub
+    finally:
+        await pubsub.aclose()
+        await client.aclose()
+
+
+async def signal(pubsub: PubSub, within: float = 2.0) -> str | None:
+    """The next message on the channel, or None within ``within`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while (remaining := deadline - loop.time()) > 0:
+        message = await pubsub.get_message(
+            ignore_subscribe_messages=True, timeout=min(remaining, 0.05)
+        )
+        if message is not None:
+            return str(message["data"])
+    return None
+
+
+@pytest.fixture
+def state(redis: Redis) -> SessionState:
+    return SessionState(redis)
+
+
+# --- the calls SessionState sends ---------------------------------------------------------------
+
+
+async def test_the_calls_match_the_script_headers(state: SessionState) -> None:
+    """Keys and args as each script's header lists them (contract names, this order)."""
+    recorders = {
+        name: record(state, name)
+        for name in (
+            "route_place",
+            "evict",
+            "touch",
+            "register_pod",
+            "sweep_idle_notify",
+            "cleanup_pod",
+            "waiter_gate",
+        )
+    }
+    await state.route_place(request_id="r1", session_id="s1", scope_id=SID, token="t1")
+    await state.evict("s1", pod_died=True)
+    await state.touch("s1", eos=True)
+    await state.register_pod(SID, "p1", "u", "v1")
+    await state.sweep_idle_notify(SID, "p1", 2.0)
+    await state.cleanup_pod(SID, "p1")
+    await state.take_waiter_seat(SID, "r1", 30, 6)
+    calls = {name: rec.calls[0] for name, rec in recorders.items()}
+    assert calls["route_place"] == (
+        [
+            K.session("s1"),
+            K.EXPIRY,
+            K.scope_sessions(SID),
+            K.candidates(SID),
+            K.config(SID),
+            K.REGISTERED,
+            K.route("r1"),
+            K.tombstone("s1"),
+        ],
+        [P, "s1", SID, "t1", 60],
+    )
+    assert calls["evict"] == ([K.session("s1"), K.EXPIRY], [P, "s1", "1"])
+    assert calls["touch"] == ([K.session("s1"), K.EXPIRY], [P, "s1", "1"])
+    assert calls["register_pod"] == (
+        [
+            K.candidates(SID),
+            K.pod_seq(SID),
+            K.pod_info(SID, "p1"),
+            K.REGISTERED,
+            K.pod_scopes("p1"),
+            K.idle_notified(SID, "p1"),
+            K.config(SID),
+        ],
+        [P, SID, "p1", "u", "v1"],
+    )
+    assert calls["sweep_idle_notify"] == (
+        [
+            K.pod_sessions(SID, "p1"),
+            K.idle_notified(SID, "p1"),
+            K.candidates(SID),
+            K.pod_info(SID, "p1"),
+        ],
+        ["p1", 2.0],
+    )
+    assert calls["cleanup_pod"] == (
+        [
+            K.candidates(SID),
+            K.pod_info(SID, "p1"),
+            K.pod_sessions(SID, "p1"),
+            K.idle_notified(SID, "p1"),
+            K.REGISTERED,
+            K.pod_scopes("p1"),
+        ],
+        [SID, "p1"],
+    )
+    assert calls["waiter_gate"] == ([K.waiters(SID)], ["r1", 30, 6])
+
+
+# --- route_place -------------------------------------------------------------------------------
+
+
+async def test_a_cache_miss_is_need_config_and_writes_only_the_pending_marker(
+    state: SessionState, redis: Redis
+) -> None:
+    await add_pod(state, "p1")
+    assert await route(state, "s1", request_id="r1", token="t1") == ["need_config"]
+    assert await redis.get(K.route("r1")) == "pending:t1"
+    assert 0 < await redis.ttl(K.route("r1")) <= 60
+    assert await four_places(redis, "s1", SID, "p1") == [False] * 4
+
+
+async def test_placed_commits_the_four_places_and_clears_the_idle_notice(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis)
+    await add_pod(state, "p1")
+    await redis.set(K.idle_notified(SID, "p1"), "1", ex=60)
+    before = await rnow(redis)
+    assert await route(state, "s1", request_id="r1") == placed("p1")
+    assert await four_places(redis, "s1", SID, "p1") == [True] * 4
+    binding = await redis.hgetall(K.session("s1"))
+    assert binding["scope_id"] == SID and binding["pod_id"] == "p1"
+    assert binding["session_ttl"] == str(TTL)
+    assert before + TTL <= await expiry_of(redis, "s1") <= await rnow(redis) + TTL
+    assert not await redis.exists(K.idle_notified(SID, "p1"))
+    stored = await redis.get(K.route("r1"))
+    assert stored is not None
+    assert json.loads(stored) == {"pod_id": "p1", "pod_sse_url": url("p1"), "placement": "placed"}
+    assert 0 < await redis.ttl(K.route("r1")) <= 60
+
+
+async def test_refresh_extends_by_the_sessions_own_ttl_and_needs_no_config(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis, session_ttl=TTL)
+    await add_pod(state, "p1")
+    await route(state, "s1")
+    await configure(redis, session_ttl=5)  # a policy change: the live session keeps its own
+    await set_expiry(redis, "s1", await rnow(redis) + 10)  # time went by
+    before = await rnow(redis)
+    assert await route(state, "s1") == placed("p1", "refresh")
+    assert await expiry_of(redis, "s1") >= before + TTL
+    assert await redis.hget(K.session("s1"), "session_ttl") == str(TTL)
+
+    await redis.delete(K.config(SID))  # cache dropped: a refresh is still one round trip
+    assert await route(state, "s1") == placed("p1", "refresh")
+    assert await redis.scard(K.scope_sessions(SID)) == 1
+
+
+async def test_a_sunset_pod_keeps_its_sessions_but_gets_no_new_ones(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis, pod_concurrency=4)
+    await add_pod(state, "p1")
+    await route(state, "s1")
+    assert await state.remove_candidates(SID, ["p1"]) == 1  # a deploy change sunsets p1
+    assert await route(state, "s1") == placed("p1", "refresh")
+    assert await route(state, "s2") == ["need_acquire"]
+    assert await four_places(redis, "s1", SID, "p1") == [True] * 4
+
+
+async def test_an_expired_binding_is_evicted_lazily_then_placed_again(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis, scope_concurrency=1, pod_concurrency=1)
+    await add_pod(state, "p1")
+    await route(state, "s1")
+    await expire(redis, "s1")
+    # not yet evicted (no sweeper ran): it still holds the scope's only slot
+    assert await route(state, "s2") == ["scope_full"]
+    async with listening(redis) as pubsub:
+        # its own route evicts it first, so the gate lets it through: a new binding
+        assert await route(state, "s1") == placed("p1")
+        assert await signal(pubsub) == "s1"
+    assert await expiry_of(redis, "s1") > await rnow(redis) + TTL - 5
+    assert await redis.smembers(K.pod_sessions(SID, "p1")) == {"s1"}
+
+
+async def test_an_expired_binding_is_evicted_even_when_the_answer_is_need_config(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis, scope_concurrency=4, pod_concurrency=1, max_pods=1)
+    await add_pod(state, "p1")
+    await route(state, "s1")
+    await expire(redis, "s1")
+    await redis.delete(K.config(SID))
+    assert await route(state, "s1") == ["need_config"]
+    assert await four_places(redis, "s1", SID, "p1") == [False] * 4
+
+
+async def test_a_binding_whose_pod_left_the_registry_is_rebound(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis)
+    await add_pod(state, "p1")
+    await add_pod(state, "p2")
+    await route(state, "s1")
+    await redis.srem(K.REGISTERED, f"{SID}:p1")
+    await redis.zrem(K.candidates(SID), "p1")
+    async with listening(redis) as pubsub:
+        assert await route(state, "s1", request_id="r2") == placed("p2", "rebound", "p1")
+        assert await signal(pubsub) == "s1"
+    assert await four_places(redis, "s1", SID, "p2") == [True] * 4
+    assert not await redis.sismember(K.pod_sessions(SID, "p1"), "s1")
+    stored = await redis.get(K.route("r2"))
+    assert stored is not None and json.loads(stored)["previous_pod_id"] == "p1"
+    assert not await redis.exists(K.tombstone("s1"))
+
+
+async def test_a_rebound_is_not_lost_when_the_first_answer_is_pending(
+    state: SessionState, redis: Redis
+) -> None:
+    """The binding is dropped by a call that cannot place (no pod yet): the call that places
+    after the acquire must still say ``rebound`` with the pod that left."""
+    await configure(redis, scope_concurrency=4, pod_concurrency=4)
+    await add_pod(state, "p1")
+    await route(state, "s1")
+    await redis.srem(K.REGISTERED, f"{SID}:p1")
+    await redis.zrem(K.candidates(SID), "p1")
+    assert await route(state, "s1", request_id="r2", token="t2") == ["need_acquire"]
+    assert await four_places(redis, "s1", SID, "p1") == [False] * 4
+    assert await redis.get(K.tombstone("s1")) == "p1"
+    assert 0 < await redis.ttl(K.tombstone("s1")) <= TTL
+    await add_pod(state, "p2")
+    assert await route(state, "s1", request_id="r2", token="t2") == placed("p2", "rebound", "p1")
+    assert not await redis.exists(K.tombstone("s1"))
+
+
+async def test_a_binding_in_another_scope_moves_to_this_one(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis, SID)
+    await configure(redis, "scope-b")
+    await add_pod(state, "p1", SID)
+    await add_pod(state, "q1", "scope-b")
+    await route(state, "s1", SID)
+    assert await route(state, "s1", "scope-b") == placed("q1")
+    assert await four_places(redis, "s1", SID, "p1") == [True, True, False, False]
+    assert await four_places(redis, "s1", "scope-b", "q1") == [True] * 4
+    assert await redis.hget(K.session("s1"), "scope_id") == "scope-b"
+
+
+async def test_a_pod_death_tombstone_makes_the_next_placement_rebound(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis, scope_concurrency=2, pod_concurrency=1, max_pods=2)
+    await add_pod(state, "p1")
+    await add_pod(state, "p2")
+    await route(state, "s1")  # p1
+    await route(state, "s2")  # p2
+    assert await state.evict("s1", pod_died=True) == (SID, "p1", 0)
+    assert await redis.get(K.tombstone("s1")) == "p1"
+    assert TTL - 5 <= await redis.ttl(K.tombstone("s1")) <= TTL
+    assert await state.cleanup_pod(SID, "p1") == 1
+    # no pod with room: the answer is pending (a pod is to be acquired), the tombstone stays
+    assert await route(state, "s1") == ["need_acquire"]
+    assert await redis.get(K.tombstone("s1")) == "p1"
+    await add_pod(state, "p3")
+    assert await route(state, "s1", request_id="rb") == placed("p3", "rebound", "p1")
+    assert not await redis.exists(K.tombstone("s1"))
+    stored = await redis.get(K.route("rb"))
+    assert stored is not None
+    assert json.loads(stored) == {
+        "pod_id": "p3",
+        "pod_sse_url": url("p3"),
+        "placement": "rebound",
+        "previous_pod_id": "p1",
+    }
+    assert await route(state, "s1") == placed("p3", "refresh")
+
+
+async def test_an_evict_without_pod_death_leaves_no_tombstone(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis)
+    await add_pod(state, "p1")
+    await route(state, "s1")
+    assert await state.evict("s1") == (SID, "p1", 0)
+    assert not await redis.exists(K.tombstone("s1"))
+    assert await route(state, "s1") == placed("p1")
+
+
+async def test_the_scope_gate_holds_at_exactly_scope_concurrency(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis, scope_concurrency=3, pod_concurrency=4)
+    await add_pod(state, "p1")
+    for i in range(3):
+        assert await route(state, f"s{i}") == placed("p1")
+    assert await route(state, "s3", request_id="r-full", token="t") == ["scope_full"]
+    assert await redis.get(K.route("r-full")) == "pending:t"
+    assert await redis.scard(K.scope_sessions(SID)) == 3
+    await state.evict("s0")
+    assert await route(state, "s3", request_id="r-full", token="t") == placed("p1")
+    assert await redis.scard(K.scope_sessions(SID)) == 3
+
+
+async def test_first_fit_fills_pods_in_arrival_order_to_exactly_pod_concurrency(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis, scope_concurrency=10, pod_concurrency=2)  # max_pods 5
+    await add_pod(state, "pod-b")  # arrives first although it sorts last
+    await add_pod(state, "pod-a")
+    assert [(await route(state, f"s{i}"))[1] for i in range(4)] == [
+        "pod-b",
+        "pod-b",
+        "pod-a",
+        "pod-a",
+    ]
+    assert await redis.scard(K.pod_sessions(SID, "pod-b")) == 2
+    assert await redis.scard(K.pod_sessions(SID, "pod-a")) == 2
+    assert await route(state, "s4") == ["need_acquire"]  # 2 candidates < max_pods 5
+    await state.evict("s0")
+    assert await route(state, "s4") == placed("pod-b")  # the first with room again
+
+
+async def test_no_room_is_need_acquire_below_max_pods_and_scope_full_at_it(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis, scope_concurrency=10, pod_concurrency=2, max_pods=2)
+    await add_pod(state, "p1")
+    await add_pod(state, "p2")
+    for i in range(4):
+        await route(state, f"s{i}")
+    assert await route(state, "s4") == ["scope_full"]  # 2 candidates = max_pods
+    await state.remove_candidates(SID, ["p1"])  # sunset: it no longer counts as a candidate
+    assert await route(state, "s4") == ["need_acquire"]
+    await configure(redis, scope_concurrency=10, pod_concurrency=2, max_pods=0)
+    assert await route(state, "s4") == ["scope_full"]
+    assert await redis.scard(K.scope_sessions(SID)) == 4
+
+
+async def test_no_candidate_at_all_is_need_acquire(state: SessionState, redis: Redis) -> None:
+    await configure(redis)
+    assert await route(state, "s1", request_id="r1", token="t1") == ["need_acquire"]
+    assert await redis.get(K.route("r1")) == "pending:t1"
+    assert not await redis.exists(K.session("s1"))
+
+
+# --- route_place: replay ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["placed", "refresh", "rebound"])
+async def test_a_resent_placing_call_returns_the_first_answer(
+    state: SessionState, redis: Redis, kind: str
+) -> None:
+    await configure(redis)
+    await add_pod(state, "p1")
+    if kind != "placed":
+        await route(state, "s1")
+    if kind == "rebound":
+        await state.evict("s1", pod_died=True)
+        await state.cleanup_pod(SID, "p1")
+        await add_pod(state, "p2")
+    recorder = record(state, "route_place")
+    first = await route(state, "s1", request_id="r1", token="t1")
+    assert first[0] == kind
+    expiry = await expiry_of(redis, "s1")
+    again = await recorder.again()  # the identical EVALSHA, after a lost reply
+    assert again[0] == "replay"
+    assert answer_of(again) == answer_of(first)
+    assert await expiry_of(redis, "s1") == expiry, "nothing done the second time"
+    assert await redis.scard(K.scope_sessions(SID)) == 1
+    # the same request on another replica (its own token) gets the same answer too
+    client = other_client(redis)
+    try:
+        other = await SessionState(client).route_place(
+            request_id="r1", session_id="s1", scope_id=SID, token="t-other"
+        )
+    finally:
+        await client.aclose()
+    assert other[0] == "replay" and answer_of(other) == answer_of(first)
+
+
+async def test_a_resent_pending_call_is_recomputed_and_a_duplicate_is_in_flight(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis, pod_concurrency=1)
+    recorder = record(state, "route_place")
+    assert await route(state, "s1", request_id="r1", token="t1") == ["need_acquire"]
+    assert await recorder.again() == ["need_acquire"]
+    assert await route(state, "s1", request_id="r1", token="t2") == ["in_flight"]
+    await add_pod(state, "p1")
+    assert await route(state, "s1", request_id="r1", token="t2") == ["in_flight"]
+    assert await recorder.again(0) == placed("p1")  # the owner of the marker goes on
+    dup = await route(state, "s1", request_id="r1", token="t2")
+    assert dup[0] == "replay" and answer_of(dup) == answer_of(placed("p1"))
+    assert await redis.smembers(K.scope_sessions(SID)) == {"s1"}
+
+
+async def test_abandon_route_drops_only_its_own_marker(state: SessionState, redis: Redis) -> None:
+    await configure(redis)
+    assert await route(state, "s1", request_id="r1", token="t1") == ["need_acquire"]
+    await state.abandon_route("r1", "t2")
+    assert await redis.get(K.route("r1")) == "pending:t1"
+    await state.abandon_route("r1", "t1")
+    assert not await redis.exists(K.route("r1"))
+    assert await route(state, "s1", request_id="r1", token="t2") == ["need_acquire"]
+
+
+async def test_concurrent_duplicates_of_one_request_place_once(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis)
+    await add_pod(state, "p1")
+    client = other_client(redis)
+    states = [state, SessionState(client)]
+    try:
+        replies = await asyncio.gather(
+            *(
+                states[i % 2].route_place(
+                    request_id="r1", session_id="s1", scope_id=SID, token=f"t{i}"
+                )
+                for i in range(20)
+            )
+        )
+    finally:
+        await client.aclose()
+    kinds = Counter(r[0] for r in replies)
+    assert kinds == {"placed": 1, "replay": 19}
+    assert {json.dumps(answer_of(r), sort_keys=True) for r in replies} == {
+        json.dumps(answer_of(placed("p1")), sort_keys=True)
+    }
+    assert await redis.scard(K.scope_sessions(SID)) == 1
+
+
+# --- route_place: concurrency ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("clients", [1, 2])
+@pytest.mark.parametrize(("max_pods", "rest"), [(3, "need_acquire"), (2, "scope_full")])
+async def test_100_concurrent_routes_fill_two_pods_exactly(
+    redis: Redis, clients: int, max_pods: int, rest: str
+) -> None:
+    await configure(redis, scope_concurrency=10, pod_concurrency=4, max_pods=max_pods)
+    extra = [other_client(redis) for _ in range(clients - 1)]
+    states = [SessionState(c) for c in [redis, *extra]]
+    try:
+        await add_pod(states[0], "p1")
+        await add_pod(states[0], "p2")
+        replies = await asyncio.gather(
+            *(
+                states[i % clients].route_place(
+                    request_id=f"r{i}", session_id=f"s{i}", scope_id=SID, token=f"t{i}"
+                )
+                for i in range(100)
+            )
+        )
+    finally:
+        for client in extra:
+            await client.aclose()
+    assert Counter(r[0] for r in replies) == {"placed": 8, rest: 92}
+    assert Counter(r[1] for r in replies if r[0] == "placed") == {"p1": 4, "p2": 4}
+    assert await redis.scard(K.pod_sessions(SID, "p1")) == 4
+    assert await redis.scard(K.pod_sessions(SID, "p2")) == 4
+    winners = {f"s{i}" for i, r in enumerate(replies) if r[0] == "placed"}
+    assert await redis.smembers(K.scope_sessions(SID)) == winners
+    assert set(await redis.zrange(K.EXPIRY, 0, -1)) == winners
+
+
+@pytest.mark.parametrize("clients", [1, 2])
+async def test_100_concurrent_routes_stop_at_scope_concurrency(redis: Redis, clients: int) -> None:
+    await configure(redis, scope_concurrency=6, pod_concurrency=4)
+    extra = [other_client(redis) for _ in range(clients - 1)]
+    states = [SessionState(c) for c in [redis, *extra]]
+    try:
+        await add_pod(states[0], "p1")
+        await add_pod(states[0], "p2")
+        replies = await asyncio.gather(
+            *(
+                states[i % clients].route_place(
+                    request_id=f"r{i}", session_id=f"s{i}", scope_id=SID, token=f"t{i}"
+                )
+                for i in range(100)
+            )
+        )
+    finally:
+        for client in extra:
+            await client.aclose()
+    assert Counter(r[0] for r in replies) == {"placed": 6, "scope_full": 94}
+    assert Counter(r[1] for r in replies if r[0] == "placed") == {"p1": 4, "p2": 2}
+    assert await redis.scard(K.scope_sessions(SID)) == 6
+
+
+# --- evict -------------------------------------------------------------------------------------
+
+
+async def test_evict_leaves_the_four_places_signals_and_is_idempotent(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis)
+    await add_pod(state, "p1")
+    await route(state, "s1")
+    await route(state, "s2")
+    recorder = record(state, "evict")
+    async with listening(redis) as pubsub:
+        assert await state.evict("s1") == (SID, "p1", 1)
+        assert await signal(pubsub) == "s1"
+        assert await recorder.again() == []  # a re-sent evict: nothing left to do
+        assert await signal(pubsub, within=0.2) is None, "no second signal"
+    assert await four_places(redis, "s1", SID, "p1") == [False] * 4
+    assert await four_places(redis, "s2", SID, "p1") == [True] * 4
+    assert await state.evict("never-seen") is None
+
+
+async def test_evict_of_a_dead_pods_session_is_idempotent_and_keeps_the_tombstone(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis, session_ttl=90)
+    await add_pod(state, "p1")
+    await route(state, "s1")
+    recorder = record(state, "evict")
+    assert await state.evict("s1", pod_died=True) == (SID, "p1", 0)
+    assert await recorder.again() == []
+    assert await redis.get(K.tombstone("s1")) == "p1"
+    assert 85 <= await redis.ttl(K.tombstone("s1")) <= 90
+
+
+async def test_evict_drops_a_stray_expiry_entry(state: SessionState, redis: Redis) -> None:
+    await redis.zadd(K.EXPIRY, {"ghost": 1})
+    assert await state.evict("ghost", pod_died=True) is None
+    assert await redis.zscore(K.EXPIRY, "ghost") is None
+    assert not await redis.exists(K.tombstone("ghost"))
+
+
+# --- touch -------------------------------------------------------------------------------------
+
+
+async def test_touch_extends_by_the_sessions_own_ttl(state: SessionState, redis: Redis) -> None:
+    await configure(redis, session_ttl=TTL)
+    await add_pod(state, "p1")
+    await route(state, "s1")
+    await configure(redis, session_ttl=5)  # the policy changed; the session keeps its ttl
+    await set_expiry(redis, "s1", await rnow(redis) + 10)
+    recorder = record(state, "touch")
+    before = await rnow(redis)
+    assert await state.touch("s1", eos=False) == (True, False)
+    assert before + TTL <= await expiry_of(redis, "s1") <= await rnow(redis) + TTL
+    assert await recorder.again() == [1, 0]  # a re-sent touch extends again: harmless
+    assert await four_places(redis, "s1", SID, "p1") == [True] * 4
+    assert await state.touch("unknown", eos=False) == (False, False)
+    assert await state.touch("unknown", eos=True) == (False, False)
+
+
+async def test_touch_of_an_expired_session_evicts_it_on_the_spot(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis)
+    await add_pod(state, "p1")
+    await route(state, "s1")
+    await expire(redis, "s1")
+    recorder = record(state, "touch")
+    async with listening(redis) as pubsub:
+        assert await state.touch("s1", eos=False) == (False, True)
+        assert await signal(pubsub) == "s1"
+    assert await four_places(redis, "s1", SID, "p1") == [False] * 4
+    assert await recorder.again() == [0, 0]
+    assert not await redis.exists(K.tombstone("s1"))
+
+
+async def test_touch_eos_ends_the_session_and_signals(state: SessionState, redis: Redis) -> None:
+    await configure(redis, scope_concurrency=1)
+    await add_pod(state, "p1")
+    await route(state, "s1")
+    assert await route(state, "s2") == ["scope_full"]
+    recorder = record(state, "touch")
+    async with listening(redis) as pubsub:
+        assert await state.touch("s1", eos=True) == (True, True)
+        assert await signal(pubsub) == "s1"
+        assert await recorder.again() == [0, 0]  # a re-sent eos: already gone
+        assert await signal(pubsub, within=0.2) is None
+    assert await four_places(redis, "s1", SID, "p1") == [False] * 4
+    assert await route(state, "s2") == placed("p1")
+
+
+async def test_eos_on_an_expired_session_frees_it_but_is_not_touched(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis)
+    await add_pod(state, "p1")
+    await route(state, "s1")
+    await expire(redis, "s1")
+    assert await state.touch("s1", eos=True) == (False, True)
+    assert await four_places(redis, "s1", SID, "p1") == [False] * 4
+
+
+# --- sweep_idle_notify -------------------------------------------------------------------------
+
+
+async def test_idle_notify_takes_an_empty_pod_out_once(state: SessionState, redis: Redis) -> None:
+    await configure(redis, scope_concurrency=10, pod_concurrency=1)
+    await add_pod(state, "p1")
+    await add_pod(state, "p2")
+    await route(state, "s1")  # p1
+    assert await state.sweep_idle_notify(SID, "p1", 0) is False, "it has a session"
+    assert await state.sweep_idle_notify(SID, "p2", 60) is False, "registered within the grace"
+    assert await state.sweep_idle_notify(SID, "ghost", 0) is False, "not registered here"
+    assert not await redis.exists(K.idle_notified(SID, "p2"))
+    recorder = record(state, "sweep_idle_notify")
+    assert await state.sweep_idle_notify(SID, "p2", 0) is True
+    assert await redis.zrange(K.candidates(SID), 0, -1) == ["p1"]
+    assert await redis.sismember(K.REGISTERED, f"{SID}:p2"), "still registered"
+    assert 0 < await redis.ttl(K.idle_notified(SID, "p2")) <= 60
+    assert await recorder.again() == 0, "one notice per 60 s"
+    assert await route(state, "s2") == ["need_acquire"], "never placed on a pod handed back"
+
+
+async def test_idle_notify_waits_for_the_grace_since_registration(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis)
+    await add_pod(state, "p1")
+    await redis.hset(K.pod_info(SID, "p1"), "registered_at", f"{await rnow(redis) - 10:.6f}")
+    assert await state.sweep_idle_notify(SID, "p1", 30) is False
+    assert await state.sweep_idle_notify(SID, "p1", 5) is True
+
+
+async def test_a_sunset_pod_is_notified_once_it_is_empty(state: SessionState, redis: Redis) -> None:
+    await configure(redis)
+    await add_pod(state, "p1")
+    await route(state, "s1")
+    await state.remove_candidates(SID, ["p1"])
+    assert await state.sweep_idle_notify(SID, "p1", 0) is False
+    await state.evict("s1")
+    assert await state.sweep_idle_notify(SID, "p1", 0) is True
+    assert await redis.exists(K.idle_notified(SID, "p1"))
+
+
+async def test_a_notified_pod_registered_again_comes_back_last_in_line(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis, pod_concurrency=1)
+    await add_pod(state, "p1")
+    await add_pod(state, "p2")
+    assert await state.sweep_idle_notify(SID, "p1", 0) is True
+    assert await add_pod(state, "p1") is True  # reused from the warm pool
+    assert await redis.zrange(K.candidates(SID), 0, -1, withscores=True) == [
+        ("p2", 2.0),
+        ("p1", 3.0),
+    ]
+    assert not await redis.exists(K.idle_notified(SID, "p1"))
+    assert await route(state, "s1") == placed("p2")
+    assert await route(state, "s2") == placed("p1")
+
+
+# --- register_pod ------------------------------------------------------------------------------
+
+
+async def test_register_pod_makes_a_candidate_in_arrival_order_and_signals(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis, deploy_ver="v1")
+    recorder = record(state, "register_pod")
+    async with listening(redis) as pubsub:
+        before = await rnow(redis)
+        assert await add_pod(state, "p1") is True
+        assert await signal(pubsub) == "pod:p1"
+        assert await add_pod(state, "p2") is True
+        assert await signal(pubsub) == "pod:p2"
+        assert await recorder.again() == 1  # a re-sent registration of p2
+        assert await signal(pubsub, within=0.2) is None
+    assert await redis.zrange(K.candidates(SID), 0, -1, withscores=True) == [
+        ("p1", 1.0),
+        ("p2", 2.0),
+    ]
+    assert await redis.get(K.pod_seq(SID)) == "2"
+    info = await redis.hgetall(K.pod_info(SID, "p1"))
+    assert info["sse_url"] == url("p1") and info["deploy_ver"] == "v1"
+    assert before <= float(info["registered_at"]) <= await rnow(redis)
+    assert await redis.smembers(K.REGISTERED) == {f"{SID}:p1", f"{SID}:p2"}
+    assert await redis.smembers(K.pod_scopes("p1")) == {SID}
+
+
+async def test_register_pod_refuses_a_pod_of_an_old_version(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis, deploy_ver="v2")
+    async with listening(redis) as pubsub:
+        assert await add_pod(state, "old", ver="v1") is False
+        assert await signal(pubsub, within=0.2) is None
+    for key in (K.candidates(SID), K.pod_info(SID, "old"), K.pod_scopes("old"), K.pod_seq(SID)):
+        assert not await redis.exists(key), key
+    assert not await redis.sismember(K.REGISTERED, f"{SID}:old")
+    # a candidate that is now of an old version is refused too (kept as it is)
+    await configure(redis, deploy_ver="v1")
+    await add_pod(state, "p1", ver="v1")
+    await configure(redis, deploy_ver="v2")
+    assert await add_pod(state, "p1", ver="v1") is False
+
+
+async def test_register_pod_without_a_cache_registers(state: SessionState, redis: Redis) -> None:
+    assert await add_pod(state, "p1", ver="anything") is True
+    assert await redis.zrange(K.candidates(SID), 0, -1) == ["p1"]
+
+
+async def test_one_pod_in_two_scopes(state: SessionState, redis: Redis) -> None:
+    await add_pod(state, "p1", SID)
+    await add_pod(state, "p1", "scope-b")
+    assert await redis.smembers(K.pod_scopes("p1")) == {SID, "scope-b"}
+    assert await state.cleanup_pod(SID, "p1") == 1
+    assert await redis.smembers(K.pod_scopes("p1")) == {"scope-b"}
+    assert await redis.smembers(K.REGISTERED) == {"scope-b:p1"}
+
+
+# --- cleanup_pod -------------------------------------------------------------------------------
+
+
+async def test_cleanup_pod_branches_and_replay(state: SessionState, redis: Redis) -> None:
+    await configure(redis)
+    await add_pod(state, "p1")
+    await route(state, "s1")
+    await redis.set(K.idle_notified(SID, "p1"), "1")
+    recorder = record(state, "cleanup_pod")
+    assert await state.cleanup_pod(SID, "p1") == -1
+    assert await recorder.again() == -1
+    assert await redis.zscore(K.candidates(SID), "p1") is None, "no session may land on it"
+    assert await redis.sismember(K.REGISTERED, f"{SID}:p1"), "registered while sessions live"
+    assert await route(state, "s1") == placed("p1", "refresh")
+    await state.evict("s1", pod_died=True)
+    assert await state.cleanup_pod(SID, "p1") == 1
+    assert await recorder.again() == 0
+    for key in (
+        K.pod_info(SID, "p1"),
+        K.pod_sessions(SID, "p1"),
+        K.idle_notified(SID, "p1"),
+        K.pod_scopes("p1"),
+    ):
+        assert not await redis.exists(key), key
+    assert not await redis.sismember(K.REGISTERED, f"{SID}:p1")
+
+
+# --- waiter_gate -------------------------------------------------------------------------------
+
+
+async def test_waiter_gate_seats_up_to_the_limit(state: SessionState, redis: Redis) -> None:
+    recorder = record(state, "waiter_gate")
+    for i in range(3):
+        assert await state.take_waiter_seat(SID, f"w{i}", 30, 3) is True
+    before = await redis.zscore(K.waiters(SID), "w2")
+    assert await recorder.again() == 1, "a re-sent seat request keeps its seat"
+    after = await redis.zscore(K.waiters(SID), "w2")
+    assert before is not None and after is not None and after >= before
+    assert await redis.zcard(K.waiters(SID)) == 3
+    assert await state.take_waiter_seat(SID, "w3", 30, 3) is False
+    assert await recorder.again() == 0
+    assert await redis.zscore(K.waiters(SID), "w3") is None, "a refused seat is not kept"
+    await state.leave_waiter_seat(SID, "w0")
+    assert await state.take_waiter_seat(SID, "w3", 30, 3) is True
+    assert set(await redis.zrange(K.waiters(SID), 0, -1)) == {"w1", "w2", "w3"}
+
+
+async def test_waiter_gate_drops_expired_seats(state: SessionState, redis: Redis) -> None:
+    now = await rnow(redis)
+    await redis.zadd(K.waiters(SID), {"crashed-1": now - 1, "crashed-2": now - 100})
+    await redis.zadd(K.waiters(SID), {"alive": now + 100})
+    assert await state.take_waiter_seat(SID, "w1", 30, 2) is True
+    assert set(await redis.zrange(K.waiters(SID), 0, -1)) == {"alive", "w1"}
+    deadline = await redis.zscore(K.waiters(SID), "w1")
+    assert deadline is not None and now + 29 <= deadline <= await rnow(redis) + 30
+
+
+@pytest.mark.parametrize("clients", [1, 2])
+async def test_50_concurrent_seats_with_limit_6(redis: Redis, clients: int) -> None:
+    extra = [other_client(redis) for _ in range(clients - 1)]
+    states = [SessionState(c) for c in [redis, *extra]]
+    try:
+        seated = await asyncio.gather(
+            *(states[i % clients].take_waiter_seat(SID, f"w{i}", 30, 6) for i in range(50))
+        )
+    finally:
+        for client in extra:
+            await client.aclose()
+    assert sum(seated) == 6
+    winners = {f"w{i}" for i, ok in enumerate(seated) if ok}
+    assert set(await redis.zrange(K.waiters(SID), 0, -1)) == winners
+
+
+# --- the free signal, heard by another replica ---------------------------------------------------
+
+
+async def test_every_slot_freed_and_every_new_pod_signals_free(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis)
+    async with listening(redis) as pubsub:
+        await add_pod(state, "p1")
+        assert await signal(pubsub) == "pod:p1"
+        for i in range(4):
+            await route(state, f"s{i}")
+        assert await signal(pubsub, within=0.2) is None, "placing frees nothing"
+        await state.evict("s0")
+        assert await signal(pubsub) == "s0"
+        await state.evict("s1", pod_died=True)
+        assert await signal(pubsub) == "s1"
+        await state.touch("s2", eos=True)
+        assert await signal(pubsub) == "s2"
+        await expire(redis, "s3")
+        await state.touch("s3", eos=False)
+        assert await signal(pubsub) == "s3"
+        await state.touch("s3", eos=True)
+        await state.evict("s3")
+        await state.cleanup_pod(SID, "p1")
+        assert await signal(pubsub, within=0.2) is None, "nothing more was freed"
+
+
+# --- the scripts as a state machine ----------------------------------------------------------
+
+
+class SessionMachine(RuleBasedStateMachine):
+    """One scope, its Python model, and the invariants checked in Redis after every step.
+
+    Driven synchronously: each step runs the async call on a loop owned by the test. Every key
+    and member of one run carries its own scope id, and ``teardown`` deletes them (the db is
+    shared by the runs of one test process; nothing is flushed).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, redis: Redis) -> None:
+        super().__init__()
+        self.loop, self.redis = loop, redis
+        self.state = SessionState(redis)
+        self.scripts = {
+            name: record(self.state, name)
+            for name in ("route_place", "evict", "touch", "register_pod", "cleanup_pod")
+        }
+        self.sid = f"hyp-{uuid.uuid4().hex[:10]}"
+        self.seq = 0
+        # policy (the resolve cache) and deploy version
+        self.scope_concurrency = self.pod_concurrency = self.max_pods = 0
+        self.configured = False
+        self.drops = 0  # cache drops so far (each run has a few, not mostly need_config)
+        self.ver = 1
+        # the model
+        self.ttl = TTL  # the policy's session_ttl (a live session keeps the one it got)
+        self.sessions: dict[str, str] = {}  # session -> pod, for every live session
+        self.ttls: dict[str, int] = {}  # session -> its own session_ttl
+        self.expired: set[str] = set()  # live sessions whose expiry has passed
+        self.pods: dict[str, int] = {}  # registered pod -> deploy version
+        self.candidates: list[str] = []  # in arrival order
+        self.notified: set[str] = set()
+        self.dead: set[str] = set()
+        self.tombstones: dict[str, str] = {}  # session -> the pod that died under it
+        self.known: list[str] = []  # every session id used so far
+
+    def run(self, coro: Awaitable[T]) -> T:
+        return self.loop.run_until_complete(coro)  # type: ignore[arg-type]
+
+    def next_id(self, kind: str) -> str:
+        self.seq += 1
+        return f"{self.sid}-{kind}{self.seq}"
+
+    def on_pod(self, pod: str) -> int:
+        return sum(1 for p in self.sessions.values() if p == pod)
+
+    def drop(self, session: str) -> None:
+        self.sessions.pop(session, None)
+        self.expired.discard(session)
+
+    async def write_config(self) -> None:
+        await configure(
+            self.redis,
+            self.sid,
+            scope_concurrency=self.scope_concurrency,
+            pod_concurrency=self.pod_concurrency,
+            max_pods=self.max_pods,
+            session_ttl=self.ttl,
+            deploy_ver=f"v{self.ver}",
+        )
+
+    @initialize(
+        scope_concurrency=st.integers(1, 6),
+        pod_concurrency=st.integers(1, 3),
+        pods=st.integers(0, 2),
+    )
+    def setup(self, scope_concurrency: int, pod_concurrency: int, pods: int) -> None:
+        self.scope_concurrency, self.pod_concurrency = scope_concurrency, pod_concurrency
+        self.max_pods = math.ceil(scope_concurrency / pod_concurrency)
+        self.configured = True
+        self.run(self.write_config())
+        for _ in range(min(pods, self.max_pods)):
+            self.add_new_pod(replay=False, stale=False)
+
+    # --- config ---
+
+    @precondition(lambda self: self.configured and self.drops < 2)
+    @rule()
+    def drop_config(self) -> None:
+        self.drops += 1
+        self.configured = False
+        self.run(self.state.drop_scope_configs([self.sid]))
+
+    @precondition(lambda self: not self.configured)
+    @rule()
+    def fill_config(self) -> None:
+        self.configured = True
+        self.run(self.write_config())
+
+    @precondition(lambda self: self.configured)
+    @rule()
+    def policy_change(self) -> None:
+        """A new session_ttl: new bindings get it, live ones keep theirs."""
+        self.ttl = 2 * TTL if self.ttl == TTL else TTL
+        self.run(self.write_config())
+
+    @precondition(lambda self: self.configured and self.ver < 3)
+    @rule()
+    def deploy_change(self) -> None:
+        """A new deploy_ver: the old version's candidates leave first-fit (sunset)."""
+        self.ver += 1
+        old = [p for p in self.candidates if self.pods[p] != self.ver]
+        self.run(self.state.remove_candidates(self.sid, old))
+        self.candidates = [p for p in self.candidates if p not in old]
+        self.run(self.write_config())
+
+    # --- pods ---
+
+    @precondition(lambda self: len(self.pods) < self.max_pods)
+    @rule(replay=st.booleans(), stale=st.booleans())
+    def register_new_pod(self, replay: bool, stale: bool) -> None:
+        self.add_new_pod(replay, stale)
+
+    def add_new_pod(self, replay: bool, stale: bool) -> None:
+        pod = self.next_id("p")
+        ver = self.ver - 1 if stale else self.ver
+        accepted = self.run(self.state.register_pod(self.sid, pod, url(pod), f"v{ver}"))
+        expected = not stale or not self.configured
+        assert accepted is expected
+        if accepted:
+            self.pods[pod] = ver
+            self.candidates.append(pod)
+        if replay:
+            assert self.run(self.scripts["register_pod"].again()) == int(expected)
+
+    @precondition(lambda self: self.notified)
+    @rule(data=st.data())
+    def reuse_notified_pod(self, data: st.DataObject) -> None:
+        """The resource manager hands a warm (notified) pod out again."""
+        self.reuse(data.draw(st.sampled_from(sorted(self.notified))))
+
+    def reuse(self, pod: str) -> None:
+        current = self.pods[pod] == self.ver or not self.configured
+        registered = self.run(
+            self.state.register_pod(self.sid, pod, url(pod), f"v{self.pods[pod]}")
+        )
+        assert registered is current
+        if current:
+            self.notified.discard(pod)
+            self.candidates.append(pod)
+
+    @precondition(lambda self: self.pods)
+    @rule(data=st.data())
+    def idle_notify(self, data: st.DataObject) -> None:
+        empty = sorted(p for p in self.pods if self.on_pod(p) == 0 and p not in self.notified)
+        pod = data.draw(
+            st.sampled_from(empty if empty and data.draw(st.booleans()) else sorted(self.pods))
+        )
+        expected = self.on_pod(pod) == 0 and pod not in self.notified
+        assert self.run(self.state.sweep_idle_notify(self.sid, pod, 0)) is expected
+        if expected:
+            self.notified.add(pod)
+            if pod in self.candidates:
+                self.candidates.remove(pod)
+
+    @precondition(lambda self: self.pods)
+    @rule(data=st.data(), replay=st.booleans())
+    def pod_dies(self, data: st.DataObject, replay: bool) -> None:
+        """What notify_pod_dead does: leave the candidates, evict with tombstones, clean up."""
+        busy = sorted(set(self.sessions.values()))
+        pods = busy if busy and data.draw(st.booleans()) else sorted(self.pods)
+        pod = data.draw(st.sampled_from(pods))
+        on_pod = sorted(s for s, p in self.sessions.items() if p == pod)
+        assert self.run(self.state.cleanup_pod(self.sid, pod)) == (-1 if on_pod else 1)
+        if pod in self.candidates:
+            self.candidates.remove(pod)
+        if on_pod:
+            for session in on_pod:
+                left = self.run(self.state.evict(session, pod_died=True))
+                self.drop(session)
+                self.tombstones[session] = pod
+                assert left == (self.sid, pod, self.on_pod(pod))
+                if replay:
+                    assert self.run(self.scripts["evict"].again()) == []
+            assert self.run(self.state.cleanup_pod(self.sid, pod)) == 1
+        if replay:
+            assert self.run(self.scripts["cleanup_pod"].again()) == 0
+        del self.pods[pod]
+        self.notified.discard(pod)
+        self.dead.add(pod)
+
+    # --- sessions ---
+
+    def new_session(self) -> str:
+        session = self.next_id("s")
+        self.known.append(session)
+        return session
+
+    def known_session(self, data: st.DataObject) -> str:
+        """Mostly a live or tombstoned session (where things happen), sometimes any."""
+        interesting = sorted(set(self.sessions) | set(self.tombstones))
+        if interesting and data.draw(st.integers(0, 3)):
+            return data.draw(st.sampled_from(interesting))
+        return data.draw(st.sampled_from(self.known))
+
+    def expect_route(self, session: str) -> list[Any]:
+        """The model's answer; it changes the model as the script changes Redis."""
+        pod = self.sessions.get(session)
+        if pod is not None:
+            if session not in self.expired:
+                assert pod in self.pods
+                return placed(pod, "refresh")
+            self.drop(session)  # lazy eviction of the expired binding
+        if not self.configured:
+            return ["need_config"]
+        if len(self.sessions) >= self.scope_concurrency:
+            return ["scope_full"]
+        chosen = next((p for p in self.candidates if self.on_pod(p) < self.pod_concurrency), None)
+        if chosen is None:
+            return ["need_acquire" if len(self.candidates) < self.max_pods else "scope_full"]
+        self.sessions[session] = chosen
+        self.ttls[session] = self.ttl
+        previous = self.tombstones.pop(session, None)
+        return placed(chosen, "rebound", previous) if previous else placed(chosen)
+
+    @rule(replay=st.sampled_from(["no", "same", "other"]), acquire=st.booleans())
+    def route_new(self, replay: str, acquire: bool) -> None:
+        self.route(self.new_session(), replay, acquire)
+
+    @precondition(lambda self: self.known)
+    @rule(data=st.data(), replay=st.sampled_from(["no", "same", "other"]), acquire=st.booleans())
+    def route_again(self, data: st.DataObject, replay: str, acquire: bool) -> None:
+        self.route(self.known_session(data), replay, acquire)
+
+    def route(self, session: str, replay: str, acquire: bool) -> None:
+        """One route_place; with ``acquire``, a ``need_acquire`` is followed as the orchestrator
+        does: a pod (a warm one again, else a new one) is registered and the same request runs
+        again with its own token."""
+        request_id, token = self.next_id("r"), self.next_id("t")
+        reply = self.run(
+            self.state.route_place(
+                request_id=request_id, session_id=session, scope_id=self.sid, token=token
+            )
+        )
+        assert reply == self.expect_route(session), (session, reply)
+        if reply[0] == "rebound":
+            assert reply[3] in self.dead, "a rebound names the pod that died"
+        placing = reply[0] in ("placed", "refresh", "rebound")
+        if replay == "same":  # the identical EVALSHA again (a client retry)
+            again = self.run(self.scripts["route_place"].again())
+            if placing:
+                assert again[0] == "replay" and answer_of(again) == answer_of(reply)
+            else:
+                assert again == reply
+        elif replay == "other":  # the same request on another replica, with its own token
+            again = self.run(
+                self.state.route_place(
+                    request_id=request_id, session_id=session, scope_id=self.sid, token="x"
+                )
+            )
+            if placing:
+                assert again[0] == "replay" and answer_of(again) == answer_of(reply)
+            else:
+                assert again == ["in_flight"]
+        if reply == ["need_acquire"] and acquire:
+            warm = sorted(p for p in self.notified if self.pods[p] == self.ver)
+            if warm:
+                self.reuse(warm[0])
+            elif len(self.pods) < self.max_pods:
+                self.add_new_pod(replay=False, stale=False)
+            else:
+                return  # max_pods held by sunset pods: the resource manager says no
+            reply = self.run(
+                self.state.route_place(
+                    request_id=request_id, session_id=session, scope_id=self.sid, token=token
+                )
+            )
+            assert reply == self.expect_route(session), (session, reply)
+            assert reply[0] in ("placed", "rebound"), reply
+            if reply[0] == "rebound":
+                assert reply[3] in self.dead, "a rebound names the pod that died"
+
+    @precondition(lambda self: self.known)
+    @rule(data=st.data(), eos=st.booleans(), replay=st.booleans())
+    def touch(self, data: st.DataObject, eos: bool, replay: bool) -> None:
+        session = self.known_session(data)
+        touched, released = self.run(self.state.touch(session, eos=eos))
+        if session not in self.sessions:
+            assert (touched, released) == (False, False)
+        elif session in self.expired:
+            assert (touched, released) == (False, True)
+            self.drop(session)
+        elif eos:
+            assert (touched, released) == (True, True)
+            self.drop(session)
+        else:
+            assert (touched, released) == (True, False)
+        if replay:
+            alive = session in self.sessions
+            assert self.run(self.scripts["touch"].again()) == [1 if alive else 0, 0]
+
+    @precondition(lambda self: set(self.sessions) - self.expired)
+    @rule(data=st.data())
+    def expire(self, data: st.DataObject) -> None:
+        """Time passes for one session: its expiry (both places) moves into the past."""
+        session = data.draw(st.sampled_from(sorted(set(self.sessions) - self.expired)))
+        self.run(expire(self.redis, session))
+        self.expired.add(session)
+
+    @precondition(lambda self: self.expired)
+    @rule()
+    def sweep_expired(self) -> None:
+        """The sweeper's expiry pass: expired members of session_expiry, evicted one by one."""
+        found = self.run(self.state.expired_sessions(1000))
+        mine = [s for s in found if s.startswith(self.sid)]
+        assert set(mine) == self.expired
+        for session in mine:
+            pod = self.sessions[session]
+            self.drop(session)
+            assert self.run(self.state.evict(session)) == (self.sid, pod, self.on_pod(pod))
+
+    # --- after every step ---
+
+    @invariant()
+    def redis_agrees_with_the_model(self) -> None:
+        self.run(self.check())
+
+    async def check(self) -> None:
+        sid = self.sid
+        pods = sorted(set(self.pods) | self.dead)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.smembers(K.scope_sessions(sid))
+            pipe.zrange(K.candidates(sid), 0, -1)
+            pipe.smembers(K.REGISTERED)
+            for pod in pods:
+                pipe.smembers(K.pod_sessions(sid, pod))
+                pipe.exists(K.idle_notified(sid, pod))
+            for session in self.known:
+                pipe.hgetall(K.session(session))
+                pipe.zscore(K.EXPIRY, session)
+                pipe.get(K.tombstone(session))
+            pipe.time()
+            replies = await pipe.execute()
+        scope_sessions, candidates, registered = replies[:3]
+        i = 3
+        assert len(scope_sessions) <= self.scope_concurrency
+        assert scope_sessions == set(self.sessions)
+        assert candidates == self.candidates
+        mine = {m.partition(":")[2] for m in registered if m.startswith(f"{sid}:")}
+        assert mine == set(self.pods)
+        assert set(candidates) <= mine
+        for pod in pods:
+            on_pod, notified = replies[i], replies[i + 1]
+            i += 2
+            assert len(on_pod) <= self.pod_concurrency
+            assert on_pod == {s for s, p in self.sessions.items() if p == pod}, pod
+            assert bool(notified) == (pod in self.notified), pod
+        seconds, micros = replies[-1]
+        now = seconds + micros / 1_000_000
+        for session in self.known:
+            binding, score, tombstone = replies[i], replies[i + 1], replies[i + 2]
+            i += 3
+            pod = self.sessions.get(session)
+            places = [
+                bool(binding),
+                score is not None,
+                session in scope_sessions,
+                any(session in replies[3 + 2 * j] for j in range(len(pods))),
+            ]
+            assert places == [pod is not None] * 4, (session, places)
+            if pod is not None:
+                assert binding["scope_id"] == sid and binding["pod_id"] == pod
+                assert abs(float(binding["expiry"]) - score) < 1e-5
+                ttl = self.ttls[session]
+                assert binding["session_ttl"] == str(ttl)
+                if session in self.expired:
+                    assert score <= now, session
+                else:  # placed, refreshed or touched within this run: by its own ttl
+                    assert now + ttl - 30 < score <= now + ttl, session
+            assert tombstone == self.tombstones.get(session), session
+
+    def teardown(self) -> None:
+        self.run(self.forget())
+
+    async def forget(self) -> None:
+        """Delete this run's keys and members (and nothing else)."""
+        keys = [k async for k in self.redis.scan_iter(match=f"*{self.sid}*", count=500)]
+        if keys:
+            await self.redis.delete(*keys)
+        expiry = [m async for m, _ in self.redis.zscan_iter(K.EXPIRY, match=f"{self.sid}*")]
+        if expiry:
+            await self.redis.zrem(K.EXPIRY, *expiry)
+        registered = [m async for m in self.redis.sscan_iter(K.REGISTERED, match=f"{self.sid}:*")]
+        if registered:
+            await self.redis.srem(K.REGISTERED, *registered)
+
+
+async def _machine_client(backend: str) -> Redis:
+    if backend == "fake":
+        return fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    return await claim_real_redis()
+
+
+@pytest.mark.parametrize("backend", ["fake", "real"])
+def test_session_state_machine(backend: str) -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        client = loop.run_until_complete(_machine_client(backend))
+        try:
+            run_state_machine_as_test(
+                lambda: SessionMachine(loop, client),
+                settings=settings(
+                    max_examples=100,
+                    stateful_step_count=50,
+                    deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow],
+                ),
+            )
+        finally:
+            loop.run_until_complete(client.aclose())
+    finally:
+        loop.close()
