@@ -256,12 +256,16 @@ class ResourceOrchestrator:
     ) -> dict[str, str]:
         limit = max(int(pool_config.get("pod_concurrency", 1)) - 1, 0)
         hold = math.ceil(ready_timeout) + FOLLOWER_MARGIN
-        if not await self._state.take_follower_seat(scope_id, request_id, hold, limit):
-            raise DeployInProgress(f"scope {scope_id}: a deploy is running and its room is full")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + hold
         since = started_at
         try:
+            # inside the try: a cancellation while the gate's reply is in flight still gives
+            # the seat back (ZREM of a seat we never got is harmless)
+            if not await self._state.take_follower_seat(scope_id, request_id, hold, limit):
+                raise DeployInProgress(
+                    f"scope {scope_id}: a deploy is running and its room is full"
+                )
             async with self._notifier.listen(registered_channel(scope_id)) as listener:
                 while True:
                     # the leader may bring a pod registered before we started (its own, its
