@@ -291,15 +291,8 @@ class ResourceSweeper:
         placeholder = await self._state.add_placeholder(status.scope_id, token, LOCK_MARGIN)
         if placeholder is None:
             return False  # at max_pods: the pod goes
-        await self._state.register(
-            scope_id=status.scope_id,
-            pod_id=status.pod_id,
-            placeholder=placeholder,
-            pod_sse_url=sse_url(status.pod_ip, config.pod_spec),
-            pod_ip=status.pod_ip,
-            namespace=status.namespace,
-            deploy_ver=config.deploy_ver or "",
-            warm=True,
+        await self._register_found(
+            status, config.pod_spec, config.deploy_ver or "", placeholder=placeholder, warm=True
         )
         log.info("pod %s adopted into scope %s's warm pool", status.pod_id, status.scope_id)
         return True
@@ -316,18 +309,33 @@ class ResourceSweeper:
             return False
         config = await self._state.pool_config(status.scope_id)
         spec = config.pod_spec if config is not None and config.pod_spec else {}
-        await self._state.register(
-            scope_id=status.scope_id,
-            pod_id=status.pod_id,
-            placeholder=None,
-            pod_sse_url=sse_url(status.pod_ip, spec),
-            pod_ip=status.pod_ip,
-            namespace=status.namespace,
-            deploy_ver=status.deploy_ver or "",
-            warm=False,
+        await self._register_found(
+            status, spec, status.deploy_ver or "", placeholder=None, warm=False
         )
         log.info("pod %s re-adopted in use: %d live sessions", status.pod_id, use.sessions)
         return True
+
+    async def _register_found(
+        self,
+        status: PodStatus,
+        pod_spec: dict[str, Any],
+        deploy_ver: str,
+        *,
+        placeholder: str | None,
+        warm: bool,
+    ) -> None:
+        """Register a pod found in Kubernetes (adoption): its SSE URL from the spec's port."""
+        assert status.pod_ip is not None and status.scope_id is not None
+        await self._state.register(
+            scope_id=status.scope_id,
+            pod_id=status.pod_id,
+            placeholder=placeholder,
+            pod_sse_url=sse_url(status.pod_ip, pod_spec),
+            pod_ip=status.pod_ip,
+            namespace=status.namespace,
+            deploy_ver=deploy_ver,
+            warm=warm,
+        )
 
     # --- shared reads --------------------------------------------------------------------------
 
