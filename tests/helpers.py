@@ -7,7 +7,7 @@ import contextlib
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,3 +304,51 @@ def other_client(redis: Redis) -> Redis:
 
         return fakeredis.FakeAsyncRedis(server=kwargs["server"], decode_responses=True)
     return Redis.from_url(real_redis_url(), decode_responses=True)
+
+
+def run_redis_state_machine(
+    backend: str,
+    machine: Callable[[asyncio.AbstractEventLoop, Redis], Any],
+    *,
+    steps: int,
+    examples: int = 100,
+) -> None:
+    """Run a Hypothesis ``RuleBasedStateMachine`` whose rules drive an async Redis client on a
+    loop of their own: fakeredis, or the real Redis db this process claimed (flushed after,
+    still ours)."""
+    from hypothesis import HealthCheck, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    async def connect() -> Redis:
+        if backend == "fake":
+            import fakeredis
+
+            return fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
+        return await claim_real_redis()
+
+    async def release(client: Redis) -> None:
+        if backend == "real":
+            owner = await client.get(CLAIM_KEY)
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.flushdb()
+                pipe.set(CLAIM_KEY, owner)
+                await pipe.execute()
+        await client.aclose()
+
+    loop = asyncio.new_event_loop()
+    try:
+        client = loop.run_until_complete(connect())
+        try:
+            run_state_machine_as_test(
+                lambda: machine(loop, client),
+                settings=settings(
+                    max_examples=examples,
+                    stateful_step_count=steps,
+                    deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow],
+                ),
+            )
+        finally:
+            loop.run_until_complete(release(client))
+    finally:
+        loop.close()

@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 
 import fakeredis
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -25,7 +24,6 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 from redis.asyncio import Redis
 
@@ -34,7 +32,7 @@ from agent_runtime.resource_manager.state import (
     AcquireOutcome,
     ResourceState,
 )
-from helpers import CLAIM_KEY, claim_real_redis, real_redis_url
+from helpers import real_redis_url, run_redis_state_machine
 
 T = TypeVar("T")
 TTL = 600  # placeholder lifetime: no placeholder expires during a test unless made so on purpose
@@ -908,38 +906,6 @@ class PoolMachine(RuleBasedStateMachine):
         assert deploying == set(self.placeholders.values())
 
 
-async def _machine_client(backend: str) -> Redis:
-    if backend == "fake":
-        return fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
-    return await claim_real_redis()
-
-
-async def _machine_cleanup(client: Redis, backend: str) -> None:
-    if backend == "real":  # flushed, but still ours (marked in the same transaction)
-        owner = await client.get(CLAIM_KEY)
-        async with client.pipeline(transaction=True) as pipe:
-            pipe.flushdb()
-            pipe.set(CLAIM_KEY, owner)
-            await pipe.execute()
-    await client.aclose()
-
-
 @pytest.mark.parametrize("backend", ["fake", "real"])
 def test_pool_state_machine(backend: str) -> None:
-    loop = asyncio.new_event_loop()
-    try:
-        client = loop.run_until_complete(_machine_client(backend))
-        try:
-            run_state_machine_as_test(
-                lambda: PoolMachine(loop, client),
-                settings=settings(
-                    max_examples=100,
-                    stateful_step_count=40,
-                    deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow],
-                ),
-            )
-        finally:
-            loop.run_until_complete(_machine_cleanup(client, backend))
-    finally:
-        loop.close()
+    run_redis_state_machine(backend, PoolMachine, steps=40)

@@ -19,9 +19,7 @@ from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
-import fakeredis
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -29,13 +27,12 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
 from agent_runtime.session_manager.state import SessionState
-from helpers import claim_real_redis, other_client
+from helpers import other_client, run_redis_state_machine
 
 T = TypeVar("T")
 P = "session_manager:"
@@ -1431,28 +1428,6 @@ class SessionMachine(RuleBasedStateMachine):
             await self.redis.srem(K.REGISTERED, *registered)
 
 
-async def _machine_client(backend: str) -> Redis:
-    if backend == "fake":
-        return fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
-    return await claim_real_redis()
-
-
 @pytest.mark.parametrize("backend", ["fake", "real"])
 def test_session_state_machine(backend: str) -> None:
-    loop = asyncio.new_event_loop()
-    try:
-        client = loop.run_until_complete(_machine_client(backend))
-        try:
-            run_state_machine_as_test(
-                lambda: SessionMachine(loop, client),
-                settings=settings(
-                    max_examples=100,
-                    stateful_step_count=50,
-                    deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow],
-                ),
-            )
-        finally:
-            loop.run_until_complete(client.aclose())
-    finally:
-        loop.close()
+    run_redis_state_machine(backend, SessionMachine, steps=50)
