@@ -14,14 +14,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from redis.asyncio import Redis
 from redis.asyncio.lock import Lock
 from redis.exceptions import LockError
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 JOB_LOCK_PREFIX = "agent_runtime:job:"
 MIN_LOCK_TTL = 2.0
@@ -114,3 +117,24 @@ class JobRunner:
             elapsed = asyncio.get_running_loop().time() - started
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), max(job.interval - elapsed, 0.01))
+
+
+class BackgroundTasks:
+    """Tasks nobody awaits at once (a warm deploy, an idle notice, a detached deploy) but that
+    shutdown must let finish: kept referenced while they run, awaited by ``wait()``."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, T], *, name: str) -> asyncio.Task[T]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def wait(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)

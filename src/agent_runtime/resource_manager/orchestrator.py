@@ -22,6 +22,7 @@ from redis.asyncio.lock import Lock
 from redis.exceptions import LockError
 
 from agent_runtime import spec_fields
+from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.k8s import K8sPodClient, parse_label_selector
 from agent_runtime.resource_manager.models import (
@@ -66,7 +67,7 @@ class ResourceOrchestrator:
         self._k8s = k8s
         self._notifier = notifier
         self._default_namespace = default_namespace
-        self._deploys: set[asyncio.Task[Any]] = set()
+        self._deploys = BackgroundTasks()
 
     # --- acquire -------------------------------------------------------------------------------
 
@@ -148,7 +149,9 @@ class ResourceOrchestrator:
             await self._state.drop_placeholder(scope_id, placeholder)
             return await self._follow(scope_id, request_id, pool_config, ready_timeout, since)
         requester = _Requester()
-        task = asyncio.create_task(
+        # Our own task: a caller that disconnects does not abort a deploy half-way (that would
+        # leave a pod nobody tracks, or a lock released while its deploy still runs).
+        task = self._deploys.spawn(
             self._lead(
                 scope_id,
                 pod_spec,
@@ -158,12 +161,9 @@ class ResourceOrchestrator:
                 request_id,
                 started_at,
                 requester,
-            )
+            ),
+            name=f"deploy:{scope_id}",
         )
-        # Our own task: a caller that disconnects does not abort a deploy half-way (that would
-        # leave a pod nobody tracks, or a lock released while its deploy still runs).
-        self._deploys.add(task)
-        task.add_done_callback(self._deploys.discard)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -358,5 +358,4 @@ class ResourceOrchestrator:
 
     async def close(self) -> None:
         """Let running deploys finish or clean up (they give back their placeholders)."""
-        if self._deploys:
-            await asyncio.gather(*self._deploys, return_exceptions=True)
+        await self._deploys.wait()

@@ -17,6 +17,7 @@ import uuid
 from collections import defaultdict
 from typing import Any
 
+from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.resource_manager.k8s import K8sPodClient, sse_url
 from agent_runtime.resource_manager.models import (
     COMPONENT_SELECTOR,
@@ -53,7 +54,7 @@ class ResourceSweeper:
         self._orchestrator = orchestrator
         self._sessions = sessions
         self._default_namespace = default_namespace
-        self._warm_deploys: set[asyncio.Task[Any]] = set()
+        self._warm_deploys = BackgroundTasks()
         self._unused_last_pass: set[str] = set()
 
     # --- autoscale (scenario H) ----------------------------------------------------------------
@@ -92,13 +93,10 @@ class ResourceSweeper:
             except Exception as exc:  # the placeholder is given back; the next tick retries
                 log.warning("scope %s: warm deploy failed: %s", scope_id, exc)
 
-        task = asyncio.create_task(deploy(), name=f"warm-deploy:{scope_id}")
-        self._warm_deploys.add(task)
-        task.add_done_callback(self._warm_deploys.discard)
+        self._warm_deploys.spawn(deploy(), name=f"warm-deploy:{scope_id}")
 
     async def wait_for_warm_deploys(self) -> None:
-        if self._warm_deploys:
-            await asyncio.gather(*self._warm_deploys, return_exceptions=True)
+        await self._warm_deploys.wait()
 
     async def _current_idle(self, scope_id: str, config: PoolConfig) -> dict[str, float]:
         idle = await self._state.idle_pods(scope_id)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
+from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.resource_manager.facade import ResourceManagerFacade
 from agent_runtime.session_manager.state import SessionState
 
@@ -27,7 +27,7 @@ class SessionSweeper:
     def __init__(self, *, state: SessionState, resources: ResourceManagerFacade) -> None:
         self._state = state
         self._resources = resources
-        self._notices: set[asyncio.Task[Any]] = set()
+        self._notices = BackgroundTasks()
 
     async def sweep_once(self) -> dict[str, int]:
         return {"expired": await self.expire_once(), "idle": await self.notify_idle_once()}
@@ -59,10 +59,7 @@ class SessionSweeper:
             except Exception as exc:
                 log.warning("pod %s: idle notice failed (%s); resent in 60 s", pod_id, exc)
 
-        task = asyncio.create_task(send(), name=f"idle-notice:{pod_id}")
-        self._notices.add(task)
-        task.add_done_callback(self._notices.discard)
+        self._notices.spawn(send(), name=f"idle-notice:{pod_id}")
 
     async def wait_for_notices(self) -> None:
-        if self._notices:
-            await asyncio.gather(*self._notices, return_exceptions=True)
+        await self._notices.wait()
