@@ -1115,15 +1115,20 @@ async def test_running_runners_never_tick_the_same_job_at_once(redis: Redis) -> 
     active = 0
     overlap = 0
     ticks: dict[str, int] = {}
+    stopping = False  # once set, leadership may move (the stopped runner gives its lock back)
 
     def job(who: str) -> Job:
         async def tick() -> None:
             nonlocal active, overlap
+            if stopping:
+                return
             active += 1
-            overlap = max(overlap, active)
-            ticks[who] = ticks.get(who, 0) + 1
-            await asyncio.sleep(0.01)
-            active -= 1
+            try:
+                overlap = max(overlap, active)
+                ticks[who] = ticks.get(who, 0) + 1
+                await asyncio.sleep(0.01)
+            finally:  # a tick cancelled by stop() must not look like one still running
+                active -= 1
 
         return Job("shared", 0.02, tick)
 
@@ -1138,6 +1143,7 @@ async def test_running_runners_never_tick_the_same_job_at_once(redis: Redis) -> 
 
         await eventually(enough)
     finally:
+        stopping = True
         await a.stop()
         await b.stop()
         await client.aclose()
