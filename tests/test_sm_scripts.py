@@ -663,28 +663,36 @@ async def test_concurrent_duplicates_of_one_request_place_once(
 # --- route_place: concurrency ----------------------------------------------------------------
 
 
+async def burst_on_two_pods(redis: Redis, clients: int) -> list[list[str]]:
+    """Pods p1 and p2 registered, then 100 concurrent route_place calls for new sessions,
+    spread over ``clients`` connections."""
+    extra = [other_client(redis) for _ in range(clients - 1)]
+    states = [SessionState(c) for c in [redis, *extra]]
+    try:
+        await add_pod(states[0], "p1")
+        await add_pod(states[0], "p2")
+        return list(
+            await asyncio.gather(
+                *(
+                    states[i % clients].route_place(
+                        request_id=f"r{i}", session_id=f"s{i}", scope_id=SID, token=f"t{i}"
+                    )
+                    for i in range(100)
+                )
+            )
+        )
+    finally:
+        for client in extra:
+            await client.aclose()
+
+
 @pytest.mark.parametrize("clients", [1, 2])
 @pytest.mark.parametrize(("max_pods", "rest"), [(3, "need_acquire"), (2, "scope_full")])
 async def test_100_concurrent_routes_fill_two_pods_exactly(
     redis: Redis, clients: int, max_pods: int, rest: str
 ) -> None:
     await configure(redis, scope_concurrency=10, pod_concurrency=4, max_pods=max_pods)
-    extra = [other_client(redis) for _ in range(clients - 1)]
-    states = [SessionState(c) for c in [redis, *extra]]
-    try:
-        await add_pod(states[0], "p1")
-        await add_pod(states[0], "p2")
-        replies = await asyncio.gather(
-            *(
-                states[i % clients].route_place(
-                    request_id=f"r{i}", session_id=f"s{i}", scope_id=SID, token=f"t{i}"
-                )
-                for i in range(100)
-            )
-        )
-    finally:
-        for client in extra:
-            await client.aclose()
+    replies = await burst_on_two_pods(redis, clients)
     assert Counter(r[0] for r in replies) == {"placed": 8, rest: 92}
     assert Counter(r[1] for r in replies if r[0] == "placed") == {"p1": 4, "p2": 4}
     assert await redis.scard(K.pod_sessions(SID, "p1")) == 4
@@ -697,22 +705,7 @@ async def test_100_concurrent_routes_fill_two_pods_exactly(
 @pytest.mark.parametrize("clients", [1, 2])
 async def test_100_concurrent_routes_stop_at_scope_concurrency(redis: Redis, clients: int) -> None:
     await configure(redis, scope_concurrency=6, pod_concurrency=4)
-    extra = [other_client(redis) for _ in range(clients - 1)]
-    states = [SessionState(c) for c in [redis, *extra]]
-    try:
-        await add_pod(states[0], "p1")
-        await add_pod(states[0], "p2")
-        replies = await asyncio.gather(
-            *(
-                states[i % clients].route_place(
-                    request_id=f"r{i}", session_id=f"s{i}", scope_id=SID, token=f"t{i}"
-                )
-                for i in range(100)
-            )
-        )
-    finally:
-        for client in extra:
-            await client.aclose()
+    replies = await burst_on_two_pods(redis, clients)
     assert Counter(r[0] for r in replies) == {"placed": 6, "scope_full": 94}
     assert Counter(r[1] for r in replies if r[0] == "placed") == {"p1": 4, "p2": 2}
     assert await redis.scard(K.scope_sessions(SID)) == 6
