@@ -142,6 +142,36 @@ async def test_cold_acquire_deploys_and_registers_one_pod(
     await assert_nothing_held(redis)
 
 
+async def test_the_leader_calls_on_ready_with_its_pod_while_it_holds_the_deploy_lock(
+    rm: Instance, redis: Redis
+) -> None:
+    seen: list[tuple[dict[str, str], bool, str]] = []
+
+    async def on_ready(pod: dict[str, str]) -> None:
+        info = await redis.hgetall(pod_info_key(pod["pod_id"]))
+        seen.append((pod, bool(await redis.exists(deploy_lock_key(SCOPE))), info["phase"]))
+
+    result = await rm.facade.acquire(SCOPE, spec(), pool(), "r1", on_ready=on_ready)
+    assert seen == [(result, True, "in_use")], "registered, and still under the lock"
+    assert not await redis.exists(deploy_lock_key(SCOPE))
+    # warm reuse and a replayed answer have no deploy to announce
+    await rm.facade.idle_consider(result["pod_id"], SCOPE)
+    assert await rm.facade.acquire(SCOPE, spec(), pool(), "r2", on_ready=on_ready) == result
+    assert await rm.facade.acquire(SCOPE, spec(), pool(), "r1", on_ready=on_ready) == result
+    assert len(seen) == 1
+
+
+async def test_a_failing_on_ready_still_hands_out_the_pod_and_releases_everything(
+    rm: Instance, redis: Redis, k8s: FakeK8sPodClient
+) -> None:
+    async def on_ready(pod: dict[str, str]) -> None:
+        raise ConnectionError("the session side lost Redis")
+
+    result = await rm.facade.acquire(SCOPE, spec(), pool(), "r1", on_ready=on_ready)
+    assert result["pod_id"] in k8s.pods
+    await assert_nothing_held(redis)
+
+
 async def test_same_request_id_replays_the_first_answer(
     rm: Instance, k8s: FakeK8sPodClient
 ) -> None:

@@ -1,4 +1,4 @@
-"""The session manager's seven Lua scripts, through ``SessionState``, on fakeredis and real Redis.
+"""The session manager's eight Lua scripts, through ``SessionState``, on fakeredis and real Redis.
 
 Each script alone (every branch, the limits at the edge, replay = the same EVALSHA sent twice
 with identical keys and args), real concurrency on the gates (route_place, waiter_gate; one
@@ -77,6 +77,10 @@ class K:
     @staticmethod
     def waiters(sid: str) -> str:
         return f"{P}scope:{sid}:waiters"
+
+    @staticmethod
+    def reserved(sid: str) -> str:
+        return f"{P}scope:{sid}:reserved"
 
     @staticmethod
     def free(sid: str) -> str:
@@ -179,11 +183,16 @@ async def route(
     *,
     request_id: str | None = None,
     token: str = "tok",
+    slow: bool = False,
 ) -> list[Any]:
     global _rid
     _rid += 1
     return await state.route_place(
-        request_id=request_id or f"auto-{_rid}", session_id=session_id, scope_id=sid, token=token
+        request_id=request_id or f"auto-{_rid}",
+        session_id=session_id,
+        scope_id=sid,
+        token=token,
+        slow=slow,
     )
 
 
@@ -272,6 +281,7 @@ async def test_the_calls_match_the_script_headers(state: SessionState) -> None:
             "sweep_idle_notify",
             "cleanup_pod",
             "waiter_gate",
+            "route_lease",
         )
     }
     await state.route_place(request_id="r1", session_id="s1", scope_id=SID, token="t1")
@@ -281,6 +291,7 @@ async def test_the_calls_match_the_script_headers(state: SessionState) -> None:
     await state.sweep_idle_notify(SID, "p1", 2.0)
     await state.cleanup_pod(SID, "p1")
     await state.take_waiter_seat(SID, "r1", 30, 6)
+    await state.renew_route(SID, "r1", "t1")
     calls = {name: rec.calls[0] for name, rec in recorders.items()}
     assert calls["route_place"] == (
         [
@@ -292,8 +303,10 @@ async def test_the_calls_match_the_script_headers(state: SessionState) -> None:
             K.REGISTERED,
             K.route("r1"),
             K.tombstone("s1"),
+            K.reserved(SID),
+            K.waiters(SID),
         ],
-        [P, "s1", SID, "t1", 60],
+        [P, "s1", SID, "t1", 60, 3.0, "r1", "0"],
     )
     assert calls["evict"] == ([K.session("s1"), K.EXPIRY], [P, "s1", "1"])
     assert calls["touch"] == ([K.session("s1"), K.EXPIRY], [P, "s1", "1"])
@@ -330,6 +343,10 @@ async def test_the_calls_match_the_script_headers(state: SessionState) -> None:
         [SID, "p1"],
     )
     assert calls["waiter_gate"] == ([K.waiters(SID)], ["r1", 30, 6])
+    assert calls["route_lease"] == (
+        [K.route("r1"), K.reserved(SID), K.waiters(SID)],
+        ["t1", "r1", 3.0],
+    )
 
 
 # --- route_place -------------------------------------------------------------------------------
@@ -403,7 +420,7 @@ async def test_an_expired_binding_is_evicted_lazily_then_placed_again(
     await route(state, "s1")
     await expire(redis, "s1")
     # not yet evicted (no sweeper ran): it still holds the scope's only slot
-    assert await route(state, "s2") == ["scope_full"]
+    assert await route(state, "s2") == ["scope_full", ""]
     async with listening(redis) as pubsub:
         # its own route evicts it first, so the gate lets it through: a new binding
         assert await route(state, "s1") == placed("p1")
@@ -489,10 +506,11 @@ async def test_a_pod_death_tombstone_makes_the_next_placement_rebound(
     assert TTL - 5 <= await redis.ttl(K.tombstone("s1")) <= TTL
     assert await state.cleanup_pod(SID, "p1") == 1
     # no pod with room: the answer is pending (a pod is to be acquired), the tombstone stays
-    assert await route(state, "s1") == ["need_acquire"]
+    assert await route(state, "s1", request_id="rb") == ["need_acquire"]
     assert await redis.get(K.tombstone("s1")) == "p1"
     await add_pod(state, "p3")
-    assert await route(state, "s1", request_id="rb") == placed("p3", "rebound", "p1")
+    again = await route(state, "s1", request_id="rb", slow=True)  # the same call goes on
+    assert again == placed("p3", "rebound", "p1")
     assert not await redis.exists(K.tombstone("s1"))
     stored = await redis.get(K.route("rb"))
     assert stored is not None
@@ -523,7 +541,7 @@ async def test_the_scope_gate_holds_at_exactly_scope_concurrency(
     await add_pod(state, "p1")
     for i in range(3):
         assert await route(state, f"s{i}") == placed("p1")
-    assert await route(state, "s3", request_id="r-full", token="t") == ["scope_full"]
+    assert await route(state, "s3", request_id="r-full", token="t") == ["scope_full", ""]
     assert await redis.get(K.route("r-full")) == "pending:t"
     assert await redis.scard(K.scope_sessions(SID)) == 3
     await state.evict("s0")
@@ -558,12 +576,63 @@ async def test_no_room_is_need_acquire_below_max_pods_and_scope_full_at_it(
     await add_pod(state, "p2")
     for i in range(4):
         await route(state, f"s{i}")
-    assert await route(state, "s4") == ["scope_full"]  # 2 candidates = max_pods
-    await state.remove_candidates(SID, ["p1"])  # sunset: it no longer counts as a candidate
+    assert await route(state, "s4") == ["scope_full", ""]  # 2 candidates = max_pods
+    for session in ("s2", "s3"):  # p2 empty again
+        await state.evict(session)
+    await state.remove_candidates(SID, ["p2"])  # sunset: it no longer counts as a candidate
     assert await route(state, "s4") == ["need_acquire"]
-    await configure(redis, scope_concurrency=10, pod_concurrency=2, max_pods=0)
-    assert await route(state, "s4") == ["scope_full"]
-    assert await redis.scard(K.scope_sessions(SID)) == 4
+    await configure(redis, scope_concurrency=10, pod_concurrency=2, max_pods=1)
+    assert await route(state, "s5") == ["scope_full", ""]
+    assert await redis.scard(K.scope_sessions(SID)) == 2
+
+
+async def test_reservations_count_like_sessions_and_are_bounded_by_what_max_pods_holds(
+    state: SessionState, redis: Redis
+) -> None:
+    """The worked example's core: a cold scope (sc 10, pc 5, max_pods 2) promises exactly
+    scope_concurrency slots to routes headed for pods being acquired; the rest must queue,
+    and a queued route cannot take a slot that was promised."""
+    await configure(redis, scope_concurrency=10, pod_concurrency=5, max_pods=2)
+    replies = [await route(state, f"s{i}", request_id=f"r{i}") for i in range(12)]
+    assert replies == [["need_acquire"]] * 10 + [["scope_full", ""]] * 2
+    assert await redis.zcard(K.reserved(SID)) == 10
+    assert await route(state, "s0", request_id="r0") == ["need_acquire"], "re-asking keeps it"
+    await add_pod(state, "p1")
+    # a queued route (no reservation) finds room on p1 but the slots are promised
+    assert await route(state, "s10", request_id="r10", slow=True) == ["scope_full", ""]
+    for i in range(5):
+        assert (await route(state, f"s{i}", request_id=f"r{i}", slow=True))[0] == "placed"
+    assert await redis.zcard(K.reserved(SID)) == 5
+    # p1 is full, a second pod may come: the remaining holders are told to acquire again
+    assert await route(state, "s5", request_id="r5", slow=True) == ["need_acquire"]
+    await configure(redis, scope_concurrency=10, pod_concurrency=5, max_pods=1)
+    assert await route(state, "s5", request_id="r5", slow=True) == ["scope_full", "1"]
+    # capacity: at max_pods × pod_concurrency below scope_concurrency, no more is promised
+    await configure(redis, "scope-b", scope_concurrency=10, pod_concurrency=3, max_pods=2)
+    cold = [await route(state, f"b{i}", "scope-b", request_id=f"rb{i}") for i in range(8)]
+    assert cold == [["need_acquire"]] * 6 + [["scope_full", ""]] * 2
+
+
+async def test_a_lapsed_reservation_stops_counting(state: SessionState, redis: Redis) -> None:
+    await configure(redis, scope_concurrency=1, pod_concurrency=1, max_pods=1)
+    assert await route(state, "s1", request_id="r1") == ["need_acquire"]
+    assert await route(state, "s2", request_id="r2") == ["scope_full", ""]
+    await redis.zadd(K.reserved(SID), {"r1": 1.0})  # its owner died: the lease ran out
+    assert await route(state, "s2", request_id="r2") == ["need_acquire"]
+    assert await redis.zrange(K.reserved(SID), 0, -1) == ["r2"]
+
+
+async def test_a_reservation_taken_from_the_queue_leaves_the_queue(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis, scope_concurrency=2, pod_concurrency=1, max_pods=2)
+    await state.take_waiter_seat(SID, "r1", 30, 4)
+    assert await route(state, "s1", request_id="r1", slow=True) == ["need_acquire"]
+    assert not await redis.exists(K.waiters(SID))
+    await state.take_waiter_seat(SID, "r1", 30, 4)  # queued again, then placed
+    await add_pod(state, "p1")
+    assert (await route(state, "s1", request_id="r1", slow=True))[0] == "placed"
+    assert not await redis.exists(K.waiters(SID), K.reserved(SID))
 
 
 async def test_no_candidate_at_all_is_need_acquire(state: SessionState, redis: Redis) -> None:
@@ -624,14 +693,77 @@ async def test_a_resent_pending_call_is_recomputed_and_a_duplicate_is_in_flight(
     assert await redis.smembers(K.scope_sessions(SID)) == {"s1"}
 
 
-async def test_abandon_route_drops_only_its_own_marker(state: SessionState, redis: Redis) -> None:
+async def test_release_route_gives_back_only_its_own_marker_reservation_and_seat(
+    state: SessionState, redis: Redis
+) -> None:
     await configure(redis)
     assert await route(state, "s1", request_id="r1", token="t1") == ["need_acquire"]
-    await state.abandon_route("r1", "t2")
+    assert await redis.zscore(K.reserved(SID), "r1") is not None
+    await state.take_waiter_seat(SID, "r1", 30, 6)
+    assert await state.release_route(SID, "r1", "t2") is False  # not the owner: untouched
     assert await redis.get(K.route("r1")) == "pending:t1"
-    await state.abandon_route("r1", "t1")
-    assert not await redis.exists(K.route("r1"))
+    assert await redis.zscore(K.reserved(SID), "r1") is not None
+    assert await redis.zscore(K.waiters(SID), "r1") is not None
+    assert await state.release_route(SID, "r1", "t1") is True
+    assert not await redis.exists(K.route("r1"), K.reserved(SID), K.waiters(SID))
+    assert await state.release_route(SID, "r1", "t1") is True  # replay: nothing more to do
     assert await route(state, "s1", request_id="r1", token="t2") == ["need_acquire"]
+
+
+async def test_release_route_after_the_marker_expired_still_frees_the_seat(
+    state: SessionState, redis: Redis
+) -> None:
+    """A route that lost Redis longer than its lease: nobody took its request_id over, so
+    what it held is still its own to give back."""
+    await configure(redis)
+    assert await route(state, "s1", request_id="r1", token="t1") == ["need_acquire"]
+    await state.take_waiter_seat(SID, "r1", 30, 6)
+    await redis.delete(K.route("r1"))  # the lease ran out
+    assert await state.release_route(SID, "r1", "t1") is True
+    assert not await redis.exists(K.reserved(SID), K.waiters(SID))
+
+
+async def test_release_route_after_the_answer_leaves_the_answer(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis)
+    await add_pod(state, "p1")
+    first = await route(state, "s1", request_id="r1", token="t1")
+    assert first[0] == "placed"
+    assert await state.release_route(SID, "r1", "t1") is False
+    again = await route(state, "s1", request_id="r1", token="t2")
+    assert again[0] == "replay" and answer_of(again) == answer_of(first)
+
+
+async def test_renew_route_extends_only_what_the_owner_holds(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis)
+    assert await route(state, "s1", request_id="r1", token="t1") == ["need_acquire"]
+    await redis.pexpire(K.route("r1"), 200)
+    await redis.zadd(K.reserved(SID), {"r1": 1.0})  # about to lapse
+    assert await state.renew_route(SID, "r1", "t1") is True
+    assert 2000 < await redis.pttl(K.route("r1")) <= 3000
+    now = await rnow(redis)
+    assert now + 2 < (await redis.zscore(K.reserved(SID), "r1") or 0) <= now + 3.5
+    assert not await redis.exists(K.waiters(SID)), "renewal never creates a seat"
+    assert await state.renew_route(SID, "r1", "t-other") is False
+    # a pending marker lives the lease, not the replay time: a dead caller frees it soon
+    await state.release_route(SID, "r1", "t1")
+    assert await route(state, "s2", request_id="r2", token="t1") == ["need_acquire"]
+    assert 0 < await redis.pttl(K.route("r2")) <= 3000
+
+
+async def test_a_renewal_after_the_answer_does_not_shorten_the_replay(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis)
+    assert await route(state, "s1", request_id="r1", token="t1") == ["need_acquire"]
+    await add_pod(state, "p1")
+    assert (await route(state, "s1", request_id="r1", token="t1", slow=True))[0] == "placed"
+    assert await state.renew_route(SID, "r1", "t1") is False
+    assert await redis.ttl(K.route("r1")) > 50
+    assert not await redis.exists(K.reserved(SID)), "placing gave the reservation back"
 
 
 async def test_concurrent_duplicates_of_one_request_place_once(
@@ -687,13 +819,18 @@ async def burst_on_two_pods(redis: Redis, clients: int) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("clients", [1, 2])
-@pytest.mark.parametrize(("max_pods", "rest"), [(3, "need_acquire"), (2, "scope_full")])
+@pytest.mark.parametrize(
+    ("max_pods", "rest"),
+    [(3, {"need_acquire": 2, "scope_full": 90}), (2, {"scope_full": 92})],
+)
 async def test_100_concurrent_routes_fill_two_pods_exactly(
-    redis: Redis, clients: int, max_pods: int, rest: str
+    redis: Redis, clients: int, max_pods: int, rest: dict[str, int]
 ) -> None:
+    """Below max_pods, the 2 slots a third pod would add are promised (reserved) to the
+    first two losers; the others are scope_full."""
     await configure(redis, scope_concurrency=10, pod_concurrency=4, max_pods=max_pods)
     replies = await burst_on_two_pods(redis, clients)
-    assert Counter(r[0] for r in replies) == {"placed": 8, rest: 92}
+    assert Counter(r[0] for r in replies) == {"placed": 8, **rest}
     assert Counter(r[1] for r in replies if r[0] == "placed") == {"p1": 4, "p2": 4}
     assert await redis.scard(K.pod_sessions(SID, "p1")) == 4
     assert await redis.scard(K.pod_sessions(SID, "p2")) == 4
@@ -791,7 +928,7 @@ async def test_touch_eos_ends_the_session_and_signals(state: SessionState, redis
     await configure(redis, scope_concurrency=1)
     await add_pod(state, "p1")
     await route(state, "s1")
-    assert await route(state, "s2") == ["scope_full"]
+    assert await route(state, "s2") == ["scope_full", ""]
     recorder = record(state, "touch")
     async with listening(redis) as pubsub:
         assert await state.touch("s1", eos=True) == (True, True)
@@ -973,7 +1110,7 @@ async def test_waiter_gate_seats_up_to_the_limit(state: SessionState, redis: Red
     assert await state.take_waiter_seat(SID, "w3", 30, 3) is False
     assert await recorder.again() == 0
     assert await redis.zscore(K.waiters(SID), "w3") is None, "a refused seat is not kept"
-    await state.leave_waiter_seat(SID, "w0")
+    await redis.zrem(K.waiters(SID), "w0")  # what release_route does to a seat
     assert await state.take_waiter_seat(SID, "w3", 30, 3) is True
     assert set(await redis.zrange(K.waiters(SID), 0, -1)) == {"w1", "w2", "w3"}
 
@@ -1069,6 +1206,7 @@ class SessionMachine(RuleBasedStateMachine):
         self.dead: set[str] = set()
         self.tombstones: dict[str, str] = {}  # session -> the pod that died under it
         self.known: list[str] = []  # every session id used so far
+        self.reserved: dict[str, str] = {}  # request_id -> token, reservations held
 
     def run(self, coro: Awaitable[T]) -> T:
         return self.loop.run_until_complete(coro)  # type: ignore[arg-type]
@@ -1229,7 +1367,9 @@ class SessionMachine(RuleBasedStateMachine):
             return data.draw(st.sampled_from(interesting))
         return data.draw(st.sampled_from(self.known))
 
-    def expect_route(self, session: str) -> list[Any]:
+    def expect_route(
+        self, session: str, request_id: str, token: str, slow: bool = False
+    ) -> list[Any]:
         """The model's answer; it changes the model as the script changes Redis."""
         pod = self.sessions.get(session)
         if pod is not None:
@@ -1239,11 +1379,19 @@ class SessionMachine(RuleBasedStateMachine):
             self.drop(session)  # lazy eviction of the expired binding
         if not self.configured:
             return ["need_config"]
-        if len(self.sessions) >= self.scope_concurrency:
-            return ["scope_full"]
+        mine = request_id in self.reserved
+        others = len(self.reserved) - mine
+        full = ["scope_full", "1" if mine else ""]
+        if len(self.sessions) + others >= self.scope_concurrency:
+            return full
         chosen = next((p for p in self.candidates if self.on_pod(p) < self.pod_concurrency), None)
         if chosen is None:
-            return ["need_acquire" if len(self.candidates) < self.max_pods else "scope_full"]
+            room = min(self.scope_concurrency, self.max_pods * self.pod_concurrency)
+            if len(self.candidates) < self.max_pods and len(self.sessions) + others < room:
+                self.reserved[request_id] = token
+                return ["need_acquire"]
+            return full
+        self.reserved.pop(request_id, None)  # placing gives the reservation back
         self.sessions[session] = chosen
         self.ttls[session] = self.ttl
         previous = self.tombstones.pop(session, None)
@@ -1268,7 +1416,7 @@ class SessionMachine(RuleBasedStateMachine):
                 request_id=request_id, session_id=session, scope_id=self.sid, token=token
             )
         )
-        assert reply == self.expect_route(session), (session, reply)
+        assert reply == self.expect_route(session, request_id, token), (session, reply)
         if reply[0] == "rebound":
             assert reply[3] in self.dead, "a rebound names the pod that died"
         placing = reply[0] in ("placed", "refresh", "rebound")
@@ -1298,13 +1446,32 @@ class SessionMachine(RuleBasedStateMachine):
                 return  # max_pods held by sunset pods: the resource manager says no
             reply = self.run(
                 self.state.route_place(
-                    request_id=request_id, session_id=session, scope_id=self.sid, token=token
+                    request_id=request_id,
+                    session_id=session,
+                    scope_id=self.sid,
+                    token=token,
+                    slow=True,
                 )
             )
-            assert reply == self.expect_route(session), (session, reply)
+            assert reply == self.expect_route(session, request_id, token, slow=True), (
+                session,
+                reply,
+            )
             assert reply[0] in ("placed", "rebound"), reply
+            assert request_id not in self.reserved
             if reply[0] == "rebound":
                 assert reply[3] in self.dead, "a rebound names the pod that died"
+
+    @precondition(lambda self: self.reserved)
+    @rule(data=st.data(), owner=st.booleans())
+    def release_reservation(self, data: st.DataObject, owner: bool) -> None:
+        """A route that held a reservation fails: it gives it back (only the owner can)."""
+        request_id = data.draw(st.sampled_from(sorted(self.reserved)))
+        token = self.reserved[request_id] if owner else "not-the-owner"
+        released = self.run(self.state.release_route(self.sid, request_id, token))
+        assert released is owner
+        if owner:
+            del self.reserved[request_id]
 
     @precondition(lambda self: self.known)
     @rule(data=st.data(), eos=st.booleans(), replay=st.booleans())
@@ -1358,6 +1525,7 @@ class SessionMachine(RuleBasedStateMachine):
             pipe.smembers(K.scope_sessions(sid))
             pipe.zrange(K.candidates(sid), 0, -1)
             pipe.smembers(K.REGISTERED)
+            pipe.zrange(K.reserved(sid), 0, -1)
             for pod in pods:
                 pipe.smembers(K.pod_sessions(sid, pod))
                 pipe.exists(K.idle_notified(sid, pod))
@@ -1367,9 +1535,13 @@ class SessionMachine(RuleBasedStateMachine):
                 pipe.get(K.tombstone(session))
             pipe.time()
             replies = await pipe.execute()
-        scope_sessions, candidates, registered = replies[:3]
-        i = 3
+        scope_sessions, candidates, registered, reserved = replies[:4]
+        i = 4
         assert len(scope_sessions) <= self.scope_concurrency
+        assert set(reserved) == set(self.reserved)
+        # sessions and reservations together stay within the scope (none is ever promised
+        # a slot the scope does not have; a config change can only lower what is live)
+        assert len(scope_sessions) + len(reserved) <= self.scope_concurrency
         assert scope_sessions == set(self.sessions)
         assert candidates == self.candidates
         mine = {m.partition(":")[2] for m in registered if m.startswith(f"{sid}:")}
@@ -1391,7 +1563,7 @@ class SessionMachine(RuleBasedStateMachine):
                 bool(binding),
                 score is not None,
                 session in scope_sessions,
-                any(session in replies[3 + 2 * j] for j in range(len(pods))),
+                any(session in replies[4 + 2 * j] for j in range(len(pods))),
             ]
             assert places == [pod is not None] * 4, (session, places)
             if pod is not None:
@@ -1422,5 +1594,7 @@ class SessionMachine(RuleBasedStateMachine):
 
 
 @pytest.mark.parametrize("backend", ["fake", "real"])
-def test_session_state_machine(backend: str) -> None:
+def test_session_state_machine(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # reservations and markers must not lapse while an example runs (leases are tested alone)
+    monkeypatch.setattr("agent_runtime.session_manager.state.ROUTE_LEASE", 600.0)
     run_redis_state_machine(backend, SessionMachine, steps=50)

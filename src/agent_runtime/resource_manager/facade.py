@@ -6,6 +6,7 @@ re-exported here, so the session side can map them without importing anything el
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from agent_runtime.resource_manager.models import (
@@ -30,16 +31,28 @@ class ResourceManagerFacade:
         self._orchestrator = orchestrator
 
     async def acquire(
-        self, scope_id: str, pod_spec: dict[str, Any], pool_config: dict[str, int], request_id: str
+        self,
+        scope_id: str,
+        pod_spec: dict[str, Any],
+        pool_config: dict[str, int],
+        request_id: str,
+        *,
+        on_ready: Callable[[dict[str, str]], Awaitable[object]] | None = None,
     ) -> dict[str, str]:
         """``{pod_id, pod_sse_url, deploy_ver}`` of a warm pod or of one new deploy (followers
         share it).
+
+        ``on_ready(pod)``: called by a deploy leader with its new pod before it lets go of
+        the scope's deploy lock, so the caller can publish the pod before another acquire
+        could decide to deploy again (a failure there is logged, the pod is still returned).
 
         Raises ``MaxPodsReached`` (the cap is held by pods that exist), its subclass
         ``DeployInProgress`` (the cap is held by a deploy in flight whose follower room is
         full: its pod registers soon) or ``DeployFailed``.
         """
-        return await self._orchestrator.acquire(scope_id, pod_spec, pool_config, request_id)
+        return await self._orchestrator.acquire(
+            scope_id, pod_spec, pool_config, request_id, on_ready=on_ready
+        )
 
     async def idle_consider(self, pod_id: str, scope_id: str) -> dict[str, bool]:
         """The session side saw the pod empty: into the warm pool (idempotent)."""

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,8 @@ FOLLOWER_POLL = 0.25  # safety net under the registration signal
 CLEANUP_CONCURRENCY = 10
 POOL_CONFIG_FIELDS = ("min_idle_pods", "max_pods", "pod_ttl", "pod_concurrency")
 
+OnReady = Callable[[dict[str, str]], Awaitable[object]]
+
 
 @dataclass
 class _Requester:
@@ -72,7 +75,13 @@ class ResourceOrchestrator:
     # --- acquire -------------------------------------------------------------------------------
 
     async def acquire(
-        self, scope_id: str, pod_spec: dict[str, Any], pool_config: dict[str, int], request_id: str
+        self,
+        scope_id: str,
+        pod_spec: dict[str, Any],
+        pool_config: dict[str, int],
+        request_id: str,
+        *,
+        on_ready: OnReady | None = None,
     ) -> dict[str, str]:
         cached = await self._state.cached_result(request_id)
         if cached is not None:
@@ -110,7 +119,13 @@ class ResourceOrchestrator:
                 raise MaxPodsReached(f"scope {scope_id} is at max_pods")
             assert outcome.placeholder is not None
             return await self._deploy_or_follow(
-                scope_id, pod_spec, pool_config, request_id, outcome.placeholder, started_at
+                scope_id,
+                pod_spec,
+                pool_config,
+                request_id,
+                outcome.placeholder,
+                started_at,
+                on_ready,
             )
 
     async def _deploy_or_follow(
@@ -121,6 +136,7 @@ class ResourceOrchestrator:
         request_id: str,
         placeholder: str,
         started_at: float,
+        on_ready: OnReady | None,
     ) -> dict[str, str]:
         ready_timeout = float(pod_spec.get("ready_timeout") or 300)
         lock = Lock(
@@ -161,6 +177,7 @@ class ResourceOrchestrator:
                 request_id,
                 started_at,
                 requester,
+                on_ready,
             ),
             name=f"deploy:{scope_id}",
         )
@@ -180,6 +197,7 @@ class ResourceOrchestrator:
         request_id: str,
         started_at: float,
         requester: _Requester,
+        on_ready: OnReady | None,
     ) -> dict[str, str]:
         try:
             # a leader that finished just before we took the lock may have brought a pod with
@@ -193,6 +211,11 @@ class ResourceOrchestrator:
                 scope_id, pod_spec, placeholder, warm=False, requester=requester
             )
             await self._state.cache_result(request_id, result)
+            if on_ready is not None and not requester.gone:
+                try:  # still under the lock: nobody decides to deploy before the pod is seen
+                    await on_ready(result)
+                except Exception as exc:  # the caller gets the pod and publishes it itself
+                    log.warning("scope %s: on_ready for %s failed: %s", scope_id, result, exc)
             return result
         finally:
             with contextlib.suppress(LockError, Exception):

@@ -3,10 +3,12 @@
 ``route`` loops on the ``route_place`` script, the only judge of placement: it answers from
 the replay cache, refreshes a binding, or places on the first candidate with room in one
 round trip. Everything else is the slow path: fill the resolve cache (``need_config``), get a
-pod from the resource manager (``need_acquire``), or wait for a slot (``scope_full``, or a
-deploy in flight) in a bounded queue, woken by the scope's ``free`` signal. Hazard: the queue
-seat and the pending replay marker must be given back on every exit, including cancellation
-and a client that disconnects.
+pod from the resource manager (``need_acquire``: the script reserved a slot of the pod to
+come, so queued waiters cannot take it), or wait for a slot (``scope_full``) in a bounded
+queue, woken by the scope's ``free`` signal. A slow route renews what it holds (pending
+replay marker, reservation, seat) on a short lease. Hazard: all of it must be given back on
+every exit, including cancellation and a client that disconnects; placing gives it back in
+the same script.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from agent_runtime.resource_manager.facade import (
     ResourceManagerFacade,
 )
 from agent_runtime.session_manager.config_store import ConfigStore
-from agent_runtime.session_manager.state import SessionState, scope_free_channel
+from agent_runtime.session_manager.state import ROUTE_LEASE, SessionState, scope_free_channel
 from agent_runtime.util import scope_id_of
 
 log = logging.getLogger(__name__)
@@ -84,10 +86,10 @@ class SessionOrchestrator:
                 request_id=request_id, session_id=session_id, scope_id=scope_id, token=token
             )
         except BaseException:
-            # the script may have marked the request pending before its reply was read (the
-            # caller went away): give the marker back, or a retry would wait for this answer
+            # the script may have marked the request pending (and reserved a slot) before its
+            # reply was read (the caller went away): give them back, or a retry would wait
             with contextlib.suppress(Exception):
-                await self._state.abandon_route(request_id, token)
+                await self._state.release_route(scope_id, request_id, token)
             raise
         if reply[0] in PLACED or reply[0] == "replay":  # the hot path: one round trip
             return _answer(reply)
@@ -95,11 +97,11 @@ class SessionOrchestrator:
         try:
             return await route.run(reply, disconnected)
         except BaseException:
-            with contextlib.suppress(Exception):
-                await self._state.abandon_route(request_id, token)
+            with contextlib.suppress(Exception):  # lost Redis: the lease frees them soon
+                await self._state.release_route(scope_id, request_id, token)
             raise
         finally:
-            await route.leave_queue()
+            await route.close()
 
     # --- touch ---------------------------------------------------------------------------------
 
@@ -127,11 +129,25 @@ class _Route:
         self.request_id, self.session_id = request_id, session_id
         self.group_id, self.bot_id, self.scope_id = group_id, bot_id, scope_id
         self.token = token
-        self.seated = False
+        self.seated = False  # holds a queue seat (route_place's need_acquire takes it back)
         self.deadline: float | None = None
         self.cap_since: float | None = None  # when acquire first said max_pods
         self.listening: contextlib.AsyncExitStack | None = None
         self.listener: Listener | None = None
+        self.closed = False
+        self.lease = asyncio.create_task(self._keep_lease(), name=f"route-lease:{request_id}")
+
+    async def _keep_lease(self) -> None:
+        # ends on `closed`, not only on cancel: fakeredis (local mode) absorbs a cancellation
+        # that lands inside a command, and the loop would go on renewing
+        while not self.closed:
+            await asyncio.sleep(ROUTE_LEASE / 3)
+            if self.closed:
+                return
+            try:
+                await self.o._state.renew_route(self.scope_id, self.request_id, self.token)
+            except Exception as exc:  # the next renewal may succeed; the lease is the bound
+                log.debug("route %s: lease not renewed: %s", self.request_id, exc)
 
     async def run(
         self, reply: list[str], disconnected: Callable[[], Awaitable[bool]] | None
@@ -143,13 +159,14 @@ class _Route:
                 return _answer(reply)
             if action == "need_config":
                 await self.o._config.resolve(self.scope_id, self.group_id, self.bot_id)
-            elif action == "need_acquire":
+            elif action == "need_acquire":  # a slot reserved, the queue seat (if any) left
+                self.seated = False
                 if not await self.acquire(steps):
-                    await self.wait(disconnected, seat=True)
-            elif action == "scope_full":
-                await self.wait(disconnected, seat=True)
+                    await self.wait(disconnected, seat=False)
+            elif action == "scope_full":  # a route holding a reservation waits on it
+                await self.wait(disconnected, seat=reply[1:2] != ["1"])
             elif action == "in_flight":  # a duplicate: wait for the first call's answer
-                await self.wait(disconnected, seat=False)
+                await self.wait(disconnected, seat=False, duplicate=True)
             else:
                 raise BackendUnavailable(f"unexpected route outcome {action!r}")
             if action in ("need_config", "need_acquire"):
@@ -161,6 +178,7 @@ class _Route:
                 session_id=self.session_id,
                 scope_id=self.scope_id,
                 token=self.token,
+                slow=True,
             )
 
     async def acquire(self, attempt: int) -> bool:
@@ -172,6 +190,7 @@ class _Route:
                 config.pod_spec,
                 config.pool_config(),
                 f"{self.request_id}:{self.token[:8]}:{attempt}",
+                on_ready=self._make_candidate,
             )
         except DeployInProgress:
             return False
@@ -193,16 +212,32 @@ class _Route:
             )
         return True
 
-    async def wait(self, disconnected: Callable[[], Awaitable[bool]] | None, *, seat: bool) -> None:
-        """Wait for a slot (or the first call's answer), bounded by scope_full_timeout."""
+    async def _make_candidate(self, pod: dict[str, str]) -> None:
+        """Called by the deploy leader before it lets go of the deploy lock: a route that
+        looks in between finds the pod as a candidate instead of deploying another."""
+        await self.o._state.register_pod(
+            self.scope_id, pod["pod_id"], pod["pod_sse_url"], pod.get("deploy_ver", "")
+        )
+
+    async def wait(
+        self,
+        disconnected: Callable[[], Awaitable[bool]] | None,
+        *,
+        seat: bool,
+        duplicate: bool = False,
+    ) -> None:
+        """Wait for a slot (or the first call's answer), bounded by scope_full_timeout; a
+        duplicate also outwaits the lease of a first call that died."""
         loop = asyncio.get_running_loop()
         if self.deadline is None:
             self.deadline = loop.time() + self.o._scope_full_timeout
+            if duplicate:
+                self.deadline += ROUTE_LEASE
         if seat and not self.seated:
             config = await self.o._config.resolve(self.scope_id, self.group_id, self.bot_id)
-            hold = self.o._scope_full_timeout + 5  # a crashed replica's seat expires by this
+            hold = ROUTE_LEASE  # renewed while we run: a crashed replica's seat expires soon
             # seated BEFORE the call: a cancellation while it runs (the seat taken in Redis,
-            # its reply not yet read) must still give the seat back (leave_queue: a ZREM)
+            # its reply not yet read) must still give the seat back (release_route)
             self.seated = True
             if not await self.o._state.take_waiter_seat(
                 self.scope_id, self.request_id, hold, 2 * config.scope_concurrency
@@ -231,11 +266,12 @@ class _Route:
         if disconnected is not None and await disconnected():
             raise ClientDisconnected(f"{self.request_id}: the caller disconnected")
 
-    async def leave_queue(self) -> None:
-        if self.seated:
-            with contextlib.suppress(Exception):
-                await self.o._state.leave_waiter_seat(self.scope_id, self.request_id)
-            self.seated = False
+    async def close(self) -> None:
+        """Stop renewing and listening; what is held was given back by the script that placed,
+        or by release_route on failure."""
+        self.closed = True
+        self.lease.cancel()
+        await asyncio.wait([self.lease], timeout=1.0)  # never swallows a cancel of our own
         if self.listening is not None:
             await self.listening.aclose()
             self.listening = None

@@ -68,6 +68,11 @@ def scope_waiters_key(scope_id: str) -> str:
     return f"{P}scope:{scope_id}:waiters"
 
 
+def scope_reserved_key(scope_id: str) -> str:
+    """Routes headed for a pod being acquired: request_id → lease deadline (route_place)."""
+    return f"{P}scope:{scope_id}:reserved"
+
+
 def scope_pod_seq_key(scope_id: str) -> str:
     return f"{P}scope:{scope_id}:pod_seq"
 
@@ -84,6 +89,10 @@ def previous_pod_key(session_id: str) -> str:
 
 FREE_PATTERN = f"{P}scope:*:free"
 REPLAY_TTL = 60
+# seconds a running route's pending marker, reservation and seat live unless renewed: a route
+# renews them every ROUTE_LEASE / 3 (route_lease.lua); one that died or lost Redis frees them
+# within this, so a retry of its request_id runs instead of waiting for a call that is gone
+ROUTE_LEASE = 3.0
 
 
 PODS_REGISTERED_KEY = f"{P}pods:registered"
@@ -111,13 +120,15 @@ class SessionState:
         self._register_pod = lua.register(redis, pkg, "register_pod")
         self._cleanup_pod = lua.register(redis, pkg, "cleanup_pod")
         self._waiter_gate = lua.register(redis, pkg, "waiter_gate")
+        self._route_lease = lua.register(redis, pkg, "route_lease")
 
     # --- route and touch (scripts) -------------------------------------------------------------
 
     async def route_place(
-        self, *, request_id: str, session_id: str, scope_id: str, token: str
+        self, *, request_id: str, session_id: str, scope_id: str, token: str, slow: bool = False
     ) -> list[str]:
-        """One EVALSHA: replay, refresh, or first-fit placement (see route_place.lua)."""
+        """One EVALSHA: replay, refresh, or first-fit placement (see route_place.lua).
+        ``slow``: the caller may hold a seat or a reservation; placing gives them back."""
         return cast(
             list[str],
             await self._route_place(
@@ -130,21 +141,34 @@ class SessionState:
                     PODS_REGISTERED_KEY,
                     route_key(request_id),
                     previous_pod_key(session_id),
+                    scope_reserved_key(scope_id),
+                    scope_waiters_key(scope_id),
                 ],
-                args=[P, session_id, scope_id, token, REPLAY_TTL],
+                args=[
+                    P,
+                    session_id,
+                    scope_id,
+                    token,
+                    REPLAY_TTL,
+                    ROUTE_LEASE,
+                    request_id,
+                    "1" if slow else "0",
+                ],
             ),
         )
 
-    async def abandon_route(self, request_id: str, token: str) -> None:
-        """A failed route gives up its pending replay marker (only its own), so a retry runs."""
-        key = route_key(request_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            with suppress(WatchError):
-                await pipe.watch(key)
-                if await pipe.get(key) == f"pending:{token}":
-                    pipe.multi()
-                    pipe.delete(key)
-                    await pipe.execute()
+    async def renew_route(self, scope_id: str, request_id: str, token: str) -> bool:
+        """Keep a running route's marker, reservation and seat for ROUTE_LEASE more seconds;
+        False when the call no longer owns its request_id."""
+        return await self._lease(scope_id, request_id, token, ROUTE_LEASE)
+
+    async def release_route(self, scope_id: str, request_id: str, token: str) -> bool:
+        """A failed route gives back its marker (so a retry runs), reservation and seat."""
+        return await self._lease(scope_id, request_id, token, 0)
+
+    async def _lease(self, scope_id: str, request_id: str, token: str, seconds: float) -> bool:
+        keys = [route_key(request_id), scope_reserved_key(scope_id), scope_waiters_key(scope_id)]
+        return bool(await self._route_lease(keys=keys, args=[token, request_id, seconds]))
 
     async def touch(self, session_id: str, *, eos: bool) -> tuple[bool, bool]:
         """(touched, released) — see touch.lua."""
@@ -192,9 +216,6 @@ class SessionState:
                 keys=[scope_waiters_key(scope_id)], args=[request_id, hold_seconds, limit]
             )
         )
-
-    async def leave_waiter_seat(self, scope_id: str, request_id: str) -> None:
-        await self.redis.zrem(scope_waiters_key(scope_id), request_id)
 
     async def expired_sessions(self, limit: int) -> list[str]:
         """Sessions whose expiry passed (Redis clock), oldest first, at most ``limit``."""

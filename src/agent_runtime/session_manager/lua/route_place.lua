@@ -11,12 +11,20 @@
 -- KEYS[8] session:{session_id}:previous_pod   STRING tombstone of a pod that died under it
 --         (written by evict with pod_died, or here when the bound pod is no longer
 --         registered; read for `rebound`, deleted when the session is placed again)
+-- KEYS[9] scope:{sid}:reserved                ZSET request_id -> lease deadline: routes headed
+--         for capacity being added (a pod being acquired); they count against the scope
+--         like sessions, so waiters in the queue cannot take the slots they were promised
+-- KEYS[10] scope:{sid}:waiters                ZSET the wait queue (a placed waiter leaves it here)
 -- ARGV[1] key prefix "session_manager:" (derives pod:{sid}:{pod}:sessions|info|idle_notified,
 --         scope:{sid}:free for the bound or chosen pod)
 -- ARGV[2] session_id   ARGV[3] scope_id
 -- ARGV[4] token of this request's caller (a caller that is still working on its request
 --         passes its own token and is not told "in_flight")
 -- ARGV[5] seconds an answer is kept for replay (60)
+-- ARGV[6] seconds a pending marker or a reservation lives unless renewed (route_lease.lua)
+-- ARGV[7] request_id
+-- ARGV[8] "1" from the slow path: on placing, also leave the queue (a reservation is always
+--         given back on placing)
 --
 -- returns {"replay", json}                   this request_id was answered already (json: the
 --                                            first answer {pod_id, pod_sse_url, placement[,
@@ -25,13 +33,18 @@
 --         {"refresh", pod_id, sse_url, ""}   binding kept, expiry extended by its own ttl
 --         {"placed", pod_id, sse_url, ""}    new binding, committed in its four places
 --         {"rebound", pod_id, sse_url, previous_pod_id}  new binding after its pod died/left
---         {"need_config"} | {"need_acquire"} | {"scope_full"}   (the request is marked pending)
+--         {"need_config"}                    no policy cached (the request is marked pending)
+--         {"need_acquire"}                   no candidate has room, the scope may grow: the
+--                                            request now holds a reservation (and is pending;
+--                                            with ARGV[8] it also left the queue)
+--         {"scope_full", reserved}           no room; reserved "1" when the request still
+--                                            holds a reservation, else "" (it must queue)
 --
--- invariant: SCARD scope:{sid}:sessions <= scope_concurrency and SCARD pod sessions <=
--- pod_concurrency after every call; a session is in its four places or in none. Replay-safe:
--- a re-sent call finds its own answer in KEYS[7].
+-- invariant: SCARD scope:{sid}:sessions + live reservations <= scope_concurrency (when it
+-- held before), and SCARD pod sessions <= pod_concurrency, after every call; a session is in
+-- its four places or in none. Replay-safe: a re-sent call finds its own answer in KEYS[7].
 local p, sid, scope, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local replay_ttl = tonumber(ARGV[5])
+local replay_ttl, lease, rid, slow = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], ARGV[8] == '1'
 
 local cached = redis.call('GET', KEYS[7])
 if cached then
@@ -39,9 +52,10 @@ if cached then
   if cached ~= 'pending:' .. token then return {'in_flight'} end
 end
 
-local function pending(outcome)
-  redis.call('SET', KEYS[7], 'pending:' .. token, 'EX', replay_ttl)
-  return {outcome}
+-- a short lease: a caller that dies (or loses Redis) cannot hold up a retry for long
+local function pending(outcome, detail)
+  redis.call('SET', KEYS[7], 'pending:' .. token, 'PX', math.ceil(lease * 1000))
+  return {outcome, detail}
 end
 
 local function answer(placement, pod, url, previous)
@@ -84,7 +98,18 @@ local policy = redis.call('HMGET', KEYS[5], 'scope_concurrency', 'pod_concurrenc
   'session_ttl')
 if not policy[1] then return pending('need_config') end
 local scope_concurrency, pod_concurrency = tonumber(policy[1]), tonumber(policy[2])
-if redis.call('SCARD', KEYS[3]) >= scope_concurrency then return pending('scope_full') end
+local max_pods = tonumber(policy[3])
+local sessions = redis.call('SCARD', KEYS[3])
+-- reservations of other requests count like sessions (O(1) when there are none)
+local reserved, mine = redis.call('ZCARD', KEYS[9]), false
+if reserved > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[9], '-inf', '(' .. now)
+  mine = redis.call('ZSCORE', KEYS[9], rid) ~= false
+  reserved = redis.call('ZCARD', KEYS[9])
+  if mine then reserved = reserved - 1 end
+end
+local function full() return pending('scope_full', mine and '1' or '') end
+if sessions + reserved >= scope_concurrency then return full() end
 
 -- (3) first-fit over the candidates in arrival order
 local chosen = nil
@@ -95,8 +120,14 @@ for _, pod in ipairs(redis.call('ZRANGE', KEYS[4], 0, -1)) do
   end
 end
 if not chosen then
-  if redis.call('ZCARD', KEYS[4]) < tonumber(policy[3]) then return pending('need_acquire') end
-  return pending('scope_full')
+  -- the scope may grow by a pod: reserve a slot of it (bounded by what max_pods can hold)
+  if redis.call('ZCARD', KEYS[4]) < max_pods
+      and sessions + reserved < math.min(scope_concurrency, max_pods * pod_concurrency) then
+    redis.call('ZADD', KEYS[9], now + lease, rid)
+    if slow then redis.call('ZREM', KEYS[10], rid) end  -- out of the queue: it has a slot
+    return pending('need_acquire')
+  end
+  return full()
 end
 
 -- (4) commit the four places at once
@@ -108,6 +139,8 @@ redis.call('ZADD', KEYS[2], expiry, sid)
 redis.call('SADD', KEYS[3], sid)
 redis.call('SADD', pod_key(chosen, 'sessions'), sid)
 redis.call('DEL', pod_key(chosen, 'idle_notified'), KEYS[8])
+if mine then redis.call('ZREM', KEYS[9], rid) end
+if slow then redis.call('ZREM', KEYS[10], rid) end
 local url = redis.call('HGET', pod_key(chosen, 'info'), 'sse_url') or ''
 if previous then return answer('rebound', chosen, url, previous) end
 return answer('placed', chosen, url, nil)
