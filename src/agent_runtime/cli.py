@@ -1,4 +1,5 @@
-"""Command line (contract §7): ``agent-runtime serve`` and ``agent-runtime db upgrade|status``.
+"""Command line (contract §7): ``agent-runtime serve`` and ``agent-runtime db upgrade|status``;
+``agent-runtime kubesim`` runs the Kubernetes API simulator for tests (docs/spec/kubesim.md).
 
 A bad configuration or an unreachable backend ends the process at once with one line on
 stderr and exit status 2, before uvicorn starts.
@@ -103,6 +104,12 @@ def _db(args: argparse.Namespace) -> None:
         db.engine.dispose()
 
 
+def _kubesim(args: argparse.Namespace) -> None:
+    from agent_runtime.kubesim.runner import run
+
+    run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agent-runtime", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -118,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("action", choices=["upgrade", "status"])
     db.add_argument("--env-file", default=None)
     db.set_defaults(handler=_db)
+
+    from agent_runtime.kubesim.runner import add_arguments as kubesim_arguments
+
+    kubesim = commands.add_parser(
+        "kubesim", help="run the Kubernetes API simulator (tests, no cluster)"
+    )
+    kubesim_arguments(kubesim)
+    kubesim.set_defaults(handler=_kubesim)
     return parser
 
 

@@ -501,10 +501,13 @@ class RealK8sPodClient:
 
         409 → a new name (3 names in all). 429 / 5xx / a lost reply → the same name again
         after a backoff, so a create that did land shows up as our own pod (GET, or the next
-        create's 409) instead of an orphan. Any other refusal is final.
+        create's 409) instead of an orphan. A 409 for a name whose earlier create may have
+        landed, while the GET cannot tell whose pod it is, keeps the name and asks again
+        (moving on would leave our own pod behind). Any other refusal is final.
         """
         names_tried = attempt = 0
         body: dict[str, Any] | None = None
+        maybe_landed = False  # an earlier create of this name may have been applied
         while True:  # ends by return, by raise, or at the deadline
             if body is None:
                 names_tried += 1
@@ -514,6 +517,7 @@ class RealK8sPodClient:
                     )
                 pod_name = new_pod_name(job.pod_spec.get("pod_name"))
                 body = build_pod_body(pod_name, job.scope_id, job.deploy_ver, job.pod_spec)
+                maybe_landed = False
             name = body["metadata"]["name"]
             what = f"create pod {job.namespace}/{name}"
             if job.deadline.remaining() <= 0:
@@ -527,34 +531,42 @@ class RealK8sPodClient:
                 error = exc
             status = _api_status(error)
             if status == 409:
-                if await self._is_ours(job, name):
+                owner = await self._is_ours(job, name)
+                if owner is True:
                     return name
+                if owner is None and maybe_landed:  # likely ours: keep it, ask again
+                    await self._backoff(attempt, error, job.deadline, what)
+                    attempt += 1
+                    continue
                 job.sent.discard(name)  # another pod's name: never ours to delete
                 body = None
                 continue
             if not _retryable(error):
                 job.sent.discard(name)
                 raise DeployFailed(f"{what} refused: {_api_error_text(error)}") from error
-            if status != 429 and await self._is_ours(job, name):
-                return name
+            if status != 429:  # a 429 is refused before anything is applied
+                maybe_landed = True
+                if await self._is_ours(job, name):
+                    return name
             await self._backoff(attempt, error, job.deadline, what)
             attempt += 1
 
     @staticmethod
-    async def _is_ours(job: _DeployJob, name: str) -> bool:
-        """Whether ``name`` exists with our scope and deploy-ver labels (a create that landed).
+    async def _is_ours(job: _DeployJob, name: str) -> bool | None:
+        """Whether ``name`` exists with our scope and deploy-ver labels (a create that landed):
+        True, False (another pod, or none: 404), or None when the GET failed too (unknown).
 
-        Unknown (the GET failed too) counts as no; the name stays in ``job.sent``, so a
-        failed deploy still deletes it.
+        Unknown never counts as ours; the name stays in ``job.sent``, so a failed deploy
+        still deletes it.
         """
         if job.deadline.remaining() <= 0:
-            return False
+            return None
         try:
             async with asyncio.timeout(job.deadline.call_timeout()):
                 found = pod_status(await job.api.read_namespaced_pod(name, job.namespace))
         except Exception as exc:
             log.debug("get pod %s/%s after a failed create: %s", job.namespace, name, exc)
-            return False
+            return False if _api_status(exc) == 404 else None
         return found.scope_id == job.scope_id and found.deploy_ver == job.deploy_ver
 
     @staticmethod

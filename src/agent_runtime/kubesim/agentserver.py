@@ -1,0 +1,112 @@
+"""The little AgentServer each simulated pod runs: ``GET /health`` and an SSE stream.
+
+It is a real HTTP server (aiohttp) bound on the pod's own loopback IP at each of the pod's
+container ports, inside the simulator's process. The SSE path is not part of a Pod (the
+template's ``sse_path`` lives in the URL the control plane builds), so every path other than
+``/health`` streams: one ``hello`` event naming the pod at once, then a ``ping`` event every
+``sse_interval`` seconds until the client leaves or the pod stops (a last ``bye`` event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+HEALTH_PATH = "/health"
+SHUTDOWN_TIMEOUT = 2.0
+
+# returns None (healthy) or the failure mode: "500" or "hang"
+HealthCheck = Callable[[], str | None]
+
+
+class AgentServer:
+    def __init__(
+        self,
+        *,
+        namespace: str,
+        name: str,
+        ip: str,
+        ports: list[int],
+        health: HealthCheck,
+        sse_interval: float = 1.0,
+    ) -> None:
+        self.namespace = namespace
+        self.name = name
+        self.ip = ip
+        self.ports = ports
+        self._health = health
+        self._sse_interval = sse_interval
+        self._stopping = asyncio.Event()
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._runner is not None
+
+    async def start(self) -> None:
+        """Bind every port; ``OSError`` (nothing left bound) when one cannot be bound."""
+        app = web.Application()
+        app.router.add_get(HEALTH_PATH, self._handle_health)
+        app.router.add_get("/{tail:.*}", self._handle_sse)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT)
+        await runner.setup()
+        try:
+            for port in self.ports:
+                await web.TCPSite(runner, self.ip, port).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+
+    async def stop(self) -> None:
+        """Close the listeners; open /health hangs and SSE streams end at once."""
+        self._stopping.set()
+        if self._runner is not None:
+            await self._runner.cleanup()  # interrupted: the next stop() finishes it
+            self._runner = None
+
+    def _identity(self) -> dict[str, Any]:
+        return {"pod": self.name, "namespace": self.namespace, "ip": self.ip}
+
+    async def _handle_health(self, request: web.Request) -> web.StreamResponse:
+        mode = self._health()
+        if mode == "hang":  # answers only when the pod goes away
+            await self._stopping.wait()
+            return web.json_response({"status": "stopping"}, status=503)
+        if mode is not None:
+            return web.json_response({"status": "error", **self._identity()}, status=500)
+        return web.json_response({"status": "ok", **self._identity()})
+
+    async def _handle_sse(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        seq = 0
+        try:
+            await _event(response, "hello", {**self._identity(), "path": request.path}, seq)
+            while not self._stopping.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), self._sse_interval)
+                seq += 1
+                if self._stopping.is_set():
+                    await _event(response, "bye", self._identity(), seq)
+                    break
+                await _event(response, "ping", {"seq": seq}, seq)
+        except (ConnectionError, RuntimeError):  # the client went away
+            return response
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await response.write_eof()
+        return response
+
+
+async def _event(response: web.StreamResponse, event: str, data: dict[str, Any], seq: int) -> None:
+    await response.write(f"id: {seq}\nevent: {event}\ndata: {json.dumps(data)}\n\n".encode())

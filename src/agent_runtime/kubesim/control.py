@@ -1,0 +1,128 @@
+"""The control endpoint: how a test or a person steers the simulator (no auth; loopback only).
+
+=====================================================  ==========================================
+``GET /_sim/state``                                    pods, namespaces, faults, request counts
+``GET /_sim/faults``                                   the fault rules
+``POST /_sim/faults``                                  add one (JSON, see ``faults.py``) → 201
+``DELETE /_sim/faults``                                remove all
+``DELETE /_sim/faults/{id}``                           remove one (404 if unknown)
+``POST /_sim/pods/{ns}/{name}/kill``                   ``{"mode": "vanish"|"fail"|"crash"}``
+``POST /_sim/namespaces/{ns}``                         create a namespace
+``DELETE /_sim/namespaces/{ns}``                       remove it and its pods
+``POST /_sim/settings``                                ``ready_delay``, ``jitter``,
+                                                       ``grace_period``, ``probe_period``
+``POST /_sim/reset``                                   drop every pod, fault and counter
+=====================================================  ==========================================
+
+Refusals are ``{"error": "..."}`` with 400 (bad input) or 404 (no such fault, pod).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from agent_runtime.kubesim.errors import ApiError
+from agent_runtime.kubesim.labels import dns1123_label_errors
+
+if TYPE_CHECKING:
+    from agent_runtime.kubesim.sim import KubeSim
+
+PREFIX = "/_sim"
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(obj), status=status, content_type="application/json")
+
+
+def _refuse(message: str, status: int = 400) -> web.Response:
+    return _json({"error": message}, status)
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    if not request.can_read_body:
+        return {}
+    text = await request.text()
+    if not text.strip():
+        return {}
+    body = json.loads(text)  # ValueError → 400 in the handlers
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    return body
+
+
+def add_control_routes(app: web.Application, sim: KubeSim) -> None:
+    async def state(request: web.Request) -> web.Response:
+        return _json(sim.state())
+
+    async def list_faults(request: web.Request) -> web.Response:
+        return _json(sim.faults.to_json())
+
+    async def add_fault(request: web.Request) -> web.Response:
+        try:
+            fault = sim.faults.add_json(await _body(request))
+        except (ValueError, TypeError) as exc:
+            return _refuse(str(exc))
+        return _json(fault.to_json(), 201)
+
+    async def clear_faults(request: web.Request) -> web.Response:
+        sim.faults.clear()
+        return _json({"faults": []})
+
+    async def remove_fault(request: web.Request) -> web.Response:
+        raw = request.match_info["id"]
+        if not raw.isdigit() or not sim.faults.remove(int(raw)):
+            return _refuse(f"no fault {raw}", 404)
+        return _json({"removed": int(raw)})
+
+    async def kill(request: web.Request) -> web.Response:
+        namespace, name = request.match_info["namespace"], request.match_info["name"]
+        try:
+            mode = str((await _body(request)).get("mode") or "fail")
+            pod = await sim.kill(namespace, name, mode)
+        except ValueError as exc:
+            return _refuse(str(exc))
+        except ApiError as exc:
+            return _refuse(exc.message, exc.code)
+        return _json({"killed": name, "mode": mode, "pod": pod})
+
+    async def add_namespace(request: web.Request) -> web.Response:
+        namespace = request.match_info["namespace"]
+        errors = dns1123_label_errors(namespace)
+        if errors:
+            return _refuse(f"namespace {namespace!r}: {errors[0]}")
+        return _json(sim.store.add_namespace(namespace), 201)
+
+    async def remove_namespace(request: web.Request) -> web.Response:
+        namespace = request.match_info["namespace"]
+        if namespace not in sim.store.namespaces:
+            return _refuse(f"no namespace {namespace}", 404)
+        await sim.remove_namespace(namespace)
+        return _json({"removed": namespace})
+
+    async def settings(request: web.Request) -> web.Response:
+        try:
+            body = await _body(request)
+            values = {key: float(value) for key, value in body.items()}
+            sim.set_timing(**values)
+        except (ValueError, TypeError) as exc:
+            return _refuse(str(exc))
+        return _json(sim.state()["settings"])
+
+    async def reset(request: web.Request) -> web.Response:
+        await sim.reset()
+        return _json({"reset": True})
+
+    router = app.router
+    router.add_get(f"{PREFIX}/state", state)
+    router.add_get(f"{PREFIX}/faults", list_faults)
+    router.add_post(f"{PREFIX}/faults", add_fault)
+    router.add_delete(f"{PREFIX}/faults", clear_faults)
+    router.add_delete(f"{PREFIX}/faults/{{id}}", remove_fault)
+    router.add_post(f"{PREFIX}/pods/{{namespace}}/{{name}}/kill", kill)
+    router.add_post(f"{PREFIX}/namespaces/{{namespace}}", add_namespace)
+    router.add_delete(f"{PREFIX}/namespaces/{{namespace}}", remove_namespace)
+    router.add_post(f"{PREFIX}/settings", settings)
+    router.add_post(f"{PREFIX}/reset", reset)

@@ -1,0 +1,398 @@
+"""Pod objects: what the API server admits and defaults on create, and the status changes the
+simulated scheduler and kubelet write (the shapes of core/v1 ``Pod``)."""
+
+from __future__ import annotations
+
+import random
+import secrets
+from typing import Any
+
+from agent_runtime.kubesim.errors import bad_request, invalid
+from agent_runtime.kubesim.labels import (
+    dns1123_label_errors,
+    dns1123_subdomain_errors,
+    label_value_errors,
+    qualified_name_errors,
+)
+from agent_runtime.kubesim.store import Obj, new_uid, timestamp
+
+NODE_NAME = "kubesim-node"
+HOST_IP = "127.0.0.1"
+# apimachinery's generateName suffix: 5 characters of an alphabet without vowels or look-alikes
+_GENERATE_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
+_GENERATE_SUFFIX = 5
+_GENERATE_PREFIX_MAX = 63 - _GENERATE_SUFFIX
+_CONDITIONS = (
+    "PodReadyToStartContainers",
+    "Initialized",
+    "Ready",
+    "ContainersReady",
+    "PodScheduled",
+)
+
+
+# --- admission: validation and defaults of a create ---------------------------------------------
+
+
+def admit(namespace: str, body: Any, rng: random.Random) -> Obj:
+    """The pod to store for ``POST .../namespaces/{namespace}/pods``, or ``ApiError``
+    (400 for a body that is not a Pod, 422 Invalid with causes for bad fields)."""
+    if not isinstance(body, dict):
+        raise bad_request("the body of the request was in an unknown format")
+    kind, version = body.get("kind"), body.get("apiVersion")
+    if kind not in (None, "Pod") or version not in (None, "v1"):
+        raise bad_request(f'{kind} in version "{version}" cannot be handled as a Pod')
+    meta = body.get("metadata") or {}
+    spec = body.get("spec")
+    if not isinstance(meta, dict) or not isinstance(spec, dict | None):
+        raise bad_request('Pod in version "v1" cannot be handled as a Pod: bad metadata or spec')
+    if meta.get("namespace") not in (None, "", namespace):
+        raise bad_request(
+            "the namespace of the provided object does not match the namespace sent on the request"
+        )
+    if meta.get("resourceVersion"):
+        raise bad_request("resourceVersion should not be set on objects to be created")
+    name = str(meta.get("name") or "")
+    generate = meta.get("generateName")
+    if not name and isinstance(generate, str) and generate:
+        suffix = "".join(rng.choice(_GENERATE_ALPHABET) for _ in range(_GENERATE_SUFFIX))
+        name = generate[:_GENERATE_PREFIX_MAX] + suffix
+    causes = _validate(name, meta, spec or {})
+    if causes:
+        raise invalid("Pod", name, causes)
+    return _defaulted(namespace, name, meta, spec or {})
+
+
+Cause = tuple[str, str, str]
+
+
+def _invalid_value(field: str, value: Any, message: str) -> Cause:
+    shown = f'"{value}"' if isinstance(value, str) else repr(value)
+    return field, "FieldValueInvalid", f"{field}: Invalid value: {shown}: {message}"
+
+
+def _required(field: str, why: str = "") -> Cause:
+    return field, "FieldValueRequired", f"{field}: Required value{': ' + why if why else ''}"
+
+
+def _validate(name: str, meta: dict[str, Any], spec: dict[str, Any]) -> list[Cause]:
+    causes: list[Cause] = []
+    if not name:
+        causes.append(_required("metadata.name", "name or generateName is required"))
+    for message in dns1123_subdomain_errors(name) if name else []:
+        causes.append(_invalid_value("metadata.name", name, message))
+    labels = meta.get("labels") or {}
+    if not isinstance(labels, dict):
+        causes.append(_invalid_value("metadata.labels", str(labels), "must be a map"))
+        labels = {}
+    for key, value in labels.items():
+        for message in qualified_name_errors(str(key)):
+            causes.append(_invalid_value("metadata.labels", key, message))
+        if not isinstance(value, str):
+            causes.append(_invalid_value("metadata.labels", str(value), "must be a string"))
+            continue
+        for message in label_value_errors(value):
+            causes.append(_invalid_value("metadata.labels", value, message))
+    containers = spec.get("containers")
+    if not isinstance(containers, list) or not containers:
+        causes.append(_required("spec.containers"))
+        return causes
+    seen: set[str] = set()
+    for i, container in enumerate(containers):
+        where = f"spec.containers[{i}]"
+        if not isinstance(container, dict):
+            causes.append(_invalid_value(where, str(container), "must be an object"))
+            continue
+        cname = container.get("name")
+        if not cname:
+            causes.append(_required(f"{where}.name"))
+        else:
+            for message in dns1123_label_errors(str(cname)):
+                causes.append(_invalid_value(f"{where}.name", cname, message))
+            if cname in seen:
+                causes.append(
+                    (
+                        f"{where}.name",
+                        "FieldValueDuplicate",
+                        f'{where}.name: Duplicate value: "{cname}"',
+                    )
+                )
+            seen.add(str(cname))
+        if not container.get("image"):
+            causes.append(_required(f"{where}.image"))
+        for j, port in enumerate(container.get("ports") or []):
+            number = port.get("containerPort") if isinstance(port, dict) else None
+            if not isinstance(number, int) or not 1 <= number <= 65535:
+                causes.append(
+                    _invalid_value(
+                        f"{where}.ports[{j}].containerPort",
+                        number,
+                        "must be between 1 and 65535, inclusive",
+                    )
+                )
+    return causes
+
+
+def _pull_policy(image: str) -> str:
+    last = image.rsplit("/", 1)[-1]
+    if "@" in last:
+        return "IfNotPresent"
+    tag = last.split(":", 1)[1] if ":" in last else "latest"
+    return "Always" if tag == "latest" else "IfNotPresent"
+
+
+def _defaulted_container(container: dict[str, Any]) -> dict[str, Any]:
+    out = dict(container)
+    out.setdefault("imagePullPolicy", _pull_policy(str(out["image"])))
+    out.setdefault("terminationMessagePath", "/dev/termination-log")
+    out.setdefault("terminationMessagePolicy", "File")
+    resources = dict(out.get("resources") or {})
+    limits = resources.get("limits") or {}
+    if limits:  # requests default to the limits
+        resources["requests"] = {**limits, **(resources.get("requests") or {})}
+    out["resources"] = resources
+    out["ports"] = [{**p, "protocol": p.get("protocol") or "TCP"} for p in out.get("ports") or []]
+    if not out["ports"]:
+        del out["ports"]
+    probe = out.get("readinessProbe")
+    if isinstance(probe, dict):
+        defaults = {"timeoutSeconds": 1, "periodSeconds": 10, "successThreshold": 1}
+        out["readinessProbe"] = {**defaults, "failureThreshold": 3, **probe}
+        if isinstance(probe.get("httpGet"), dict):
+            out["readinessProbe"]["httpGet"] = {"scheme": "HTTP", **probe["httpGet"]}
+    return out
+
+
+def _qos(containers: list[dict[str, Any]]) -> str:
+    requests = [c["resources"].get("requests") or {} for c in containers]
+    limits = [c["resources"].get("limits") or {} for c in containers]
+    if not any(requests) and not any(limits):
+        return "BestEffort"
+    guaranteed = all(
+        set(lim) >= {"cpu", "memory"} and req == lim
+        for req, lim in zip(requests, limits, strict=True)
+    )
+    return "Guaranteed" if guaranteed else "Burstable"
+
+
+def _defaulted(namespace: str, name: str, meta: dict[str, Any], spec: dict[str, Any]) -> Obj:
+    metadata: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "uid": new_uid(),
+        "creationTimestamp": timestamp(),
+    }
+    for key in ("generateName", "labels", "annotations", "ownerReferences", "finalizers"):
+        if meta.get(key):
+            metadata[key] = meta[key]
+    containers = [_defaulted_container(c) for c in spec["containers"]]
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Always",
+        "terminationGracePeriodSeconds": 30,
+        "dnsPolicy": "ClusterFirst",
+        "serviceAccountName": "default",
+        "serviceAccount": "default",
+        "securityContext": {},
+        "schedulerName": "default-scheduler",
+        "tolerations": [
+            {
+                "key": f"node.kubernetes.io/{taint}",
+                "operator": "Exists",
+                "effect": "NoExecute",
+                "tolerationSeconds": 300,
+            }
+            for taint in ("not-ready", "unreachable")
+        ],
+        "priority": 0,
+        "enableServiceLinks": True,
+        "preemptionPolicy": "PreemptLowerPriority",
+        **{k: v for k, v in spec.items() if k != "containers"},
+        "containers": containers,
+    }
+    return {
+        "kind": "Pod",
+        "apiVersion": "v1",
+        "metadata": metadata,
+        "spec": pod_spec,
+        "status": {"phase": "Pending", "qosClass": _qos(containers)},
+    }
+
+
+# --- status changes (scheduler and kubelet) -----------------------------------------------------
+
+
+def _condition(
+    pod: Obj, kind: str, status: bool, reason: str | None = None, message: str = ""
+) -> None:
+    conditions: list[dict[str, Any]] = pod["status"].setdefault("conditions", [])
+    value = "True" if status else "False"
+    current = next((c for c in conditions if c["type"] == kind), None)
+    if current is None:
+        current = {"type": kind, "status": value, "lastProbeTime": None}
+        conditions.append(current)
+        conditions.sort(key=lambda c: _CONDITIONS.index(c["type"]))
+    elif current["status"] == value and current.get("reason") == reason:
+        return
+    current["status"] = value
+    current["lastTransitionTime"] = timestamp()
+    for key, text in (("reason", reason), ("message", message)):
+        if text:
+            current[key] = text
+        else:
+            current.pop(key, None)
+
+
+def is_ready(pod: Obj) -> bool:
+    conditions = pod.get("status", {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def scheduled(pod: Obj) -> None:
+    pod["spec"]["nodeName"] = NODE_NAME
+    _condition(pod, "PodScheduled", True)
+
+
+def unschedulable(pod: Obj) -> None:
+    _condition(
+        pod,
+        "PodScheduled",
+        False,
+        "Unschedulable",
+        "0/1 nodes are available: 1 Insufficient cpu. preemption: 0/1 nodes are available: "
+        "1 No preemption victims found for incoming pod.",
+    )
+
+
+def sandbox_ready(pod: Obj, ip: str) -> None:
+    """Network and volumes are up: an IP, containers being created, not Ready."""
+    status = pod["status"]
+    status.update(
+        hostIP=HOST_IP,
+        hostIPs=[{"ip": HOST_IP}],
+        podIP=ip,
+        podIPs=[{"ip": ip}],
+        startTime=timestamp(),
+    )
+    _condition(pod, "PodReadyToStartContainers", True)
+    _condition(pod, "Initialized", True)
+    _not_ready(pod)
+    for cs in container_statuses(pod):
+        cs["state"] = {"waiting": {"reason": "ContainerCreating"}}
+
+
+def _not_ready(pod: Obj) -> None:
+    names = ",".join(c["name"] for c in pod["spec"]["containers"])
+    message = f"containers with unready status: [{names}]"
+    _condition(pod, "Ready", False, "ContainersNotReady", message)
+    _condition(pod, "ContainersReady", False, "ContainersNotReady", message)
+
+
+def container_statuses(pod: Obj) -> list[dict[str, Any]]:
+    status = pod["status"]
+    if "containerStatuses" not in status:
+        status["containerStatuses"] = [
+            {
+                "name": c["name"],
+                "image": c["image"],
+                "imageID": "",
+                "ready": False,
+                "restartCount": 0,
+                "started": False,
+                "state": {"waiting": {"reason": "ContainerCreating"}},
+                "lastState": {},
+            }
+            for c in pod["spec"]["containers"]
+        ]
+    statuses: list[dict[str, Any]] = status["containerStatuses"]
+    return statuses
+
+
+def _container_id() -> str:
+    return f"containerd://{secrets.token_hex(32)}"
+
+
+def waiting(pod: Obj, reason: str, message: str) -> None:
+    """Containers stuck before running (image pull); phase stays Pending."""
+    for cs in container_statuses(pod):
+        cs.update(ready=False, started=False)
+        cs["state"] = {"waiting": {"reason": reason, "message": message}}
+    _not_ready(pod)
+
+
+def running(pod: Obj, ready: bool) -> None:
+    pod["status"]["phase"] = "Running"
+    for cs in container_statuses(pod):
+        if "running" not in cs["state"]:
+            cs["state"] = {"running": {"startedAt": timestamp()}}
+            cs["containerID"] = _container_id()
+            cs["imageID"] = f"{cs['image'].split(':')[0]}@sha256:{secrets.token_hex(32)}"
+        cs.update(ready=ready, started=True)
+    set_ready(pod, ready)
+
+
+def set_ready(pod: Obj, ready: bool) -> None:
+    if ready:
+        _condition(pod, "Ready", True)
+        _condition(pod, "ContainersReady", True)
+    else:
+        _not_ready(pod)
+    for cs in pod["status"].get("containerStatuses") or []:
+        cs["ready"] = ready and "running" in cs["state"]
+
+
+def crash_loop(pod: Obj, exit_code: int, message: str = "") -> None:
+    """The container exited and the kubelet backs off restarting it; phase Running (restart
+    policy Always), never Ready."""
+    pod["status"]["phase"] = "Running"
+    name = pod["metadata"]["name"]
+    for cs in container_statuses(pod):
+        now = timestamp()
+        cs["restartCount"] = int(cs.get("restartCount", 0)) + 1
+        cs["lastState"] = {
+            "terminated": {
+                "exitCode": exit_code,
+                "reason": "Error",
+                "message": message,
+                "startedAt": now,
+                "finishedAt": now,
+                "containerID": cs.get("containerID") or _container_id(),
+            }
+        }
+        cs["state"] = {
+            "waiting": {
+                "reason": "CrashLoopBackOff",
+                "message": f"back-off 10s restarting failed container={cs['name']} pod={name}",
+            }
+        }
+        cs.update(ready=False, started=False)
+    _not_ready(pod)
+
+
+def failed(pod: Obj, reason: str, message: str, exit_code: int = 137) -> None:
+    """The pod is over: phase Failed, containers terminated."""
+    status = pod["status"]
+    status.update(phase="Failed", reason=reason, message=message)
+    for cs in container_statuses(pod):
+        started = cs["state"].get("running", {}).get("startedAt") or timestamp()
+        cs["state"] = {
+            "terminated": {
+                "exitCode": exit_code,
+                "reason": "Error",
+                "startedAt": started,
+                "finishedAt": timestamp(),
+                "containerID": cs.get("containerID") or _container_id(),
+            }
+        }
+        cs.update(ready=False, started=False)
+    _not_ready(pod)
+
+
+def mark_deleting(pod: Obj, grace_seconds: int, wait: float) -> None:
+    """A graceful delete began: deletionTimestamp (when it will be gone), no longer Ready."""
+    meta = pod["metadata"]
+    meta["deletionTimestamp"] = timestamp(wait)
+    meta["deletionGracePeriodSeconds"] = grace_seconds
+    if "conditions" in pod["status"]:
+        _not_ready(pod)
+        for cs in pod["status"].get("containerStatuses") or []:
+            cs["ready"] = False

@@ -1,0 +1,147 @@
+"""The simulator's etcd: namespaces and pods as JSON objects, one ``resourceVersion`` counter.
+
+Everything here is synchronous and runs on the event loop, so each change is atomic. Reads hand
+out deep copies: no caller can change a stored object behind the store's back. Every write
+bumps the object's ``metadata.resourceVersion`` from the one global counter, as etcd does.
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from agent_runtime.kubesim.errors import already_exists, not_found
+from agent_runtime.kubesim.labels import FieldRequirement, Selector, fields_match
+
+Obj = dict[str, Any]
+
+
+def timestamp(after: float = 0.0) -> str:
+    """RFC 3339 in UTC with whole seconds, as the API server writes times."""
+    moment = datetime.now(UTC) + timedelta(seconds=after)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def new_uid() -> str:
+    return str(uuid.uuid4())
+
+
+class Store:
+    def __init__(self) -> None:
+        self._rv = 1000
+        self.namespaces: dict[str, Obj] = {}
+        self._pods: dict[tuple[str, str], Obj] = {}
+
+    # --- versions ---------------------------------------------------------------------------
+
+    def _bump(self, obj: Obj) -> None:
+        self._rv += 1
+        obj["metadata"]["resourceVersion"] = str(self._rv)
+
+    @property
+    def resource_version(self) -> str:
+        return str(self._rv)
+
+    # --- namespaces -------------------------------------------------------------------------
+
+    def add_namespace(self, name: str) -> Obj:
+        existing = self.namespaces.get(name)
+        if existing is not None:
+            return copy.deepcopy(existing)
+        obj: Obj = {
+            "kind": "Namespace",
+            "apiVersion": "v1",
+            "metadata": {
+                "name": name,
+                "uid": new_uid(),
+                "creationTimestamp": timestamp(),
+                "labels": {"kubernetes.io/metadata.name": name},
+            },
+            "spec": {"finalizers": ["kubernetes"]},
+            "status": {"phase": "Active"},
+        }
+        self._bump(obj)
+        self.namespaces[name] = obj
+        return copy.deepcopy(obj)
+
+    def remove_namespace(self, name: str) -> list[str]:
+        """Drop a namespace and its pods; returns the names of the pods dropped."""
+        self.namespaces.pop(name, None)
+        gone = [key for key in self._pods if key[0] == name]
+        for key in gone:
+            del self._pods[key]
+        return [pod_name for _, pod_name in gone]
+
+    # --- pods -------------------------------------------------------------------------------
+
+    def create_pod(self, pod: Obj) -> Obj:
+        meta = pod["metadata"]
+        key = (meta["namespace"], meta["name"])
+        if key in self._pods:
+            raise already_exists("pods", meta["name"])
+        stored = copy.deepcopy(pod)
+        self._bump(stored)
+        self._pods[key] = stored
+        return copy.deepcopy(stored)
+
+    def get_pod(self, namespace: str, name: str) -> Obj | None:
+        pod = self._pods.get((namespace, name))
+        return copy.deepcopy(pod) if pod is not None else None
+
+    def require_pod(self, namespace: str, name: str) -> Obj:
+        pod = self.get_pod(namespace, name)
+        if pod is None:
+            raise not_found("pods", name)
+        return pod
+
+    def has_pod(self, namespace: str, name: str) -> bool:
+        return (namespace, name) in self._pods
+
+    def pod_uid(self, namespace: str, name: str) -> str | None:
+        pod = self._pods.get((namespace, name))
+        return pod["metadata"]["uid"] if pod is not None else None
+
+    def list_pods(
+        self,
+        namespace: str | None,
+        selector: Selector | None = None,
+        fields: list[FieldRequirement] | None = None,
+    ) -> list[Obj]:
+        """Matching pods, ordered by namespace then name (as etcd's key order)."""
+        found = []
+        for (ns, _), pod in sorted(self._pods.items()):
+            if namespace is not None and ns != namespace:
+                continue
+            if selector is not None and not selector.matches(pod["metadata"].get("labels")):
+                continue
+            if fields and not fields_match(fields, pod):
+                continue
+            found.append(copy.deepcopy(pod))
+        return found
+
+    def pods(self) -> Iterator[tuple[str, str]]:
+        yield from sorted(self._pods)
+
+    def update_pod(
+        self, namespace: str, name: str, change: Callable[[Obj], None], *, uid: str | None = None
+    ) -> Obj | None:
+        """Apply ``change`` to the stored pod (only the incarnation ``uid`` when given) and bump
+        its resourceVersion; None when the pod is gone (or was replaced)."""
+        pod = self._pods.get((namespace, name))
+        if pod is None or (uid is not None and pod["metadata"]["uid"] != uid):
+            return None
+        before = copy.deepcopy(pod)
+        change(pod)
+        if pod != before:
+            self._bump(pod)
+        return copy.deepcopy(pod)
+
+    def remove_pod(self, namespace: str, name: str, *, uid: str | None = None) -> Obj | None:
+        pod = self._pods.get((namespace, name))
+        if pod is None or (uid is not None and pod["metadata"]["uid"] != uid):
+            return None
+        del self._pods[(namespace, name)]
+        return pod
