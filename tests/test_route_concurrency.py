@@ -1179,3 +1179,37 @@ async def _zcard_is(redis: Redis, key: str, n: int) -> bool:
 async def _redis_now(redis: Redis) -> float:
     seconds, micros = await redis.time()
     return float(seconds) + micros / 1_000_000
+
+
+# --- draining (SIGTERM) ------------------------------------------------------------------------
+
+
+@real_mariadb_and_fake
+async def test_a_draining_replica_answers_its_waiters_refuses_new_routes_and_keeps_touch(
+    redis: Redis, db: Database
+) -> None:
+    """What the stop signal starts (``Services.drain``): /healthz 503 at once, a waiting route
+    answered 503 BACKEND_UNAVAILABLE + retry_after within a poll (its seat given back), a new
+    route refused the same way — while the other replica goes on serving."""
+    async with two_replicas(redis, db, scope_full_timeout=10.0) as reps:
+        await configure(reps.a, scope_concurrency=1, pod_concurrency=1)
+        assert (await route(reps.a, "d-held")).status_code == 200
+        waiting = asyncio.create_task(route(reps.a, "d-wait", "r-d-wait"))
+        await eventually(lambda: seated(redis, "r-d-wait"), what="the waiter's seat")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        reps.services(reps.a).drain()
+        assert (await reps.a.get("/healthz")).status_code == 503
+        answer = await asyncio.wait_for(waiting, 5)
+        assert loop.time() - started < 2.0, "answered at the next poll, not at the timeout"
+        assert_error(answer, "BACKEND_UNAVAILABLE")
+        assert not await seated(redis, "r-d-wait")
+        assert_error(await route(reps.a, "d-new"), "BACKEND_UNAVAILABLE")
+        touched = await reps.a.post(TOUCH, json=envelope({}, session_id="d-held"))
+        assert touched.json()["data"] == {"touched": True}
+        # the retry lands on the other replica, which serves it once a slot frees
+        retry = asyncio.create_task(route(reps.b, "d-wait", "r-d-wait-2"))
+        await eventually(lambda: seated(redis, "r-d-wait-2"), what="the retry's seat")
+        await eos(reps.a, "d-held")
+        assert (await retry).status_code == 200
+        await assert_nothing_held(redis)

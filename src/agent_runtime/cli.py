@@ -10,8 +10,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -23,6 +26,7 @@ from agent_runtime.db import schema
 from agent_runtime.db.engine import Database
 
 EXIT_CONFIG = 2
+EXIT_STOP_TIMEOUT = 3
 
 
 def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
@@ -63,12 +67,19 @@ def _serve(args: argparse.Namespace) -> None:
     app = create_app(settings)
 
     class DrainingServer(uvicorn.Server):
-        """Turns /healthz to 503 the moment a stop signal arrives, before connections close."""
+        """Turns /healthz to 503 the moment a stop signal arrives, before connections close;
+        new routes are refused and waiting ones answered (503, retried elsewhere). The whole
+        stop is bounded by shutdown_timeout: half for requests in flight (uvicorn cancels the
+        rest), the remainder for the services (lifespan), and a watchdog ends the process if
+        anything still hangs."""
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if getattr(app.state, "stop_deadline", None) is None:
+                app.state.stop_deadline = time.monotonic() + settings.shutdown_timeout
+                _start_watchdog(settings.shutdown_timeout + WATCHDOG_MARGIN)
             svc = getattr(app.state, "services", None)
             if svc is not None:
-                svc.draining = True
+                svc.drain()
             super().handle_exit(sig, frame)
             if sig == signal.SIGTERM:
                 # SIGTERM is the normal stop of a replica: once drained, exit 0. uvicorn would
@@ -82,10 +93,26 @@ def _serve(args: argparse.Namespace) -> None:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
-        timeout_graceful_shutdown=int(settings.shutdown_timeout),
+        timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout / 2)),
         access_log=False,
     )
     DrainingServer(config).run()
+
+
+WATCHDOG_MARGIN = 2.0  # seconds past shutdown_timeout before the process is ended hard
+
+
+def _start_watchdog(seconds: float) -> None:
+    """Last resort of the stop bound: whatever hangs (a library, a stuck thread), the process
+    ends ``seconds`` after the stop signal. A daemon thread: a normal exit never waits for it."""
+
+    def expire() -> None:
+        time.sleep(seconds)
+        sys.stderr.write(f"agent-runtime: not stopped within {seconds:g} s; exiting hard\n")
+        sys.stderr.flush()
+        os._exit(EXIT_STOP_TIMEOUT)
+
+    threading.Thread(target=expire, name="stop-watchdog", daemon=True).start()
 
 
 def _db(args: argparse.Namespace) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -52,9 +53,14 @@ def create_app(
             svc_now: Services | None = getattr(app.state, "services", None)
             if svc_now is not None:
                 svc_now.ready = False
-                svc_now.draining = True
+                svc_now.drain()
+                # what is left of the stop bound (cli sets it at the signal), else the whole
+                deadline = getattr(app.state, "stop_deadline", None)
+                budget = settings.shutdown_timeout
+                if deadline is not None:
+                    budget = max(1.0, deadline - time.monotonic())
                 try:
-                    await asyncio.wait_for(svc_now.stop(), settings.shutdown_timeout)
+                    await asyncio.wait_for(svc_now.stop(), budget)
                 except Exception:
                     log.exception("shutdown: services did not stop cleanly")
             if owned:

@@ -147,6 +147,11 @@ class Services:
     ready: bool = False  # set once startup completed; /healthz and handlers wait for it
     draining: bool = False  # set on SIGTERM; /healthz turns 503 first
 
+    def drain(self) -> None:
+        """Stop signal: /healthz 503 at once, new routes refused, waiting routes answered."""
+        self.draining = True
+        self.session_orchestrator.drain()
+
     async def start(self) -> None:
         await self.notifier.start()
         if self.settings.jobs_enabled:

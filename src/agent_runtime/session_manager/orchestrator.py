@@ -65,6 +65,16 @@ class SessionOrchestrator:
         self._resources = resources
         self._notifier = notifier
         self._scope_full_timeout = scope_full_timeout
+        self.draining = False
+
+    def drain(self) -> None:
+        """The replica is stopping: new routes are refused, waiting ones answered (503, the
+        gateway retries on another replica). Touch keeps working until the server closes."""
+        self.draining = True
+
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            raise BackendUnavailable("this replica is shutting down", retry_after=1)
 
     # --- route ---------------------------------------------------------------------------------
 
@@ -79,6 +89,7 @@ class SessionOrchestrator:
     ) -> dict[str, Any]:
         """``{pod_id, pod_sse_url, placement[, previous_pod_id]}``; the same request_id within
         60 s gets the first answer again (also on another replica)."""
+        self._refuse_if_draining()
         scope_id = scope_id_of(group_id, bot_id)
         token = uuid.uuid4().hex
         try:
@@ -263,6 +274,7 @@ class _Route:
             # to nobody, so look again first (from now on every signal reaches the listener)
             return
         await self.listener.wait(min(POLL, remaining))
+        self.o._refuse_if_draining()  # answered now (seat given back), not cut off later
         if disconnected is not None and await disconnected():
             raise ClientDisconnected(f"{self.request_id}: the caller disconnected")
 
