@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from agent_runtime.db.engine import Database
@@ -13,6 +14,16 @@ from agent_runtime.jobs import JOB_LOCK_PREFIX
 from helpers import other_client, running_app
 
 JOBS = ("rm_autoscale", "rm_reclaim", "rm_watch", "rm_reconcile")
+
+
+def job_samples(text: str) -> dict[str, dict[str, float]]:
+    """sample name → job → value, from a Prometheus text page."""
+    found: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "job" in sample.labels:
+                found.setdefault(sample.name, {})[sample.labels["job"]] = sample.value
+    return found
 
 
 async def wait_for(predicate, within: float = 5.0) -> None:  # type: ignore[no-untyped-def]
@@ -49,6 +60,16 @@ async def test_two_replicas_lead_each_job_once_and_give_locks_back(
         for name in JOBS:
             runs = [r.jobs[name].runs for r in runners]
             assert min(runs) == 0 and max(runs) >= 3, f"{name} ran on both replicas: {runs}"
+        # the same, as an operator sees it: each replica's /metrics
+        scraped = [job_samples((await c.get("/metrics")).text) for c in (a, b)]
+        for name in JOBS:
+            leaders = [s["agent_runtime_job_leader"][name] for s in scraped]
+            runs_seen = [s["agent_runtime_job_runs_total"][name] for s in scraped]
+            assert sorted(leaders) == [0.0, 1.0], (name, leaders)
+            leader = leaders.index(1.0)
+            assert runs_seen[leader] >= 3 and runs_seen[1 - leader] == 0, (name, runs_seen)
+            assert scraped[leader]["agent_runtime_job_last_success_timestamp_seconds"][name] > 0
+            assert scraped[leader]["agent_runtime_job_failures_total"][name] == 0
     for name in JOBS:
         assert not await redis.exists(JOB_LOCK_PREFIX + name), f"{name} lock kept after stop"
     await second.aclose()

@@ -37,7 +37,9 @@ class Job:
     tick: Callable[[], Awaitable[object]]
     runs: int = field(default=0, init=False)
     failures: int = field(default=0, init=False)
-    last_success: float | None = field(default=None, init=False)
+    last_success: float | None = field(default=None, init=False)  # wall clock (metrics)
+    leading: bool = field(default=False, init=False)  # this replica held the lock last tick
+    seconds: float = field(default=0.0, init=False)  # total time spent in ticks
 
     @property
     def lock_ttl(self) -> float:
@@ -76,6 +78,8 @@ class JobRunner:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        for job in self.jobs.values():
+            job.leading = False
         for lock in self._locks.values():
             with contextlib.suppress(Exception):  # not ours any more, or Redis is gone
                 await lock.release()
@@ -86,9 +90,11 @@ class JobRunner:
     async def run_once(self, name: str) -> bool:
         """One tick of ``name`` if this replica leads it; returns whether it ran."""
         job, lock = self.jobs[name], self._locks[name]
-        if not await self._lead(lock):
+        job.leading = await self._lead(lock)
+        if not job.leading:
             return False
         job.runs += 1
+        started = time.perf_counter()
         try:
             await asyncio.wait_for(job.tick(), timeout=job.tick_timeout)
         except Exception:
@@ -96,6 +102,8 @@ class JobRunner:
             log.exception("job %s: tick failed", name)
         else:
             job.last_success = time.time()
+        finally:
+            job.seconds += time.perf_counter() - started
         return True
 
     async def _lead(self, lock: Lock) -> bool:

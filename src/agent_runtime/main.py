@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from agent_runtime import envelope
 from agent_runtime.config import API_PREFIX, Mode, Settings
+from agent_runtime.jobs import Job
 from agent_runtime.metrics import CONTENT_TYPE_LATEST, Metrics, MetricsMiddleware
 from agent_runtime.session_manager.handlers import router as session_router
 from agent_runtime.wiring import Backends, Services, build_backends, check_backends, wire
@@ -77,6 +78,12 @@ def create_app(
     envelope.install(app)
     app.include_router(session_router, prefix=API_PREFIX)
     metrics = Metrics()
+
+    def live_jobs() -> list[Job]:
+        svc: Services | None = getattr(app.state, "services", None)
+        return list(svc.jobs.jobs.values()) if svc is not None else []
+
+    metrics.watch_jobs(live_jobs)
     # from the router itself: FastAPI keeps an included router as one nested entry of app.routes
     api_paths = {API_PREFIX + r.path for r in session_router.routes if hasattr(r, "path")}
     known = frozenset(api_paths | {"/healthz", "/metrics"})
