@@ -1,0 +1,597 @@
+#!/usr/bin/env python3
+"""Several replicas over one Redis, one DB and one (simulated) Kubernetes, end to end.
+
+Starts the Kubernetes API simulator (``agent-runtime kubesim``) and N replicas of
+``agent-runtime serve --mode server`` (real processes, real uvicorn), then checks what only a
+multi-replica deployment can get wrong:
+
+  cold_burst_one_deploy    a cold burst spread over the replicas deploys exactly one pod
+  no_over_admission        1,000 concurrent routes never exceed scope/pod concurrency
+  replay_across_replicas   a request_id answered by one replica is replayed by another
+  config_propagation       a config change made on one replica is seen by the other's route
+  jobs_single_leader       every job ticks on exactly one replica
+  failover                 SIGKILL a replica: its jobs are taken over within two ticks, its
+                           waiting client's seat expires, nothing is leaked
+  drain                    SIGTERM a replica mid-load: waiting routes answered 503, exit 0
+                           within shutdown_timeout, its job locks given back
+
+Prints one line per check and ``N passed, M failed``; exits 1 if any failed, 2 if it could
+not start. Redis is read to check invariants; a Redis db that holds keys other than this
+service's is refused unless ``--allow-foreign-keys``. Every scope it uses is new (a run id),
+so earlier runs do not matter; it deletes nothing but its own scopes' pods.
+
+  .venv/bin/python scripts/e2e_multi_replica.py --env-file server.env --replicas 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from redis.asyncio import Redis
+
+OUR_PREFIXES = ("session_manager:", "resource_manager:", "agent_runtime:")
+SM, RM = "session_manager:", "resource_manager:resource:"
+JOBS = ("sm_sweep", "rm_autoscale", "rm_reclaim", "rm_watch", "rm_reconcile")
+JOB_INTERVAL = 1.0  # every job's tick in this run: "two ticks" below means 2 s
+SHUTDOWN_TIMEOUT = 8.0
+SCOPE_FULL_TIMEOUT = 2.0
+BIN = Path(sys.executable).parent
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+def expect(condition: bool, what: str) -> None:
+    if not condition:
+        raise CheckFailed(what)
+
+
+# --- processes -------------------------------------------------------------------------------
+
+
+@dataclass
+class Replica:
+    index: int
+    port: int
+    env: dict[str, str]
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [str(BIN / "agent-runtime"), "serve", "--mode", "server"],
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    def stop(self, sig: int = signal.SIGTERM, wait: float = SHUTDOWN_TIMEOUT + 5) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return None
+
+
+async def wait_healthy(client: httpx.AsyncClient, replica: Replica, within: float = 60) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if replica.proc is not None and replica.proc.poll() is not None:
+            tail = replica.log.read_text(errors="replace").splitlines()[-15:]
+            raise RuntimeError(f"replica {replica.index} exited:\n" + "\n".join(tail))
+        with contextlib.suppress(httpx.HTTPError):
+            if (await client.get(f"{replica.url}/healthz", timeout=1)).status_code == 200:
+                return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"replica {replica.index} not healthy within {within:g} s")
+
+
+@contextlib.contextmanager
+def kubesim(port: int, workdir: Path) -> Any:
+    kubeconfig = workdir / "kubesim.kubeconfig"
+    log = (workdir / "kubesim.log").open("wb")
+    proc = subprocess.Popen(
+        [str(BIN / "agent-runtime"), "kubesim", "--port", str(port),
+         "--kubeconfig-out", str(kubeconfig), "--ready-delay", "0.2", "--grace-period", "0.3"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not kubeconfig.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    "kubesim did not start: " + (workdir / "kubesim.log").read_text()
+                )
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}", kubeconfig
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+# --- the service's API, as the gateway and the claw manager call it --------------------------
+
+
+@dataclass
+class Api:
+    http: httpx.AsyncClient
+    admin_token: str | None
+    gateway_token: str | None
+    prefix: str = ""  # of every session and request id: runs never meet
+
+    def rid(self, name: str) -> str:
+        return f"{self.prefix}{name}"
+
+    def _auth(self, token: str | None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
+    async def sync(self, url: str, kind: str, op: str, item: dict[str, Any]) -> httpx.Response:
+        body = {"metadata": {"request_id": uuid.uuid4().hex}, "rawdata": {"kind": kind, "op": op,
+                "item": item}}  # fmt: skip
+        return await self.http.post(
+            f"{url}/api/session/config_sync", json=body, headers=self._auth(self.admin_token)
+        )
+
+    async def route(
+        self, url: str, scope: tuple[str, str], session_id: str, request_id: str | None = None
+    ) -> httpx.Response:
+        meta = {"request_id": self.rid(request_id or uuid.uuid4().hex),
+                "session_id": self.rid(session_id), "bot_id": scope[1],
+                "extra": {"group_id": scope[0]}}  # fmt: skip
+        return await self.http.post(
+            f"{url}/api/session/route",
+            json={"metadata": meta, "rawdata": {}},
+            headers=self._auth(self.gateway_token),
+            timeout=SCOPE_FULL_TIMEOUT + 30,
+        )
+
+    async def eos(self, url: str, session_id: str) -> httpx.Response:
+        meta = {"request_id": uuid.uuid4().hex, "session_id": self.rid(session_id)}
+        return await self.http.post(
+            f"{url}/api/session/touch",
+            json={"metadata": meta, "rawdata": {"eos": True}},
+            headers=self._auth(self.gateway_token),
+        )
+
+
+def scope_id(scope: tuple[str, str]) -> str:
+    """Contract: md5(group_id NUL bot_id)."""
+    return hashlib.md5(f"{scope[0]}\x00{scope[1]}".encode()).hexdigest()
+
+
+def code(resp: httpx.Response) -> str:
+    if resp.status_code == 200:
+        return "OK"
+    try:
+        return str(resp.json()["error_code"])
+    except Exception:
+        return f"HTTP_{resp.status_code}"
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    api: Api
+    redis: Redis
+    replicas: list[Replica]
+    sim_url: str
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    scopes: list[str] = field(default_factory=list)
+
+    def live(self) -> list[Replica]:
+        return [r for r in self.replicas if r.proc is not None and r.proc.poll() is None]
+
+    async def scope(self, name: str, **limits: Any) -> tuple[str, str]:
+        """A new template + rule for (group, bot) of this run, through the first replica."""
+        group, bot = f"e2e-{self.run_id}", name
+        tpl = {"template_id": f"e2e-{self.run_id}-{name}", "image": "agentserver:e2e",
+               "ready_timeout": 20, "ready_poll_interval": 0.05, **limits}  # fmt: skip
+        url = self.live()[0].url
+        resp = await self.api.sync(url, "template", "create", tpl)
+        expect(resp.status_code == 200, f"template create: {resp.text}")
+        rule = {"group_id": group, "bot_id": bot, "template_id": tpl["template_id"]}
+        resp = await self.api.sync(url, "routing_rule", "create", rule)
+        expect(resp.status_code == 200, f"rule create: {resp.text}")
+        self.scopes.append(scope_id((group, bot)))
+        return group, bot
+
+    async def creates(self) -> int:
+        state = (await self.api.http.get(f"{self.sim_url}/_sim/state")).json()
+        return int(state.get("requests", {}).get("create pods", 0))
+
+    async def held(self, sid: str) -> dict[str, int]:
+        """What a scope holds that must be given back: seats, reservations, followers,
+        placeholders, the deploy lock."""
+        r = self.redis
+        seconds, micros = await r.time()
+        now = seconds + micros / 1e6  # seats of a dead replica expire by score (lazily dropped)
+        return {
+            "waiters": int(await r.zcount(f"{SM}scope:{sid}:waiters", now, "+inf")),
+            "reserved": int(await r.zcount(f"{SM}scope:{sid}:reserved", now, "+inf")),
+            "followers": int(await r.zcount(f"{RM}scope:{sid}:deploy_followers", now, "+inf")),
+            "deploying": int(await r.scard(f"{RM}scope:{sid}:deploying")),
+            "deploy_lock": int(await r.exists(f"resource_manager:lock:rm:deploy:{sid}")),
+        }
+
+    async def nothing_held(self, sid: str, within: float) -> None:
+        deadline = time.monotonic() + within
+        while True:
+            held = await self.held(sid)
+            if not any(held.values()):
+                return
+            if time.monotonic() > deadline:
+                raise CheckFailed(f"scope {sid} still holds {held} after {within:g} s")
+            await asyncio.sleep(0.2)
+
+    async def job_metrics(self, replica: Replica) -> dict[str, dict[str, float]]:
+        text = (await self.api.http.get(f"{replica.url}/metrics")).text
+        found: dict[str, dict[str, float]] = collections.defaultdict(dict)
+        for line in text.splitlines():
+            if line.startswith("agent_runtime_job_") and 'job="' in line:
+                name, _, rest = line.partition("{")
+                job = rest.split('job="', 1)[1].split('"', 1)[0]
+                found[name][job] = float(line.rsplit(" ", 1)[1])
+        return found
+
+    async def leaders(self) -> dict[str, list[int]]:
+        """job → indexes of the live replicas that lead it."""
+        led: dict[str, list[int]] = {job: [] for job in JOBS}
+        for replica in self.live():
+            metrics = await self.job_metrics(replica)
+            for job, value in metrics.get("agent_runtime_job_leader", {}).items():
+                if value == 1.0:
+                    led[job].append(replica.index)
+        return led
+
+
+async def check_cold_burst_one_deploy(run: Run) -> str:
+    scope = await run.scope("cold", scope_concurrency=24, pod_concurrency=12)
+    before = await run.creates()
+    urls = [r.url for r in run.live()]
+    answers = await asyncio.gather(
+        *(run.api.route(urls[i % len(urls)], scope, f"cold-{i}") for i in range(12))
+    )
+    codes = collections.Counter(code(a) for a in answers)
+    expect(codes == {"OK": 12}, f"cold burst: {codes}")
+    pods = {a.json()["data"]["pod_id"] for a in answers}
+    deploys = await run.creates() - before
+    expect(len(pods) == 1 and deploys == 1, f"pods {pods}, creates {deploys}")
+    await run.nothing_held(scope_id(scope), 5)
+    return f"12 routes over {len(urls)} replicas → 1 deploy, 1 pod"
+
+
+async def check_no_over_admission(run: Run) -> str:
+    sc, pc, n = 20, 5, 1000
+    scope = await run.scope("crowd", scope_concurrency=sc, pod_concurrency=pc)
+    sid = scope_id(scope)
+    urls = [r.url for r in run.live()]
+    peaks = {"scope": 0, "pod": 0, "waiters": 0}
+    done = asyncio.Event()
+
+    async def sample() -> None:
+        while not done.is_set():
+            async with run.redis.pipeline(transaction=True) as pipe:
+                pipe.scard(f"{SM}scope:{sid}:sessions")
+                pipe.zcard(f"{SM}scope:{sid}:waiters")
+                pipe.zrange(f"{SM}scope:{sid}:pods", 0, -1)
+                scope_n, waiters, pods = await pipe.execute()
+            peaks["scope"] = max(peaks["scope"], scope_n)
+            peaks["waiters"] = max(peaks["waiters"], waiters)
+            for pod in pods:
+                on_pod = int(await run.redis.scard(f"{SM}pod:{sid}:{pod}:sessions"))
+                peaks["pod"] = max(peaks["pod"], on_pod)
+            await asyncio.sleep(0.005)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        answers = await asyncio.gather(
+            *(run.api.route(urls[i % len(urls)], scope, f"crowd-{i}") for i in range(n)),
+            return_exceptions=True,
+        )
+    finally:
+        done.set()
+        await sampler
+    codes = collections.Counter(
+        code(a) if isinstance(a, httpx.Response) else type(a).__name__ for a in answers
+    )
+    expect(peaks["scope"] <= sc and peaks["pod"] <= pc, f"over the limits: {peaks}")
+    expect(peaks["waiters"] <= 2 * sc, f"queue over 2 × scope_concurrency: {peaks}")
+    expect(codes["OK"] == sc, f"the scope did not fill exactly: {codes}")
+    allowed = {"OK", "SCOPE_QUEUE_FULL", "SCOPE_FULL_TIMEOUT"}
+    expect(set(codes) <= allowed, f"unexpected outcomes: {codes}")
+    expect(int(await run.redis.scard(f"{SM}scope:{sid}:sessions")) == sc, "sessions drifted")
+    await run.nothing_held(sid, 8)
+    return f"{n} routes: {dict(codes)}, peaks {peaks}"
+
+
+async def check_replay_across_replicas(run: Run) -> str:
+    live = run.live()
+    expect(len(live) >= 2, "needs two replicas")
+    scope = await run.scope("replay", scope_concurrency=4, pod_concurrency=4)
+    first = await run.api.route(live[0].url, scope, "replay-s", "replay-r")
+    again = await run.api.route(live[1].url, scope, "replay-s", "replay-r")
+    expect(first.status_code == 200, f"first: {first.text}")
+    expect(again.json() == first.json(), f"{first.text} != {again.text}")
+    expect(first.json()["data"]["placement"] == "placed", first.text)
+    return "identical answer from the other replica"
+
+
+async def check_config_propagation(run: Run) -> str:
+    live = run.live()
+    scope = await run.scope("conf", scope_concurrency=4, pod_concurrency=4, session_ttl=60)
+    sid = scope_id(scope)
+    expect((await run.api.route(live[1].url, scope, "conf-1")).status_code == 200, "route")
+    tpl = {"template_id": f"e2e-{run.run_id}-conf", "session_ttl": 123}
+    resp = await run.api.sync(live[0].url, "template", "update", tpl)
+    expect(resp.status_code == 200, f"update: {resp.text}")
+    expect((await run.api.route(live[1].url, scope, "conf-2")).status_code == 200, "route 2")
+    ttl = str(await run.redis.hget(f"{SM}session:{run.api.rid('conf-2')}", "session_ttl"))
+    expect(ttl == "123", f"new session_ttl not seen: {ttl}")
+    await run.nothing_held(sid, 5)
+    return "session_ttl 60 → 123 on replica 0, used by replica 1's next route"
+
+
+async def check_jobs_single_leader(run: Run) -> str:
+    live = run.live()
+    before = {r.index: await run.job_metrics(r) for r in live}
+    await asyncio.sleep(3 * JOB_INTERVAL)
+    after = {r.index: await run.job_metrics(r) for r in live}
+    for job in JOBS:
+        grew = [
+            i for i in before
+            if after[i]["agent_runtime_job_runs_total"].get(job, 0)
+            > before[i]["agent_runtime_job_runs_total"].get(job, 0)
+        ]  # fmt: skip
+        expect(len(grew) == 1, f"{job} ticked on replicas {grew}")
+    return f"each of {len(JOBS)} jobs ticked on one replica only"
+
+
+async def check_failover(run: Run) -> str:
+    """SIGKILL the replica that leads the most jobs while one of its clients waits."""
+    led = await run.leaders()
+    live = run.live()
+    expect(len(live) >= 2, "needs two replicas")
+    victim = max(live, key=lambda r: sum(r.index in v for v in led.values()))
+    its_jobs = [job for job, who in led.items() if victim.index in who]
+    scope = await run.scope("failover", scope_concurrency=1, pod_concurrency=1)
+    sid = scope_id(scope)
+    expect((await run.api.route(victim.url, scope, "fo-held")).status_code == 200, "held")
+    waiting = asyncio.create_task(run.api.route(victim.url, scope, "fo-wait", "fo-wait-r"))
+    deadline = time.monotonic() + 5
+    while await run.redis.zscore(f"{SM}scope:{sid}:waiters", run.api.rid("fo-wait-r")) is None:
+        expect(time.monotonic() < deadline, "the waiter never took its seat")
+        await asyncio.sleep(0.05)
+    killed_at = time.monotonic()
+    victim.stop(signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        await waiting  # the connection dies with the process
+    # its jobs: taken over within two ticks after the lock's TTL (2 × interval)
+    taken: dict[str, float] = {}
+    while len(taken) < len(its_jobs) and time.monotonic() - killed_at < 4 * JOB_INTERVAL + 3:
+        led = await run.leaders()
+        for job in its_jobs:
+            if job not in taken and led[job]:
+                taken[job] = time.monotonic() - killed_at
+        await asyncio.sleep(0.1)
+    expect(len(taken) == len(its_jobs), f"jobs not taken over: {set(its_jobs) - set(taken)}")
+    # its client's seat and marker lapse with the route lease
+    await run.nothing_held(sid, 6)
+    marker = str(await run.redis.get(f"{SM}route:{run.api.rid('fo-wait-r')}") or "")
+    expect(not marker.startswith("pending:"), f"pending marker left: {marker}")
+    # the others carry on
+    other = run.live()[0]
+    expect((await run.api.eos(other.url, "fo-held")).status_code == 200, "eos on survivor")
+    expect((await run.api.route(other.url, scope, "fo-next")).status_code == 200, "route")
+    victim.start()  # as Kubernetes would restart it
+    await wait_healthy(run.api.http, victim)
+    slowest = max(taken.values(), default=0.0)
+    return f"killed replica {victim.index}: {len(its_jobs)} jobs taken over ≤ {slowest:.1f} s"
+
+
+async def check_drain(run: Run) -> str:
+    """SIGTERM a replica while clients wait on it: answered 503, clean exit 0, nothing held."""
+    live = run.live()
+    expect(len(live) >= 2, "needs two replicas")
+    victim = live[-1]
+    scope = await run.scope("drain", scope_concurrency=2, pod_concurrency=2)
+    sid = scope_id(scope)
+    for i in range(2):
+        expect((await run.api.route(victim.url, scope, f"dr-held-{i}")).status_code == 200, "h")
+    waiting = [
+        asyncio.create_task(run.api.route(victim.url, scope, f"dr-wait-{i}", f"dr-wait-r{i}"))
+        for i in range(3)
+    ]
+    deadline = time.monotonic() + 5
+    while int(await run.redis.zcard(f"{SM}scope:{sid}:waiters")) < 3:
+        expect(time.monotonic() < deadline, "the waiters never took their seats")
+        await asyncio.sleep(0.05)
+    assert victim.proc is not None
+    started = time.monotonic()
+    victim.proc.send_signal(signal.SIGTERM)
+    answers = await asyncio.gather(*waiting, return_exceptions=True)
+    codes = collections.Counter(
+        code(a) if isinstance(a, httpx.Response) else type(a).__name__ for a in answers
+    )
+    expect(codes == {"BACKEND_UNAVAILABLE": 3}, f"waiting routes got {codes}")
+    try:
+        status = await asyncio.to_thread(victim.proc.wait, SHUTDOWN_TIMEOUT + 3)
+    except subprocess.TimeoutExpired:
+        raise CheckFailed("not stopped within shutdown_timeout") from None
+    took = time.monotonic() - started
+    expect(status == 0, f"exit status {status}")
+    await run.nothing_held(sid, 1)
+    locks = [j for j in JOBS if await run.redis.exists(f"agent_runtime:job:{j}")]
+    led = await run.leaders()
+    expect(all(led[j] for j in locks), f"job locks left behind: {locks} (leaders {led})")
+    return f"3 waiters answered 503, exit 0 after {took:.1f} s"
+
+
+CHECKS: list[tuple[str, Callable[[Run], Awaitable[str]]]] = [
+    ("cold_burst_one_deploy", check_cold_burst_one_deploy),
+    ("no_over_admission", check_no_over_admission),
+    ("replay_across_replicas", check_replay_across_replicas),
+    ("config_propagation", check_config_propagation),
+    ("jobs_single_leader", check_jobs_single_leader),
+    ("failover", check_failover),
+    ("drain", check_drain),
+]
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    values = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip().strip("'\"")
+    return values
+
+
+async def foreign_keys(redis: Redis) -> list[str]:
+    found = []
+    async for key in redis.scan_iter(count=1000):
+        if not key.startswith(OUR_PREFIXES):
+            found.append(key)
+            if len(found) >= 5:
+                break
+    return found
+
+
+@contextlib.asynccontextmanager
+async def deployment(args: argparse.Namespace, workdir: Path) -> AsyncIterator[Run]:
+    settings = read_env_file(Path(args.env_file))
+    redis_url = settings.get("AGENT_RUNTIME_REDIS_URL")
+    if not redis_url:
+        raise RuntimeError("the env file sets no AGENT_RUNTIME_REDIS_URL")
+    redis: Redis = Redis.from_url(redis_url, decode_responses=True)
+    try:
+        foreign = await foreign_keys(redis)
+        if foreign and not args.allow_foreign_keys:
+            raise RuntimeError(
+                f"Redis {redis_url} holds keys that are not this service's ({foreign[:3]}…); "
+                "use a db of its own or --allow-foreign-keys"
+            )
+        upgrade = await asyncio.to_thread(
+            subprocess.run,
+            [str(BIN / "agent-runtime"), "db", "upgrade", "--env-file", args.env_file],
+            capture_output=True,
+            text=True,
+        )
+        if upgrade.returncode != 0:
+            raise RuntimeError(f"db upgrade failed: {upgrade.stderr.strip()}")
+        with kubesim(args.kubesim_port, workdir) as (sim_url, kubeconfig):
+            base = {**os.environ, **settings}
+            base.update({
+                "AGENT_RUNTIME_MODE": "server",
+                "AGENT_RUNTIME_KUBECONFIG": str(kubeconfig),
+                "AGENT_RUNTIME_SCOPE_FULL_TIMEOUT": str(SCOPE_FULL_TIMEOUT),
+                "AGENT_RUNTIME_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT),
+                "AGENT_RUNTIME_JOBS_ENABLED": "true",
+                **{f"AGENT_RUNTIME_{j}_INTERVAL": str(JOB_INTERVAL)
+                   for j in ("SWEEP", "AUTOSCALE", "RECLAIM", "WATCH", "RECONCILE")},
+            })  # fmt: skip
+            replicas = []
+            for i in range(args.replicas):
+                env = dict(base, AGENT_RUNTIME_PORT=str(args.first_port + i),
+                           AGENT_RUNTIME_INSTANCE_ID=f"e2e-replica-{i}",
+                           AGENT_RUNTIME_HOST="127.0.0.1")  # fmt: skip
+                replicas.append(Replica(i, args.first_port + i, env, workdir / f"replica-{i}.log"))
+            limits = httpx.Limits(max_connections=1200, max_keepalive_connections=200)
+            async with httpx.AsyncClient(limits=limits, timeout=30) as http:
+                try:
+                    for replica in replicas:
+                        replica.start()
+                    for replica in replicas:
+                        await wait_healthy(http, replica)
+                    tokens = settings.get("AGENT_RUNTIME_ADMIN_TOKENS", "").split(",")
+                    gateway = settings.get("AGENT_RUNTIME_GATEWAY_TOKENS", "").split(",")
+                    api = Api(http, tokens[0] or None, gateway[0] or None)
+                    run = Run(api, redis, replicas, sim_url)
+                    api.prefix = f"e2e-{run.run_id}-"
+                    yield run
+                finally:
+                    for replica in replicas:
+                        replica.stop()
+    finally:
+        await redis.aclose()
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="e2e-multi-") as tmp:
+        workdir = Path(args.workdir) if args.workdir else Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            async with deployment(args, workdir) as run:
+                passed = failed = 0
+                for name, check in CHECKS:
+                    if args.only and name not in args.only:
+                        continue
+                    started = time.monotonic()
+                    try:
+                        detail = await check(run)
+                    except Exception as exc:  # a check that breaks is a failed check
+                        failed += 1
+                        print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)
+                    else:
+                        passed += 1
+                        took = time.monotonic() - started
+                        print(f"ok   {name} ({took:.1f} s): {detail}", flush=True)
+                print(f"{passed} passed, {failed} failed")
+                if failed:
+                    print(f"logs: {workdir}" if args.workdir else "(--workdir keeps the logs)")
+                return 1 if failed else 0
+        except RuntimeError as exc:
+            print(f"e2e_multi_replica: cannot start: {exc}", file=sys.stderr)
+            return 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--env-file", required=True, help="server-mode settings (Redis, DB)")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--first-port", type=int, default=18091)
+    parser.add_argument("--kubesim-port", type=int, default=18001)
+    parser.add_argument("--workdir", help="keep logs and the kubeconfig here")
+    parser.add_argument("--only", nargs="*", help="run only these checks")
+    parser.add_argument("--allow-foreign-keys", action="store_true")
+    args = parser.parse_args()
+    if args.replicas < 2:
+        parser.error("--replicas must be at least 2")
+    sys.exit(asyncio.run(main_async(args)))
+
+
+if __name__ == "__main__":
+    main()
