@@ -89,6 +89,9 @@ class Settings(BaseSettings):
         False, description="server mode may run without admin tokens only when this is true"
     )
     shutdown_timeout: float = Field(20.0, gt=0, description="hard bound on graceful shutdown (s)")
+    scope_metrics: bool = Field(
+        False, description="per-scope series on /metrics (cardinality: one series per scope)"
+    )
     redis_timeout: float = Field(
         2.0, gt=0, description="Redis connect and command timeout (s); keeps failures fast"
     )

@@ -11,12 +11,13 @@ import json
 import logging
 import math
 import re
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic.json_schema import SkipJsonSchema
 from redis import exceptions as redis_errors
 from sqlalchemy import exc as sa_errors
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,16 +28,57 @@ from agent_runtime.errors import AgentRuntimeError, BackendUnavailable, ErrorCod
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+MAX_DEPTH = 32  # JSON nesting; the deepest real body (config_sync env) is 4
+ID_MAX = 256  # contract §2.1; also the width of the id columns (db/tables.py ID_LEN)
+MAX_MESSAGE = 4096  # characters of an error_message; a longer one is cut
+
+# Characters no id or config text may hold: C0 and C1 controls and DEL, the Unicode format
+# characters (category Cf: zero-width, bidi overrides, BOM, soft hyphen, tags), the line and
+# paragraph separators, surrogates (a lone one cannot be encoded as UTF-8: Redis, the DB and the
+# answer would fail on it) and the noncharacters U+FFFE/U+FFFF. They make log lines, Redis key
+# names and error messages show something other than what they hold. Cf as of Unicode 15.1
+# (Python 3.13); test_models checks this list against the running Python's unicodedata.
+_FORBIDDEN_BMP = (
+    "\x00-\x1f\x7f-\x9f\xad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e"
+    "\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb\ufffe\uffff"
+)
+_FORBIDDEN = re.compile(
+    f"[{_FORBIDDEN_BMP}\ud800-\udfff\U000110bd\U000110cd\U00013430-\U0001343f"
+    "\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0001\U000e0020-\U000e007f]"
+)
+# The same rule for the OpenAPI schema (ECMA-262 syntax, BMP only: surrogates and astral format
+# characters are left out of the documented pattern; the server refuses them all the same).
+PRINTABLE_CLASS = (
+    "[^" + "".join(c if c == "-" else f"\\u{ord(c):04x}" for c in _FORBIDDEN_BMP) + "]"
+)
+PRINTABLE_PATTERN = f"^{PRINTABLE_CLASS}*$"
 
 
 def no_control(value: str) -> str:
-    if _CONTROL.search(value):
-        raise ValueError("must not contain control characters")
+    """Refuse control and format characters (see ``_FORBIDDEN``)."""
+    if _FORBIDDEN.search(value):
+        raise ValueError("must not contain control or format characters")
     return value
 
 
-Id = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(no_control)]
+def is_id(value: object) -> bool:
+    """Whether ``value`` is a valid id: a string of 1–256 characters, none of them forbidden."""
+    return isinstance(value, str) and 0 < len(value) <= ID_MAX and not _FORBIDDEN.search(value)
+
+
+def printable(text: str, limit: int = 64) -> str:
+    """``text`` fit for an error message or a log line: forbidden characters escaped
+    (``\\u202e``), cut at ``limit`` characters."""
+    if len(text) > limit:
+        text = text[:limit] + "…"
+    return _FORBIDDEN.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+Id = Annotated[
+    str,
+    Field(min_length=1, max_length=ID_MAX, json_schema_extra={"pattern": PRINTABLE_PATTERN}),
+    AfterValidator(no_control),
+]
 
 
 class Extra(BaseModel):
@@ -78,10 +120,12 @@ def _message(err: Any) -> str:
 
 
 def describe_validation_error(exc: ValidationError, *, prefix: str | None) -> str:
-    """One readable part per problem, naming the field: ``item.sse_port: Input should be ...``."""
+    """One readable part per problem, naming the field: ``item.sse_port: Input should be ...``.
+    A field name comes from the caller: it is shown escaped and cut (``printable``)."""
     parts = []
     for err in exc.errors(include_url=False):
-        loc = ".".join(str(p) for p in (*([prefix] if prefix else []), *err["loc"])) or "body"
+        path = (*([prefix] if prefix else []), *err["loc"])
+        loc = ".".join(printable(str(p)) for p in path) or "body"
         parts.append(f"{loc}: {_message(err)}")
     return "; ".join(parts)
 
@@ -100,12 +144,73 @@ def parse_rawdata(model: type[M], rawdata: Any) -> M:
 
 def echoable_request_id(body: Any) -> str | None:
     """``metadata.request_id`` of a parsed body if it is a valid id, else None: an invalid id
-    (control characters, over 256 characters) is never echoed back."""
+    (control or format characters, a lone surrogate, over 256 characters) is never echoed."""
     metadata = body.get("metadata") if isinstance(body, dict) else None
     rid = metadata.get("request_id") if isinstance(metadata, dict) else None
-    if isinstance(rid, str) and 1 <= len(rid) <= 256 and not _CONTROL.search(rid):
-        return rid
-    return None
+    return rid if is_id(rid) else None
+
+
+class _NotFinite(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> Any:
+    raise _NotFinite(name)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses as inf
+        raise _NotFinite(text)
+    return value
+
+
+# one decoder: json.loads(..., **options) would build a new one per call
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
+
+# a JSON string (escapes skipped; an unterminated one runs to the end, so the scan stays linear)
+# or one bracket; UTF-8 never puts these bytes inside a multi-byte character
+_STRUCTURE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{}]', re.DOTALL)
+_OPENERS = frozenset(b"[{")
+
+
+def nesting_exceeds(raw: bytes, limit: int = MAX_DEPTH) -> bool:
+    """Whether the JSON text nests deeper than ``limit``, found without parsing: a body with
+    at most ``limit`` opening brackets cannot (two C-speed counts, the normal case); otherwise
+    one pass over its strings and brackets that stops at the first level past the limit."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    depth = 0
+    for match in _STRUCTURE.finditer(raw):
+        first = raw[match.start()]
+        if first in _OPENERS:
+            depth += 1
+            if depth > limit:
+                return True
+        elif first != 0x22:  # a closing bracket; a string changes nothing
+            depth -= 1
+    return False
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or 400 ``VALIDATION``: UTF-8 only (a leading BOM is
+    skipped), nesting at most ``MAX_DEPTH`` (checked before parsing), no NaN or Infinity
+    (literals, or numbers too large for a float). Duplicate keys: the last one wins, as in
+    ``json.loads`` (rejecting them would cost a Python call per object on every route)."""
+    if nesting_exceeds(raw):
+        raise ValidationFailed(f"body nests deeper than {MAX_DEPTH} levels")
+    try:
+        text = raw.decode("utf-8").removeprefix("\ufeff")
+        data = _DECODER.decode(text)
+    except _NotFinite:
+        raise ValidationFailed("body holds NaN or Infinity, which JSON does not allow") from None
+    except UnicodeDecodeError:
+        raise ValidationFailed("body is not UTF-8") from None
+    except (ValueError, RecursionError):  # bad JSON; RecursionError cannot pass the scan
+        raise ValidationFailed("body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise ValidationFailed("body must be a JSON object")
+    return data
 
 
 async def read_envelope(request: Request, model: type[M]) -> M:
@@ -113,13 +218,7 @@ async def read_envelope(request: Request, model: type[M]) -> M:
     ``VALIDATION``. Called after the token check (so a caller without a token learns nothing
     about the body rules); remembers the request_id as soon as it parses, so every later
     error echoes it."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):  # bad JSON, bad UTF-8, absurd nesting
-        raise ValidationFailed("body is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise ValidationFailed("body must be a JSON object")
+    data = parse_body(await request.body())
     remember_request_id(request, echoable_request_id(data))
     return validate_as(model, data, prefix=None)
 
@@ -140,9 +239,9 @@ def failure(
 ) -> JSONResponse:
     body: dict[str, Any] = {
         "ok": False,
-        "request_id": request_id,
+        "request_id": request_id if request_id is None or is_id(request_id) else None,
         "error_code": code.value,
-        "error_message": message,
+        "error_message": printable(message, limit=MAX_MESSAGE),
     }
     headers = {}
     if retry_after is not None:
@@ -161,6 +260,170 @@ def _request_id(request: Request) -> str | None:
     return getattr(request.state, "request_id", None)
 
 
+# --- OpenAPI: documentation only (bodies are read by hand, answers built by ``ok``/``failure``) --
+
+
+class ErrorEnvelope(BaseModel):
+    """A failure answer (contract §2.2); ``retry_after`` (and ``Retry-After``) where the table
+    has it."""
+
+    ok: Literal[False]
+    request_id: str | None
+    error_code: ErrorCode
+    error_message: str
+    retry_after: Annotated[int, Field(ge=1)] | SkipJsonSchema[None] = None
+
+
+class ValidationError400(ErrorEnvelope):
+    error_code: Literal[ErrorCode.VALIDATION]
+
+
+class Unauthorized401(ErrorEnvelope):
+    error_code: Literal[ErrorCode.UNAUTHORIZED]
+
+
+class NotFound404(ErrorEnvelope):
+    error_code: Literal[ErrorCode.NOT_FOUND]
+
+
+class Conflict409(ErrorEnvelope):
+    error_code: Literal[ErrorCode.CONFIG_SYNC_BUSY, ErrorCode.CONFLICT]
+
+
+class Internal500(ErrorEnvelope):
+    error_code: Literal[ErrorCode.INTERNAL]
+
+
+class K8sError502(ErrorEnvelope):
+    error_code: Literal[ErrorCode.K8S_ERROR]
+
+
+class Unavailable503(ErrorEnvelope):
+    error_code: Literal[
+        ErrorCode.CONFIG_NOT_FOUND,
+        ErrorCode.SCOPE_QUEUE_FULL,
+        ErrorCode.NO_POD_AVAILABLE,
+        ErrorCode.BACKEND_UNAVAILABLE,
+    ]
+
+
+class Timeout504(ErrorEnvelope):
+    error_code: Literal[ErrorCode.SCOPE_FULL_TIMEOUT]
+
+
+# status → (model, description); the codes per status are the contract's table (errors.py)
+ERROR_RESPONSES: dict[int, tuple[type[ErrorEnvelope], str]] = {
+    400: (ValidationError400, "VALIDATION: malformed body, bad field, bad config item"),
+    401: (Unauthorized401, "UNAUTHORIZED: missing or wrong bearer token"),
+    404: (NotFound404, "NOT_FOUND: update or delete of an item that does not exist"),
+    409: (Conflict409, "CONFIG_SYNC_BUSY or CONFLICT"),
+    500: (Internal500, "INTERNAL: a bug (no stack trace)"),
+    502: (K8sError502, "K8S_ERROR: Kubernetes refused the call"),
+    503: (
+        Unavailable503,
+        "CONFIG_NOT_FOUND, SCOPE_QUEUE_FULL, NO_POD_AVAILABLE or BACKEND_UNAVAILABLE "
+        "(also while the service starts or stops); Retry-After where retry_after is given",
+    ),
+    504: (Timeout504, "SCOPE_FULL_TIMEOUT: no slot within scope_full_timeout; Retry-After"),
+}
+_RETRY_AFTER = {"schema": {"type": "integer", "minimum": 1}, "description": "seconds"}
+
+
+def documented_responses(
+    success: type[BaseModel], *statuses: int
+) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` for a route decorator: the success envelope and the failures it can give."""
+    out: dict[int | str, dict[str, Any]] = {200: {"model": success, "description": "ok: true"}}
+    for status in statuses:
+        model, description = ERROR_RESPONSES[status]
+        entry: dict[str, Any] = {"model": model, "description": description}
+        if status in (503, 504):
+            entry["headers"] = {"Retry-After": _RETRY_AFTER}
+        out[status] = entry
+    return out
+
+
+def inline_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The model's JSON schema (validation side) with its ``$defs`` resolved in place, fit for
+    an operation's ``requestBody`` (the app's components do not hold request models)."""
+    schema = model.model_json_schema(mode="validation")
+    defs = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, list):
+            return [resolve(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            target = resolve(defs[ref.removeprefix("#/$defs/")])
+            return {**target, **{k: resolve(v) for k, v in node.items() if k != "$ref"}}
+        return {k: resolve(v) for k, v in node.items()}
+
+    resolved: dict[str, Any] = resolve(schema)
+    return resolved
+
+
+def json_request_body(schema: dict[str, Any], *, security: str) -> dict[str, Any]:
+    """``openapi_extra=`` for a route: its JSON body (any Content-Type is read as JSON) and the
+    bearer token scheme that guards it."""
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+        "security": [{security: []}],
+    }
+
+
+class HealthOk(BaseModel):
+    ok: Literal[True]
+    instance_id: str
+
+
+class HealthDown(BaseModel):
+    ok: Literal[False]
+    state: Literal["starting", "draining"]
+
+
+HEALTHZ_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"model": HealthOk, "description": "Redis, the DB and the background jobs are up"},
+    503: {"model": HealthDown, "description": "starting, or draining for shutdown"},
+}
+METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Prometheus text format",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    }
+}
+
+
+# contract §2.4; a token list left unset is open (local mode only: server mode needs admin tokens)
+SECURITY_SCHEMES = {
+    "GatewayToken": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "one of AGENT_RUNTIME_GATEWAY_TOKENS (route, touch)",
+    },
+    "AdminToken": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "one of AGENT_RUNTIME_ADMIN_TOKENS (config_sync, cleanup)",
+    },
+}
+
+
+def _document(app: FastAPI) -> None:
+    """Add the token schemes to the app's generated OpenAPI (built once, on first request)."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            components = schema.setdefault("components", {})
+            components.setdefault("securitySchemes", {}).update(SECURITY_SCHEMES)
+        return app.openapi_schema or {}
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 # --- exception handlers ------------------------------------------------------------------------
 
 
@@ -171,7 +434,7 @@ def _describe(errors: list[Any]) -> str:
         if err.get("type") == "json_invalid":
             parts.append("body is not valid JSON")
             continue
-        where = ".".join(loc) or "body"
+        where = ".".join(printable(p) for p in loc) or "body"
         if where == "body" and err.get("type") in ("dict_type", "model_attributes_type"):
             parts.append("body must be a JSON object (Content-Type: application/json)")
             continue
@@ -216,13 +479,15 @@ BACKEND_ERRORS: tuple[type[Exception], ...] = (
 
 
 def install(app: FastAPI) -> None:
-    """Envelope every failure; wrap the app in the body-size and last-resort guards."""
+    """Envelope every failure; wrap the app in the body-size and last-resort guards; document
+    the token schemes in the OpenAPI."""
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(AgentRuntimeError, _on_app_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     for exc_type in BACKEND_ERRORS:
         app.add_exception_handler(exc_type, _on_backend_error)
     app.add_middleware(GuardMiddleware)
+    _document(app)
 
 
 class _BodyTooLarge(StarletteHTTPException):

@@ -7,11 +7,17 @@ functions prepended to the scripts that name them.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from functools import cache
 from importlib import resources
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
+
+# script name → an observer of each call: (seconds, ok) — metrics.Metrics.redis_call
+ScriptObserver = Callable[[str], Callable[[float, bool], None]]
 
 
 @cache
@@ -23,5 +29,34 @@ def source(package: str, name: str, *, prelude: str | None = None) -> str:
     return text
 
 
-def register(redis: Redis, package: str, name: str, *, prelude: str | None = None) -> AsyncScript:
-    return redis.register_script(source(package, name, prelude=prelude))
+def register(
+    redis: Redis,
+    package: str,
+    name: str,
+    *,
+    prelude: str | None = None,
+    observe: ScriptObserver | None = None,
+) -> Any:
+    """The script as an awaitable ``(keys=, args=)`` call; timed when ``observe`` is given."""
+    script = redis.register_script(source(package, name, prelude=prelude))
+    return script if observe is None else _Observed(script, observe(name))
+
+
+class _Observed:
+    """An ``AsyncScript`` whose calls are timed (a failure is counted, then re-raised)."""
+
+    __slots__ = ("_observe", "_script")
+
+    def __init__(self, script: AsyncScript, observe: Callable[[float, bool], None]) -> None:
+        self._script = script
+        self._observe = observe
+
+    async def __call__(self, keys: Any = None, args: Any = None, client: Any = None) -> Any:
+        started = time.perf_counter()
+        try:
+            reply = await self._script(keys=keys, args=args, client=client)
+        except BaseException:
+            self._observe(time.perf_counter() - started, False)
+            raise
+        self._observe(time.perf_counter() - started, True)
+        return reply

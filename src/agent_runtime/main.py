@@ -24,6 +24,7 @@ from agent_runtime.session_manager.handlers import router as session_router
 from agent_runtime.wiring import Backends, Services, build_backends, check_backends, wire
 
 log = logging.getLogger(__name__)
+GAUGES_TIMEOUT = 2.0  # seconds /metrics may spend reading Redis for the state gauges
 
 
 def create_app(
@@ -38,7 +39,7 @@ def create_app(
         live = backends or build_backends(settings)
         try:
             await check_backends(settings, live)
-            svc = wire(settings, live)
+            svc = wire(settings, live, metrics)
             if settings.mode is Mode.LOCAL and settings.local_seed:
                 await svc.config_store.seed_local_defaults()
             try:
@@ -71,8 +72,9 @@ def create_app(
         title="agent-runtime",
         version="0.1.0",
         lifespan=lifespan,
-        docs_url=None,
+        docs_url=None,  # no docs UIs (they load scripts from a CDN)
         redoc_url=None,
+        openapi_url="/openapi.json",  # the contract as OpenAPI; open, like /healthz
         strict_content_type=False,  # a body is JSON whatever Content-Type a client sent
     )
     envelope.install(app)
@@ -89,11 +91,17 @@ def create_app(
     known = frozenset(api_paths | {"/healthz", "/metrics"})
     app.add_middleware(MetricsMiddleware, metrics=metrics, known_paths=known)
 
-    @app.get("/metrics")
-    async def metrics_endpoint() -> Response:
+    @app.get("/metrics", response_class=Response, responses=envelope.METRICS_RESPONSES)
+    async def metrics_endpoint(request: Request) -> Response:
+        svc: Services | None = getattr(request.app.state, "services", None)
+        if svc is not None and svc.ready:
+            try:  # the counters are served even when Redis cannot be read
+                await asyncio.wait_for(svc.update_gauges(metrics), GAUGES_TIMEOUT)
+            except Exception as exc:
+                log.warning("metrics: state gauges not updated: %s", exc)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/healthz")
+    @app.get("/healthz", responses=envelope.HEALTHZ_RESPONSES)
     async def healthz(request: Request) -> JSONResponse:
         svc: Services | None = getattr(request.app.state, "services", None)
         jobs_down = svc is not None and settings.jobs_enabled and not svc.jobs.running

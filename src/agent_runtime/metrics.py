@@ -1,14 +1,20 @@
 """Prometheus metrics with a registry per app (no process-global state, so two apps in one
-test process do not collide). Request count and latency per endpoint and status; the
-background jobs (runs, failures, time, last success, whether this replica leads), read from
-the job runner when scraped."""
+test process do not collide).
+
+Requests (count and latency per endpoint and status), placements, the wait queue, the pod
+pool (acquires by source, deploys by outcome and duration, follower waits), the backends
+(Redis scripts, DB calls and Kubernetes calls: latency and errors), and the background jobs
+(read from the job runner at scrape time). Every label value comes from a small fixed set,
+never from a request (bounded cardinality); per-scope series are opt-in (``scope_metrics``).
+Families are created once; hot paths hold their labelled children (no per-call lookups).
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
@@ -17,6 +23,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from agent_runtime.jobs import Job
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics", "MetricsMiddleware"]
+
+FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30)
+SLOW_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class Metrics:
@@ -33,8 +42,122 @@ class Metrics:
             "HTTP request latency by endpoint",
             ["endpoint"],
             registry=self.registry,
-            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30),
+            buckets=FAST_BUCKETS,
         )
+        # --- session manager
+        self.placements = Counter(
+            "agent_runtime_route_placements",
+            "routes answered, by placement (refresh / placed / rebound / replay)",
+            ["placement"],
+            registry=self.registry,
+        )
+        self.queue_outcomes = Counter(
+            "agent_runtime_queue_outcomes",
+            "routes that had to wait, by how the wait ended",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "agent_runtime_queue_wait_seconds",
+            "time a route spent on its slow path before its answer",
+            registry=self.registry,
+            buckets=SLOW_BUCKETS,
+        )
+        # --- resource manager
+        self.acquires = Counter(
+            "agent_runtime_pool_acquires",
+            "acquire outcomes: warm (reused), deploy (led one), follower, replay, "
+            "max_pods, in_progress, failed",
+            ["source"],
+            registry=self.registry,
+        )
+        self.deploys = Counter(
+            "agent_runtime_pool_deploys",
+            "pod deploys by kind (cold / warm) and outcome",
+            ["kind", "outcome"],
+            registry=self.registry,
+        )
+        self.deploy_seconds = Histogram(
+            "agent_runtime_pool_deploy_seconds",
+            "time from create to Ready and registered",
+            ["kind"],
+            registry=self.registry,
+            buckets=SLOW_BUCKETS,
+        )
+        self.follower_waits = Histogram(
+            "agent_runtime_pool_follower_wait_seconds",
+            "time a follower waited for its leader's pod",
+            registry=self.registry,
+            buckets=SLOW_BUCKETS,
+        )
+        # --- backends
+        self.redis_seconds = Histogram(
+            "agent_runtime_redis_script_seconds",
+            "Lua script calls (EVALSHA) by script",
+            ["script"],
+            registry=self.registry,
+            buckets=FAST_BUCKETS,
+        )
+        self.redis_errors = Counter(
+            "agent_runtime_redis_errors",
+            "Redis calls that failed, by script",
+            ["script"],
+            registry=self.registry,
+        )
+        self.db_seconds = Histogram(
+            "agent_runtime_db_seconds",
+            "SQL calls by kind (read / write)",
+            ["op"],
+            registry=self.registry,
+            buckets=FAST_BUCKETS,
+        )
+        self.db_errors = Counter(
+            "agent_runtime_db_errors", "SQL calls that failed", ["op"], registry=self.registry
+        )
+        self.k8s_calls = Counter(
+            "agent_runtime_k8s_calls",
+            "Kubernetes adapter calls by verb and outcome (ok or the error's status)",
+            ["verb", "status"],
+            registry=self.registry,
+        )
+        self.k8s_seconds = Histogram(
+            "agent_runtime_k8s_call_seconds",
+            "Kubernetes adapter call latency by verb",
+            ["verb"],
+            registry=self.registry,
+            buckets=SLOW_BUCKETS,
+        )
+        # --- state, set at scrape time (see main: /metrics)
+        self.pods = Gauge("agent_runtime_pods", "pods by state", ["state"], registry=self.registry)
+        self.sessions = Gauge(
+            "agent_runtime_live_sessions", "live sessions (all scopes)", registry=self.registry
+        )
+        self.scope_sessions = Gauge(
+            "agent_runtime_scope_live_sessions",
+            "live sessions per scope (only with scope_metrics)",
+            ["scope"],
+            registry=self.registry,
+        )
+
+    def redis_call(self, script: str) -> Callable[[float, bool], None]:
+        """An observer for one script: (seconds, ok)."""
+        timer, errors = self.redis_seconds.labels(script), self.redis_errors.labels(script)
+
+        def observe(seconds: float, ok: bool) -> None:
+            timer.observe(seconds)
+            if not ok:
+                errors.inc()
+
+        return observe
+
+    def db_call(self, op: str, seconds: float, ok: bool) -> None:
+        self.db_seconds.labels(op).observe(seconds)
+        if not ok:
+            self.db_errors.labels(op).inc()
+
+    def k8s_call(self, verb: str, status: str, seconds: float) -> None:
+        self.k8s_calls.labels(verb, status).inc()
+        self.k8s_seconds.labels(verb).observe(seconds)
 
     def watch_jobs(self, jobs: Callable[[], list[Job]]) -> None:
         """Report the jobs ``jobs()`` returns at every scrape (empty before startup)."""

@@ -23,9 +23,15 @@ from agent_runtime.db import schema
 from agent_runtime.db.engine import Database
 from agent_runtime.errors import BackendUnavailable
 from agent_runtime.jobs import Job, JobRunner
+from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.facade import ResourceManagerFacade
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, K8sPodClient, RealK8sPodClient
+from agent_runtime.resource_manager.k8s import (
+    FakeK8sPodClient,
+    K8sPodClient,
+    MeteredK8sPodClient,
+    RealK8sPodClient,
+)
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
 from agent_runtime.resource_manager.sweeper import ResourceSweeper
@@ -152,6 +158,22 @@ class Services:
         self.draining = True
         self.session_orchestrator.drain()
 
+    async def update_gauges(self, metrics: Metrics) -> None:
+        """Pods by state and live sessions, read from Redis when /metrics is scraped (a few
+        pipelined reads, O(pods + scopes)); per scope only with ``scope_metrics``."""
+        scopes = list(await self.session_state.known_scopes())
+        phases = await self.resource_state.pod_phases()
+        metrics.pods.labels("in_use").set(phases.get("in_use", 0))
+        metrics.pods.labels("idle").set(phases.get("idle", 0))
+        metrics.pods.labels("deploying").set(await self.resource_state.placeholders(scopes))
+        metrics.pods.labels("sunset").set(await self.session_state.sunset_pods())
+        metrics.sessions.set(await self.session_state.live_sessions())
+        if self.settings.scope_metrics:
+            counts = await self.session_state.scope_session_counts(scopes)
+            metrics.scope_sessions.clear()
+            for scope_id, n in zip(scopes, counts, strict=True):
+                metrics.scope_sessions.labels(scope_id).set(n)
+
     async def start(self) -> None:
         await self.notifier.start()
         if self.settings.jobs_enabled:
@@ -166,27 +188,33 @@ class Services:
         await self.notifier.stop()
 
 
-def wire(settings: Settings, backends: Backends) -> Services:
+def wire(settings: Settings, backends: Backends, metrics: Metrics | None = None) -> Services:
+    """Build every service over the backends; with ``metrics``, Redis scripts, SQL calls and
+    Kubernetes calls are timed and counted into it (the backends themselves stay as given)."""
+    metrics = metrics or Metrics()
     redis = backends.redis
-    session_state = SessionState(redis)
-    resource_state = ResourceState(redis)
+    db = backends.db.observed(metrics.db_call)
+    k8s = MeteredK8sPodClient(backends.k8s, metrics.k8s_call)
+    session_state = SessionState(redis, observe=metrics.redis_call)
+    resource_state = ResourceState(redis, observe=metrics.redis_call)
     notifier = Notifier(redis, patterns=[REGISTERED_PATTERN, FREE_PATTERN])
     orchestrator = ResourceOrchestrator(
         state=resource_state,
-        k8s=backends.k8s,
+        k8s=k8s,
         notifier=notifier,
         default_namespace=settings.default_namespace,
+        metrics=metrics,
     )
     resources = ResourceManagerFacade(orchestrator=orchestrator)
     sessions = SessionManagerFacade(state=session_state)
     sweeper = ResourceSweeper(
         state=resource_state,
-        k8s=backends.k8s,
+        k8s=k8s,
         orchestrator=orchestrator,
         sessions=sessions,
         default_namespace=settings.default_namespace,
     )
-    config_store = ConfigStore(db=backends.db, state=session_state, resources=resources)
+    config_store = ConfigStore(db=db, state=session_state, resources=resources)
     session_sweeper = SessionSweeper(state=session_state, resources=resources)
     jobs = JobRunner(
         redis=redis,
@@ -214,6 +242,7 @@ def wire(settings: Settings, backends: Backends) -> Services:
             resources=resources,
             notifier=notifier,
             scope_full_timeout=settings.scope_full_timeout,
+            metrics=metrics,
         ),
         session_sweeper=session_sweeper,
         jobs=jobs,

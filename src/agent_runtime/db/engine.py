@@ -9,7 +9,9 @@ only on a resolve-cache miss, so sync drivers (pymysql, psycopg, sqlite3) are en
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -71,6 +73,8 @@ class Database:
     def __init__(self, engine: Engine, *, threads: int = 8) -> None:
         self.engine = engine
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="db")
+        # (op, seconds, ok) for every read/write, queueing for a thread included (metrics)
+        self.observe: Callable[[str, float, bool], None] | None = None
 
     @classmethod
     def from_url(cls, url: str, *, pool_size: int = 8, connect_timeout: int = 5) -> Database:
@@ -93,7 +97,7 @@ class Database:
             with self.engine.connect() as conn:
                 return fn(conn)
 
-        return await self.run(_call)
+        return await self._observed("read", _call)
 
     async def write(self, fn: Callable[[Connection], T]) -> T:
         """Run ``fn(conn)`` in one transaction, committed on success, rolled back on error."""
@@ -102,7 +106,26 @@ class Database:
             with self.engine.begin() as conn:
                 return fn(conn)
 
-        return await self.run(_call)
+        return await self._observed("write", _call)
+
+    def observed(self, observe: Callable[[str, float, bool], None]) -> Database:
+        """The same engine and threads, each read/write reported to ``observe`` (one app's
+        metrics; the original stays unobserved and is the one to close)."""
+        clone = copy.copy(self)
+        clone.observe = observe
+        return clone
+
+    async def _observed(self, op: str, call: Callable[[], T]) -> T:
+        if self.observe is None:
+            return await self.run(call)
+        started = time.perf_counter()
+        try:
+            result = await self.run(call)
+        except BaseException:
+            self.observe(op, time.perf_counter() - started, False)
+            raise
+        self.observe(op, time.perf_counter() - started, True)
+        return result
 
     async def ping(self) -> None:
         await self.read(lambda conn: conn.exec_driver_sql("SELECT 1").scalar())

@@ -19,8 +19,9 @@ import math
 import random
 import secrets
 import string
+import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
@@ -58,6 +59,8 @@ DEFAULT_READY_POLL_INTERVAL = 2.0
 _NAME_ALPHABET = string.ascii_lowercase + string.digits
 # Transport failures: the request may or may not have reached the API server.
 _LOST_REPLY = (TimeoutError, aiohttp.ClientError)
+
+T = TypeVar("T")
 
 
 class K8sPodClient(Protocol):
@@ -794,3 +797,59 @@ class FakeK8sPodClient:
     async def probe_health(self, pod_ip: str, port: int) -> bool:
         pod = next((p for p in self.pods.values() if p.pod_ip == pod_ip), None)
         return pod is not None and pod.phase == "Running" and pod.pod_id not in self.unhealthy
+
+
+class MeteredK8sPodClient:
+    """Any ``K8sPodClient``, each call counted by verb and outcome and timed (metrics).
+
+    Outcomes: ``ok``, the HTTP status of a refusal (``K8sApiError``), ``deploy_failed``,
+    ``timeout``, ``error``: a small fixed set, whatever the error text.
+    """
+
+    def __init__(self, inner: K8sPodClient, observe: Callable[[str, str, float], None]) -> None:
+        self.inner = inner
+        self._observe = observe
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def _timed(self, verb: str, call: Awaitable[T]) -> T:
+        started = time.perf_counter()
+        status = "error"
+        try:
+            result = await call
+            status = "ok"
+            return result
+        except K8sApiError as exc:
+            status = str(exc.status) if exc.status else "error"
+            raise
+        except DeployFailed:
+            status = "deploy_failed"
+            raise
+        except TimeoutError:
+            status = "timeout"
+            raise
+        finally:
+            self._observe(verb, status, time.perf_counter() - started)
+
+    async def deploy(
+        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any]
+    ) -> PodDeployInfo:
+        return await self._timed(
+            "deploy", self.inner.deploy(scope_id=scope_id, deploy_ver=deploy_ver, pod_spec=pod_spec)
+        )
+
+    async def delete(self, pod_id: str, namespace: str) -> bool:
+        return await self._timed("delete", self.inner.delete(pod_id, namespace))
+
+    async def get_pod(self, pod_id: str, namespace: str) -> PodStatus | None:
+        return await self._timed("get", self.inner.get_pod(pod_id, namespace))
+
+    async def list_pods(self, namespace: str, label_selector: str) -> list[PodStatus]:
+        return await self._timed("list", self.inner.list_pods(namespace, label_selector))
+
+    async def probe_health(self, pod_ip: str, port: int) -> bool:
+        return await self._timed("probe_health", self.inner.probe_health(pod_ip, port))

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from redis.exceptions import LockError
 
 from agent_runtime import spec_fields
 from agent_runtime.jobs import BackgroundTasks
+from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.k8s import K8sPodClient, parse_label_selector
 from agent_runtime.resource_manager.models import (
@@ -65,7 +67,13 @@ class ResourceOrchestrator:
         k8s: K8sPodClient,
         notifier: Notifier,
         default_namespace: str,
+        metrics: Metrics | None = None,
     ) -> None:
+        metrics = metrics or Metrics()
+        self._acquired = metrics.acquires
+        self._deploys_done = metrics.deploys
+        self._deploy_seconds = metrics.deploy_seconds
+        self._follower_waits = metrics.follower_waits
         self._state = state
         self._k8s = k8s
         self._notifier = notifier
@@ -83,9 +91,33 @@ class ResourceOrchestrator:
         *,
         on_ready: OnReady | None = None,
     ) -> dict[str, str]:
+        source = "failed"
+        try:
+            result, source = await self._acquire(
+                scope_id, pod_spec, pool_config, request_id, on_ready
+            )
+            return result
+        except DeployInProgress:
+            source = "in_progress"
+            raise
+        except MaxPodsReached:
+            source = "max_pods"
+            raise
+        finally:
+            self._acquired.labels(source).inc()
+
+    async def _acquire(
+        self,
+        scope_id: str,
+        pod_spec: dict[str, Any],
+        pool_config: dict[str, int],
+        request_id: str,
+        on_ready: OnReady | None,
+    ) -> tuple[dict[str, str], str]:
+        """The pod and where it came from: replay, warm, deploy or follower."""
         cached = await self._state.cached_result(request_id)
         if cached is not None:
-            return cached
+            return cached, "replay"
         ready_timeout = float(pod_spec.get("ready_timeout") or 300)
         placeholder_ttl = math.ceil(ready_timeout) + LOCK_MARGIN
         started_at = await self._state.now()
@@ -95,11 +127,12 @@ class ResourceOrchestrator:
             outcome = await self._state.acquire(scope_id, request_id, token, placeholder_ttl)
             if outcome.action in ("cached", "reuse"):
                 assert outcome.pod_id is not None and outcome.pod_sse_url is not None
-                return {
+                pod = {
                     "pod_id": outcome.pod_id,
                     "pod_sse_url": outcome.pod_sse_url,
                     "deploy_ver": outcome.deploy_ver or "",
                 }
+                return pod, "replay" if outcome.action == "cached" else "warm"
             if outcome.action == "no_config":
                 if wrote_config:
                     raise DeployFailed(f"scope {scope_id}: pool config vanished during acquire")
@@ -113,9 +146,10 @@ class ResourceOrchestrator:
                 if leader_started is not None or await self._state.deploying(scope_id):
                     # the cap is held by a deploy in flight: its pod may have room for us
                     since = min(started_at, leader_started or math.inf)
-                    return await self._follow(
+                    pod = await self._follow(
                         scope_id, request_id, pool_config, ready_timeout, since
                     )
+                    return pod, "follower"
                 raise MaxPodsReached(f"scope {scope_id} is at max_pods")
             assert outcome.placeholder is not None
             return await self._deploy_or_follow(
@@ -137,7 +171,7 @@ class ResourceOrchestrator:
         placeholder: str,
         started_at: float,
         on_ready: OnReady | None,
-    ) -> dict[str, str]:
+    ) -> tuple[dict[str, str], str]:
         ready_timeout = float(pod_spec.get("ready_timeout") or 300)
         lock = Lock(
             self._state.redis,
@@ -163,7 +197,8 @@ class ResourceOrchestrator:
             raise
         if not leader:
             await self._state.drop_placeholder(scope_id, placeholder)
-            return await self._follow(scope_id, request_id, pool_config, ready_timeout, since)
+            pod = await self._follow(scope_id, request_id, pool_config, ready_timeout, since)
+            return pod, "follower"
         requester = _Requester()
         # Our own task: a caller that disconnects does not abort a deploy half-way (that would
         # leave a pod nobody tracks, or a lock released while its deploy still runs).
@@ -182,7 +217,7 @@ class ResourceOrchestrator:
             name=f"deploy:{scope_id}",
         )
         try:
-            return await asyncio.shield(task)
+            return await asyncio.shield(task), "deploy"
         except asyncio.CancelledError:
             requester.gone = True  # the pod, once Ready, goes to the warm pool
             raise
@@ -232,14 +267,19 @@ class ResourceOrchestrator:
     ) -> dict[str, str]:
         """Deploy one pod and register it; the placeholder is given back on every path."""
         version = spec_fields.deploy_ver(pod_spec)
+        kind = "warm" if warm else "cold"
+        started = time.perf_counter()
         try:
             info = await self._k8s.deploy(scope_id=scope_id, deploy_ver=version, pod_spec=pod_spec)
         except BaseException as exc:
+            cancelled = isinstance(exc, asyncio.CancelledError)
+            self._deploys_done.labels(kind, "cancelled" if cancelled else "failed").inc()
             with contextlib.suppress(Exception):
                 await self._state.drop_placeholder(scope_id, placeholder)
             if isinstance(exc, DeployFailed | asyncio.CancelledError):
                 raise
             raise DeployFailed(f"scope {scope_id}: deploy failed: {exc}") from exc
+        self._deploy_seconds.labels(kind).observe(time.perf_counter() - started)
         warm = warm or (requester is not None and requester.gone)
         try:
             await self._state.register(
@@ -254,8 +294,10 @@ class ResourceOrchestrator:
             )
         except BaseException:
             # Ready in Kubernetes but not in Redis: delete it rather than leak it
+            self._deploys_done.labels(kind, "unregistered").inc()
             await self._discard_pod(scope_id, info, placeholder)
             raise
+        self._deploys_done.labels(kind, "ok").inc()
         with contextlib.suppress(Exception):  # followers also poll; the signal only speeds up
             await self._notifier.publish(registered_channel(scope_id), info.pod_id)
         log.info(
@@ -281,6 +323,7 @@ class ResourceOrchestrator:
         hold = math.ceil(ready_timeout) + FOLLOWER_MARGIN
         loop = asyncio.get_running_loop()
         deadline = loop.time() + hold
+        entered = loop.time()
         since = started_at
         try:
             # inside the try: a cancellation while the gate's reply is in flight still gives
@@ -310,6 +353,7 @@ class ResourceOrchestrator:
                         raise MaxPodsReached(f"scope {scope_id}: no pod within {hold} s")
                     await listener.wait(min(FOLLOWER_POLL, remaining))
         finally:
+            self._follower_waits.observe(loop.time() - entered)
             with contextlib.suppress(Exception):
                 await self._state.leave_follower_seat(scope_id, request_id)
 

@@ -96,15 +96,19 @@ class PoolConfig:
 class ResourceState:
     """Typed operations on the resource manager's Redis keys (client with decode_responses)."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, *, observe: lua.ScriptObserver | None = None) -> None:
         self.redis = redis
         pkg = "agent_runtime.resource_manager"
-        self._acquire = lua.register(redis, pkg, "acquire", prelude="_placeholders")
-        self._placeholder = lua.register(redis, pkg, "placeholder", prelude="_placeholders")
-        self._register = lua.register(redis, pkg, "register")
-        self._release = lua.register(redis, pkg, "release")
-        self._purge = lua.register(redis, pkg, "purge")
-        self._follower_gate = lua.register(redis, pkg, "deploy_follower_gate")
+
+        def script(name: str, prelude: str | None = None) -> Any:
+            return lua.register(redis, pkg, name, prelude=prelude, observe=observe)
+
+        self._acquire = script("acquire", "_placeholders")
+        self._placeholder = script("placeholder", "_placeholders")
+        self._register = script("register")
+        self._release = script("release")
+        self._purge = script("purge")
+        self._follower_gate = script("deploy_follower_gate")
 
     # --- pool config ---------------------------------------------------------------------------
 
@@ -298,6 +302,28 @@ class ResourceState:
 
     async def deploying(self, scope_id: str) -> list[str]:
         return cast(list[str], list(await self.redis.smembers(scope_deploying_key(scope_id))))
+
+    async def pod_phases(self, batch: int = 500) -> dict[str, int]:
+        """Registered pods by phase (in_use / idle), one pipelined HGET per batch: O(pods)."""
+        counts: dict[str, int] = {"in_use": 0, "idle": 0}
+        pods = await self.all_pods()
+        for i in range(0, len(pods), batch):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for pod_id in pods[i : i + batch]:
+                    pipe.hget(pod_info_key(pod_id), "phase")
+                for phase in await pipe.execute():
+                    if phase:
+                        counts[phase] = counts.get(phase, 0) + 1
+        return counts
+
+    async def placeholders(self, scope_ids: list[str]) -> int:
+        """Deploys in flight (placeholders) over the given scopes: one SCARD each, pipelined."""
+        if not scope_ids:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for scope_id in scope_ids:
+                pipe.scard(scope_deploying_key(scope_id))
+            return sum(int(n) for n in await pipe.execute())
 
     async def all_pods(self) -> list[str]:
         return [p async for p in self.redis.sscan_iter(PODS_ALL_KEY, count=500)]

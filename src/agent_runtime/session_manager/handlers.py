@@ -1,7 +1,9 @@
 """HTTP handlers of ``/api/session``. Thin: check the token, parse the envelope, delegate.
 
 Bodies are read in a dependency after the token check (FastAPI would parse a declared body
-before any dependency runs), so without a valid token every request is the same 401.
+before any dependency runs), so without a valid token every request is the same 401. The
+OpenAPI schema still shows each body, token and answer (``openapi_extra``/``responses``: docs
+only, nothing at run time).
 """
 
 from __future__ import annotations
@@ -13,14 +15,28 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from agent_runtime.auth import check_bearer
-from agent_runtime.envelope import AdminEnvelope, ok, parse_rawdata, read_envelope
+from agent_runtime.envelope import (
+    AdminEnvelope,
+    documented_responses,
+    inline_schema,
+    json_request_body,
+    ok,
+    parse_rawdata,
+    read_envelope,
+)
 from agent_runtime.errors import K8sError, ValidationFailed
 from agent_runtime.resource_manager.facade import K8sApiError
 from agent_runtime.session_manager.models import (
+    CleanupEnvelope,
+    CleanupOk,
     CleanupRequest,
+    ConfigSyncEnvelope,
+    ConfigSyncOk,
     ConfigSyncRequest,
     RouteEnvelope,
+    RouteOk,
     TouchEnvelope,
+    TouchOk,
 )
 from agent_runtime.wiring import Services, services
 
@@ -44,7 +60,11 @@ RouteBody = Annotated[RouteEnvelope, _body(RouteEnvelope, admin=False)]
 TouchBody = Annotated[TouchEnvelope, _body(TouchEnvelope, admin=False)]
 
 
-@router.post("/route")
+@router.post(
+    "/route",
+    openapi_extra=json_request_body(inline_schema(RouteEnvelope), security="GatewayToken"),
+    responses=documented_responses(RouteOk, 400, 401, 500, 503, 504),
+)
 async def route(envelope: RouteBody, request: Request, svc: ServicesDep) -> JSONResponse:
     """Which pod serves this session: refresh, placed or rebound (gateway)."""
     meta = envelope.metadata
@@ -58,7 +78,11 @@ async def route(envelope: RouteBody, request: Request, svc: ServicesDep) -> JSON
     return ok(meta.request_id, data)
 
 
-@router.post("/touch")
+@router.post(
+    "/touch",
+    openapi_extra=json_request_body(inline_schema(TouchEnvelope), security="GatewayToken"),
+    responses=documented_responses(TouchOk, 400, 401, 500, 503),
+)
 async def touch(envelope: TouchBody, svc: ServicesDep) -> JSONResponse:
     """Keep a session alive, or end it with ``rawdata.eos`` (gateway)."""
     meta = envelope.metadata
@@ -66,14 +90,22 @@ async def touch(envelope: TouchBody, svc: ServicesDep) -> JSONResponse:
     return ok(meta.request_id, data)
 
 
-@router.post("/config_sync")
+@router.post(
+    "/config_sync",
+    openapi_extra=json_request_body(inline_schema(ConfigSyncEnvelope), security="AdminToken"),
+    responses=documented_responses(ConfigSyncOk, 400, 401, 404, 409, 500, 503),
+)
 async def config_sync(envelope: AdminBody, svc: ServicesDep) -> JSONResponse:
     """Create, update, delete or sync one template or routing rule (admin)."""
     body = parse_rawdata(ConfigSyncRequest, envelope.rawdata)
     return ok(envelope.metadata.request_id, await svc.config_store.config_sync(body))
 
 
-@router.post("/cleanup")
+@router.post(
+    "/cleanup",
+    openapi_extra=json_request_body(inline_schema(CleanupEnvelope), security="AdminToken"),
+    responses=documented_responses(CleanupOk, 400, 401, 500, 502, 503),
+)
 async def cleanup(envelope: AdminBody, svc: ServicesDep) -> JSONResponse:
     """Bulk-delete AgentServer pods in Kubernetes (admin); Redis is left to watch/reconcile."""
     body = parse_rawdata(CleanupRequest, envelope.rawdata)

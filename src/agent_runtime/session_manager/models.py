@@ -12,10 +12,18 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from agent_runtime import spec_fields
-from agent_runtime.envelope import Id, no_control, validate_as
+from agent_runtime.envelope import (
+    PRINTABLE_CLASS,
+    PRINTABLE_PATTERN,
+    AdminMetadata,
+    Id,
+    no_control,
+    validate_as,
+)
 from agent_runtime.util import max_pods
 
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -47,6 +55,54 @@ def _abs_path(value: str) -> str:
     return value
 
 
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("must not contain NUL (a process environment cannot hold it)")
+    return value
+
+
+# ``state.session_key(id)`` is ``session:{id}`` and the tombstone of a session is
+# ``session:{id}:previous_pod``: a session id ending like this would share its key with another
+# session's tombstone (WRONGTYPE errors, a live session's hash overwritten). test_models checks
+# this against state.py's key builders.
+TOMBSTONE_SUFFIX = ":previous_pod"
+
+
+def _session_id(value: str) -> str:
+    if value.endswith(TOMBSTONE_SUFFIX):
+        raise ValueError(f"must not end with {TOMBSTONE_SUFFIX!r} (reserved by a Redis key)")
+    return value
+
+
+SessionId = Annotated[Id, AfterValidator(_session_id)]
+
+_LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+_LABEL_KEY = rf"({_DNS_SUBDOMAIN}/)?{_LABEL_NAME}"
+# one equality-based term as Kubernetes parses it: key, !key, key=value, key==value, key!=value
+_SELECTOR_TERM = re.compile(
+    rf"!\s*{_LABEL_KEY}|{_LABEL_KEY}(\s*(==?|!=)\s*({_LABEL_NAME})?)?", re.ASCII
+)
+
+
+def _label_selector(value: str) -> str:
+    for raw in value.split(","):
+        term = raw.strip()
+        if not term:
+            continue
+        if "(" in term or " in " in term or " notin " in term:
+            raise ValueError(f"set-based label selector not supported: {term!r}")
+        if not _SELECTOR_TERM.fullmatch(term):
+            raise ValueError(
+                f"{term!r} is not a label selector term (key, !key, key=value, key!=value "
+                "with Kubernetes label names)"
+            )
+    return value
+
+
+no_control_ = AfterValidator(no_control)
+
+
 def _env(value: dict[str, str]) -> dict[str, str]:
     for name in value:
         if not _ENV_NAME.fullmatch(name):
@@ -54,15 +110,40 @@ def _env(value: dict[str, str]) -> dict[str, str]:
     return value
 
 
-Text = Annotated[str, Field(min_length=1, max_length=1024), AfterValidator(no_control)]
-DnsLabel = Annotated[str, Field(min_length=1, max_length=63), AfterValidator(_dns_label)]
-Quantity = Annotated[str, Field(min_length=1, max_length=32), AfterValidator(_quantity)]
+def _documented(pattern: str) -> dict[str, Any]:
+    """A pattern for the OpenAPI schema only (the validators below are what the server runs)."""
+    return {"json_schema_extra": {"pattern": pattern}}
+
+
+Text = Annotated[
+    str, Field(min_length=1, max_length=1024, **_documented(PRINTABLE_PATTERN)), no_control_
+]
+EnvName = Annotated[
+    str, Field(min_length=1, max_length=1024, **_documented(_ENV_NAME.pattern)), no_control_
+]
+DnsLabel = Annotated[
+    str,
+    Field(min_length=1, max_length=63, **_documented(_DNS1123_LABEL.pattern)),
+    AfterValidator(_dns_label),
+]
+Quantity = Annotated[
+    str,
+    Field(min_length=1, max_length=32, **_documented(_QUANTITY.pattern)),
+    AfterValidator(_quantity),
+]
 Port = Annotated[int, Field(ge=1, le=65535)]
 Concurrency = Annotated[int, Field(ge=1, le=MAX_CONCURRENCY)]
 Ttl = Annotated[int, Field(ge=1, le=MAX_TTL)]
-AbsPath = Annotated[str, Field(min_length=1, max_length=1024), AfterValidator(_abs_path)]
+_ABS_PATH_PATTERN = f"^/{PRINTABLE_CLASS}*$"
+AbsPath = Annotated[
+    str,
+    Field(min_length=1, max_length=1024, **_documented(_ABS_PATH_PATTERN)),
+    no_control_,
+    AfterValidator(_abs_path),
+]
+EnvValue = Annotated[str, Field(max_length=32768), AfterValidator(_no_nul)]
 
-_STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
+_STRICT = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class TemplateItem(BaseModel):
@@ -74,18 +155,25 @@ class TemplateItem(BaseModel):
     enabled: bool = True
     # deploy fields
     image: Text
-    pod_name: Annotated[str, Field(max_length=POD_NAME_MAX), AfterValidator(_dns_label)] = "agent"
+    pod_name: Annotated[
+        str,
+        Field(max_length=POD_NAME_MAX, **_documented(_DNS1123_LABEL.pattern)),
+        AfterValidator(_dns_label),
+    ] = "agent"
     namespace: DnsLabel | None = None
     container_port: Port = 8080
     sse_port: Port = 8080
-    sse_path: Annotated[str, Field(max_length=256), AfterValidator(_abs_path)] = "/sse"
+    sse_path: Annotated[
+        str,
+        Field(max_length=256, **_documented(_ABS_PATH_PATTERN)),
+        no_control_,
+        AfterValidator(_abs_path),
+    ] = "/sse"
     cpu_request: Quantity | None = None
     cpu_limit: Quantity | None = None
     memory_request: Quantity | None = None
     memory_limit: Quantity | None = None
-    env: Annotated[dict[Text, Annotated[str, Field(max_length=32768)]], AfterValidator(_env)] = (
-        Field(default_factory=dict)
-    )
+    env: Annotated[dict[EnvName, EnvValue], AfterValidator(_env)] = Field(default_factory=dict)
     nfs_server: Text | None = None
     nfs_path: AbsPath | None = None
     nfs_mount_path: AbsPath | None = None
@@ -156,7 +244,7 @@ class RouteExtra(BaseModel):
 class RouteMetadata(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     request_id: Id
-    session_id: Id
+    session_id: SessionId
     bot_id: Id
     extra: RouteExtra
 
@@ -172,7 +260,7 @@ class RouteEnvelope(BaseModel):
 class TouchMetadata(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     request_id: Id | None = None
-    session_id: Id
+    session_id: SessionId
 
 
 class TouchRawdata(BaseModel):
@@ -191,10 +279,20 @@ class CleanupRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     namespace: DnsLabel | None = None
-    label_selector: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+    label_selector: (
+        Annotated[
+            str,
+            Field(min_length=1, max_length=1024),
+            no_control_,
+            AfterValidator(_label_selector),
+        ]
+        | None
+    ) = None
 
 
 M = TypeVar("M", bound=BaseModel)
+# a field name of a config_sync item (the longest real one is 19 characters)
+ItemField = Annotated[str, Field(min_length=1, max_length=64), no_control_]
 Kind = Literal["template", "routing_rule"]
 Op = Literal["create", "update", "delete", "sync"]
 
@@ -206,12 +304,126 @@ class ConfigSyncRequest(BaseModel):
 
     kind: Kind
     op: Op
-    item: dict[str, Any]
+    item: dict[ItemField, Any]
 
 
 def parse_item(model: type[M], data: dict[str, Any]) -> M:
     """Validate a config_sync ``item``; a failure names each bad field (``item.<field>``)."""
     return validate_as(model, data, prefix="item")
+
+
+# --- OpenAPI documentation only ------------------------------------------------------------------
+# The handlers read bodies by hand (after the token check) and config_sync validates its item
+# per kind and op; these models only describe that in the schema. Nothing validates with them.
+
+
+def _all_optional(model: type[BaseModel], name: str, *, keep: tuple[str, ...]) -> type[BaseModel]:
+    """``model`` with every field but ``keep`` optional (a partial update, a delete's item)."""
+    fields: dict[str, Any] = {}
+    for field_name, info in model.model_fields.items():
+        annotated = (
+            Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+        )
+        fields[field_name] = (annotated, ...) if field_name in keep else (annotated, None)
+    return create_model(name, __config__=_STRICT, **fields)
+
+
+TemplatePatch = _all_optional(TemplateItem, "TemplatePatch", keep=("template_id",))
+RoutingRulePatch = _all_optional(RoutingRuleItem, "RoutingRulePatch", keep=("group_id", "bot_id"))
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TemplateWrite(_Doc):
+    kind: Literal["template"]
+    op: Literal["create", "sync"]
+    item: TemplateItem
+
+
+class TemplateUpdate(_Doc):
+    """update: the fields to change; delete: the id (other known fields are ignored)."""
+
+    kind: Literal["template"]
+    op: Literal["update", "delete"]
+    item: TemplatePatch  # type: ignore[valid-type]
+
+
+class RoutingRuleWrite(_Doc):
+    kind: Literal["routing_rule"]
+    op: Literal["create", "sync", "update"]
+    item: RoutingRuleItem
+
+
+class RoutingRuleDelete(_Doc):
+    kind: Literal["routing_rule"]
+    op: Literal["delete"]
+    item: RoutingRulePatch  # type: ignore[valid-type]
+
+
+class ConfigSyncEnvelope(BaseModel):
+    """config_sync request: ``metadata.request_id`` required; ``rawdata`` per kind and op."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    metadata: AdminMetadata
+    rawdata: TemplateWrite | TemplateUpdate | RoutingRuleWrite | RoutingRuleDelete
+
+
+class CleanupEnvelope(BaseModel):
+    """cleanup request: ``metadata.request_id`` required; ``rawdata`` optional."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    metadata: AdminMetadata
+    rawdata: CleanupRequest = Field(default_factory=CleanupRequest)
+
+
+class RouteData(BaseModel):
+    pod_id: str
+    pod_sse_url: str
+    placement: Literal["refresh", "placed", "rebound"]
+    previous_pod_id: str | SkipJsonSchema[None] = None  # rebound only
+
+
+class RouteOk(BaseModel):
+    ok: Literal[True]
+    request_id: str
+    data: RouteData
+
+
+class TouchData(BaseModel):
+    touched: bool
+    released: bool | SkipJsonSchema[None] = None  # with eos only
+
+
+class TouchOk(BaseModel):
+    ok: Literal[True]
+    request_id: str | None
+    data: TouchData
+
+
+class ConfigSyncData(BaseModel):
+    kind: Kind
+    op: Op
+    id: str
+    change_class: Literal["deploy", "policy", "none"]
+    affected_scopes: Annotated[int, Field(ge=0)]
+
+
+class ConfigSyncOk(BaseModel):
+    ok: Literal[True]
+    request_id: str
+    data: ConfigSyncData
+
+
+class CleanupData(BaseModel):
+    cleaned: Annotated[int, Field(ge=0)]
+
+
+class CleanupOk(BaseModel):
+    ok: Literal[True]
+    request_id: str
+    data: CleanupData
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -28,6 +29,7 @@ from agent_runtime.errors import (
     ScopeFullTimeout,
     ScopeQueueFull,
 )
+from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Listener, Notifier
 from agent_runtime.resource_manager.facade import (
     DeployFailed,
@@ -59,7 +61,12 @@ class SessionOrchestrator:
         resources: ResourceManagerFacade,
         notifier: Notifier,
         scope_full_timeout: float,
+        metrics: Metrics | None = None,
     ) -> None:
+        metrics = metrics or Metrics()
+        self._placements = {p: metrics.placements.labels(p) for p in (*PLACED, "replay")}
+        self._queue_outcomes = metrics.queue_outcomes
+        self._queue_wait = metrics.queue_wait
         self._state = state
         self._config = config_store
         self._resources = resources
@@ -103,16 +110,25 @@ class SessionOrchestrator:
                 await self._state.release_route(scope_id, request_id, token)
             raise
         if reply[0] in PLACED or reply[0] == "replay":  # the hot path: one round trip
+            self._placements[reply[0]].inc()
             return _answer(reply)
         route = _Route(self, request_id, session_id, group_id, bot_id, scope_id, token)
+        outcome = "error"
+        started = time.perf_counter()
         try:
-            return await route.run(reply, disconnected)
-        except BaseException:
+            answer = await route.run(reply, disconnected)
+            outcome = "placed"
+            self._placements[str(answer.get("placement", "replay"))].inc()
+            return answer
+        except BaseException as exc:
+            outcome = _outcome(exc)
             with contextlib.suppress(Exception):  # lost Redis: the lease frees them soon
                 await self._state.release_route(scope_id, request_id, token)
             raise
         finally:
             await route.close()
+            self._queue_outcomes.labels(outcome).inc()
+            self._queue_wait.observe(time.perf_counter() - started)
 
     # --- touch ---------------------------------------------------------------------------------
 
@@ -287,6 +303,20 @@ class _Route:
         if self.listening is not None:
             await self.listening.aclose()
             self.listening = None
+
+
+def _outcome(exc: BaseException) -> str:
+    """How a slow route ended, as a metrics label (a fixed set)."""
+    if isinstance(exc, asyncio.CancelledError):
+        return "cancelled"
+    labels: dict[type[BaseException], str] = {
+        ScopeFullTimeout: "timeout",
+        ScopeQueueFull: "queue_full",
+        ClientDisconnected: "disconnected",
+        NoPodAvailable: "no_pod",
+        BackendUnavailable: "backend",
+    }
+    return labels.get(type(exc), "error")
 
 
 def _answer(reply: list[str]) -> dict[str, Any]:

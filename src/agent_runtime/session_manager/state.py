@@ -110,17 +110,21 @@ def _mapping(fields: dict[str, str]) -> dict[Any, Any]:
 class SessionState:
     """Typed operations on the session manager's Redis keys (client with decode_responses)."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, *, observe: lua.ScriptObserver | None = None) -> None:
         self.redis = redis
         pkg = "agent_runtime.session_manager"
-        self._route_place = lua.register(redis, pkg, "route_place", prelude="_session")
-        self._evict = lua.register(redis, pkg, "evict", prelude="_session")
-        self._touch = lua.register(redis, pkg, "touch", prelude="_session")
-        self._sweep_idle_notify = lua.register(redis, pkg, "sweep_idle_notify")
-        self._register_pod = lua.register(redis, pkg, "register_pod")
-        self._cleanup_pod = lua.register(redis, pkg, "cleanup_pod")
-        self._waiter_gate = lua.register(redis, pkg, "waiter_gate")
-        self._route_lease = lua.register(redis, pkg, "route_lease")
+
+        def script(name: str, prelude: str | None = None) -> Any:
+            return lua.register(redis, pkg, name, prelude=prelude, observe=observe)
+
+        self._route_place = script("route_place", "_session")
+        self._evict = script("evict", "_session")
+        self._touch = script("touch", "_session")
+        self._sweep_idle_notify = script("sweep_idle_notify")
+        self._register_pod = script("register_pod")
+        self._cleanup_pod = script("cleanup_pod")
+        self._waiter_gate = script("waiter_gate")
+        self._route_lease = script("route_lease")
 
     # --- route and touch (scripts) -------------------------------------------------------------
 
@@ -264,6 +268,26 @@ class SessionState:
                 args=[scope_id, pod_id],
             )
         )
+
+    async def live_sessions(self) -> int:
+        return int(await self.redis.zcard(SESSION_EXPIRY_KEY))
+
+    async def scope_session_counts(self, scope_ids: list[str]) -> list[int]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for scope_id in scope_ids:
+                pipe.scard(scope_sessions_key(scope_id))
+            return [int(n) for n in await pipe.execute()]
+
+    async def sunset_pods(self) -> int:
+        """Registered pods that are no longer placement candidates (old version, or being
+        handed back): they keep their sessions, take no new ones."""
+        pairs = await self.registered_pods()
+        if not pairs:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for scope_id, pod_id in pairs:
+                pipe.zscore(scope_pods_key(scope_id), pod_id)
+            return sum(1 for score in await pipe.execute() if score is None)
 
     async def pod_scopes(self, pod_id: str) -> list[str]:
         return cast(list[str], list(await self.redis.smembers(pod_scopes_key(pod_id))))
