@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import sys
@@ -21,6 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from agent_runtime import logs
 from agent_runtime.config import ConfigError, Settings
 from agent_runtime.db import schema
 from agent_runtime.db.engine import Database
@@ -61,9 +61,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     asyncio.run(preflight())
     # only now: a failed preflight must leave exactly one line on stderr, not library logs
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    logs.configure(settings.log_level, settings.log_format)
     app = create_app(settings)
 
     class DrainingServer(uvicorn.Server):
@@ -94,6 +92,7 @@ def _serve(args: argparse.Namespace) -> None:
         port=settings.port,
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout / 2)),
+        log_config=None,  # ours (logs.configure): one format for every line
         access_log=False,
     )
     DrainingServer(config).run()

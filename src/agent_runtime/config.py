@@ -12,7 +12,7 @@ import socket
 import uuid
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -79,6 +79,9 @@ class Settings(BaseSettings):
     )
     instance_id: str = Field(default_factory=_default_instance_id, description="replica id")
     log_level: str = Field("INFO", description="root log level")
+    log_format: Literal["json", "text"] = Field(
+        "json", description="json: one object per line (production); text: for humans"
+    )
     gateway_tokens: TokenList = Field(
         default_factory=list, description="bearer tokens for route/touch (comma-separated)"
     )

@@ -22,6 +22,8 @@ from redis.asyncio import Redis
 from redis.asyncio.lock import Lock
 from redis.exceptions import LockError
 
+from agent_runtime import logs
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -96,7 +98,8 @@ class JobRunner:
         job.runs += 1
         started = time.perf_counter()
         try:
-            await asyncio.wait_for(job.tick(), timeout=job.tick_timeout)
+            with logs.bound(job=name):
+                await asyncio.wait_for(job.tick(), timeout=job.tick_timeout)
         except Exception:
             job.failures += 1
             log.exception("job %s: tick failed", name)

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from agent_runtime import logs
 from agent_runtime.errors import (
     BackendUnavailable,
     ClientDisconnected,
@@ -98,6 +99,20 @@ class SessionOrchestrator:
         60 s gets the first answer again (also on another replica)."""
         self._refuse_if_draining()
         scope_id = scope_id_of(group_id, bot_id)
+        with logs.bound(request_id=request_id, session_id=session_id, scope_id=scope_id):
+            return await self._route(
+                request_id, session_id, group_id, bot_id, scope_id, disconnected
+            )
+
+    async def _route(
+        self,
+        request_id: str,
+        session_id: str,
+        group_id: str,
+        bot_id: str,
+        scope_id: str,
+        disconnected: Callable[[], Awaitable[bool]] | None,
+    ) -> dict[str, Any]:
         token = uuid.uuid4().hex
         try:
             reply = await self._state.route_place(
