@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from agent_runtime import envelope
+from agent_runtime.admin import router as admin_router
 from agent_runtime.config import API_PREFIX, Mode, Settings
 from agent_runtime.jobs import Job
 from agent_runtime.metrics import CONTENT_TYPE_LATEST, Metrics, MetricsMiddleware
@@ -79,6 +80,7 @@ def create_app(
     )
     envelope.install(app)
     app.include_router(session_router, prefix=API_PREFIX)
+    app.include_router(admin_router, prefix=API_PREFIX)
     metrics = Metrics()
 
     def live_jobs() -> list[Job]:

@@ -325,6 +325,33 @@ class ResourceState:
                 pipe.scard(scope_deploying_key(scope_id))
             return sum(int(n) for n in await pipe.execute())
 
+    async def scope_pool(self, scope_id: str) -> dict[str, Any]:
+        """Admin view of a scope's pool: parameters, pods with their phase, warm pods,
+        placeholders (deploys in flight), the follower room and the deploy lock."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(scope_config_key(scope_id))
+            pipe.zrange(scope_pods_key(scope_id), 0, -1)
+            pipe.smembers(scope_idle_key(scope_id))
+            pipe.smembers(scope_deploying_key(scope_id))
+            pipe.zcard(scope_followers_key(scope_id))
+            pipe.exists(deploy_lock_key(scope_id))
+            config, pods, idle, deploying, followers, locked = await pipe.execute()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for pod_id in pods:
+                pipe.hmget(pod_info_key(pod_id), "phase", "deploy_ver", "pod_ip")
+            infos = await pipe.execute()
+        return {
+            "pool_config": config or None,
+            "pods": [
+                {"pod_id": p, "phase": i[0], "deploy_ver": i[1], "pod_ip": i[2]}
+                for p, i in zip(pods, infos, strict=True)
+            ],
+            "idle": sorted(idle),
+            "deploys_in_flight": len(deploying),
+            "followers": int(followers),
+            "deploy_lock_held": bool(locked),
+        }
+
     async def all_pods(self) -> list[str]:
         return [p async for p in self.redis.sscan_iter(PODS_ALL_KEY, count=500)]
 

@@ -1,0 +1,111 @@
+"""Admin read views (admin token): what the control plane holds, for an operator.
+
+``GET /api/session/admin/scopes`` — scopes with live sessions, waiters, reservations, pods
+by state and their cached policy, one page at a time (``cursor``, ``limit`` ≤ 200: HSCAN
+over the scope registry, never KEYS); ``/scopes/{scope_id}`` — one scope in detail (both
+modules' view of it); ``/pods/{pod_id}`` — one pod; ``/sessions/{session_id}`` — one binding.
+Read only; each answer costs a bounded number of pipelined reads. They sit here, next to the
+wiring, because they read both modules' state (through their ``state`` objects: key names
+stay there).
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse
+
+from agent_runtime.auth import check_bearer
+from agent_runtime.envelope import ok
+from agent_runtime.errors import NotFound, ValidationFailed
+from agent_runtime.wiring import Services, services
+
+MAX_PAGE = 200
+_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,253}$")  # what ids of ours look like; no wildcards
+
+router = APIRouter(prefix="/admin")
+
+
+async def _admin(request: Request, svc: Annotated[Services, Depends(services)]) -> Services:
+    check_bearer(request.headers.get("authorization"), svc.settings.admin_tokens)
+    return svc
+
+
+Admin = Annotated[Services, Depends(_admin)]
+
+
+def _request_id(request: Request) -> str:
+    return request.headers.get("x-request-id") or f"admin-{uuid.uuid4().hex[:12]}"
+
+
+def _checked(kind: str, value: str) -> str:
+    if not _ID.match(value):
+        raise ValidationFailed(f"{kind}: not a valid id")
+    return value
+
+
+@router.get("/scopes")
+async def list_scopes(
+    request: Request,
+    svc: Admin,
+    cursor: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
+) -> JSONResponse:
+    next_cursor, page = await svc.session_state.scopes_page(cursor, limit)
+    sids = [sid for sid, _, _ in page]
+    summaries = {s["scope_id"]: s for s in await svc.session_state.scope_summaries(sids)}
+    registered = await svc.session_state.registered_pods_by_scope(set(sids))
+    scopes: list[dict[str, Any]] = []
+    for sid, group_id, bot_id in page:
+        pool = await svc.resource_state.scope_pool(sid)
+        phases = [p["phase"] for p in pool["pods"]]
+        summary = summaries[sid]
+        scopes.append(
+            {
+                **summary,
+                "group_id": group_id,
+                "bot_id": bot_id,
+                "pods": {
+                    "in_use": phases.count("in_use"),
+                    "idle": phases.count("idle"),
+                    "deploying": pool["deploys_in_flight"],
+                    # registered here but no longer a candidate: old version, or handed back
+                    "sunset": len(registered.get(sid, [])) - summary["candidate_pods"],
+                },
+            }
+        )
+    return ok(_request_id(request), {"scopes": scopes, "next_cursor": next_cursor})
+
+
+@router.get("/scopes/{scope_id}")
+async def get_scope(request: Request, svc: Admin, scope_id: str) -> JSONResponse:
+    sid = _checked("scope_id", scope_id)
+    (summary,) = await svc.session_state.scope_summaries([sid])
+    detail = await svc.session_state.scope_detail(sid)
+    pool = await svc.resource_state.scope_pool(sid)
+    known = summary["config"] or pool["pool_config"] or detail["pods"] or pool["pods"]
+    if not known and not detail["live_sessions"]:
+        raise NotFound(f"scope {sid} is not known")
+    return ok(_request_id(request), {**summary, **detail, "pool": pool})
+
+
+@router.get("/pods/{pod_id}")
+async def get_pod(request: Request, svc: Admin, pod_id: str) -> JSONResponse:
+    pid = _checked("pod_id", pod_id)
+    info = await svc.resource_state.pod_info(pid)
+    registrations = await svc.session_state.pod_registrations(pid)
+    if not info and not registrations:
+        raise NotFound(f"pod {pid} is not known")
+    return ok(_request_id(request), {"pod_id": pid, "info": info, "scopes": registrations})
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(request: Request, svc: Admin, session_id: str) -> JSONResponse:
+    sid = _checked("session_id", session_id)
+    view = await svc.session_state.session_view(sid)
+    if view is None:
+        raise NotFound(f"session {sid} is not known")
+    return ok(_request_id(request), {"session_id": sid, **view})
