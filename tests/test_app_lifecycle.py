@@ -4,8 +4,10 @@ job across two replicas, locks given back on shutdown."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
@@ -81,3 +83,44 @@ async def test_healthz_is_503_when_the_jobs_are_not_running(redis: Redis, db: Da
         await client.app.state.services.jobs.stop()  # type: ignore[attr-defined]
         response = await client.get("/healthz")
         assert response.status_code == 503 and response.json()["ok"] is False
+
+
+class _ConfigRedis:
+    """Just enough of a Redis client for ``warn_on_eviction``."""
+
+    def __init__(self, reply: object) -> None:
+        self.reply = reply
+
+    async def config_get(self, name: str) -> object:
+        if isinstance(self.reply, Exception):
+            raise self.reply
+        return self.reply
+
+
+async def test_startup_warns_loudly_unless_redis_is_noeviction(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from agent_runtime.wiring import warn_on_eviction
+
+    caplog.set_level(logging.INFO, logger="agent_runtime.wiring")
+    lru = _ConfigRedis({"maxmemory-policy": "allkeys-lru"})
+    assert await warn_on_eviction(lru) == "allkeys-lru"  # type: ignore[arg-type]
+    assert any(
+        r.levelno == logging.WARNING and "REDIS MAY EVICT KEYS" in r.getMessage()
+        for r in caplog.records
+    )
+    caplog.clear()
+    safe = _ConfigRedis({"maxmemory-policy": "noeviction"})
+    assert await warn_on_eviction(safe) == "noeviction"  # type: ignore[arg-type]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    managed = _ConfigRedis(PermissionError("CONFIG is disabled"))
+    assert await warn_on_eviction(managed) is None  # type: ignore[arg-type]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_the_real_redis_policy_is_read(redis: Redis) -> None:
+    from agent_runtime.wiring import warn_on_eviction
+
+    policy = await warn_on_eviction(redis)  # never fails startup, whatever the server says
+    if "server" not in redis.connection_pool.connection_kwargs:  # the real server
+        assert policy == (await redis.config_get("maxmemory-policy"))["maxmemory-policy"]

@@ -114,6 +114,7 @@ async def check_backends(settings: Settings, backends: Backends) -> None:
         await backends.redis.ping()
     except Exception as exc:
         raise ConfigError(f"redis unreachable: {type(exc).__name__}: {exc}") from None
+    await warn_on_eviction(backends.redis)
     try:
         await backends.db.ping()
     except Exception as exc:
@@ -127,6 +128,26 @@ async def check_backends(settings: Settings, backends: Backends) -> None:
         raise ConfigError(
             f"database {status.describe()}: run `agent-runtime db upgrade` (same environment)"
         )
+
+
+async def warn_on_eviction(redis: Redis) -> str | None:
+    """Loudly, at startup: a Redis that may evict keys under memory pressure can drop a
+    session, a seat or a lock silently (over-admission). Returns the policy it found (None
+    where CONFIG is not allowed, e.g. some managed services: nothing to check then)."""
+    try:
+        reply = await redis.config_get("maxmemory-policy")
+    except Exception as exc:  # CONFIG disabled or renamed
+        log.info("redis maxmemory-policy could not be read (%s); make sure it is noeviction", exc)
+        return None
+    policy = str(reply.get("maxmemory-policy", "")) if isinstance(reply, dict) else ""
+    if policy and policy != "noeviction":
+        log.warning(
+            "REDIS MAY EVICT KEYS: maxmemory-policy is %r, not 'noeviction'. Under memory "
+            "pressure Redis can drop sessions, queue seats and locks without a trace, and "
+            "limits stop holding. Set maxmemory-policy noeviction for this database.",
+            policy,
+        )
+    return policy or None
 
 
 def _first_line(exc: BaseException) -> str:
