@@ -33,8 +33,6 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-
-from agent_runtime.cli import WATCHDOG_MARGIN
 import yaml
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio.client import (
@@ -47,6 +45,7 @@ from kubernetes_asyncio.client import (
 from kubernetes_validate import utils as kv_utils
 
 import helpers
+from agent_runtime.cli import WATCHDOG_MARGIN
 from agent_runtime.config import Settings
 from agent_runtime.resource_manager import k8s as k8s_module
 from agent_runtime.resource_manager.k8s import RealK8sPodClient, pod_labels
