@@ -1598,3 +1598,26 @@ def test_session_state_machine(backend: str, monkeypatch: pytest.MonkeyPatch) ->
     # reservations and markers must not lapse while an example runs (leases are tested alone)
     monkeypatch.setattr("agent_runtime.session_manager.state.ROUTE_LEASE", 600.0)
     run_redis_state_machine(backend, SessionMachine, steps=50)
+
+
+async def test_a_newcomer_does_not_take_the_slot_a_waiter_is_queued_for(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis, scope_concurrency=3, pod_concurrency=3)
+    await add_pod(state, "p1")
+    for i in range(3):
+        await route(state, f"s{i}")
+    await state.take_waiter_seat(SID, "r-w1", 30, 6)
+    await state.take_waiter_seat(SID, "r-w2", 30, 6)
+    await state.evict("s0")  # one slot frees: it is the queue's
+    assert await route(state, "s-new", request_id="r-new") == ["scope_full", ""]
+    assert (await route(state, "s-w1", request_id="r-w1", slow=True))[0] == "placed"
+    assert await redis.zrange(K.waiters(SID), 0, -1) == ["r-w2"]
+    # more free slots than waiters: a newcomer places in what the queue does not need
+    await state.evict("s1")
+    await state.evict("s2")
+    assert (await route(state, "s-new2", request_id="r-new2"))[0] == "placed"
+    assert await route(state, "s-new3", request_id="r-new3") == ["scope_full", ""]
+    # a waiter whose seat lapsed (its replica died) no longer holds a slot back
+    await redis.zadd(K.waiters(SID), {"r-w2": 1.0})
+    assert (await route(state, "s-new3", request_id="r-new3b"))[0] == "placed"

@@ -14,7 +14,8 @@
 -- KEYS[9] scope:{sid}:reserved                ZSET request_id -> lease deadline: routes headed
 --         for capacity being added (a pod being acquired); they count against the scope
 --         like sessions, so waiters in the queue cannot take the slots they were promised
--- KEYS[10] scope:{sid}:waiters                ZSET the wait queue (a placed waiter leaves it here)
+-- KEYS[10] scope:{sid}:waiters                ZSET the wait queue: a newcomer (not ARGV[8]) leaves
+--         one free slot per live waiter; a placed waiter leaves the queue here
 -- ARGV[1] key prefix "session_manager:" (derives pod:{sid}:{pod}:sessions|info|idle_notified,
 --         scope:{sid}:free for the bound or chosen pod)
 -- ARGV[2] session_id   ARGV[3] scope_id
@@ -110,6 +111,12 @@ if reserved > 0 then
 end
 local function full() return pending('scope_full', mine and '1' or '') end
 if sessions + reserved >= scope_concurrency then return full() end
+-- a newcomer does not jump the queue: it leaves a free slot to each live waiter (the slow
+-- path's own calls are the waiters themselves)
+if not slow and sessions + reserved + redis.call('ZCOUNT', KEYS[10], now, '+inf')
+    >= scope_concurrency then
+  return full()
+end
 
 -- (3) first-fit over the candidates in arrival order
 local chosen = nil
