@@ -8,6 +8,7 @@ imported from ``state.py``: these tests hold the code to the contract, not to it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from agent_runtime import spec_fields
 from agent_runtime.jobs import Job, JobRunner
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.facade import (
+    DeployInProgress,
     K8sApiError,
     MaxPodsReached,
     ResourceManagerFacade,
@@ -1273,3 +1275,61 @@ async def test_the_runner_drives_the_sweeper(env: Env) -> None:
         assert runner.jobs[name].failures == 0
         assert not await env.redis.exists(job_lock(name))
     await assert_pool_consistent(env.redis)
+
+
+async def test_a_pod_reclaimed_during_the_reconcile_pass_is_not_adopted_back(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reconcile LISTs Kubernetes, then reads what Redis knows. A pod reclaimed (deleted and
+    forgotten) by another job in between looks like an orphan in the stale LIST: it must not
+    come back into the warm pool."""
+    await configure(env, min_idle=0, max_pods=3)
+    pod_id = await add_warm(env)
+    list_pods = env.k8s.list_pods
+
+    async def list_then_reclaim(namespace: str, selector: str) -> list[Any]:
+        listed = await list_pods(namespace, selector)
+        await set_idle_age(env.redis, pod_id, 3600)  # reclaim runs on another replica now
+        await env.sweeper.reclaim_once()
+        return listed
+
+    monkeypatch.setattr(env.k8s, "list_pods", list_then_reclaim)
+    counts = await env.sweeper.reconcile_once()
+    assert counts["adopted"] == 0, counts
+    assert pod_id not in await warm_set(env.redis)
+    assert not await env.redis.exists(rm_pod(pod_id, "info"))
+
+
+async def test_an_orphan_that_is_terminating_by_now_is_left_to_go(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The LIST said Running, a GET right before adopting says it is being deleted."""
+    await configure(env, min_idle=0, max_pods=3)
+    pod_id = await add_warm(env)
+    await wipe_rm_pod_state(env.redis)  # an orphan: Redis forgot it
+    get_pod = env.k8s.get_pod
+
+    async def terminating(pod: str, namespace: str) -> Any:
+        found = await get_pod(pod, namespace)
+        return dataclasses.replace(found, phase="Terminating") if found else None
+
+    monkeypatch.setattr(env.k8s, "get_pod", terminating)
+    counts = await env.sweeper.reconcile_once()
+    assert counts["adopted"] == 0 and counts["deleted"] == 0, counts
+    assert pod_id not in await warm_set(env.redis)
+
+
+async def test_a_cold_acquire_at_the_cap_does_not_follow_a_warm_deploy(env: Env) -> None:
+    """max_pods held by an in-use pod and a warm deploy in flight: the acquire is told
+    DeployInProgress (wait and ask again), never handed to a follower room that waits for an
+    in-use pod the warm deploy will not bring; once the warm pod is there it is taken."""
+    await configure(env, min_idle=1, max_pods=2, pod_concurrency=2)
+    env.k8s.ready_delay = 0.3
+    in_use = await take_in_use(env, "r1")
+    await env.sweeper.autoscale_once()  # the warm deploy starts
+    assert await env.redis.scard(rm_scope(SCOPE, "deploying")) == 1
+    with pytest.raises(DeployInProgress):
+        await take_in_use(env, "r2")
+    await env.sweeper.wait_for_warm_deploys()
+    second = await take_in_use(env, "r3")
+    assert second != in_use and env.k8s.deploy_calls == 2

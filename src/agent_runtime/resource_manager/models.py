@@ -29,6 +29,14 @@ class PodDeployInfo:
     pod_sse_url: str
 
 
+# placeholders of the warm pool's own deploys (autoscale) and of adoptions (reconcile): their
+# pods register as idle, so a caller never follows them; it waits and takes the pod from the
+# warm pool
+WARM_TOKEN_PREFIX = "warm:"
+ADOPT_TOKEN_PREFIX = "adopt:"
+POOL_TOKEN_PREFIXES = (WARM_TOKEN_PREFIX, ADOPT_TOKEN_PREFIX)
+
+
 @dataclass(frozen=True, slots=True)
 class PodStatus:
     """Kubernetes' view of one pod, normalised.

@@ -30,6 +30,7 @@ from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.k8s import K8sPodClient, parse_label_selector
 from agent_runtime.resource_manager.models import (
     COMPONENT_SELECTOR,
+    POOL_TOKEN_PREFIXES,
     DeployFailed,
     DeployInProgress,
     MaxPodsReached,
@@ -143,7 +144,13 @@ class ResourceOrchestrator:
                 # the leader's start, read now: a leader that registered its pod just before
                 # we started may release its lock before _follow looks
                 leader_started = await self._leader_started_at(scope_id)
-                if leader_started is not None or await self._state.deploying(scope_id):
+                placeholders = await self._state.deploying(scope_id)
+                cold = [p for p in placeholders if not p.startswith(POOL_TOKEN_PREFIXES)]
+                if leader_started is None and placeholders and not cold:
+                    # only the warm pool's deploys hold the cap: their pods come as warm
+                    # pods, to be taken by a later acquire, never handed to a follower
+                    raise DeployInProgress(f"scope {scope_id}: a warm pod is being deployed")
+                if leader_started is not None or cold:
                     # the cap is held by a deploy in flight: its pod may have room for us
                     since = min(started_at, leader_started or math.inf)
                     pod = await self._follow(

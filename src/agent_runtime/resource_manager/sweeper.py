@@ -20,8 +20,10 @@ from typing import Any
 from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.resource_manager.k8s import K8sPodClient, sse_url
 from agent_runtime.resource_manager.models import (
+    ADOPT_TOKEN_PREFIX,
     COMPONENT_SELECTOR,
     SCOPE_LABEL,
+    WARM_TOKEN_PREFIX,
     K8sApiError,
     PodStatus,
 )
@@ -31,7 +33,6 @@ from agent_runtime.session_manager.facade import SessionManagerFacade
 
 log = logging.getLogger(__name__)
 
-WARM_TOKEN_PREFIX = "warm:"
 HEALTH_FAILS_TO_DEAD = 2
 PROBE_CONCURRENCY = 16
 MAX_WARM_DEPLOYS = 8  # per replica at once
@@ -238,12 +239,19 @@ class ResourceSweeper:
             s: await self._state.deploying(s) for s in await self._state.scopes_with_config()
         }
         known_now = set(await self._state.all_pods())
+        known_at_start = {p for pods in known_before.values() for p in pods}
         for listed in listings.values():
             for status in listed.values():
                 if status.pod_id in known_now or status.phase == "Terminating":
                     continue
+                if status.pod_id in known_at_start:
+                    continue  # forgotten during this pass (reclaimed, cleaned): not an orphan
                 if deploying.get(status.scope_id or "", []):
                     continue  # a deploy of that scope is in flight: maybe this very pod
+                fresh = await self._recheck(status)
+                if fresh is None:
+                    continue  # gone or being deleted since the LIST
+                status = fresh
                 # a dead one is deleted, never adopted: nobody else would (watch only sees
                 # pods Redis knows, and retries a failed delete of its own through here)
                 if not status.dead and (
@@ -255,6 +263,17 @@ class ResourceSweeper:
                         await self._k8s.delete(status.pod_id, status.namespace)
                     counts["deleted"] += 1
         return counts
+
+    async def _recheck(self, status: PodStatus) -> PodStatus | None:
+        """The pod as Kubernetes sees it now (the LIST may be stale by a whole pass); None when
+        it is gone or terminating. A failed GET keeps the listed view."""
+        try:
+            fresh = await self._k8s.get_pod(status.pod_id, status.namespace)
+        except Exception:
+            return status
+        if fresh is None or fresh.phase == "Terminating":
+            return None
+        return fresh
 
     async def _release_unused(self) -> int:
         """In-use pods the session side neither places on nor has sessions on → warm pool."""
@@ -285,7 +304,7 @@ class ResourceSweeper:
         config = await self._state.pool_config(status.scope_id)
         if config is None or config.pod_spec is None or status.deploy_ver != config.deploy_ver:
             return False
-        token = f"adopt:{status.pod_id}"
+        token = f"{ADOPT_TOKEN_PREFIX}{status.pod_id}"
         placeholder = await self._state.add_placeholder(status.scope_id, token, LOCK_MARGIN)
         if placeholder is None:
             return False  # at max_pods: the pod goes
