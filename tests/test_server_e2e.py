@@ -209,7 +209,35 @@ class Stack:
     redis_url: str
     instance_id: str
     sse_port: int  # of every template: the simulated AgentServers listen there
-    server: Child
+    server: Child | None  # None: a deployment someone else runs (scripts/e2e_acceptance.py)
+
+
+# scripts/e2e_acceptance.py points the scenarios at a running deployment (configured with
+# SETTINGS) instead of starting one: its URL, its Redis and its simulator
+EXTERNAL = {
+    "base_url": os.environ.get("AGENT_RUNTIME_E2E_BASE_URL"),
+    "redis_url": os.environ.get("AGENT_RUNTIME_E2E_REDIS_URL"),
+    "sim_url": os.environ.get("AGENT_RUNTIME_E2E_KUBESIM_URL"),
+}
+
+
+def external_stack(backend: str) -> Stack:
+    if backend != "mariadb":
+        pytest.skip("an external deployment runs the scenarios once")
+    missing = [k for k, v in EXTERNAL.items() if not v]
+    if missing:
+        pytest.fail(f"external deployment: set AGENT_RUNTIME_E2E_{missing[0].upper()}")
+    base_url = str(EXTERNAL["base_url"]).rstrip("/")
+    health = httpx.get(f"{base_url}/healthz", timeout=5, trust_env=False)
+    assert health.status_code == 200, f"{base_url}/healthz: {health.status_code} {health.text}"
+    return Stack(
+        base_url,
+        str(EXTERNAL["sim_url"]).rstrip("/"),
+        str(EXTERNAL["redis_url"]),
+        str(health.json()["instance_id"]),
+        free_port(),
+        None,
+    )
 
 
 _LOG_FROM = pytest.StashKey[tuple[Child, int]]()
@@ -237,6 +265,9 @@ def stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
     backend = str(request.param)
+    if EXTERNAL["base_url"]:
+        yield external_stack(backend)
+        return
     workdir = tmp_path_factory.mktemp(f"e2e-{backend}")
     with contextlib.ExitStack() as undo:  # in reverse: server, simulator, plugin, SQL, Redis
         redis_url = asyncio.run(_claim_redis())
@@ -575,7 +606,8 @@ class Scenario:
 
 @pytest.fixture
 async def w(stack: Stack, request: pytest.FixtureRequest) -> AsyncIterator[Scenario]:
-    request.node.stash[_LOG_FROM] = (stack.server, stack.server.log_path.stat().st_size)
+    if stack.server is not None:
+        request.node.stash[_LOG_FROM] = (stack.server, stack.server.log_path.stat().st_size)
     letter = request.node.name.removeprefix("test_")[0]
     async with (
         httpx.AsyncClient(base_url=stack.base_url, timeout=DEADLINE, trust_env=False) as http,
