@@ -30,6 +30,7 @@ import asyncio
 import collections
 import contextlib
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -438,9 +439,19 @@ async def check_drain(run: Run) -> str:
     while int(await run.redis.zcard(f"{SM}scope:{sid}:waiters")) < 3:
         expect(time.monotonic() < deadline, "the waiters never took their seats")
         await asyncio.sleep(0.05)
+    # and a deploy in flight: it must finish (its pod kept) or clean up (its pod deleted)
+    await run.api.http.post(f"{run.sim_url}/_sim/settings", json={"ready_delay": 1.5})
+    cold_scope = await run.scope("drain-cold", scope_concurrency=2, pod_concurrency=2)
+    cold_sid = scope_id(cold_scope)
+    cold = asyncio.create_task(run.api.route(victim.url, cold_scope, "dr-cold"))
+    while not int(await run.redis.scard(f"{RM}scope:{cold_sid}:deploying")):
+        expect(time.monotonic() < deadline + 5, "the cold route never started its deploy")
+        await asyncio.sleep(0.02)
     assert victim.proc is not None
     started = time.monotonic()
     victim.proc.send_signal(signal.SIGTERM)
+    cold_answer = await asyncio.gather(cold, return_exceptions=True)
+    await run.api.http.post(f"{run.sim_url}/_sim/settings", json={"ready_delay": 0.2})
     answers = await asyncio.gather(*waiting, return_exceptions=True)
     codes = collections.Counter(
         code(a) if isinstance(a, httpx.Response) else type(a).__name__ for a in answers
@@ -453,10 +464,23 @@ async def check_drain(run: Run) -> str:
     took = time.monotonic() - started
     expect(status == 0, f"exit status {status}")
     await run.nothing_held(sid, 1)
+    await run.nothing_held(cold_sid, 1)
+    cold_code = code(cold_answer[0]) if isinstance(cold_answer[0], httpx.Response) else "gone"
+    state = (await run.api.http.get(f"{run.sim_url}/_sim/state")).json()
+    cold_pods = [
+        p for p in state.get("pods", [])
+        if cold_sid in json.dumps(p.get("labels", {})) and not p.get("deleting")
+    ]  # fmt: skip
+    known = set(await run.redis.smembers("resource_manager:resource:pods:all"))
+    for pod in cold_pods:  # finished: registered; cleaned up: gone from Kubernetes
+        expect(pod["name"] in known, f"a pod of the interrupted deploy leaked: {pod['name']}")
     locks = [j for j in JOBS if await run.redis.exists(f"agent_runtime:job:{j}")]
     led = await run.leaders()
     expect(all(led[j] for j in locks), f"job locks left behind: {locks} (leaders {led})")
-    return f"3 waiters answered 503, exit 0 after {took:.1f} s"
+    return (
+        f"3 waiters answered 503, the deploy in flight ended {cold_code} with "
+        f"{len(cold_pods)} pod kept, exit 0 after {took:.1f} s"
+    )
 
 
 CHECKS: list[tuple[str, Callable[[Run], Awaitable[str]]]] = [
