@@ -222,14 +222,35 @@ class TcpProxy:
     ``stop()`` closes the listener and every forwarded connection, so clients see the backend
     go away (reset connections, then refused connects); ``start()`` listens again on the same
     port, so the same clients can reconnect. Use as ``async with TcpProxy(host, port) as p``.
+
+    Faults short of going down, settable at any time (they apply to open connections too):
+
+    - ``latency``: seconds every forwarded chunk waits, in either direction (a slow backend
+      or network); 0 (the default) forwards at once. ``delayed``: chunks waiting right now
+      (a request whose client gave up still reaches the backend when its wait ends).
+    - ``intercept``: looks at each chunk a client sends (a request); returns ``"drop"``
+      (forward it, then swallow the backend's reply and cut the client's connection: the
+      request ran, its reply was lost), ``"hold"`` (forward it, keep the reply until
+      ``release_held()``: a reply still in flight) or None (forward as usual). Meant for
+      clients with one request in flight per connection (redis-py outside pipelines).
     """
 
-    def __init__(self, upstream_host: str, upstream_port: int) -> None:
+    def __init__(self, upstream_host: str, upstream_port: int, *, latency: float = 0.0) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.port = 0  # chosen by the OS on the first start, kept for restarts
+        self.latency = latency
+        self.delayed = 0
+        self.intercept: Callable[[bytes], str | None] | None = None
+        self.replies_dropped = 0
+        self.replies_held = 0
+        self._release = asyncio.Event()
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def release_held(self) -> None:
+        """Let every held reply go (to a client still listening), and the next ones pass."""
+        self._release.set()
 
     @property
     def running(self) -> bool:
@@ -272,7 +293,11 @@ class TcpProxy:
             up_reader, up_writer = await asyncio.open_connection(*self.upstream)
             writers.append(up_writer)
             self._writers.add(up_writer)
-            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+            link = _Link()
+            await asyncio.gather(
+                _pipe(reader, up_writer, proxy=self, link=link, request=True),
+                _pipe(up_reader, writer, proxy=self, link=link, request=False),
+            )
         except (OSError, asyncio.IncompleteReadError):
             pass
         finally:
@@ -284,9 +309,45 @@ class TcpProxy:
                     await w.wait_closed()
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+@dataclass
+class _Link:
+    """One proxied connection: what to do with the reply to an intercepted request."""
+
+    reply_action: str | None = None
+
+
+async def _pipe(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    *,
+    proxy: TcpProxy | None = None,
+    link: _Link | None = None,
+    request: bool = False,
+) -> None:
     try:
         while data := await reader.read(65536):
+            if proxy is not None and link is not None:
+                if proxy.latency > 0:
+                    proxy.delayed += 1
+                    try:
+                        await asyncio.sleep(proxy.latency)
+                    finally:
+                        proxy.delayed -= 1
+                if request and proxy.intercept is not None:
+                    action = proxy.intercept(data)
+                    if action is not None:
+                        link.reply_action = action  # before the request can be answered
+                elif not request and link.reply_action is not None:
+                    action, link.reply_action = link.reply_action, None
+                    if action == "drop":
+                        proxy.replies_dropped += 1
+                        writer.transport.abort()  # the client sees its connection cut
+                        return
+                    if action == "hold":
+                        proxy.replies_held += 1
+                        await proxy._release.wait()
+                        if writer.is_closing():
+                            return
             writer.write(data)
             await writer.drain()
     finally:

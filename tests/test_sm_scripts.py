@@ -286,7 +286,7 @@ async def test_the_calls_match_the_script_headers(state: SessionState) -> None:
     }
     await state.route_place(request_id="r1", session_id="s1", scope_id=SID, token="t1")
     await state.evict("s1", pod_died=True)
-    await state.touch("s1", eos=True)
+    await state.touch("s1", eos=True, request_id="r1")
     await state.register_pod(SID, "p1", "u", "v1")
     await state.sweep_idle_notify(SID, "p1", 2.0)
     await state.cleanup_pod(SID, "p1")
@@ -309,7 +309,10 @@ async def test_the_calls_match_the_script_headers(state: SessionState) -> None:
         [P, "s1", SID, "t1", 60, 3.0, "r1", "0"],
     )
     assert calls["evict"] == ([K.session("s1"), K.EXPIRY], [P, "s1", "1"])
-    assert calls["touch"] == ([K.session("s1"), K.EXPIRY], [P, "s1", "1"])
+    assert calls["touch"] == (
+        [K.session("s1"), K.EXPIRY, f"{P}touch:r1"],
+        [P, "s1", "1", 60],
+    )
     assert calls["register_pod"] == (
         [
             K.candidates(SID),
@@ -931,10 +934,12 @@ async def test_touch_eos_ends_the_session_and_signals(state: SessionState, redis
     assert await route(state, "s2") == ["scope_full", ""]
     recorder = record(state, "touch")
     async with listening(redis) as pubsub:
-        assert await state.touch("s1", eos=True) == (True, True)
+        assert await state.touch("s1", eos=True, request_id="r-eos") == (True, True)
         assert await signal(pubsub) == "s1"
-        assert await recorder.again() == [0, 0]  # a re-sent eos: already gone
-        assert await signal(pubsub, within=0.2) is None
+        assert await recorder.again() == [1, 1]  # a re-sent eos: the first one's answer
+        assert await signal(pubsub, within=0.2) is None  # ... and nothing done again
+    assert await state.touch("s1", eos=True, request_id="r-eos-2") == (False, False)  # another
+    assert await state.touch("s1", eos=False) == (False, False)  # a keep-alive: it is gone
     assert await four_places(redis, "s1", SID, "p1") == [False] * 4
     assert await route(state, "s2") == placed("p1")
 
@@ -1477,20 +1482,25 @@ class SessionMachine(RuleBasedStateMachine):
     @rule(data=st.data(), eos=st.booleans(), replay=st.booleans())
     def touch(self, data: st.DataObject, eos: bool, replay: bool) -> None:
         session = self.known_session(data)
-        touched, released = self.run(self.state.touch(session, eos=eos))
+        request_id = self.next_id("q")
+        touched, released = self.run(self.state.touch(session, eos=eos, request_id=request_id))
+        ended: tuple[bool, bool] | None = None  # what this eos did, if it ended the session
         if session not in self.sessions:
             assert (touched, released) == (False, False)
         elif session in self.expired:
             assert (touched, released) == (False, True)
             self.drop(session)
+            ended = (False, True) if eos else None
         elif eos:
             assert (touched, released) == (True, True)
             self.drop(session)
+            ended = (True, True)
         else:
             assert (touched, released) == (True, False)
-        if replay:
+        if replay:  # the same request re-sent: an eos that ended its session answers alike
             alive = session in self.sessions
-            assert self.run(self.scripts["touch"].again()) == [1 if alive else 0, 0]
+            again = [int(v) for v in ended] if ended else [1 if alive else 0, 0]
+            assert self.run(self.scripts["touch"].again()) == again
 
     @precondition(lambda self: set(self.sessions) - self.expired)
     @rule(data=st.data())

@@ -59,6 +59,9 @@ class Backends:
 REDIS_MAX_CONNECTIONS = 100  # per replica; more concurrent commands wait for a free one
 
 
+REDIS_RETRIES = 1  # a command whose reply was lost is re-sent once (scripts are replay-safe)
+
+
 def build_redis(settings: Settings) -> Redis:
     # A blocking pool: a burst of more concurrent commands than connections waits (server: at most
     # redis_timeout) for a free one. redis-py's default pool raises at once instead, which
@@ -73,8 +76,11 @@ def build_redis(settings: Settings) -> Redis:
             max_connections=REDIS_MAX_CONNECTIONS,
         )
     assert settings.redis_url is not None
-    # Scripts are replay-safe, so a command whose reply was lost may be re-sent once or twice;
-    # timeouts keep a dead Redis a fast 503 instead of a hang.
+    # Scripts are replay-safe, so a command whose reply was lost may be re-sent once; timeouts
+    # keep a dead Redis a fast 503 instead of a hang. redis-py uses one Retry for the command,
+    # for connect() and for the health-check PING, so the attempts multiply: one retry and no
+    # health check keep a command within 2 x 2 x redis_timeout (a slow reply: 2 x) plus the
+    # backoff. A connection that died while idle fails its next command, which is re-sent.
     pool = BlockingConnectionPool.from_url(
         settings.redis_url,
         max_connections=REDIS_MAX_CONNECTIONS,
@@ -82,8 +88,8 @@ def build_redis(settings: Settings) -> Redis:
         decode_responses=True,
         socket_timeout=settings.redis_timeout,
         socket_connect_timeout=settings.redis_timeout,
-        health_check_interval=30,
-        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2),
+        health_check_interval=0,
+        retry=Retry(ExponentialBackoff(cap=0.1, base=0.02), retries=REDIS_RETRIES),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
     return Redis.from_pool(pool)  # the client owns the pool: aclose() closes it

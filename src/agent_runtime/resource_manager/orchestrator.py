@@ -125,7 +125,14 @@ class ResourceOrchestrator:
         wrote_config = False
         while True:
             token = f"{request_id}:{uuid.uuid4().hex[:8]}"
-            outcome = await self._state.acquire(scope_id, request_id, token, placeholder_ttl)
+            try:
+                outcome = await self._state.acquire(scope_id, request_id, token, placeholder_ttl)
+            except BaseException:
+                # the script may have taken a placeholder whose reply never came back (the
+                # caller cancelled, the connection dropped): it would hold a slot of max_pods
+                with contextlib.suppress(Exception):
+                    await self._state.drop_placeholders_of(scope_id, token)
+                raise
             if outcome.action in ("cached", "reuse"):
                 assert outcome.pod_id is not None and outcome.pod_sse_url is not None
                 pod = {
@@ -200,6 +207,10 @@ class ResourceOrchestrator:
                     break
                 leader = await lock.acquire(blocking=False, token=token)
         except BaseException:
+            # the SET NX may have taken the lock before its reply was lost: give it back if
+            # it holds our token (compare-and-delete), or no cold start until it expires
+            with contextlib.suppress(Exception):
+                await self._state.release_lock_of(lock, token)
             await self._state.drop_placeholder(scope_id, placeholder)
             raise
         if not leader:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from redis.asyncio import Redis
+from redis.asyncio.lock import Lock
 
 from agent_runtime import lua
 from agent_runtime.config import RM_KEY_PREFIX as P
@@ -190,6 +191,21 @@ class ResourceState:
 
     async def drop_placeholder(self, scope_id: str, member: str) -> None:
         await self.redis.srem(scope_deploying_key(scope_id), member)
+
+    async def drop_placeholders_of(self, scope_id: str, token: str) -> int:
+        """Placeholders taken with ``token`` (members ``{token}@{deadline}``), for a caller
+        that never saw the member (its reply was lost). The set is small (≤ max_pods)."""
+        key = scope_deploying_key(scope_id)
+        members = cast(set[str], await self.redis.smembers(key))
+        mine = [m for m in members if m.rpartition("@")[0] == token]
+        return int(await self.redis.srem(key, *mine)) if mine else 0
+
+    async def release_lock_of(self, lock: Lock, token: str) -> bool:
+        """Compare-and-delete ``lock`` if it holds ``token`` (redis-py's own release script),
+        for an acquire whose reply was lost before the lock object learnt its token."""
+        assert lock.lua_release is not None
+        released = await lock.lua_release(keys=[lock.name], args=[token], client=lock.redis)
+        return bool(released)
 
     async def register(
         self,

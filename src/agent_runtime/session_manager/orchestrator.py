@@ -22,6 +22,9 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from agent_runtime import logs
 from agent_runtime.errors import (
     BackendUnavailable,
@@ -118,11 +121,13 @@ class SessionOrchestrator:
             reply = await self._state.route_place(
                 request_id=request_id, session_id=session_id, scope_id=scope_id, token=token
             )
-        except BaseException:
+        except BaseException as exc:
             # the script may have marked the request pending (and reserved a slot) before its
             # reply was read (the caller went away): give them back, or a retry would wait
-            with contextlib.suppress(Exception):
-                await self._state.release_route(scope_id, request_id, token)
+            # (not when Redis is unreachable: the lease frees them, the 503 comes sooner)
+            if not isinstance(exc, RedisConnectionError | RedisTimeoutError):
+                with contextlib.suppress(Exception):
+                    await self._state.release_route(scope_id, request_id, token)
             raise
         if reply[0] in PLACED or reply[0] == "replay":  # the hot path: one round trip
             self._placements[reply[0]].inc()
@@ -137,8 +142,11 @@ class SessionOrchestrator:
             return answer
         except BaseException as exc:
             outcome = _outcome(exc)
-            with contextlib.suppress(Exception):  # lost Redis: the lease frees them soon
-                await self._state.release_route(scope_id, request_id, token)
+            if not isinstance(exc, RedisConnectionError | RedisTimeoutError):
+                # (Redis unreachable: another call would only add its timeout to the 503;
+                # the lease gives everything back within ROUTE_LEASE)
+                with contextlib.suppress(Exception):
+                    await self._state.release_route(scope_id, request_id, token)
             raise
         finally:
             await route.close()
@@ -147,8 +155,11 @@ class SessionOrchestrator:
 
     # --- touch ---------------------------------------------------------------------------------
 
-    async def touch(self, session_id: str, *, eos: bool = False) -> dict[str, bool]:
-        touched, released = await self._state.touch(session_id, eos=eos)
+    async def touch(
+        self, session_id: str, *, eos: bool = False, request_id: str = ""
+    ) -> dict[str, bool]:
+        """``request_id``: an eos re-sent with it (its reply lost) gets the first answer."""
+        touched, released = await self._state.touch(session_id, eos=eos, request_id=request_id)
         if eos:
             return {"touched": touched, "released": released}
         return {"touched": touched}

@@ -82,6 +82,11 @@ def route_key(request_id: str) -> str:
     return f"{P}route:{request_id}"
 
 
+def touch_key(request_id: str) -> str:
+    """The answer of an eos that ended its session, for the same request re-sent (REPLAY_TTL)."""
+    return f"{P}touch:{request_id}"
+
+
 def previous_pod_key(session_id: str) -> str:
     """Tombstone: the pod that died under the session (for ``rebound``), for session_ttl."""
     return f"{P}session:{session_id}:previous_pod"
@@ -174,11 +179,11 @@ class SessionState:
         keys = [route_key(request_id), scope_reserved_key(scope_id), scope_waiters_key(scope_id)]
         return bool(await self._route_lease(keys=keys, args=[token, request_id, seconds]))
 
-    async def touch(self, session_id: str, *, eos: bool) -> tuple[bool, bool]:
-        """(touched, released) — see touch.lua."""
+    async def touch(self, session_id: str, *, eos: bool, request_id: str = "") -> tuple[bool, bool]:
+        """(touched, released) — see touch.lua. Without a request_id no eos answer is kept."""
         touched, released = await self._touch(
-            keys=[session_key(session_id), SESSION_EXPIRY_KEY],
-            args=[P, session_id, "1" if eos else "0"],
+            keys=[session_key(session_id), SESSION_EXPIRY_KEY, touch_key(request_id)],
+            args=[P, session_id, "1" if eos else "0", REPLAY_TTL if request_id else 0],
         )
         return bool(touched), bool(released)
 

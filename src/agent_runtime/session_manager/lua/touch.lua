@@ -2,27 +2,35 @@
 --
 -- KEYS[1] session:{session_id}   HASH (scope_id, pod_id, expiry, session_ttl)
 -- KEYS[2] session_expiry         ZSET
+-- KEYS[3] touch:{request_id}     STRING "touched,released" of an eos that ended its session
 -- ARGV[1] key prefix "session_manager:"   ARGV[2] session_id   ARGV[3] "1" = eos
+-- ARGV[4] seconds that answer is kept for the same request re-sent (0: not kept, no
+--         request_id)
 --
 -- returns {touched, released}: touched 1 if the session was alive (eos: it was, and is now
 --         ended), 0 if unknown or expired (an expired one is evicted on the spot);
 --         released 1 if this call freed the slot
 --
 -- invariant: the four places move together (evict_session); an expired session never
--- comes back to life. Replay: a re-sent touch extends again (harmless); a re-sent eos
--- answers {0, 0} — the session is already gone.
-local p, sid = ARGV[1], ARGV[2]
+-- comes back to life. Replay: a re-sent touch extends again (harmless); a re-sent eos (its
+-- reply lost: the same request_id) finds the session gone and answers what it did the first
+-- time; another eos of an ended session answers {0, 0}.
+local p, sid, eos = ARGV[1], ARGV[2], ARGV[3] == '1'
+local keep = eos and tonumber(ARGV[4]) > 0
 local expiry = tonumber(redis.call('HGET', KEYS[1], 'expiry') or '-1')
-if expiry < 0 then return {0, 0} end
+if expiry < 0 then
+  local answer = keep and redis.call('GET', KEYS[3])
+  if answer then return {tonumber(string.sub(answer, 1, 1)), tonumber(string.sub(answer, 3, 3))} end
+  return {0, 0}
+end
+local function ended(touched)
+  evict_session(p, KEYS[1], KEYS[2], sid, 0)
+  if keep then redis.call('SET', KEYS[3], touched .. ',1', 'EX', tonumber(ARGV[4])) end
+  return {touched, 1}
+end
 local now = redis_now()
-if expiry <= now then
-  evict_session(p, KEYS[1], KEYS[2], sid, 0)
-  return {0, 1}
-end
-if ARGV[3] == '1' then
-  evict_session(p, KEYS[1], KEYS[2], sid, 0)
-  return {1, 1}
-end
+if expiry <= now then return ended(0) end
+if eos then return ended(1) end
 local new_expiry = now + tonumber(redis.call('HGET', KEYS[1], 'session_ttl') or '0')
 redis.call('HSET', KEYS[1], 'expiry', string.format('%.6f', new_expiry))
 redis.call('ZADD', KEYS[2], new_expiry, sid)
