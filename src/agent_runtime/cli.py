@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import signal
 import sys
@@ -63,6 +64,7 @@ def _serve(args: argparse.Namespace) -> None:
     # only now: a failed preflight must leave exactly one line on stderr, not library logs
     logs.configure(settings.log_level, settings.log_format)
     app = create_app(settings)
+    tune_gc()
 
     class DrainingServer(uvicorn.Server):
         """Turns /healthz to 503 the moment a stop signal arrives, before connections close;
@@ -96,6 +98,16 @@ def _serve(args: argparse.Namespace) -> None:
         access_log=False,
     )
     DrainingServer(config).run()
+
+
+def tune_gc() -> None:
+    """Fewer, cheaper collections on a long-running server: what startup allocated (modules,
+    the app) is frozen out of every later collection, and the young generation is collected
+    less often. A full collection of a big heap stalls the event loop for 50-100 ms (seen in
+    the bench as the only slow callbacks)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
 
 
 WATCHDOG_MARGIN = 2.0  # seconds past shutdown_timeout before the process is ended hard

@@ -277,8 +277,9 @@ def wire(settings: Settings, backends: Backends, metrics: Metrics | None = None)
     )
 
 
-def services(request: Request) -> Services:
-    """FastAPI dependency: the wired services, or 503 while starting or stopping."""
+async def services(request: Request) -> Services:
+    """FastAPI dependency: the wired services, or 503 while starting or stopping. Async on
+    purpose: FastAPI runs a sync dependency on its thread pool (a hop on every request)."""
     svc: Services | None = getattr(request.app.state, "services", None)
     if svc is None or not svc.ready:
         raise BackendUnavailable("service is starting or stopping")

@@ -289,6 +289,17 @@ class ResourceState:
     async def pod_info(self, pod_id: str) -> dict[str, str]:
         return cast(dict[str, str], await self.redis.hgetall(pod_info_key(pod_id)))
 
+    async def pod_infos(self, pod_ids: list[str], batch: int = 500) -> dict[str, dict[str, str]]:
+        """``pod_info`` of many pods, pipelined (one round trip per batch)."""
+        infos: dict[str, dict[str, str]] = {}
+        for i in range(0, len(pod_ids), batch):
+            chunk = pod_ids[i : i + batch]
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for pod_id in chunk:
+                    pipe.hgetall(pod_info_key(pod_id))
+                infos.update(zip(chunk, await pipe.execute(), strict=True))
+        return infos
+
     async def pod_versions(self, pod_ids: list[str]) -> dict[str, str | None]:
         if not pod_ids:
             return {}
@@ -395,8 +406,9 @@ class ResourceState:
             return 0
         return int(fails)
 
-    async def clear_health_failures(self, pod_id: str) -> None:
-        await self.redis.delete(pod_health_fails_key(pod_id))
+    async def clear_health_failures(self, *pod_ids: str) -> None:
+        if pod_ids:
+            await self.redis.delete(*(pod_health_fails_key(p) for p in pod_ids))
 
     async def now(self) -> float:
         """Redis server time: the one clock all replicas share."""

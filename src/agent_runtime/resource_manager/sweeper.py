@@ -176,22 +176,24 @@ class ResourceSweeper:
     async def _probe_all(self, probes: list[tuple[str, PodStatus]]) -> int:
         gate = asyncio.Semaphore(PROBE_CONCURRENCY)
         ports = await self._sse_ports()
+        healthy_pods: list[str] = []
 
         async def probe(pod_id: str, status: PodStatus) -> bool:
             port = ports.get(status.scope_id or "")
             if port is None or status.pod_ip is None:
                 return False
-            async with gate:
-                healthy = await self._k8s.probe_health(status.pod_ip, port)
-            if healthy:
-                await self._state.clear_health_failures(pod_id)
-                return False
-            if await self._state.count_health_failure(pod_id) < HEALTH_FAILS_TO_DEAD:
-                return False
+            async with gate:  # the Redis calls too: 10k pods must not drain the Redis pool
+                if await self._k8s.probe_health(status.pod_ip, port):
+                    healthy_pods.append(pod_id)  # counters reset below, in one call
+                    return False
+                if await self._state.count_health_failure(pod_id) < HEALTH_FAILS_TO_DEAD:
+                    return False
             await self._clean_dead(pod_id, status.namespace, exists=True, why="half-dead")
             return True
 
         results = await asyncio.gather(*(probe(p, s) for p, s in probes))
+        for i in range(0, len(healthy_pods), 500):
+            await self._state.clear_health_failures(*healthy_pods[i : i + 500])
         return sum(results)
 
     async def _sse_ports(self) -> dict[str, int]:
@@ -278,8 +280,8 @@ class ResourceSweeper:
     async def _release_unused(self) -> int:
         """In-use pods the session side neither places on nor has sessions on → warm pool."""
         view: dict[str, str] = {}
-        for pod_id in await self._state.all_pods():
-            info = await self._state.pod_info(pod_id)
+        infos = await self._state.pod_infos(await self._state.all_pods())
+        for pod_id, info in infos.items():
             if info.get("phase") == "in_use" and info.get("scope_id"):
                 view[pod_id] = info["scope_id"]
         if not view:
@@ -358,8 +360,8 @@ class ResourceSweeper:
 
     async def _pods_by_namespace(self) -> dict[str, list[str]]:
         grouped: dict[str, list[str]] = defaultdict(list)
-        for pod_id in await self._state.all_pods():
-            info = await self._state.pod_info(pod_id)
+        infos = await self._state.pod_infos(await self._state.all_pods())
+        for pod_id, info in infos.items():
             grouped[info.get("namespace") or self._default_namespace].append(pod_id)
         return grouped
 

@@ -207,13 +207,7 @@ class SessionState:
     async def sweep_idle_notify(self, scope_id: str, pod_id: str, grace: float) -> bool:
         return bool(
             await self._sweep_idle_notify(
-                keys=[
-                    pod_sessions_key(scope_id, pod_id),
-                    pod_idle_notified_key(scope_id, pod_id),
-                    scope_pods_key(scope_id),
-                    pod_info_key(scope_id, pod_id),
-                ],
-                args=[pod_id, grace],
+                keys=self._idle_keys(scope_id, pod_id), args=[pod_id, grace]
             )
         )
 
@@ -257,6 +251,56 @@ class SessionState:
         if not reply:
             return None
         return str(reply[0]), str(reply[1]), int(reply[2])
+
+    async def evict_many(self, session_ids: list[str]) -> int:
+        """``evict`` for each, pipelined (one round trip; each script atomic on its own)."""
+        if not session_ids:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for session_id in session_ids:
+                await self._evict(
+                    keys=[session_key(session_id), SESSION_EXPIRY_KEY],
+                    args=[P, session_id, "0"],
+                    client=pipe,
+                )
+            replies = await pipe.execute()
+        return sum(1 for reply in replies if reply)
+
+    async def empty_pods(
+        self, pods: list[tuple[str, str]], batch: int = 1000
+    ) -> list[tuple[str, str]]:
+        """The (scope, pod) pairs with no session on them: pipelined SCARDs."""
+        empty: list[tuple[str, str]] = []
+        for i in range(0, len(pods), batch):
+            chunk = pods[i : i + batch]
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for scope_id, pod_id in chunk:
+                    pipe.scard(pod_sessions_key(scope_id, pod_id))
+                counts = await pipe.execute()
+            empty += [pair for pair, n in zip(chunk, counts, strict=True) if int(n) == 0]
+        return empty
+
+    async def sweep_idle_notify_many(
+        self, pods: list[tuple[str, str]], grace: float
+    ) -> list[tuple[str, str]]:
+        """``sweep_idle_notify`` for each, pipelined; the pairs it notified."""
+        if not pods:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for scope_id, pod_id in pods:
+                await self._sweep_idle_notify(
+                    keys=self._idle_keys(scope_id, pod_id), args=[pod_id, grace], client=pipe
+                )
+            replies = await pipe.execute()
+        return [pair for pair, reply in zip(pods, replies, strict=True) if reply]
+
+    def _idle_keys(self, scope_id: str, pod_id: str) -> list[str]:
+        return [
+            pod_sessions_key(scope_id, pod_id),
+            pod_idle_notified_key(scope_id, pod_id),
+            scope_pods_key(scope_id),
+            pod_info_key(scope_id, pod_id),
+        ]
 
     async def cleanup_pod(self, scope_id: str, pod_id: str) -> int:
         """-1: sessions remain (evict them, call again); 1: cleaned; 0: was not registered."""

@@ -9,7 +9,6 @@ expiry sends it again.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from agent_runtime.jobs import BackgroundTasks
@@ -38,19 +37,19 @@ class SessionSweeper:
             expired = await self._state.expired_sessions(EXPIRY_BATCH)
             if not expired:
                 break
-            results = await asyncio.gather(*(self._state.evict(s) for s in expired))
-            evicted += sum(1 for r in results if r is not None)
+            evicted += await self._state.evict_many(expired)
             if len(expired) < EXPIRY_BATCH:
                 break
         return evicted
 
     async def notify_idle_once(self) -> int:
-        notified = 0
-        for scope_id, pod_id in await self._state.registered_pods():
-            if await self._state.sweep_idle_notify(scope_id, pod_id, IDLE_GRACE):
-                notified += 1
-                self._notice(scope_id, pod_id)
-        return notified
+        """Only pods with no session get the script (most pods have sessions at scale): one
+        pipelined SCARD per batch finds them, one pipelined batch of scripts notifies."""
+        empty = await self._state.empty_pods(await self._state.registered_pods())
+        notified = await self._state.sweep_idle_notify_many(empty, IDLE_GRACE)
+        for scope_id, pod_id in notified:
+            self._notice(scope_id, pod_id)
+        return len(notified)
 
     def _notice(self, scope_id: str, pod_id: str) -> None:
         async def send() -> None:
