@@ -1,0 +1,335 @@
+"""scale: the service at size. 100k live sessions on 10k pods in 1k scopes (quick: 10k / 1k /
+100) are written directly through the service's own code — config_sync and resolve, the
+resource manager's ``register`` and the session manager's ``register_pod`` and
+``route_place`` scripts, in pipelines of EVALSHA (not HTTP). Then:
+
+- the background jobs' ticks, in this process over the real Redis: ``SessionSweeper``
+  ``sweep_once`` (nothing due, and with 1 % of the sessions just expired) and the resource
+  manager's ``autoscale_once``, ``reclaim_once``, ``watch_once``, ``reconcile_once`` (the
+  fake Kubernetes knows every pod): wall time and Redis round trips per tick;
+- Redis memory per live session: ``used_memory`` delta over the sessions' writes (replay
+  keys of the setup routes deleted first) and ``MEMORY USAGE`` of the keys a session lives
+  in (exact per key, this db only);
+- route refresh at that size: a short wrk run (50 connections and unloaded) against a bench
+  server with the jobs off, then with the jobs on (its fake Kubernetes knows the pods).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import statistics
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from redis.asyncio import Redis
+
+from agent_runtime.config import Mode, Settings
+from agent_runtime.db.engine import Database
+from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from agent_runtime.resource_manager.state import ResourceState
+from agent_runtime.session_manager import state as sm
+from agent_runtime.session_manager.models import ConfigSyncRequest, ScopeConfig
+from agent_runtime.session_manager.state import SessionState
+from agent_runtime.util import scope_id_of
+from agent_runtime.wiring import Backends, Services, build_redis, check_backends, wire
+from bench import server as bench_server
+from bench.common import API, Context, LoadSpec, Server
+
+NAME = "scale"
+GROUP, EXPIRING_GROUP = "g-scale", "g-scale-exp"
+PIPELINE = 1000
+TICK_REPEATS = 3
+
+
+def sizes(quick: bool) -> tuple[int, int, int]:
+    return (10_000, 1_000, 100) if quick else (100_000, 10_000, 1_000)
+
+
+async def run(ctx: Context) -> dict[str, Any]:
+    n_sessions, n_pods, n_scopes = sizes(ctx.quick)
+    ctx.stop_main_server()  # a clean db for the memory readings
+    ctx.redis.wipe()
+    bench_server.count_redis_commands()
+    settings = Settings(  # type: ignore[call-arg]
+        _env_file=None,
+        mode=Mode.LOCAL,
+        local_seed=False,
+        jobs_enabled=False,
+        redis_url=ctx.redis.url,
+        database_url=ctx.database_url,
+        instance_id="bench-scale",
+    )
+    redis = build_redis(settings)  # the service's client: blocking pool of 100 connections
+    db = Database.from_url(ctx.database_url)
+    k8s = FakeK8sPodClient()
+    backends = Backends(redis=redis, db=db, k8s=k8s)
+    out: dict[str, Any] = {"sessions": n_sessions, "pods": n_pods, "scopes": n_scopes}
+    try:
+        await check_backends(settings, backends)
+        svc = wire(settings, backends)
+        out["setup"], out["memory"] = await populate(ctx, svc, k8s, n_sessions, n_pods, n_scopes)
+        out["ticks"] = await ticks(svc)
+        out["expiry_tick"] = await expiry_tick(ctx, svc, k8s, max(100, n_sessions // 100))
+    finally:
+        await redis.aclose()
+        await db.close()
+    out["refresh_jobs_off"] = await refresh_at_size(ctx, n_sessions, n_scopes, jobs=False)
+    out["refresh_jobs_on"] = await refresh_at_size(ctx, n_sessions, n_scopes, jobs=True)
+    ctx.redis.wipe()
+    return out
+
+
+async def sync(svc: Services, kind: str, item: dict[str, Any]) -> None:
+    request = ConfigSyncRequest.model_validate({"kind": kind, "op": "sync", "item": item})
+    await svc.config_store.config_sync(request)
+
+
+async def limited(calls: Iterable[Awaitable[Any]], limit: int = 32) -> list[Any]:
+    gate = asyncio.Semaphore(limit)
+
+    async def one(call: Awaitable[Any]) -> Any:
+        async with gate:
+            return await call
+
+    return await asyncio.gather(*(one(c) for c in calls))
+
+
+async def scopes_with_pods(
+    svc: Services,
+    k8s: FakeK8sPodClient,
+    name: str,
+    group: str,
+    n_scopes: int,
+    pods_per_scope: int,
+    pod_concurrency: int,
+    session_ttl: int,
+) -> list[str]:
+    """Template + rule, each scope resolved (resolve cache, registry) with its pool config,
+    and its pods registered on both sides (fake Kubernetes knows them)."""
+    template = {
+        "template_id": f"bench-{name}",
+        "image": "bench:1",
+        "scope_concurrency": pods_per_scope * pod_concurrency,
+        "pod_concurrency": pod_concurrency,
+        "session_ttl": session_ttl,
+        "min_idle_pods": 0,
+    }
+    await sync(svc, "template", template)
+    await sync(
+        svc, "routing_rule", {"group_id": group, "bot_id": "*", "template_id": f"bench-{name}"}
+    )
+    sids = [scope_id_of(group, f"b-{i}") for i in range(n_scopes)]
+    configs: list[ScopeConfig] = await limited(
+        svc.config_store.resolve(sid, group, f"b-{i}") for i, sid in enumerate(sids)
+    )
+    await limited(
+        svc.resources.update_pool_config(c.scope_id, c.pool_config(), pod_spec=c.pod_spec)
+        for c in configs
+    )
+    pods = [
+        (c, k8s.add_pod(scope_id=c.scope_id, deploy_ver=c.deploy_ver))
+        for c in configs
+        for _ in range(pods_per_scope)
+    ]
+    redis = svc.session_state.redis
+    for start in range(0, len(pods), PIPELINE):
+        async with redis.pipeline(transaction=False) as pipe:
+            rm, sm_state = ResourceState(pipe), SessionState(pipe)
+            for config, pod in pods[start : start + PIPELINE]:
+                assert pod.pod_ip is not None
+                url = f"http://{pod.pod_ip}:8080/sse"
+                await rm.register(
+                    scope_id=config.scope_id,
+                    pod_id=pod.pod_id,
+                    placeholder=None,
+                    pod_sse_url=url,
+                    pod_ip=pod.pod_ip,
+                    namespace=pod.namespace,
+                    deploy_ver=config.deploy_ver,
+                    warm=False,
+                )
+                await sm_state.register_pod(config.scope_id, pod.pod_id, url, config.deploy_ver)
+            await pipe.execute()
+    return sids
+
+
+async def place(
+    svc: Services, sids: list[str], n_sessions: int, prefix: str, request_prefix: str
+) -> Counter[str]:
+    """route_place for sessions ``prefix + k`` in scope ``k % len(sids)``, pipelined."""
+    outcomes: Counter[str] = Counter()
+    redis = svc.session_state.redis
+    for start in range(0, n_sessions, PIPELINE):
+        async with redis.pipeline(transaction=False) as pipe:
+            state = SessionState(pipe)
+            for k in range(start, min(start + PIPELINE, n_sessions)):
+                await state.route_place(
+                    request_id=f"{request_prefix}{k}",
+                    session_id=f"{prefix}{k}",
+                    scope_id=sids[k % len(sids)],
+                    token="bench-setup",
+                )
+            for reply in await pipe.execute():
+                outcomes[str(reply[0])] += 1
+    return outcomes
+
+
+async def unlink(redis: Redis, keys: list[str]) -> None:
+    for start in range(0, len(keys), PIPELINE):
+        await redis.unlink(*keys[start : start + PIPELINE])
+
+
+async def populate(
+    ctx: Context,
+    svc: Services,
+    k8s: FakeK8sPodClient,
+    n_sessions: int,
+    n_pods: int,
+    n_scopes: int,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    pods_per_scope = n_pods // n_scopes
+    pod_concurrency = math.ceil(n_sessions / n_pods)
+    redis = svc.session_state.redis
+    t0 = time.perf_counter()
+    sids = await scopes_with_pods(
+        svc, k8s, "scale", GROUP, n_scopes, pods_per_scope, pod_concurrency, session_ttl=3600
+    )
+    t1 = time.perf_counter()
+    mem_before = ctx.redis.used_memory()
+    outcomes = await place(svc, sids, n_sessions, "s-", "setup-")
+    t2 = time.perf_counter()
+    mem_with_replay = ctx.redis.used_memory()
+    await unlink(redis, [sm.route_key(f"setup-{k}") for k in range(n_sessions)])
+    await asyncio.sleep(0.2)  # UNLINK frees in the background
+    mem_after = ctx.redis.used_memory()
+    setup = {
+        "scopes_and_pods_seconds": round(t1 - t0, 2),
+        "sessions_seconds": round(t2 - t1, 2),
+        "sessions_per_second": round(n_sessions / (t2 - t1)),
+        "pods_per_scope": pods_per_scope,
+        "pod_concurrency": pod_concurrency,
+        "route_place_outcomes": dict(outcomes),
+    }
+    memory = {
+        "used_memory_delta_bytes_per_session": round((mem_after - mem_before) / n_sessions, 1),
+        "with_replay_keys_bytes_per_session": round((mem_with_replay - mem_before) / n_sessions, 1),
+        "note": "used_memory is server-wide (other dbs' activity is noise); MEMORY USAGE is exact",
+        "memory_usage_bytes_per_session": await memory_usage(redis, sids, n_sessions),
+    }
+    return setup, memory
+
+
+async def memory_usage(redis: Redis, sids: list[str], n_sessions: int) -> dict[str, float]:
+    """Bytes per live session by the keys it lives in (sampled hashes, whole shared keys)."""
+    sample = random.sample(range(n_sessions), min(200, n_sessions))
+    hashes = [await redis.memory_usage(sm.session_key(f"s-{k}")) or 0 for k in sample]
+    expiry = await redis.memory_usage(sm.SESSION_EXPIRY_KEY, samples=0) or 0
+    scope_sets = [await redis.memory_usage(sm.scope_sessions_key(s), samples=0) or 0 for s in sids]
+    pod_sets = 0
+    for sid in sids[: min(50, len(sids))]:
+        for pod in await redis.zrange(sm.scope_pods_key(sid), 0, -1):
+            pod_sets += await redis.memory_usage(sm.pod_sessions_key(sid, pod), samples=0) or 0
+    pod_sets_total = pod_sets * len(sids) / min(50, len(sids))
+    out = {
+        "session_hash": statistics.fmean(hashes),
+        "session_expiry_zset": expiry / n_sessions,
+        "scope_sessions_sets": sum(scope_sets) / n_sessions,
+        "pod_sessions_sets": pod_sets_total / n_sessions,
+    }
+    out["total"] = sum(out.values())
+    return {k: round(v, 1) for k, v in out.items()}
+
+
+async def timed(fn: Callable[[], Awaitable[Any]]) -> dict[str, Any]:
+    runs, trips, result = [], [], None
+    for _ in range(TICK_REPEATS):
+        r0 = bench_server.ROUND_TRIPS[0]
+        t0 = time.perf_counter()
+        try:
+            result = await fn()
+        except Exception as exc:  # a tick that fails at this size is a finding, not a crash
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        runs.append((time.perf_counter() - t0) * 1000)
+        trips.append(bench_server.ROUND_TRIPS[0] - r0)
+    return {
+        "ms": [round(x, 1) for x in runs],
+        "median_ms": round(statistics.median(runs), 1),
+        "max_ms": round(max(runs), 1),
+        "redis_round_trips": trips[-1],
+        "result": result,
+    }
+
+
+async def ticks(svc: Services) -> dict[str, Any]:
+    jobs: dict[str, Callable[[], Awaitable[Any]]] = {
+        "sm_sweep": svc.session_sweeper.sweep_once,
+        "rm_autoscale": svc.sweeper.autoscale_once,
+        "rm_reclaim": svc.sweeper.reclaim_once,
+        "rm_watch": svc.sweeper.watch_once,
+        "rm_reconcile": svc.sweeper.reconcile_once,
+    }
+    out = {name: await timed(fn) for name, fn in jobs.items()}
+    await svc.session_sweeper.wait_for_notices()
+    return out
+
+
+async def expiry_tick(
+    ctx: Context, svc: Services, k8s: FakeK8sPodClient, n_expiring: int
+) -> dict[str, Any]:
+    """``n_expiring`` sessions (10 scopes, ttl 1 s) next to the others; one sweep once they
+    are due."""
+    sids = await scopes_with_pods(
+        svc, k8s, "scale-exp", EXPIRING_GROUP, 10, 1, math.ceil(n_expiring / 10), session_ttl=1
+    )
+    outcomes = await place(svc, sids, n_expiring, "e-", "setup-e-")
+    await asyncio.sleep(1.2)
+    r0 = bench_server.ROUND_TRIPS[0]
+    t0 = time.perf_counter()
+    result = await svc.session_sweeper.sweep_once()
+    elapsed = (time.perf_counter() - t0) * 1000
+    await svc.session_sweeper.wait_for_notices()
+    return {
+        "expiring": n_expiring,
+        "placed": dict(outcomes),
+        "ms": round(elapsed, 1),
+        "redis_round_trips": bench_server.ROUND_TRIPS[0] - r0,
+        "result": result,
+    }
+
+
+async def refresh_at_size(
+    ctx: Context, n_sessions: int, n_scopes: int, *, jobs: bool
+) -> dict[str, Any]:
+    name = "scale-jobs" if jobs else "scale"
+    server = await Server(ctx, name, jobs=jobs, seed_k8s=jobs).start(within=120)
+    try:
+        spec = LoadSpec(
+            url=server.url + f"{API}/route",
+            mode="route_existing",
+            group=GROUP,
+            sessions=n_sessions,
+            scopes=n_scopes,
+            seconds=1,
+        )
+        await ctx.loadgen.run(spec, servers=[server])  # warm-up
+        seconds = 3 if ctx.quick else 5
+        loaded = await ctx.loadgen.run(
+            LoadSpec(**{**spec.__dict__, "seconds": seconds}), servers=[server]
+        )
+        unloaded = await ctx.loadgen.run(
+            LoadSpec(**{**spec.__dict__, "seconds": seconds, "connections": 1, "threads": 1}),
+            servers=[server],
+        )
+        metrics = await server.metrics()
+    finally:
+        server.stop()
+    placements = {
+        k.split('"')[1]: v
+        for k, v in metrics.items()
+        if k.startswith("agent_runtime_route_placements_total{")
+    }
+    return {"jobs": jobs, "loaded": loaded, "unloaded": unloaded, "placements": placements}

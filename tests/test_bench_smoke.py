@@ -1,0 +1,90 @@
+"""The benches still run: ``bench/run.py --quick`` on its cheapest subset that starts real
+bench servers (redis_cost: a server counting its Redis commands; queue_wake: the shared one)
+over the real local Redis, as a subprocess. Checks the JSON it writes is well formed, with the
+keys the docs describe. No timing is asserted: benches measure, they do not judge."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers import IN_CI
+
+ROOT = Path(__file__).resolve().parent.parent
+# a db index of its own: not the tests' (13 down to 9), not a developer's bench run (4)
+BENCH_REDIS_URL = os.environ.get("AGENT_RUNTIME_TEST_BENCH_REDIS_URL", "redis://127.0.0.1:6379/3")
+EXIT_REFUSED = 2
+
+
+def number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@pytest.mark.real_backend
+@pytest.mark.timeout(90)
+def test_quick_bench_writes_wellformed_results(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    env = {**os.environ, "AGENT_RUNTIME_BENCH_REDIS_URL": BENCH_REDIS_URL}
+    only = ["--only", "redis_cost", "queue_wake"]
+    files = ["--json", str(out), "--out-dir", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, "bench/run.py", "--quick", *only, *files],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=80,
+        check=False,
+    )
+    if done.returncode == EXIT_REFUSED:
+        message = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "refused"
+        if IN_CI:
+            pytest.fail(f"CI=true and the bench refused to run: {message}", pytrace=False)
+        pytest.skip(message)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert (tmp_path / "latest.json").is_file() and (tmp_path / "latest.txt").is_file()
+
+    meta = report["meta"]
+    assert meta["quick"] is True
+    assert meta["selected"] == ["redis_cost", "queue_wake"]
+    machine = meta["machine"]
+    assert number(machine["nproc"]) and machine["cpu_model"] and machine["date"]
+    assert len(machine["loadavg_start"]) == 3 and len(machine["loadavg_end"]) == 3
+    assert meta["loadgen"].startswith(("wrk", "python-httpx"))
+
+    results = report["results"]
+    for name in ("redis_cost", "queue_wake"):
+        assert "error" not in results[name], results[name]
+        assert len(results[name]["loadavg_start"]) == 3
+        assert number(results[name]["elapsed_s"])
+
+    cost = results["redis_cost"]
+    assert number(cost["requests_per_phase"]) and number(cost["idle_noise"]["commands_per_s"])
+    for phase in ("noop", "refresh", "placed", "touch"):
+        for side in ("client", "server"):
+            numbers = cost[phase][side]
+            assert number(numbers["commands_per_request"])
+            assert number(numbers["evalsha_per_request"])
+            assert isinstance(numbers["by_command"], dict)
+        assert number(cost[phase]["client"]["round_trips_per_request"])
+        assert sum(cost[phase]["answers"].values()) == cost["requests_per_phase"]
+
+    wake = results["queue_wake"]
+    assert number(wake["repetitions"])
+    for series in ("wake_ms", "eos_touch_ms", "after_eos_answer_ms", "plain_touch_ms"):
+        assert {"p50", "p99", "max", "mean"} <= set(wake[series])
+        assert all(number(v) for v in wake[series].values())
+
+    targets = {t["target"]: t for t in report["targets"]}
+    assert "queue wake p99" in targets
+    assert "refresh: Redis round trips per request" in targets
+    for row in report["targets"]:
+        assert set(row) == {"target", "value", "bound", "met"}
+        assert row["met"] in (True, False, None)
