@@ -1,17 +1,33 @@
-"""Strict validation of config_sync items (contract §3): a bad item is refused naming the field."""
+"""Strict validation of config_sync items (contract §3): a bad item is refused naming the field;
+and the input limits of the envelope (ids, nesting, NaN, UTF-8)."""
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
+from agent_runtime.envelope import (
+    PRINTABLE_PATTERN,
+    has_forbidden,
+    is_id,
+    nesting_exceeds,
+    parse_body,
+    printable,
+)
 from agent_runtime.errors import ErrorCode, ValidationFailed
+from agent_runtime.session_manager import state
 from agent_runtime.session_manager.models import (
     POD_NAME_MAX,
+    CleanupRequest,
+    ConfigSyncRequest,
     RoutingRuleItem,
     ScopeConfig,
     TemplateItem,
+    check_fields,
     parse_item,
 )
 from agent_runtime.spec_fields import DEPLOY_FIELDS
@@ -436,3 +452,188 @@ def test_scope_config_from_hash_rejects_incomplete_hash() -> None:
     broken = {**config.to_hash(), "max_pods": "two"}
     with pytest.raises(ValueError):
         ScopeConfig.from_hash("sid", broken)
+
+
+# --- input limits at the edge (envelope.py) ------------------------------------------------------
+
+
+def _forbidden_by_unicodedata() -> list[str]:
+    """Every character of the categories the id rule refuses, per this Python's Unicode data."""
+    import unicodedata
+
+    categories = {"Cc", "Cf", "Cs", "Zl", "Zp"}
+    return [chr(cp) for cp in range(0x110000) if unicodedata.category(chr(cp)) in categories]
+
+
+def test_id_rule_refuses_every_control_format_and_separator_character() -> None:
+    """The hand-written class in envelope.py covers Cc, Cf, Cs, Zl and Zp of the running
+    Python's Unicode version (a newer Python with new format characters fails here first)."""
+    missed = [f"U+{ord(c):04X}" for c in _forbidden_by_unicodedata() if not has_forbidden(c)]
+    assert not missed, missed
+    for value in ("\ufffe", "\uffff"):  # noncharacters, refused too
+        assert has_forbidden(value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["r-7f3a", "grp:9/a.b@c", "界面-ид", "emoji 🙂", "with space", "\u00a0nbsp", "*", "\ue000"],
+)
+def test_id_rule_accepts_printable_text(value: str) -> None:
+    assert is_id(value)
+    assert parse_item(TemplateItem, {**BASE, "template_id": value}).template_id == value
+
+
+@pytest.mark.parametrize("value", ["", "x" * 257, 7, None, "a\u202eb", "a\ud800", "\U000e0041"])
+def test_is_id_refuses(value: object) -> None:
+    assert not is_id(value)
+
+
+def test_printable_escapes_and_cuts() -> None:
+    assert printable("a\u202eb\x00c") == "a\\u202eb\\u0000c"
+    assert printable("x" * 100, limit=10) == "x" * 10 + "…"
+    assert printable("plain") == "plain"
+
+
+def test_documented_pattern_matches_the_rule_on_the_bmp() -> None:
+    """PRINTABLE_PATTERN (for the OpenAPI schema) says what has_forbidden says, BMP minus
+    surrogates (the pattern cannot name those; the server refuses them anyway)."""
+    pattern = re.compile(PRINTABLE_PATTERN)
+    for cp in range(0x10000):
+        if 0xD800 <= cp <= 0xDFFF:
+            continue
+        char = chr(cp)
+        assert (pattern.fullmatch(char) is None) == has_forbidden(char), f"U+{cp:04X}"
+
+
+@pytest.mark.parametrize(
+    ("raw", "deep"),
+    [
+        (b'{"a": 1}', False),
+        (b"[" * 32 + b"]" * 32, False),
+        (b"[" * 33 + b"]" * 33, True),
+        (b"[" * 10_000, True),
+        (b'{"s": "' + b"[" * 100 + b'"}', False),  # brackets in a string do not count
+        (b'{"s": "\\"' + b"[" * 100 + b'"}', False),  # nor after an escaped quote
+        (b'{"s": "\\\\", "t": ' + b"[" * 33 + b"]" * 33 + b"}", True),  # an escaped backslash
+        (b"[" * 20 + b"]" * 20 + b"[" * 20 + b"]" * 20, False),  # siblings: depth 20
+        (b'"' + b"[" * 40, False),  # unterminated string: all of it is the string
+    ],
+)
+def test_nesting_exceeds(raw: bytes, deep: bool) -> None:
+    assert nesting_exceeds(raw) is deep
+
+
+def test_nesting_scan_stays_linear_on_hostile_strings() -> None:
+    """Unterminated strings full of escaped quotes: each byte is looked at once."""
+    import time
+
+    raw = b"[" * 40 + b'"' + b'\\"' * 32_000
+    started = time.perf_counter()
+    nesting_exceeds(raw)
+    assert time.perf_counter() - started < 0.5
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"[1]", "must be a JSON object"),
+        (b'{"a": NaN}', "NaN or Infinity"),
+        (b'{"a": -Infinity}', "NaN or Infinity"),
+        (b'{"a": 1e400}', "NaN or Infinity"),
+        (b'{"a": "\xff"}', "not UTF-8"),
+        (b'{"a": 1,}', "not valid JSON"),
+        (b'{"a": ' + b"1" * 5000 + b"}", "not valid JSON"),  # int digits limit
+        (b"[" * 33 + b"]" * 33, "nests deeper than 32"),
+    ],
+)
+def test_parse_body_refusals(raw: bytes, message: str) -> None:
+    with pytest.raises(ValidationFailed) as info:
+        parse_body(raw)
+    assert message in info.value.message
+
+
+def test_parse_body_reads_plain_json() -> None:
+    assert parse_body(b'\xef\xbb\xbf{"a": [1.5, "x"], "b": {"c": null}}') == {
+        "a": [1.5, "x"],
+        "b": {"c": None},
+    }
+    assert parse_body(b'{"a": 1, "a": 2}') == {"a": 2}  # duplicate keys: the last one wins
+
+
+def test_no_session_id_names_another_sessions_tombstone() -> None:
+    """Session ids may hold ':' (and end in anything): the tombstone key lives apart."""
+    for sid in ("s", "s:previous_pod", "a:b"):
+        assert state.previous_pod_key(sid) not in {
+            state.session_key(other) for other in ("s", "s:previous_pod", "a:b", "a")
+        }
+
+
+@pytest.mark.parametrize(
+    "selector",
+    ["app=x", " a = b , !c , d!=e,f==g,", "agent-runtime/scope=abc", "x", "k=", "a.b_c-d=v.1"],
+)
+def test_label_selector_accepted(selector: str) -> None:
+    assert CleanupRequest.model_validate({"label_selector": selector}).label_selector == selector
+
+
+@pytest.mark.parametrize(
+    "selector",
+    ["a b", "=x", "a=b=c", "a=" + "v" * 64, "a\x00=b", "env in (a,b)", "!", "A/b=c", "-a=b"],
+)
+def test_label_selector_refused(selector: str) -> None:
+    with pytest.raises(ValidationError):
+        CleanupRequest.model_validate({"label_selector": selector})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("sse_path", "/a\x00b"),
+        ("nfs_path", "/a\u202eb"),
+        ("image", "img\u2028x"),
+        ("kubeconfig", "/k\x7f"),
+    ],
+)
+def test_config_texts_refuse_control_and_format_characters(field: str, value: str) -> None:
+    nfs = {"nfs_server": "10.0.0.1", "nfs_path": "/x", "nfs_mount_path": "/y"}
+    extra = nfs if field.startswith("nfs") else {}
+    assert refused_template(**{**extra, field: value}).startswith(f"item.{field}:")
+
+
+def test_env_value_may_hold_newlines_but_not_nul() -> None:
+    assert (
+        template(env={"PEM": "-----BEGIN-----\nabc\n-----END-----\t"}).env["PEM"].count("\n") == 2
+    )
+    assert refused_template(env={"A": "x\x00y"}).startswith("item.env.A:")
+
+
+def test_floats_refuse_nan_and_infinity() -> None:
+    for value in (math.nan, math.inf):
+        assert refused_template(ready_timeout=value).startswith("item.ready_timeout:")
+
+
+def test_partial_update_fields_are_checked_before_anything_is_looked_up() -> None:
+    request = ConfigSyncRequest(
+        kind="template", op="update", item={"template_id": "t", "pod_ttl": 0}
+    )
+    with pytest.raises(ValidationFailed, match=r"item\.pod_ttl"):
+        check_fields(request)
+    with pytest.raises(ValidationFailed, match=r"item\.bogus: unknown field"):
+        check_fields(
+            ConfigSyncRequest(kind="template", op="update", item={"template_id": "t", "bogus": 1})
+        )
+    # cross-field rules wait for the merge (the stored template may hold the other half)
+    check_fields(
+        ConfigSyncRequest(kind="template", op="update", item={"template_id": "t", "nfs_path": "/x"})
+    )
+    check_fields(
+        ConfigSyncRequest(kind="template", op="delete", item={"template_id": "t", "pod_ttl": 0})
+    )
+
+
+def test_config_sync_item_field_names_are_bounded() -> None:
+    for name in ("x" * 65, "a\x00b", ""):
+        with pytest.raises(ValidationError):
+            ConfigSyncRequest.model_validate(
+                {"kind": "template", "op": "create", "item": {name: 1}}
+            )

@@ -52,7 +52,7 @@ class K:
 
     @staticmethod
     def tombstone(session_id: str) -> str:
-        return f"{P}session:{session_id}:previous_pod"
+        return f"{P}previous_pod:{session_id}"
 
     @staticmethod
     def route(request_id: str) -> str:

@@ -24,7 +24,8 @@ from agent_runtime.errors import NotFound, ValidationFailed
 from agent_runtime.wiring import Services, services
 
 MAX_PAGE = 200
-_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,253}$")  # what ids of ours look like; no wildcards
+MAX_CURSOR = 2**63 - 1  # SCAN cursors are 64-bit; beyond signed range some servers refuse them
+_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,253}")  # what ids of ours look like (fullmatch)
 
 router = APIRouter(prefix="/admin")
 
@@ -38,11 +39,18 @@ Admin = Annotated[Services, Depends(_admin)]
 
 
 def _request_id(request: Request) -> str:
-    return request.headers.get("x-request-id") or f"admin-{uuid.uuid4().hex[:12]}"
+    given = request.headers.get("x-request-id", "")
+    return given if _ID.fullmatch(given) else f"admin-{uuid.uuid4().hex[:12]}"
+
+
+def _only_query(request: Request, *names: str) -> None:
+    unknown = sorted(set(request.query_params) - set(names))
+    if unknown:
+        raise ValidationFailed(f"unknown query parameter {unknown[0][:64]!r}")
 
 
 def _checked(kind: str, value: str) -> str:
-    if not _ID.match(value):
+    if not _ID.fullmatch(value):
         raise ValidationFailed(f"{kind}: not a valid id")
     return value
 
@@ -51,9 +59,10 @@ def _checked(kind: str, value: str) -> str:
 async def list_scopes(
     request: Request,
     svc: Admin,
-    cursor: Annotated[int, Query(ge=0)] = 0,
+    cursor: Annotated[int, Query(ge=0, le=MAX_CURSOR)] = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
 ) -> JSONResponse:
+    _only_query(request, "cursor", "limit")
     next_cursor, page = await svc.session_state.scopes_page(cursor, limit)
     sids = [sid for sid, _, _ in page]
     summaries = {s["scope_id"]: s for s in await svc.session_state.scope_summaries(sids)}
@@ -82,6 +91,7 @@ async def list_scopes(
 
 @router.get("/scopes/{scope_id}")
 async def get_scope(request: Request, svc: Admin, scope_id: str) -> JSONResponse:
+    _only_query(request)
     sid = _checked("scope_id", scope_id)
     (summary,) = await svc.session_state.scope_summaries([sid])
     detail = await svc.session_state.scope_detail(sid)
@@ -94,6 +104,7 @@ async def get_scope(request: Request, svc: Admin, scope_id: str) -> JSONResponse
 
 @router.get("/pods/{pod_id}")
 async def get_pod(request: Request, svc: Admin, pod_id: str) -> JSONResponse:
+    _only_query(request)
     pid = _checked("pod_id", pod_id)
     info = await svc.resource_state.pod_info(pid)
     registrations = await svc.session_state.pod_registrations(pid)
@@ -104,6 +115,7 @@ async def get_pod(request: Request, svc: Admin, pod_id: str) -> JSONResponse:
 
 @router.get("/sessions/{session_id}")
 async def get_session(request: Request, svc: Admin, session_id: str) -> JSONResponse:
+    _only_query(request)
     sid = _checked("session_id", session_id)
     view = await svc.session_state.session_view(sid)
     if view is None:

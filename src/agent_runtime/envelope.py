@@ -3,6 +3,11 @@
 Every answer, success or failure, is an envelope; no FastAPI 422, no HTML, no stack trace.
 ``install`` wires the exception handlers and the body-size guard into an app. Backend
 connection errors (Redis, DB) become 503 ``BACKEND_UNAVAILABLE`` with ``retry_after``.
+
+Input limits at the edge (400 ``VALIDATION``): bodies of at most 64 KiB, UTF-8 JSON objects
+nested at most ``MAX_DEPTH`` (checked before parsing), no NaN or Infinity; ids of 1–256
+characters without control or format characters (``_FORBIDDEN``). The OpenAPI schema is
+completed here too (token schemes, the error envelopes, no 422): see ``_complete``.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import json
 import logging
 import math
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
@@ -23,6 +29,7 @@ from sqlalchemy import exc as sa_errors
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from agent_runtime.config import API_PREFIX
 from agent_runtime.errors import AgentRuntimeError, BackendUnavailable, ErrorCode, ValidationFailed
 
 log = logging.getLogger(__name__)
@@ -54,16 +61,24 @@ PRINTABLE_CLASS = (
 PRINTABLE_PATTERN = f"^{PRINTABLE_CLASS}*$"
 
 
+# the same for ASCII text (the usual id: ``str.isascii`` is O(1)); a smaller class, 3x faster
+_FORBIDDEN_ASCII = re.compile("[\x00-\x1f\x7f]")
+
+
+def has_forbidden(value: str) -> bool:
+    return (_FORBIDDEN_ASCII if value.isascii() else _FORBIDDEN).search(value) is not None
+
+
 def no_control(value: str) -> str:
     """Refuse control and format characters (see ``_FORBIDDEN``)."""
-    if _FORBIDDEN.search(value):
+    if has_forbidden(value):
         raise ValueError("must not contain control or format characters")
     return value
 
 
 def is_id(value: object) -> bool:
     """Whether ``value`` is a valid id: a string of 1–256 characters, none of them forbidden."""
-    return isinstance(value, str) and 0 < len(value) <= ID_MAX and not _FORBIDDEN.search(value)
+    return isinstance(value, str) and 0 < len(value) <= ID_MAX and not has_forbidden(value)
 
 
 def printable(text: str, limit: int = 64) -> str:
@@ -187,7 +202,7 @@ def nesting_exceeds(raw: bytes, limit: int = MAX_DEPTH) -> bool:
             depth += 1
             if depth > limit:
                 return True
-        elif first != 0x22:  # a closing bracket; a string changes nothing
+        elif first != 0x22 and depth:  # a closing bracket (a stray one buys no depth)
             depth -= 1
     return False
 
@@ -236,6 +251,7 @@ def failure(
     message: str,
     request_id: str | None,
     retry_after: float | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
     body: dict[str, Any] = {
         "ok": False,
@@ -243,12 +259,12 @@ def failure(
         "error_code": code.value,
         "error_message": printable(message, limit=MAX_MESSAGE),
     }
-    headers = {}
+    out = dict(headers or {})
     if retry_after is not None:
         seconds = max(1, math.ceil(retry_after))  # the header takes whole seconds
         body["retry_after"] = seconds
-        headers["Retry-After"] = str(seconds)
-    return JSONResponse(body, status_code=status, headers=headers)
+        out["Retry-After"] = str(seconds)
+    return JSONResponse(body, status_code=status, headers=out)
 
 
 def remember_request_id(request: Request, request_id: str | None) -> None:
@@ -405,20 +421,55 @@ SECURITY_SCHEMES = {
     "AdminToken": {
         "type": "http",
         "scheme": "bearer",
-        "description": "one of AGENT_RUNTIME_ADMIN_TOKENS (config_sync, cleanup)",
+        "description": "one of AGENT_RUNTIME_ADMIN_TOKENS (config_sync, cleanup, admin views)",
     },
 }
 
 
+def _error_response(status: int, schemas: dict[str, Any]) -> dict[str, Any]:
+    model, description = ERROR_RESPONSES[status]
+    schemas.setdefault(model.__name__, model.model_json_schema())
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    entry: dict[str, Any] = {
+        "description": description,
+        "content": {"application/json": {"schema": ref}},
+    }
+    if status in (503, 504):
+        entry["headers"] = {"Retry-After": _RETRY_AFTER}
+    return entry
+
+
+def _complete(schema: dict[str, Any]) -> None:
+    """What FastAPI cannot know: a 422 never leaves this app (a 400 envelope does, see
+    ``_on_validation``), and every ``/api`` operation can answer 400, 401 (the admin token
+    unless it says otherwise, contract §2.4), 500 and 503 (starting, stopping, backend down);
+    one that names a thing in its path, 404."""
+    schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+    schema["components"].setdefault("securitySchemes", {}).update(SECURITY_SCHEMES)
+    for path, operations in schema.get("paths", {}).items():
+        for op in operations.values():
+            responses = op.setdefault("responses", {})
+            if responses.pop("422", None) is not None:
+                responses.setdefault("400", _error_response(400, schemas))
+            if not path.startswith(API_PREFIX + "/"):
+                continue
+            op.setdefault("security", [{"AdminToken": []}])
+            for status in (400, 401, 500, 503, *((404,) if "{" in path else ())):
+                responses.setdefault(str(status), _error_response(status, schemas))
+    used = json.dumps(schema.get("paths", {}))
+    for name in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422 models
+        if f"#/components/schemas/{name}" not in used:
+            schemas.pop(name, None)
+
+
 def _document(app: FastAPI) -> None:
-    """Add the token schemes to the app's generated OpenAPI (built once, on first request)."""
+    """Complete the app's generated OpenAPI (built once, on first request): token schemes,
+    no 422, the failures every operation can give (``_complete``)."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = generate()
-            components = schema.setdefault("components", {})
-            components.setdefault("securitySchemes", {}).update(SECURITY_SCHEMES)
+            _complete(generate())
         return app.openapi_schema or {}
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -465,7 +516,10 @@ async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     code = {401: ErrorCode.UNAUTHORIZED, 404: ErrorCode.NOT_FOUND}.get(
         exc.status_code, ErrorCode.VALIDATION if exc.status_code < 500 else ErrorCode.INTERNAL
     )
-    return failure(exc.status_code, code, str(exc.detail), _request_id(request))
+    # keep the exception's headers: a 405 says which methods the path has (Allow)
+    return failure(
+        exc.status_code, code, str(exc.detail), _request_id(request), headers=exc.headers
+    )
 
 
 BACKEND_ERRORS: tuple[type[Exception], ...] = (

@@ -37,6 +37,7 @@ from agent_runtime.session_manager.models import (
     RouteOk,
     TouchEnvelope,
     TouchOk,
+    check_fields,
 )
 from agent_runtime.wiring import Services, services
 
@@ -86,7 +87,9 @@ async def route(envelope: RouteBody, request: Request, svc: ServicesDep) -> JSON
 async def touch(envelope: TouchBody, svc: ServicesDep) -> JSONResponse:
     """Keep a session alive, or end it with ``rawdata.eos`` (gateway)."""
     meta = envelope.metadata
-    data = await svc.session_orchestrator.touch(meta.session_id, eos=envelope.rawdata.eos)
+    data = await svc.session_orchestrator.touch(
+        meta.session_id, eos=envelope.rawdata.eos, request_id=meta.request_id or ""
+    )
     return ok(meta.request_id, data)
 
 
@@ -98,6 +101,7 @@ async def touch(envelope: TouchBody, svc: ServicesDep) -> JSONResponse:
 async def config_sync(envelope: AdminBody, svc: ServicesDep) -> JSONResponse:
     """Create, update, delete or sync one template or routing rule (admin)."""
     body = parse_rawdata(ConfigSyncRequest, envelope.rawdata)
+    check_fields(body)
     return ok(envelope.metadata.request_id, await svc.config_store.config_sync(body))
 
 

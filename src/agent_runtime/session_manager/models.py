@@ -61,20 +61,7 @@ def _no_nul(value: str) -> str:
     return value
 
 
-# ``state.session_key(id)`` is ``session:{id}`` and the tombstone of a session is
-# ``session:{id}:previous_pod``: a session id ending like this would share its key with another
-# session's tombstone (WRONGTYPE errors, a live session's hash overwritten). test_models checks
-# this against state.py's key builders.
-TOMBSTONE_SUFFIX = ":previous_pod"
-
-
-def _session_id(value: str) -> str:
-    if value.endswith(TOMBSTONE_SUFFIX):
-        raise ValueError(f"must not end with {TOMBSTONE_SUFFIX!r} (reserved by a Redis key)")
-    return value
-
-
-SessionId = Annotated[Id, AfterValidator(_session_id)]
+SessionId = Id  # any id: no session key can be another key (state.py keeps them apart)
 
 _LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 _DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
@@ -312,24 +299,45 @@ def parse_item(model: type[M], data: dict[str, Any]) -> M:
     return validate_as(model, data, prefix="item")
 
 
-# --- OpenAPI documentation only ------------------------------------------------------------------
-# The handlers read bodies by hand (after the token check) and config_sync validates its item
-# per kind and op; these models only describe that in the schema. Nothing validates with them.
-
-
-def _all_optional(model: type[BaseModel], name: str, *, keep: tuple[str, ...]) -> type[BaseModel]:
-    """``model`` with every field but ``keep`` optional (a partial update, a delete's item)."""
+def _partial(
+    model: type[BaseModel], name: str, *, ids: tuple[str, ...], others_ignored: bool
+) -> type[BaseModel]:
+    """``model``'s fields with only ``ids`` required: a partial update (the others optional,
+    each checked on its own; the whole item is checked after merging), or a delete (the others
+    accepted and ignored, any value). No model validator is carried over."""
     fields: dict[str, Any] = {}
     for field_name, info in model.model_fields.items():
         annotated = (
             Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
         )
-        fields[field_name] = (annotated, ...) if field_name in keep else (annotated, None)
+        if field_name in ids:
+            fields[field_name] = (annotated, ...)
+        else:
+            fields[field_name] = (Any if others_ignored else annotated, None)
     return create_model(name, __config__=_STRICT, **fields)
 
 
-TemplatePatch = _all_optional(TemplateItem, "TemplatePatch", keep=("template_id",))
-RoutingRulePatch = _all_optional(RoutingRuleItem, "RoutingRulePatch", keep=("group_id", "bot_id"))
+TemplatePatch = _partial(TemplateItem, "TemplatePatch", ids=("template_id",), others_ignored=False)
+
+
+def check_fields(request: ConfigSyncRequest) -> None:
+    """400 for a bad field of a partial template update before anything is looked up: without
+    this, an update of a missing template with a bad field was a 404, an existing one a 400."""
+    if request.kind == "template" and request.op == "update":
+        validate_as(TemplatePatch, request.item, prefix="item")
+
+
+# --- OpenAPI documentation only ------------------------------------------------------------------
+# The handlers read bodies by hand (after the token check) and config_sync validates its item
+# per kind and op; these models only describe that in the schema. Nothing validates with them.
+
+
+TemplateKeyItem = _partial(
+    TemplateItem, "TemplateKeyItem", ids=("template_id",), others_ignored=True
+)
+RoutingRuleKeyItem = _partial(
+    RoutingRuleItem, "RoutingRuleKeyItem", ids=("group_id", "bot_id"), others_ignored=True
+)
 
 
 class _Doc(BaseModel):
@@ -343,11 +351,19 @@ class TemplateWrite(_Doc):
 
 
 class TemplateUpdate(_Doc):
-    """update: the fields to change; delete: the id (other known fields are ignored)."""
+    """update: the id and the fields to change."""
 
     kind: Literal["template"]
-    op: Literal["update", "delete"]
+    op: Literal["update"]
     item: TemplatePatch  # type: ignore[valid-type]
+
+
+class TemplateDelete(_Doc):
+    """delete: the id (other known fields are ignored)."""
+
+    kind: Literal["template"]
+    op: Literal["delete"]
+    item: TemplateKeyItem  # type: ignore[valid-type]
 
 
 class RoutingRuleWrite(_Doc):
@@ -359,7 +375,7 @@ class RoutingRuleWrite(_Doc):
 class RoutingRuleDelete(_Doc):
     kind: Literal["routing_rule"]
     op: Literal["delete"]
-    item: RoutingRulePatch  # type: ignore[valid-type]
+    item: RoutingRuleKeyItem  # type: ignore[valid-type]
 
 
 class ConfigSyncEnvelope(BaseModel):
@@ -367,7 +383,7 @@ class ConfigSyncEnvelope(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True)
     metadata: AdminMetadata
-    rawdata: TemplateWrite | TemplateUpdate | RoutingRuleWrite | RoutingRuleDelete
+    rawdata: TemplateWrite | TemplateUpdate | TemplateDelete | RoutingRuleWrite | RoutingRuleDelete
 
 
 class CleanupEnvelope(BaseModel):

@@ -89,7 +89,7 @@ def touch_key(request_id: str) -> str:
 
 def previous_pod_key(session_id: str) -> str:
     """Tombstone: the pod that died under the session (for ``rebound``), for session_ttl."""
-    return f"{P}session:{session_id}:previous_pod"
+    return f"{P}previous_pod:{session_id}"  # not under session:{id}: ids may hold ":"
 
 
 FREE_PATTERN = f"{P}scope:*:free"

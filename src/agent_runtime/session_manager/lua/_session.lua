@@ -20,7 +20,7 @@ local function evict_session(p, session_key, expiry_key, session_id, tombstone_t
   local pod_sessions = p .. 'pod:' .. scope .. ':' .. pod .. ':sessions'
   redis.call('SREM', pod_sessions, session_id)
   if tombstone_ttl and tombstone_ttl > 0 then
-    redis.call('SET', session_key .. ':previous_pod', pod, 'EX', math.ceil(tombstone_ttl))
+    redis.call('SET', p .. 'previous_pod:' .. session_id, pod, 'EX', math.ceil(tombstone_ttl))
   end
   redis.call('PUBLISH', p .. 'scope:' .. scope .. ':free', session_id)
   return {scope, pod, redis.call('SCARD', pod_sessions)}

@@ -8,7 +8,7 @@
 -- KEYS[5] scope:{sid}:config                  HASH resolve cache (the scope's policy)
 -- KEYS[6] pods:registered                     SET "{sid}:{pod}"
 -- KEYS[7] route:{request_id}                  STRING replay: the answer JSON, or "pending:{token}"
--- KEYS[8] session:{session_id}:previous_pod   STRING tombstone of a pod that died under it
+-- KEYS[8] previous_pod:{session_id}   STRING tombstone of a pod that died under it
 --         (written by evict with pod_died, or here when the bound pod is no longer
 --         registered; read for `rebound`, deleted when the session is placed again)
 -- KEYS[9] scope:{sid}:reserved                ZSET request_id -> lease deadline: routes headed
