@@ -844,9 +844,11 @@ async def test_metrics_count_requests_per_endpoint_and_status(redis: Redis, db: 
         text = resp.text
         assert "# TYPE agent_runtime_http_requests_total counter" in text
         series = (
-            'agent_runtime_http_requests_total{endpoint="/api/session/config_sync",status="%s"}'
+            "agent_runtime_http_requests_total"
+            '{code="%s",endpoint="/api/session/config_sync",status="%s"}'
         )
-        assert f"{series % 200} 1.0" in text
-        assert f"{series % 409} 1.0" in text
+        assert f"{series % ('OK', 200)} 1.0" in text
+        assert f"{series % ('CONFLICT', 409)} 1.0" in text  # the outcome: the error code
         assert "no-such-path-1234" not in text  # unknown paths do not grow the label set
-        assert 'endpoint="other",status="404"' in text
+        assert 'code="NOT_FOUND",endpoint="other",status="404"' in text
+        assert resp.headers.get("x-error-code") is None  # only failures carry it

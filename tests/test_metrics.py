@@ -85,7 +85,15 @@ async def test_traffic_shows_up_in_every_family(redis: Redis, db: Database) -> N
     assert m['agent_runtime_pods{state="sunset"}'] == 0
     assert m["agent_runtime_live_sessions"] == 1
     assert not any(k.startswith("agent_runtime_scope_live_sessions") for k in m), "opt-in"
-    assert m['agent_runtime_http_requests_total{endpoint="/api/session/route",status="200"}'] == 2
+    route_ok = (
+        'agent_runtime_http_requests_total{code="OK",endpoint="/api/session/route",status="200"}'
+    )
+    assert m[route_ok] == 2
+    timeouts = (
+        "agent_runtime_http_requests_total"
+        '{code="SCOPE_FULL_TIMEOUT",endpoint="/api/session/route",status="504"}'
+    )
+    assert m[timeouts] == 2
 
 
 async def test_per_scope_series_only_when_enabled(redis: Redis, db: Database) -> None:

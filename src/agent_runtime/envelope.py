@@ -245,6 +245,9 @@ def ok(request_id: str | None, data: dict[str, Any]) -> JSONResponse:
     return JSONResponse({"ok": True, "request_id": request_id, "data": data})
 
 
+ERROR_CODE_HEADER = "X-Error-Code"
+
+
 def failure(
     status: int,
     code: ErrorCode,
@@ -259,7 +262,8 @@ def failure(
         "error_code": code.value,
         "error_message": printable(message, limit=MAX_MESSAGE),
     }
-    out = dict(headers or {})
+    # the code as a header too: metrics (and a gateway) read it without parsing the body
+    out = {**(headers or {}), ERROR_CODE_HEADER: code.value}
     if retry_after is not None:
         seconds = max(1, math.ceil(retry_after))  # the header takes whole seconds
         body["retry_after"] = seconds

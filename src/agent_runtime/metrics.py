@@ -24,6 +24,7 @@ from agent_runtime.jobs import Job
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics", "MetricsMiddleware"]
 
+_ERROR_CODE = b"x-error-code"  # envelope.ERROR_CODE_HEADER, as ASGI gives header names
 FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30)
 SLOW_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -33,8 +34,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "agent_runtime_http_requests",
-            "HTTP requests by endpoint and status",
-            ["endpoint", "status"],
+            "HTTP requests by endpoint, status and outcome (OK or the contract's error code)",
+            ["endpoint", "status", "code"],
             registry=self.registry,
         )
         self.latency = Histogram(
@@ -210,16 +211,21 @@ class MetricsMiddleware:
             return
         path = scope["path"] if scope["path"] in self.known_paths else "other"
         status = 500
+        code = "INTERNAL"
         start = time.perf_counter()
 
         async def record(message: Message) -> None:
-            nonlocal status
+            nonlocal status, code
             if message["type"] == "http.response.start":
                 status = message["status"]
+                code = "OK" if status < 400 else f"HTTP_{status}"
+                for name, value in message.get("headers", ()):
+                    if name.lower() == _ERROR_CODE:  # set by envelope.failure: a fixed set
+                        code = value.decode("latin-1")
             await send(message)
 
         try:
             await self.app(scope, receive, record)
         finally:
-            self.metrics.requests.labels(path, str(status)).inc()
+            self.metrics.requests.labels(path, str(status), code).inc()
             self.metrics.latency.labels(path).observe(time.perf_counter() - start)
