@@ -45,7 +45,7 @@ from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceSta
 from agent_runtime.resource_manager.sweeper import ResourceSweeper
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
-from helpers import envelope, running_app
+from helpers import envelope, running_app, sync_body
 
 SCOPE = "0123456789abcdef0123456789abcdef"
 OTHER = "fedcba9876543210fedcba9876543210"
@@ -467,6 +467,11 @@ async def test_cleanup_missing_namespace_is_0_forbidden_is_k8s_error(
     try:
         async with running_app(redis, db, k8s=client, admin_tokens=["adm"]) as app:  # type: ignore[arg-type]
             headers = {"Authorization": "Bearer adm"}
+            for namespace in ("team", "ghost"):  # cleanup reaches only namespaces we deploy to
+                item = {"template_id": f"t-{namespace}", "image": "agentserver:1"}
+                body = sync_body("template", "create", {**item, "namespace": namespace})
+                synced = await app.post("/api/session/config_sync", json=body, headers=headers)
+                assert synced.status_code == 200, synced.text
             resp = await app.post(
                 "/api/session/cleanup", json=envelope({"namespace": "team"}), headers=headers
             )

@@ -1363,6 +1363,12 @@ async def post_cleanup(w: World, **rawdata: str) -> httpx.Response:
     return await w.client.post(CLEANUP, json=envelope(rawdata))
 
 
+async def deploys_to(w: World, namespace: str) -> None:
+    """A template naming ``namespace``: cleanup only ever reaches namespaces we deploy to."""
+    item = {**BASE_TEMPLATE, "template_id": f"tpl-ns-{namespace}", "namespace": namespace}
+    await w.sync("template", "sync", item)
+
+
 async def test_cleanup_deletes_agentserver_pods_and_leaves_redis_to_watch(
     redis: Redis, db: Database
 ) -> None:
@@ -1395,6 +1401,7 @@ async def test_cleanup_deletes_agentserver_pods_and_leaves_redis_to_watch(
             await w.assert_gone(session_id, pod_id)
             await w.assert_pod_forgotten(pod_id)
 
+        await deploys_to(w, "team")
         resp = await post_cleanup(w, namespace="team")
         assert resp.json()["data"] == {"cleaned": 1}
         assert set(w.k8s.pods) == {foreign}
@@ -1407,6 +1414,8 @@ async def test_cleanup_of_a_missing_namespace_is_0_and_a_forbidden_one_is_502(
         w.k8s.add_pod(scope_id=SCOPE, deploy_ver="x", namespace="locked")
         w.k8s.missing_namespaces.add("ghost")
         w.k8s.forbidden_namespaces.add("locked")
+        await deploys_to(w, "ghost")
+        await deploys_to(w, "locked")
 
         resp = await post_cleanup(w, namespace="ghost")
         assert resp.status_code == 200 and resp.json()["data"] == {"cleaned": 0}
@@ -1415,6 +1424,29 @@ async def test_cleanup_of_a_missing_namespace_is_0_and_a_forbidden_one_is_502(
         body = assert_failure(resp, 502, "K8S_ERROR")
         assert "retry_after" not in body and "retry-after" not in resp.headers
         assert len(w.k8s.pods) == 1 and w.k8s.deleted == []
+
+
+async def test_cleanup_never_reaches_a_namespace_no_template_names(
+    redis: Redis, db: Database
+) -> None:
+    """Only the default namespace and those templates name: elsewhere nothing of ours can
+    be, so nothing is listed or deleted there (cleaned 0), whatever the selector."""
+    async with world(redis, db) as w:
+        theirs = w.k8s.add_pod(scope_id=SCOPE, deploy_ver="x", namespace="kube-system").pod_id
+        calls: list[str] = []
+        list_pods = w.k8s.list_pods
+
+        async def counted(namespace: str, selector: str) -> Any:
+            calls.append(namespace)
+            return await list_pods(namespace, selector)
+
+        w.k8s.list_pods = counted  # type: ignore[method-assign]
+        resp = await post_cleanup(w, namespace="kube-system")
+        assert resp.status_code == 200 and resp.json()["data"] == {"cleaned": 0}
+        assert calls == [] and theirs in w.k8s.pods
+        await deploys_to(w, "kube-system")  # a template that deploys there: now it is ours
+        resp = await post_cleanup(w, namespace="kube-system")
+        assert resp.json()["data"] == {"cleaned": 1} and calls == ["kube-system"]
 
 
 async def test_route_replay_returns_the_first_answer_and_places_nothing(

@@ -1068,6 +1068,9 @@ async def test_j_cleanup_deletes_pods_in_kubernetes_and_watch_forgets_them(w: Sc
     assert await w.gone("s1", first)()
     assert await w.live_pods() == {second}
     await w.assert_live("s2", second)
+    for namespace in ("ghost", "locked"):  # cleanup reaches only namespaces templates name
+        item = {"template_id": f"{w.template_id}-{namespace}", "image": "agentserver:1"}
+        await w.sync("template", "create", {**item, "namespace": namespace})
     resp = await w.cleanup(namespace="ghost")  # does not exist: nothing to delete
     assert resp.status_code == 200 and resp.json()["data"] == {"cleaned": 0}, resp.text
     fault = await w.add_fault(kind="namespace_forbidden", namespace="locked")

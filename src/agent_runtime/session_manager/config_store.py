@@ -108,6 +108,10 @@ class ConfigStore:
         )
         return config
 
+    async def pod_namespaces(self, default_namespace: str) -> set[str]:
+        """Where this service ever deploys: the default namespace and every template's."""
+        return {default_namespace} | await self._db.read(repo.template_namespaces)
+
     async def seed_local_defaults(self) -> bool:
         """Local mode, first start: a ``default`` template and a ``(*, *)`` rule, so a route
         answers at once. Does nothing when either table already has rows."""
