@@ -413,3 +413,20 @@ def run_redis_state_machine(
             loop.run_until_complete(release(client))
     finally:
         loop.close()
+
+
+# --- which backends a test runs on (the redis and sql_backend fixtures, indirectly) ------------
+
+both_redis_server_dbs = pytest.mark.parametrize(
+    ("redis", "sql_backend"),
+    [("real", "mariadb"), ("real", "postgresql"), ("fake", "sqlite")],
+    indirect=True,
+)
+real_mariadb_and_fake = pytest.mark.parametrize(
+    ("redis", "sql_backend"), [("real", "mariadb"), ("fake", "sqlite")], indirect=True
+)
+real_postgresql_and_fake = pytest.mark.parametrize(
+    ("redis", "sql_backend"), [("real", "postgresql"), ("fake", "sqlite")], indirect=True
+)
+real_only = pytest.mark.parametrize(("redis", "sql_backend"), [("real", "mariadb")], indirect=True)
+fake_only = pytest.mark.parametrize(("redis", "sql_backend"), [("fake", "sqlite")], indirect=True)

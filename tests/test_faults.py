@@ -47,8 +47,11 @@ from helpers import (
     CLAIM_KEY,
     TcpProxy,
     envelope,
+    fake_only,
     make_settings,
     other_client,
+    real_mariadb_and_fake,
+    real_only,
     real_redis_url,
     running_app,
     sync_body,
@@ -67,12 +70,6 @@ STATUS = {
     "BACKEND_UNAVAILABLE": 503,
     "SCOPE_FULL_TIMEOUT": 504,
 }
-
-real_only = pytest.mark.parametrize(("redis", "sql_backend"), [("real", "mariadb")], indirect=True)
-real_mariadb_and_fake = pytest.mark.parametrize(
-    ("redis", "sql_backend"), [("real", "mariadb"), ("fake", "sqlite")], indirect=True
-)
-fake_only = pytest.mark.parametrize(("redis", "sql_backend"), [("fake", "sqlite")], indirect=True)
 
 
 # --- the contract's key names (§4), spelled out --------------------------------------------

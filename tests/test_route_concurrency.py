@@ -33,9 +33,13 @@ from agent_runtime.session_manager import orchestrator as sm_orchestrator
 from agent_runtime.wiring import REDIS_MAX_CONNECTIONS, Services, build_redis
 from helpers import (
     TcpProxy,
+    both_redis_server_dbs,
     envelope,
     make_settings,
     other_client,
+    real_mariadb_and_fake,
+    real_only,
+    real_postgresql_and_fake,
     real_redis_url,
     running_app,
     sync_body,
@@ -53,19 +57,6 @@ STATUS = {  # route's failures (contract §2.2); each of them carries retry_afte
     "BACKEND_UNAVAILABLE": 503,
     "SCOPE_FULL_TIMEOUT": 504,
 }
-
-both_redis_server_dbs = pytest.mark.parametrize(
-    ("redis", "sql_backend"),
-    [("real", "mariadb"), ("real", "postgresql"), ("fake", "sqlite")],
-    indirect=True,
-)
-real_mariadb_and_fake = pytest.mark.parametrize(
-    ("redis", "sql_backend"), [("real", "mariadb"), ("fake", "sqlite")], indirect=True
-)
-real_postgresql_and_fake = pytest.mark.parametrize(
-    ("redis", "sql_backend"), [("real", "postgresql"), ("fake", "sqlite")], indirect=True
-)
-real_only = pytest.mark.parametrize(("redis", "sql_backend"), [("real", "mariadb")], indirect=True)
 
 
 # --- the contract's key names (§4), spelled out --------------------------------------------
