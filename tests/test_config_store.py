@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -165,6 +166,34 @@ async def test_resolve_fills_the_cache_and_the_second_resolve_does_not_touch_the
     second = await resolve(store, "g", "b")
     assert counting_db.reads == reads_before, "a cached resolve must not read the DB"
     assert second == first
+
+
+async def test_a_cold_burst_of_one_scope_reads_the_db_once(
+    store: ConfigStore, counting_db: CountingDatabase
+) -> None:
+    """50 concurrent resolves of an uncached scope share one DB read; a caller that goes
+    away does not cancel it for the others; a refusal reaches every waiter alike."""
+    await template(store, "t1")
+    await rule(store, "g", "b", "t1")
+    reads_before = counting_db.reads
+    calls = [asyncio.ensure_future(resolve(store, "g", "b")) for _ in range(50)]
+    await asyncio.sleep(0)
+    calls[0].cancel()
+    results = await asyncio.gather(*calls[1:])
+    assert counting_db.reads - reads_before == 1
+    assert {r.template_id for r in results} == {"t1"}
+    await asyncio.gather(calls[0], return_exceptions=True)  # cancelled, or done (fakeredis)
+
+    reads_before = counting_db.reads
+    misses = await asyncio.gather(
+        *(resolve(store, "nobody", "here") for _ in range(5)), return_exceptions=True
+    )
+    assert {type(m) for m in misses} == {ConfigNotFound}
+    assert counting_db.reads - reads_before == 1
+    # the next one asks again (a refusal is not cached)
+    with pytest.raises(ConfigNotFound):
+        await resolve(store, "nobody", "here")
+    assert counting_db.reads - reads_before == 2
 
 
 async def test_a_resolve_that_raced_a_config_change_does_not_write_a_stale_cache(

@@ -12,6 +12,7 @@ run, even though the DB write already happened and the retry sees no change.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,8 @@ class ConfigStore:
         self._db = db
         self._state = state
         self._resources = resources
+        # scope → the DB load running for it: a cold burst of one scope reads the DB once
+        self._loading: dict[str, asyncio.Task[ScopeConfig]] = {}
 
     # --- resolve -------------------------------------------------------------------------------
 
@@ -98,6 +101,22 @@ class ConfigStore:
                 return ScopeConfig.from_hash(scope_id, cached)
             except (KeyError, ValueError):
                 log.warning("resolve cache of scope %s is malformed; reloading", scope_id)
+        loading = self._loading.get(scope_id)
+        if loading is None:
+            loading = asyncio.ensure_future(self._load(scope_id, group_id, bot_id))
+            self._loading[scope_id] = loading
+            loading.add_done_callback(lambda task: self._loaded(scope_id, task))
+        # shielded: one caller going away does not cancel the load the others wait for
+        return await asyncio.shield(loading)
+
+    def _loaded(self, scope_id: str, task: asyncio.Task[ScopeConfig]) -> None:
+        if self._loading.get(scope_id) is task:
+            del self._loading[scope_id]
+        if not task.cancelled():
+            task.exception()  # retrieved: every waiter may have gone away
+
+    async def _load(self, scope_id: str, group_id: str, bot_id: str) -> ScopeConfig:
+        """One DB read for the scope, then the cache filled (unless a config change came)."""
         generation = await self._state.config_generation()
         template = await self._db.read(lambda conn: repo.match(conn, group_id, bot_id))
         if template is None:
