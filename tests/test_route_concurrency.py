@@ -1134,6 +1134,11 @@ async def test_redis_unreachable_mid_wait_is_503_and_a_seat_it_could_not_give_ba
                 return await _redis_now(redis) > max((d for _, d in left), default=0)
 
             await eventually(shed, within=timeout + 7, what="the seats' deadline")
+
+            async def resubscribed() -> bool:  # else the wake-up is the 0.5 s poll = timeout
+                return all(reps.services(r).notifier.connected for r in (reps.a, reps.b))
+
+            await eventually(resubscribed, what="pub/sub back on both replicas")
             late = asyncio.create_task(route(reps.b, "u-later", "r-u-later"))
             await eventually(lambda: seated(redis, "r-u-later"), what="a seat after the shed")
             assert set(await redis.zrange(sm_scope("waiters"), 0, -1)) == {"r-u-later"}

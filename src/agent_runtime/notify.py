@@ -59,6 +59,11 @@ class Notifier:
                 await self._task
             self._task = None
 
+    @property
+    def connected(self) -> bool:
+        """Subscribed now: signals reach the listeners (else they wake by their poll)."""
+        return self._ready.is_set()
+
     async def publish(self, channel: str, payload: str = "") -> None:
         await self._redis.publish(channel, payload)
 
@@ -88,6 +93,7 @@ class Notifier:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                self._ready.clear()  # until resubscribed, waiters rely on their poll
                 log.warning("notifier: pub/sub connection lost (%s); reconnecting", exc)
                 await asyncio.sleep(0.5)
             finally:
