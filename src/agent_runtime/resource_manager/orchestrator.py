@@ -53,6 +53,22 @@ POOL_CONFIG_FIELDS = ("min_idle_pods", "max_pods", "pod_ttl", "pod_concurrency")
 OnReady = Callable[[dict[str, str]], Awaitable[object]]
 
 
+@dataclass(frozen=True)
+class _Acquire:
+    """One acquire call: what its deploy or its follower wait needs."""
+
+    scope_id: str
+    pod_spec: dict[str, Any]
+    pool_config: dict[str, int]
+    request_id: str
+    started_at: float  # Redis seconds: every pod registered since may be ours to share
+    on_ready: OnReady | None
+
+    @property
+    def ready_timeout(self) -> float:
+        return float(self.pod_spec.get("ready_timeout") or 300)
+
+
 @dataclass
 class _Requester:
     """Whether the caller is still there when its deploy finishes."""
@@ -119,9 +135,10 @@ class ResourceOrchestrator:
         cached = await self._state.cached_result(request_id)
         if cached is not None:
             return cached, "replay"
-        ready_timeout = float(pod_spec.get("ready_timeout") or 300)
-        placeholder_ttl = math.ceil(ready_timeout) + LOCK_MARGIN
-        started_at = await self._state.now()
+        call = _Acquire(
+            scope_id, pod_spec, pool_config, request_id, await self._state.now(), on_ready
+        )
+        placeholder_ttl = math.ceil(call.ready_timeout) + LOCK_MARGIN
         wrote_config = False
         while True:
             token = f"{request_id}:{uuid.uuid4().hex[:8]}"
@@ -159,43 +176,25 @@ class ResourceOrchestrator:
                     raise DeployInProgress(f"scope {scope_id}: a warm pod is being deployed")
                 if leader_started is not None or cold:
                     # the cap is held by a deploy in flight: its pod may have room for us
-                    since = min(started_at, leader_started or math.inf)
-                    pod = await self._follow(
-                        scope_id, request_id, pool_config, ready_timeout, since
-                    )
-                    return pod, "follower"
+                    since = min(call.started_at, leader_started or math.inf)
+                    return await self._follow(call, since), "follower"
                 raise MaxPodsReached(f"scope {scope_id} is at max_pods")
             assert outcome.placeholder is not None
-            return await self._deploy_or_follow(
-                scope_id,
-                pod_spec,
-                pool_config,
-                request_id,
-                outcome.placeholder,
-                started_at,
-                on_ready,
-            )
+            return await self._deploy_or_follow(call, outcome.placeholder)
 
     async def _deploy_or_follow(
-        self,
-        scope_id: str,
-        pod_spec: dict[str, Any],
-        pool_config: dict[str, int],
-        request_id: str,
-        placeholder: str,
-        started_at: float,
-        on_ready: OnReady | None,
+        self, call: _Acquire, placeholder: str
     ) -> tuple[dict[str, str], str]:
-        ready_timeout = float(pod_spec.get("ready_timeout") or 300)
+        scope_id = call.scope_id
         lock = Lock(
             self._state.redis,
             deploy_lock_key(scope_id),
-            timeout=ready_timeout + LOCK_MARGIN,
+            timeout=call.ready_timeout + LOCK_MARGIN,
             thread_local=False,
         )
         # the token carries when this acquire started, for followers (_leader_started_at)
-        token = f"{uuid.uuid4().hex}@{started_at!r}"
-        since = started_at
+        token = f"{uuid.uuid4().hex}@{call.started_at!r}"
+        since = call.started_at
         try:
             leader = await lock.acquire(blocking=False, token=token)
             for _ in range(3):  # a leader that finished in between is gone: lead ourselves
@@ -215,24 +214,12 @@ class ResourceOrchestrator:
             raise
         if not leader:
             await self._state.drop_placeholder(scope_id, placeholder)
-            pod = await self._follow(scope_id, request_id, pool_config, ready_timeout, since)
-            return pod, "follower"
+            return await self._follow(call, since), "follower"
         requester = _Requester()
         # Our own task: a caller that disconnects does not abort a deploy half-way (that would
         # leave a pod nobody tracks, or a lock released while its deploy still runs).
         task = self._deploys.spawn(
-            self._lead(
-                scope_id,
-                pod_spec,
-                pool_config,
-                placeholder,
-                lock,
-                request_id,
-                started_at,
-                requester,
-                on_ready,
-            ),
-            name=f"deploy:{scope_id}",
+            self._lead(call, placeholder, lock, requester), name=f"deploy:{scope_id}"
         )
         try:
             return await asyncio.shield(task), "deploy"
@@ -241,32 +228,24 @@ class ResourceOrchestrator:
             raise
 
     async def _lead(
-        self,
-        scope_id: str,
-        pod_spec: dict[str, Any],
-        pool_config: dict[str, int],
-        placeholder: str,
-        lock: Lock,
-        request_id: str,
-        started_at: float,
-        requester: _Requester,
-        on_ready: OnReady | None,
+        self, call: _Acquire, placeholder: str, lock: Lock, requester: _Requester
     ) -> dict[str, str]:
+        scope_id = call.scope_id
         try:
             # a leader that finished just before we took the lock may have brought a pod with
             # room for us (never with pod_concurrency 1: it is full with its own session)
-            shareable = int(pool_config.get("pod_concurrency", 1)) > 1
-            fresh = await self._registered_since(scope_id, started_at) if shareable else None
+            shareable = int(call.pool_config.get("pod_concurrency", 1)) > 1
+            fresh = await self._registered_since(scope_id, call.started_at) if shareable else None
             if fresh is not None:
                 await self._state.drop_placeholder(scope_id, placeholder)
                 return fresh
             result = await self.deploy_and_register(
-                scope_id, pod_spec, placeholder, warm=False, requester=requester
+                scope_id, call.pod_spec, placeholder, warm=False, requester=requester
             )
-            await self._state.cache_result(request_id, result)
-            if on_ready is not None and not requester.gone:
+            await self._state.cache_result(call.request_id, result)
+            if call.on_ready is not None and not requester.gone:
                 try:  # still under the lock: nobody decides to deploy before the pod is seen
-                    await on_ready(result)
+                    await call.on_ready(result)
                 except Exception as exc:  # the caller gets the pod and publishes it itself
                     log.warning("scope %s: on_ready for %s failed: %s", scope_id, result, exc)
             return result
@@ -329,20 +308,14 @@ class ResourceOrchestrator:
         with contextlib.suppress(Exception):
             await self._state.drop_placeholder(scope_id, placeholder)
 
-    async def _follow(
-        self,
-        scope_id: str,
-        request_id: str,
-        pool_config: dict[str, int],
-        ready_timeout: float,
-        started_at: float,
-    ) -> dict[str, str]:
-        limit = max(int(pool_config.get("pod_concurrency", 1)) - 1, 0)
-        hold = math.ceil(ready_timeout) + FOLLOWER_MARGIN
+    async def _follow(self, call: _Acquire, since: float) -> dict[str, str]:
+        """Wait in the follower room for the leader's pod (registered since ``since``)."""
+        scope_id, request_id = call.scope_id, call.request_id
+        limit = max(int(call.pool_config.get("pod_concurrency", 1)) - 1, 0)
+        hold = math.ceil(call.ready_timeout) + FOLLOWER_MARGIN
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + hold
         entered = loop.time()
-        since = started_at
+        deadline = entered + hold
         try:
             # inside the try: a cancellation while the gate's reply is in flight still gives
             # the seat back (ZREM of a seat we never got is harmless)

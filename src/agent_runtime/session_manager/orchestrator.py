@@ -124,10 +124,7 @@ class SessionOrchestrator:
         except BaseException as exc:
             # the script may have marked the request pending (and reserved a slot) before its
             # reply was read (the caller went away): give them back, or a retry would wait
-            # (not when Redis is unreachable: the lease frees them, the 503 comes sooner)
-            if not isinstance(exc, RedisConnectionError | RedisTimeoutError):
-                with contextlib.suppress(Exception):
-                    await self._state.release_route(scope_id, request_id, token)
+            await self._give_back(exc, scope_id, request_id, token)
             raise
         if reply[0] in PLACED or reply[0] == "replay":  # the hot path: one round trip
             self._placements[reply[0]].inc()
@@ -142,16 +139,23 @@ class SessionOrchestrator:
             return answer
         except BaseException as exc:
             outcome = _outcome(exc)
-            if not isinstance(exc, RedisConnectionError | RedisTimeoutError):
-                # (Redis unreachable: another call would only add its timeout to the 503;
-                # the lease gives everything back within ROUTE_LEASE)
-                with contextlib.suppress(Exception):
-                    await self._state.release_route(scope_id, request_id, token)
+            await self._give_back(exc, scope_id, request_id, token)
             raise
         finally:
             await route.close()
             self._queue_outcomes.labels(outcome).inc()
             self._queue_wait.observe(time.perf_counter() - started)
+
+    async def _give_back(
+        self, exc: BaseException, scope_id: str, request_id: str, token: str
+    ) -> None:
+        """A failed route gives back its marker, reservation and seat — unless Redis is
+        unreachable: another call would only add its timeout to the 503, and the lease frees
+        them within ROUTE_LEASE."""
+        if isinstance(exc, RedisConnectionError | RedisTimeoutError):
+            return
+        with contextlib.suppress(Exception):
+            await self._state.release_route(scope_id, request_id, token)
 
     # --- touch ---------------------------------------------------------------------------------
 
