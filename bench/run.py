@@ -62,7 +62,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=common.RESULTS,
         help="where latest.json and latest.txt go (default bench/results)",
     )
-    parser.add_argument("--profile", action="store_true", help="refresh under pyinstrument")
+    parser.add_argument(
+        "--profile", action="store_true", help="refresh, and scale's job ticks, under pyinstrument"
+    )
     parser.add_argument("--loadgen", choices=["auto", "wrk", "python"], default="auto")
     parser.add_argument(
         "--redis-url",
@@ -373,15 +375,22 @@ def details(results: dict[str, Any]) -> list[str]:
             "sessions/s through pipelined route_place)",
         ]
         rows = [
-            [n, t["median_ms"], t["max_ms"], t["redis_round_trips"], json.dumps(t["result"])]
+            [n, t["median_ms"], t["max_ms"], t.get("loop_stall_max_ms", "-"),
+             t["redis_round_trips"], json.dumps(t["result"])]
             for n, t in scale["ticks"].items()
-        ]
+        ]  # fmt: skip
         e = scale["expiry_tick"]
         rows.append(
-            [f"sm_sweep, {e['expiring']} due", e["ms"], e["ms"], e["redis_round_trips"],
-             json.dumps(e["result"])]
+            [f"sm_sweep, {e['expiring']} due", e["ms"], e["ms"], e.get("loop_stall_max_ms", "-"),
+             e["redis_round_trips"], json.dumps(e["result"])]
         )  # fmt: skip
-        out += table(["tick", "median ms", "max ms", "Redis round trips", "result"], rows)
+        headers = ["tick", "median ms", "max ms", "loop stall max ms", "Redis round trips"]
+        out += table([*headers, "result"], rows)
+        for name, tick in scale["ticks"].items():
+            prof = tick.get("profile")
+            if prof and "top_self" in prof:
+                out.append(f"{name} profile ({prof['total_seconds']} s), top self time:")
+                out += [f"  {r['share'] * 100:5.1f} %  {r['frame']}" for r in prof["top_self"][:8]]
         mem = scale["memory"]
         out.append(
             "memory per live session: used_memory delta "

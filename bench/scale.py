@@ -17,6 +17,7 @@ resource manager's ``register`` and the session manager's ``register_pod`` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import statistics
@@ -72,7 +73,7 @@ async def run(ctx: Context) -> dict[str, Any]:
         await check_backends(settings, backends)
         svc = wire(settings, backends)
         out["setup"], out["memory"] = await populate(ctx, svc, k8s, n_sessions, n_pods, n_scopes)
-        out["ticks"] = await ticks(svc)
+        out["ticks"] = await ticks(svc, profile=ctx.profile)
         out["expiry_tick"] = await expiry_tick(ctx, svc, k8s, max(100, n_sessions // 100))
     finally:
         await redis.aclose()
@@ -244,27 +245,78 @@ async def memory_usage(redis: Redis, sids: list[str], n_sessions: int) -> dict[s
     return {k: round(v, 1) for k, v in out.items()}
 
 
-async def timed(fn: Callable[[], Awaitable[Any]]) -> dict[str, Any]:
-    runs, trips, result = [], [], None
+class LoopStall:
+    """The longest the event loop went without running a 1 ms ticker while a tick ran: what
+    a request arriving at the worst moment would wait for the loop (jobs run in the serving
+    process). Reported minus the 1 ms sleep."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _watch(self) -> None:
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            self.worst = max(self.worst, now - last - 0.001)
+            last = now
+
+    async def __aenter__(self) -> LoopStall:
+        self._task = asyncio.create_task(self._watch())
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+async def timed(fn: Callable[[], Awaitable[Any]], *, profile: bool = False) -> dict[str, Any]:
+    runs, trips, stalls, result = [], [], [], None
     for _ in range(TICK_REPEATS):
         r0 = bench_server.ROUND_TRIPS[0]
-        t0 = time.perf_counter()
-        try:
-            result = await fn()
-        except Exception as exc:  # a tick that fails at this size is a finding, not a crash
-            result = {"error": f"{type(exc).__name__}: {exc}"}
-        runs.append((time.perf_counter() - t0) * 1000)
+        async with LoopStall() as stall:
+            t0 = time.perf_counter()
+            try:
+                result = await fn()
+            except Exception as exc:  # a tick that fails at this size is a finding, not a crash
+                result = {"error": f"{type(exc).__name__}: {exc}"}
+            runs.append((time.perf_counter() - t0) * 1000)
         trips.append(bench_server.ROUND_TRIPS[0] - r0)
-    return {
+        stalls.append(stall.worst * 1000)
+    out = {
         "ms": [round(x, 1) for x in runs],
         "median_ms": round(statistics.median(runs), 1),
         "max_ms": round(max(runs), 1),
         "redis_round_trips": trips[-1],
+        "loop_stall_max_ms": round(max(stalls), 1),
         "result": result,
     }
+    if profile:
+        out["profile"] = await profiled(fn)
+    return out
 
 
-async def ticks(svc: Services) -> dict[str, Any]:
+async def profiled(fn: Callable[[], Awaitable[Any]]) -> dict[str, Any]:
+    """One more run of the tick under pyinstrument (async mode): top frames by self time."""
+    try:
+        from pyinstrument import Profiler
+    except ImportError:
+        return {"skipped": "pyinstrument is not installed"}
+    profiler = Profiler(interval=0.0005, async_mode="enabled")
+    profiler.start()
+    try:
+        await fn()
+    finally:
+        profiler.stop()
+    summary = bench_server.profile_summary(profiler.last_session, top=12)
+    return {k: summary[k] for k in ("total_seconds", "top_self", "self_by_package") if k in summary}
+
+
+async def ticks(svc: Services, *, profile: bool = False) -> dict[str, Any]:
     jobs: dict[str, Callable[[], Awaitable[Any]]] = {
         "sm_sweep": svc.session_sweeper.sweep_once,
         "rm_autoscale": svc.sweeper.autoscale_once,
@@ -272,7 +324,7 @@ async def ticks(svc: Services) -> dict[str, Any]:
         "rm_watch": svc.sweeper.watch_once,
         "rm_reconcile": svc.sweeper.reconcile_once,
     }
-    out = {name: await timed(fn) for name, fn in jobs.items()}
+    out = {name: await timed(fn, profile=profile) for name, fn in jobs.items()}
     await svc.session_sweeper.wait_for_notices()
     return out
 
@@ -288,14 +340,16 @@ async def expiry_tick(
     outcomes = await place(svc, sids, n_expiring, "e-", "setup-e-")
     await asyncio.sleep(1.2)
     r0 = bench_server.ROUND_TRIPS[0]
-    t0 = time.perf_counter()
-    result = await svc.session_sweeper.sweep_once()
-    elapsed = (time.perf_counter() - t0) * 1000
+    async with LoopStall() as stall:
+        t0 = time.perf_counter()
+        result = await svc.session_sweeper.sweep_once()
+        elapsed = (time.perf_counter() - t0) * 1000
     await svc.session_sweeper.wait_for_notices()
     return {
         "expiring": n_expiring,
         "placed": dict(outcomes),
         "ms": round(elapsed, 1),
+        "loop_stall_max_ms": round(stall.worst * 1000, 1),
         "redis_round_trips": bench_server.ROUND_TRIPS[0] - r0,
         "result": result,
     }

@@ -108,6 +108,12 @@ CONFIG_GEN_KEY = f"{P}config_gen"
 SCOPE_CONFIG_PATTERN = f"{P}scope:*:config"
 
 
+def _pod_pair(member: str) -> tuple[str, str]:
+    """A ``pods:registered`` member ``{sid}:{pod}`` (scope ids are hex: the first colon)."""
+    scope_id, _, pod_id = member.partition(":")
+    return scope_id, pod_id
+
+
 def _mapping(fields: dict[str, str]) -> dict[Any, Any]:
     return fields  # redis-py's hset typing wants a wider key type than str
 
@@ -204,12 +210,29 @@ class SessionState:
             )
         )
 
-    async def sweep_idle_notify(self, scope_id: str, pod_id: str, grace: float) -> bool:
-        return bool(
-            await self._sweep_idle_notify(
-                keys=self._idle_keys(scope_id, pod_id), args=[pod_id, grace]
-            )
-        )
+    async def sweep_idle_notify(
+        self, pods: Iterable[tuple[str, str]], grace: float
+    ) -> list[tuple[str, str]]:
+        """Hand back the empty ones among ``pods`` (see sweep_idle_notify.lua): the (scope, pod)
+        pairs taken out of the candidates, each to be told to the resource manager."""
+        return await self._notify_idle([f"{scope_id}:{pod_id}" for scope_id, pod_id in pods], grace)
+
+    async def sweep_idle(self, grace: float, page: int = 1000) -> list[tuple[str, str]]:
+        """``sweep_idle_notify`` over every registered pod, an SSCAN page per call: at 10k pods
+        about 10 pages and as many scripts, each a SCARD per pod inside Redis."""
+        notified: list[tuple[str, str]] = []
+        cursor = 0
+        while True:
+            cursor, members = await self.redis.sscan(PODS_REGISTERED_KEY, cursor, count=page)
+            notified += await self._notify_idle(cast(list[str], members), grace)
+            if cursor == 0:
+                return notified
+
+    async def _notify_idle(self, members: list[str], grace: float) -> list[tuple[str, str]]:
+        if not members:
+            return []
+        notified = await self._sweep_idle_notify(keys=[], args=[P, grace, *members])
+        return [_pod_pair(m) for m in notified]
 
     async def take_waiter_seat(
         self, scope_id: str, request_id: str, hold_seconds: float, limit: int
@@ -233,8 +256,7 @@ class SessionState:
         """Every registered (scope, pod), by SSCAN."""
         pairs = []
         async for member in self.redis.sscan_iter(PODS_REGISTERED_KEY, count=500):
-            scope_id, _, pod_id = member.partition(":")
-            pairs.append((scope_id, pod_id))
+            pairs.append(_pod_pair(member))
         return pairs
 
     # --- sessions and pods (scripts) -----------------------------------------------------------
@@ -265,42 +287,6 @@ class SessionState:
                 )
             replies = await pipe.execute()
         return sum(1 for reply in replies if reply)
-
-    async def empty_pods(
-        self, pods: list[tuple[str, str]], batch: int = 1000
-    ) -> list[tuple[str, str]]:
-        """The (scope, pod) pairs with no session on them: pipelined SCARDs."""
-        empty: list[tuple[str, str]] = []
-        for i in range(0, len(pods), batch):
-            chunk = pods[i : i + batch]
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for scope_id, pod_id in chunk:
-                    pipe.scard(pod_sessions_key(scope_id, pod_id))
-                counts = await pipe.execute()
-            empty += [pair for pair, n in zip(chunk, counts, strict=True) if int(n) == 0]
-        return empty
-
-    async def sweep_idle_notify_many(
-        self, pods: list[tuple[str, str]], grace: float
-    ) -> list[tuple[str, str]]:
-        """``sweep_idle_notify`` for each, pipelined; the pairs it notified."""
-        if not pods:
-            return []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for scope_id, pod_id in pods:
-                await self._sweep_idle_notify(
-                    keys=self._idle_keys(scope_id, pod_id), args=[pod_id, grace], client=pipe
-                )
-            replies = await pipe.execute()
-        return [pair for pair, reply in zip(pods, replies, strict=True) if reply]
-
-    def _idle_keys(self, scope_id: str, pod_id: str) -> list[str]:
-        return [
-            pod_sessions_key(scope_id, pod_id),
-            pod_idle_notified_key(scope_id, pod_id),
-            scope_pods_key(scope_id),
-            pod_info_key(scope_id, pod_id),
-        ]
 
     async def cleanup_pod(self, scope_id: str, pod_id: str) -> int:
         """-1: sessions remain (evict them, call again); 1: cleaned; 0: was not registered."""
@@ -526,7 +512,7 @@ class SessionState:
         if not scope_ids:
             return found
         async for member in self.redis.sscan_iter(PODS_REGISTERED_KEY, count=500):
-            sid, _, pod_id = member.partition(":")
+            sid, pod_id = _pod_pair(member)
             if sid in scope_ids:
                 found[sid].append(pod_id)
         return found

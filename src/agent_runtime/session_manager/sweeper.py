@@ -43,10 +43,9 @@ class SessionSweeper:
         return evicted
 
     async def notify_idle_once(self) -> int:
-        """Only pods with no session get the script (most pods have sessions at scale): one
-        pipelined SCARD per batch finds them, one pipelined batch of scripts notifies."""
-        empty = await self._state.empty_pods(await self._state.registered_pods())
-        notified = await self._state.sweep_idle_notify_many(empty, IDLE_GRACE)
+        """Every registered pod is looked at inside Redis, a page of them per script: Python
+        only sees the few that were handed back."""
+        notified = await self._state.sweep_idle(IDLE_GRACE)
         for scope_id, pod_id in notified:
             self._notice(scope_id, pod_id)
         return len(notified)

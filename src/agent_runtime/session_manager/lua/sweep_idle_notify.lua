@@ -1,23 +1,41 @@
--- sweep_idle_notify: an empty pod is handed back once: it leaves the candidates in the same
--- step, so no route can pick a pod that is on its way to the warm pool.
+-- sweep_idle_notify: empty pods are handed back once: each leaves the candidates in the same
+-- step, so no route can pick a pod that is on its way to the warm pool. Called with a page of
+-- registered pods (an SSCAN page of pods:registered), so a sweep of 10k pods is a handful of
+-- calls instead of 10k round trips; a non-empty pod costs one SCARD here.
 --
--- KEYS[1] pod:{sid}:{pod}:sessions        SET
--- KEYS[2] pod:{sid}:{pod}:idle_notified   STRING (NX EX 60)
--- KEYS[3] scope:{sid}:pods                ZSET candidates
--- KEYS[4] pod:{sid}:{pod}:info            HASH (registered_at)
--- ARGV[1] pod_id
+-- KEYS (derived from ARGV[1], per pod; one scope's keys per member):
+--   pod:{sid}:{pod}:sessions        SET
+--   pod:{sid}:{pod}:idle_notified   STRING (NX EX 60)
+--   scope:{sid}:pods                ZSET candidates
+--   pod:{sid}:{pod}:info            HASH (registered_at)
+-- ARGV[1] key prefix "session_manager:"
 -- ARGV[2] grace seconds: a pod registered less than this ago is left alone (its first
 --         session is being placed right now)
+-- ARGV[3..] members of pods:registered, "{sid}:{pod}"
 --
--- returns 1 if the pod was empty, not yet notified, and is now out of the candidates; else 0
+-- returns the members that were empty, not yet notified, and are now out of the candidates
 --
 -- invariant: a pod with a session is never taken out here; at most one notice per 60 s.
-if redis.call('SCARD', KEYS[1]) > 0 then return 0 end
-if redis.call('EXISTS', KEYS[4]) == 0 then return 0 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local since = tonumber(redis.call('HGET', KEYS[4], 'registered_at') or '0')
-if now - since < tonumber(ARGV[2]) then return 0 end
-if not redis.call('SET', KEYS[2], '1', 'NX', 'EX', 60) then return 0 end
-redis.call('ZREM', KEYS[3], ARGV[1])
-return 1
+local p, grace = ARGV[1], tonumber(ARGV[2])
+local now = nil
+local notified = {}
+for i = 3, #ARGV do
+  local member = ARGV[i]
+  local colon = string.find(member, ':', 1, true)
+  if colon then
+    local sid, pod = string.sub(member, 1, colon - 1), string.sub(member, colon + 1)
+    local base = p .. 'pod:' .. sid .. ':' .. pod
+    if redis.call('SCARD', base .. ':sessions') == 0 and redis.call('EXISTS', base .. ':info') == 1 then
+      if now == nil then
+        local t = redis.call('TIME')
+        now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+      end
+      local since = tonumber(redis.call('HGET', base .. ':info', 'registered_at') or '0')
+      if now - since >= grace and redis.call('SET', base .. ':idle_notified', '1', 'NX', 'EX', 60) then
+        redis.call('ZREM', p .. 'scope:' .. sid .. ':pods', pod)
+        notified[#notified + 1] = member
+      end
+    end
+  end
+end
+return notified
