@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from agent_runtime import jobs as jobs_module
 from agent_runtime import spec_fields
 from agent_runtime.jobs import Job, JobRunner
 from agent_runtime.notify import Notifier
+from agent_runtime.resource_manager import state as state_module
+from agent_runtime.resource_manager import sweeper as sweeper_module
 from agent_runtime.resource_manager.facade import (
     DeployInProgress,
     K8sApiError,
@@ -477,6 +480,43 @@ async def test_scopes_without_a_floor_or_a_pod_spec_are_left_alone(env: Env) -> 
         assert await env.redis.zcard(rm_scope(scope, "pods")) == 0
 
 
+async def test_a_pool_config_the_scope_index_lacks_is_found_by_reconcile(env: Env) -> None:
+    """The jobs list scopes from their own index (not a keyspace SCAN per tick); a config
+    written without it (by an older version, or by hand) joins it at the next reconcile."""
+    await configure(env, min_idle=1, max_pods=4)
+    await env.redis.hset(
+        rm_scope(OTHER_SCOPE, "config"),
+        mapping={
+            **{k: str(v) for k, v in pool(min_idle=1, max_pods=4).items()},
+            "deploy_ver": VER1,
+            "pod_spec_json": json.dumps(V1),
+        },
+    )
+    assert await env.sweeper.autoscale_once() == 1, "only the indexed scope"
+    await env.sweeper.wait_for_warm_deploys()
+    await env.sweeper.reconcile_once()
+    assert await env.sweeper.autoscale_once() == 1, "the other scope, indexed by reconcile"
+    await env.sweeper.wait_for_warm_deploys()
+    assert len(await warm_set(env.redis, OTHER_SCOPE)) == 1
+    assert await env.state.index_scopes() == 0, "nothing left to add"
+
+
+async def test_many_scopes_are_served_in_one_tick(env: Env) -> None:
+    """More scopes than one pipeline batch: every one gets its warm pod in the same tick."""
+    scopes = [f"scope-many-{i}" for i in range(state_module.BATCH + 20)]
+    for scope in scopes:
+        await configure(env, scope=scope, min_idle=1, max_pods=2)
+    started = 0
+    while started < len(scopes):  # MAX_WARM_DEPLOYS per tick at once
+        n = await env.sweeper.autoscale_once()
+        assert n > 0
+        started += n
+        await env.sweeper.wait_for_warm_deploys()
+    assert await env.sweeper.autoscale_once() == 0
+    for scope in scopes[:: state_module.BATCH // 4]:
+        assert len(await warm_set(env.redis, scope)) == 1
+
+
 # ================================================================================================
 # reclaim
 # ================================================================================================
@@ -706,6 +746,30 @@ async def test_a_healthy_probe_resets_the_failure_count(env: Env) -> None:
     assert await env.redis.get(rm_pod(pod_id, "health_fails")) == "1"
     assert env.k8s.deleted == []
     await assert_in_use(env.redis, pod_id)
+
+
+async def test_probes_run_at_most_probe_concurrency_at_once(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await configure(env, max_pods=60, pod_concurrency=1)
+    pods = [await take_in_use(env, f"r{i}") for i in range(40)]
+    running = peak = 0
+    probed: list[str] = []
+    by_ip = {env.k8s.pods[p].pod_ip: p for p in pods}
+
+    async def probe(pod_ip: str, port: int) -> bool:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.005)
+        running -= 1
+        probed.append(by_ip[pod_ip])
+        return True
+
+    monkeypatch.setattr(env.k8s, "probe_health", probe)
+    assert await env.sweeper.watch_once() == 0
+    assert sorted(probed) == sorted(pods), "each pod probed exactly once"
+    assert peak == sweeper_module.PROBE_CONCURRENCY
 
 
 async def test_a_running_pod_that_kubernetes_reports_not_ready_is_still_probed(env: Env) -> None:

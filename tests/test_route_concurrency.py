@@ -490,6 +490,73 @@ async def test_a_cold_burst_split_over_two_replicas_deploys_exactly_one_pod(
         await assert_nothing_held(redis)
 
 
+def count_acquires(reps: Replicas, monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
+    """Calls of the resource manager's acquire, per replica, through its facade."""
+    calls: collections.Counter[str] = collections.Counter()
+    for name, client in (("a", reps.a), ("b", reps.b)):
+        facade = reps.services(client).resources
+        real = facade.acquire
+
+        async def counted(*args: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+            calls[_name] += 1
+            return await _real(*args, **kw)
+
+        monkeypatch.setattr(facade, "acquire", counted)
+    return calls
+
+
+async def test_a_cold_burst_on_one_replica_makes_one_acquire_call(
+    redis: Redis, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Concurrent routes of one scope on a replica share one acquire (single flight): one
+    call per replica, not one per route; every route is still placed by route_place."""
+    k8s = FakeK8sPodClient(ready_delay=0.15)
+    async with two_replicas(redis, db, k8s=k8s, scope_full_timeout=5.0) as reps:
+        await configure(reps.a, scope_concurrency=40, pod_concurrency=20)  # max_pods 2
+        await warm_resolve_cache(reps)
+        calls = count_acquires(reps, monkeypatch)
+        outcomes, counts = await burst(reps, 20)
+        assert counts == {"OK": 20}, [o.resp.text for o in outcomes if o.code != "OK"]
+        assert k8s.deploy_calls == 1
+        assert calls == {"a": 1, "b": 1}, calls  # b's one call followed a's deploy
+        for o in outcomes:
+            await assert_four_places(redis, o.session_id, o.resp.json()["data"]["pod_id"])
+        await assert_nothing_held(redis)
+
+
+async def test_the_route_that_started_a_shared_acquire_going_away_does_not_fail_the_others(
+    redis: Redis, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    k8s = FakeK8sPodClient(ready_delay=0.3)
+    async with two_replicas(redis, db, k8s=k8s, scope_full_timeout=5.0) as reps:
+        await configure(reps.a, scope_concurrency=20, pod_concurrency=10)
+        await warm_resolve_cache(reps)
+        calls = count_acquires(reps, monkeypatch)
+        first = asyncio.create_task(route(reps.a, "starter", "r-starter"))
+        await eventually(lambda: _true(calls["a"] == 1), what="the shared acquire started")
+        others = [asyncio.create_task(route(reps.a, f"o-{i}", f"r-o-{i}")) for i in range(5)]
+        await asyncio.sleep(0.05)
+        first.cancel()  # the client of the starting route goes away mid-deploy
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        answers = await asyncio.gather(*others)
+        assert [a.status_code for a in answers] == [200] * 5, [a.text for a in answers]
+        assert calls["a"] == 1 and k8s.deploy_calls == 1
+        assert len({a.json()["data"]["pod_id"] for a in answers}) == 1
+        await eventually(
+            lambda: _no_marker(redis, "r-starter"), what="the starter's marker given back"
+        )
+        await assert_nothing_held(redis)
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _no_marker(redis: Redis, request_id: str) -> bool:
+    return await redis.get(route_marker(request_id)) is None
+
+
 # --- the issue's worked example ------------------------------------------------------------
 
 

@@ -9,10 +9,12 @@ for the pool config (one HSET).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 from redis.asyncio.lock import Lock
 
 from agent_runtime import lua
@@ -21,8 +23,14 @@ from agent_runtime.config import RM_KEY_PREFIX as P
 SCOPE_PREFIX = f"{P}resource:scope:"
 POD_PREFIX = f"{P}resource:pod:"
 PODS_ALL_KEY = f"{P}resource:pods:all"
+# Not in the contract (nothing outside reads it): every scope with a pool config, so the jobs
+# find them with an SSCAN of their own set instead of a SCAN of the whole keyspace (at 100k
+# sessions ~150k keys, 300 round trips a tick). Written with the config; reconcile adds any
+# config the index lacks (an upgrade from a version without it, a config written by hand).
+SCOPES_KEY = f"{P}resource:scopes"
 SCOPE_CONFIG_PATTERN = f"{SCOPE_PREFIX}*:config"
 IDEM_TTL = 60
+BATCH = 500  # commands per pipeline in the jobs' reads: a round trip each, a short loop slice
 
 
 def scope_config_key(scope_id: str) -> str:
@@ -94,6 +102,20 @@ class PoolConfig:
     pod_spec: dict[str, Any] | None
 
 
+def _pool_config(raw: dict[str, str]) -> PoolConfig | None:
+    if not raw:
+        return None
+    spec = raw.get("pod_spec_json")
+    return PoolConfig(
+        min_idle_pods=int(raw.get("min_idle_pods", 0)),
+        max_pods=int(raw.get("max_pods", 0)),
+        pod_ttl=int(raw.get("pod_ttl", 0)),
+        pod_concurrency=int(raw.get("pod_concurrency", 1)),
+        deploy_ver=raw.get("deploy_ver"),
+        pod_spec=json.loads(spec) if spec else None,
+    )
+
+
 class ResourceState:
     """Typed operations on the resource manager's Redis keys (client with decode_responses)."""
 
@@ -121,35 +143,50 @@ class ResourceState:
         deploy_ver: str | None = None,
         pod_spec: dict[str, Any] | None = None,
     ) -> None:
-        """One HSET: pool parameters, and with a pod spec also its version (atomic together)."""
+        """One HSET: pool parameters, and with a pod spec also its version (atomic together);
+        the scope joins the index in the same MULTI."""
         fields: dict[str, str] = {k: str(int(v)) for k, v in pool_config.items()}
         if pod_spec is not None:
             assert deploy_ver is not None
             fields["deploy_ver"] = deploy_ver
             fields["pod_spec_json"] = json.dumps(pod_spec, sort_keys=True, separators=(",", ":"))
-        await self.redis.hset(scope_config_key(scope_id), mapping=cast(dict[Any, Any], fields))
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(scope_config_key(scope_id), mapping=cast(dict[Any, Any], fields))
+            pipe.sadd(SCOPES_KEY, scope_id)
+            await pipe.execute()
 
     async def pool_config(self, scope_id: str) -> PoolConfig | None:
-        raw = cast(dict[str, str], await self.redis.hgetall(scope_config_key(scope_id)))
-        if not raw:
-            return None
-        spec = raw.get("pod_spec_json")
-        return PoolConfig(
-            min_idle_pods=int(raw.get("min_idle_pods", 0)),
-            max_pods=int(raw.get("max_pods", 0)),
-            pod_ttl=int(raw.get("pod_ttl", 0)),
-            pod_concurrency=int(raw.get("pod_concurrency", 1)),
-            deploy_ver=raw.get("deploy_ver"),
-            pod_spec=json.loads(spec) if spec else None,
+        return _pool_config(
+            cast(dict[str, str], await self.redis.hgetall(scope_config_key(scope_id)))
         )
 
+    async def pool_configs(self, scope_ids: list[str]) -> dict[str, PoolConfig]:
+        """``pool_config`` of many scopes (those without one left out), pipelined."""
+        configs: dict[str, PoolConfig] = {}
+        for chunk, raws in await self._batched(
+            scope_ids, lambda pipe, s: pipe.hgetall(scope_config_key(s))
+        ):
+            for scope_id, raw in zip(chunk, raws, strict=True):
+                if (config := _pool_config(raw)) is not None:
+                    configs[scope_id] = config
+        return configs
+
     async def scopes_with_config(self) -> list[str]:
-        """Every scope with a pool config (SCAN, never KEYS)."""
+        """Every scope with a pool config: an SSCAN of the index (see SCOPES_KEY)."""
+        return [s async for s in self.redis.sscan_iter(SCOPES_KEY, count=1000)]
+
+    async def index_scopes(self) -> int:
+        """Add to the index every scope whose config it lacks (a SCAN of the keyspace, never
+        KEYS: run by reconcile, not by every tick); returns how many were added."""
         prefix, suffix = len(SCOPE_PREFIX), len(":config")
-        return [
+        found = [
             key[prefix:-suffix]
-            async for key in self.redis.scan_iter(match=SCOPE_CONFIG_PATTERN, count=500)
+            async for key in self.redis.scan_iter(match=SCOPE_CONFIG_PATTERN, count=1000)
         ]
+        added = 0
+        for i in range(0, len(found), BATCH):
+            added += int(await self.redis.sadd(SCOPES_KEY, *found[i : i + BATCH]))
+        return added
 
     # --- scripts -------------------------------------------------------------------------------
 
@@ -289,25 +326,41 @@ class ResourceState:
     async def pod_info(self, pod_id: str) -> dict[str, str]:
         return cast(dict[str, str], await self.redis.hgetall(pod_info_key(pod_id)))
 
-    async def pod_infos(self, pod_ids: list[str], batch: int = 500) -> dict[str, dict[str, str]]:
-        """``pod_info`` of many pods, pipelined (one round trip per batch)."""
-        infos: dict[str, dict[str, str]] = {}
-        for i in range(0, len(pod_ids), batch):
-            chunk = pod_ids[i : i + batch]
+    async def _batched(
+        self, items: list[str], command: Callable[[Pipeline, str], object]
+    ) -> list[tuple[list[str], list[Any]]]:
+        """One read per item, pipelined BATCH at a time: (chunk, replies) per round trip."""
+        out = []
+        for i in range(0, len(items), BATCH):
+            chunk = items[i : i + BATCH]
             async with self.redis.pipeline(transaction=False) as pipe:
-                for pod_id in chunk:
-                    pipe.hgetall(pod_info_key(pod_id))
-                infos.update(zip(chunk, await pipe.execute(), strict=True))
-        return infos
+                for item in chunk:
+                    command(pipe, item)
+                out.append((chunk, await pipe.execute()))
+        return out
+
+    async def pod_infos(self, pod_ids: list[str]) -> dict[str, dict[str, str]]:
+        """``pod_info`` of many pods, pipelined (one round trip per batch)."""
+        return {
+            pod_id: info
+            for chunk, infos in await self._batched(
+                pod_ids, lambda pipe, p: pipe.hgetall(pod_info_key(p))
+            )
+            for pod_id, info in zip(chunk, infos, strict=True)
+        }
+
+    async def pod_fields(self, pod_ids: list[str], *fields: str) -> dict[str, list[str | None]]:
+        """Some fields of many pods' infos (HMGET, pipelined): the jobs' cheap read."""
+        return {
+            pod_id: values
+            for chunk, rows in await self._batched(
+                pod_ids, lambda pipe, p: pipe.hmget(pod_info_key(p), list(fields))
+            )
+            for pod_id, values in zip(chunk, rows, strict=True)
+        }
 
     async def pod_versions(self, pod_ids: list[str]) -> dict[str, str | None]:
-        if not pod_ids:
-            return {}
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for pod_id in pod_ids:
-                pipe.hget(pod_info_key(pod_id), "deploy_ver")
-            versions = await pipe.execute()
-        return dict(zip(pod_ids, versions, strict=True))
+        return {p: v[0] for p, v in (await self.pod_fields(pod_ids, "deploy_ver")).items()}
 
     async def scope_pods(self, scope_id: str) -> list[str]:
         return cast(list[str], await self.redis.zrange(scope_pods_key(scope_id), 0, -1))
@@ -321,14 +374,34 @@ class ResourceState:
 
     async def idle_pods(self, scope_id: str) -> dict[str, float]:
         """Warm pods → idle_since (Redis seconds)."""
-        pods = cast(list[str], await self.redis.smembers(scope_idle_key(scope_id)))
-        if not pods:
-            return {}
-        since = await self.redis.mget([pod_idle_since_key(p) for p in pods])
-        return {p: float(s or 0) for p, s in zip(pods, since, strict=True)}
+        return (await self.idle_pods_of([scope_id]))[scope_id]
+
+    async def idle_pods_of(self, scope_ids: list[str]) -> dict[str, dict[str, float]]:
+        """``idle_pods`` of many scopes: pipelined SMEMBERS, then MGETs of the warm ones."""
+        members = await self._members_of(scope_ids, scope_idle_key)
+        pods = [p for scope_pods in members.values() for p in scope_pods]
+        since: dict[str, float] = {}
+        for i in range(0, len(pods), BATCH):
+            chunk = pods[i : i + BATCH]
+            values = await self.redis.mget([pod_idle_since_key(p) for p in chunk])
+            since.update((p, float(v or 0)) for p, v in zip(chunk, values, strict=True))
+        return {s: {p: since[p] for p in scope_pods} for s, scope_pods in members.items()}
 
     async def deploying(self, scope_id: str) -> list[str]:
         return cast(list[str], list(await self.redis.smembers(scope_deploying_key(scope_id))))
+
+    async def deploying_of(self, scope_ids: list[str]) -> dict[str, list[str]]:
+        """``deploying`` of many scopes, pipelined."""
+        return await self._members_of(scope_ids, scope_deploying_key)
+
+    async def _members_of(
+        self, scope_ids: list[str], key: Callable[[str], str]
+    ) -> dict[str, list[str]]:
+        return {
+            scope_id: sorted(members)
+            for chunk, sets in await self._batched(scope_ids, lambda pipe, s: pipe.smembers(key(s)))
+            for scope_id, members in zip(chunk, sets, strict=True)
+        }
 
     async def pod_phases(self) -> dict[str, int]:
         """Registered pods by phase (in_use / idle): O(pods), pipelined (``pod_infos``)."""
@@ -375,7 +448,7 @@ class ResourceState:
         }
 
     async def all_pods(self) -> list[str]:
-        return [p async for p in self.redis.sscan_iter(PODS_ALL_KEY, count=500)]
+        return [p async for p in self.redis.sscan_iter(PODS_ALL_KEY, count=1000)]
 
     async def cached_result(self, request_id: str) -> dict[str, str] | None:
         raw = await self.redis.get(idem_key(request_id))

@@ -65,15 +65,17 @@ class ResourceSweeper:
         started. Deploys run in the background (a tick must stay short); their placeholders
         count against max_pods and against the floor while they run."""
         started = 0
-        for scope_id in await self._state.scopes_with_config():
-            config = await self._state.pool_config(scope_id)
-            if config is None or config.pod_spec is None or config.min_idle_pods <= 0:
-                continue
-            warm = await self._current_idle(scope_id, config)
-            in_flight = sum(
-                1 for m in await self._state.deploying(scope_id) if m.startswith(WARM_TOKEN_PREFIX)
-            )
-            for _ in range(config.min_idle_pods - len(warm) - in_flight):
+        configs = {
+            scope_id: config
+            for scope_id, config in (await self._pool_configs()).items()
+            if config.pod_spec is not None and config.min_idle_pods > 0
+        }
+        warm_of = await self._current_idle(configs)
+        deploying = await self._state.deploying_of(list(configs))
+        for scope_id, config in configs.items():
+            assert config.pod_spec is not None
+            in_flight = sum(1 for m in deploying[scope_id] if m.startswith(WARM_TOKEN_PREFIX))
+            for _ in range(config.min_idle_pods - len(warm_of[scope_id]) - in_flight):
                 if len(self._warm_deploys) >= MAX_WARM_DEPLOYS:
                     return started
                 ttl = math.ceil(float(config.pod_spec.get("ready_timeout") or 300)) + LOCK_MARGIN
@@ -99,10 +101,24 @@ class ResourceSweeper:
     async def wait_for_warm_deploys(self) -> None:
         await self._warm_deploys.wait()
 
-    async def _current_idle(self, scope_id: str, config: PoolConfig) -> dict[str, float]:
-        idle = await self._state.idle_pods(scope_id)
-        versions = await self._state.pod_versions(list(idle))
-        return {p: since for p, since in idle.items() if versions.get(p) == config.deploy_ver}
+    async def _current_idle(self, configs: dict[str, PoolConfig]) -> dict[str, dict[str, float]]:
+        """Each scope's warm pods of its current version → idle_since."""
+        idle, versions = await self._idle_with_versions(list(configs))
+        return {
+            scope_id: {p: t for p, t in idle[scope_id].items() if versions.get(p) == c.deploy_ver}
+            for scope_id, c in configs.items()
+        }
+
+    async def _idle_with_versions(
+        self, scope_ids: list[str]
+    ) -> tuple[dict[str, dict[str, float]], dict[str, str | None]]:
+        idle = await self._state.idle_pods_of(scope_ids)
+        versions = await self._state.pod_versions([p for pods in idle.values() for p in pods])
+        return idle, versions
+
+    async def _pool_configs(self) -> dict[str, PoolConfig]:
+        """Every scope's pool config: its index, then the configs, pipelined."""
+        return await self._state.pool_configs(await self._state.scopes_with_config())
 
     # --- reclaim (scenario K) ------------------------------------------------------------------
 
@@ -111,12 +127,10 @@ class ResourceSweeper:
         the min_idle floor; returns pods reclaimed."""
         now = await self._state.now()
         reclaimed = 0
-        for scope_id in await self._state.scopes_with_config():
-            config = await self._state.pool_config(scope_id)
-            if config is None:
-                continue
-            idle = await self._state.idle_pods(scope_id)
-            versions = await self._state.pod_versions(list(idle))
+        configs = await self._pool_configs()
+        idle_of, versions = await self._idle_with_versions(list(configs))
+        for scope_id, config in configs.items():
+            idle = idle_of[scope_id]
             old = [p for p in idle if versions.get(p) != config.deploy_ver]
             current = sorted((since, p) for p, since in idle.items() if p not in old)
             # the floor keeps the longest-idle ones: acquire takes the most recently idle
@@ -174,35 +188,33 @@ class ResourceSweeper:
         return cleaned
 
     async def _probe_all(self, probes: list[tuple[str, PodStatus]]) -> int:
-        gate = asyncio.Semaphore(PROBE_CONCURRENCY)
-        ports = await self._sse_ports()
+        """PROBE_CONCURRENCY workers over the list (not a task per pod: 10k of them would be
+        created in one go and stall the loop); their Redis calls too stay within that bound."""
+        ports = {
+            scope_id: int(config.pod_spec.get("sse_port") or 8080)
+            for scope_id, config in (await self._pool_configs()).items()
+            if config.pod_spec is not None
+        }
         healthy_pods: list[str] = []
+        pending = iter(probes)
+        cleaned = 0
 
-        async def probe(pod_id: str, status: PodStatus) -> bool:
-            port = ports.get(status.scope_id or "")
-            if port is None or status.pod_ip is None:
-                return False
-            async with gate:  # the Redis calls too: 10k pods must not drain the Redis pool
+        async def worker() -> None:
+            nonlocal cleaned
+            for pod_id, status in pending:  # shared iterator: each pod taken by one worker
+                port = ports.get(status.scope_id or "")
+                if port is None or status.pod_ip is None:
+                    continue
                 if await self._k8s.probe_health(status.pod_ip, port):
-                    healthy_pods.append(pod_id)  # counters reset below, in one call
-                    return False
-                if await self._state.count_health_failure(pod_id) < HEALTH_FAILS_TO_DEAD:
-                    return False
-            await self._clean_dead(pod_id, status.namespace, exists=True, why="half-dead")
-            return True
+                    healthy_pods.append(pod_id)  # counters reset below, in one call per batch
+                elif await self._state.count_health_failure(pod_id) >= HEALTH_FAILS_TO_DEAD:
+                    await self._clean_dead(pod_id, status.namespace, exists=True, why="half-dead")
+                    cleaned += 1
 
-        results = await asyncio.gather(*(probe(p, s) for p, s in probes))
+        await asyncio.gather(*(worker() for _ in range(min(PROBE_CONCURRENCY, len(probes)))))
         for i in range(0, len(healthy_pods), 500):
             await self._state.clear_health_failures(*healthy_pods[i : i + 500])
-        return sum(results)
-
-    async def _sse_ports(self) -> dict[str, int]:
-        ports: dict[str, int] = {}
-        for scope_id in await self._state.scopes_with_config():
-            config = await self._state.pool_config(scope_id)
-            if config is not None and config.pod_spec is not None:
-                ports[scope_id] = int(config.pod_spec.get("sse_port") or 8080)
-        return ports
+        return cleaned
 
     async def _clean_dead(self, pod_id: str, namespace: str, *, exists: bool, why: str) -> None:
         log.info("pod %s: %s; cleaning it", pod_id, why)
@@ -221,6 +233,9 @@ class ResourceSweeper:
         has a placeholder, or is registered by then: never an orphan).
         """
         counts = {"purged": 0, "released": 0, "adopted": 0, "deleted": 0}
+        indexed = await self._state.index_scopes()
+        if indexed:
+            log.info("%d scopes with a pool config were missing from the index; added", indexed)
         known_before = await self._pods_by_namespace()
         namespaces = set(known_before) | await self._config_namespaces()
         listings: dict[str, dict[str, PodStatus]] = {}
@@ -237,9 +252,7 @@ class ResourceSweeper:
                     await self._forget(pod_id)
                     counts["purged"] += 1
         counts["released"] = await self._release_unused()
-        deploying = {
-            s: await self._state.deploying(s) for s in await self._state.scopes_with_config()
-        }
+        deploying = await self._state.deploying_of(await self._state.scopes_with_config())
         known_now = set(await self._state.all_pods())
         known_at_start = {p for pods in known_before.values() for p in pods}
         for listed in listings.values():
@@ -280,10 +293,10 @@ class ResourceSweeper:
     async def _release_unused(self) -> int:
         """In-use pods the session side neither places on nor has sessions on → warm pool."""
         view: dict[str, str] = {}
-        infos = await self._state.pod_infos(await self._state.all_pods())
-        for pod_id, info in infos.items():
-            if info.get("phase") == "in_use" and info.get("scope_id"):
-                view[pod_id] = info["scope_id"]
+        fields = await self._state.pod_fields(await self._state.all_pods(), "phase", "scope_id")
+        for pod_id, (phase, scope_id) in fields.items():
+            if phase == "in_use" and scope_id:
+                view[pod_id] = scope_id
         if not view:
             return 0
         usage = await self._sessions.reconcile_pods(view)
@@ -360,16 +373,15 @@ class ResourceSweeper:
 
     async def _pods_by_namespace(self) -> dict[str, list[str]]:
         grouped: dict[str, list[str]] = defaultdict(list)
-        infos = await self._state.pod_infos(await self._state.all_pods())
-        for pod_id, info in infos.items():
-            grouped[info.get("namespace") or self._default_namespace].append(pod_id)
+        fields = await self._state.pod_fields(await self._state.all_pods(), "namespace")
+        for pod_id, (namespace,) in fields.items():
+            grouped[namespace or self._default_namespace].append(pod_id)
         return grouped
 
     async def _config_namespaces(self) -> set[str]:
         namespaces = {self._default_namespace}
-        for scope_id in await self._state.scopes_with_config():
-            config = await self._state.pool_config(scope_id)
-            if config is not None and config.pod_spec is not None:
+        for config in (await self._pool_configs()).values():
+            if config.pod_spec is not None:
                 namespaces.add(config.pod_spec.get("namespace") or self._default_namespace)
         return namespaces
 

@@ -76,6 +76,8 @@ class SessionOrchestrator:
         self._resources = resources
         self._notifier = notifier
         self._scope_full_timeout = scope_full_timeout
+        # scope → the acquire its concurrent routes on this replica share (see _Route.acquire)
+        self._acquiring: dict[str, asyncio.Future[bool]] = {}
         self.draining = False
 
     def drain(self) -> None:
@@ -239,7 +241,35 @@ class _Route:
             )
 
     async def acquire(self, attempt: int) -> bool:
-        """Get a pod and make it a candidate; False when a deploy is in flight (wait)."""
+        """Get a pod and make it a candidate; False when a deploy is in flight (wait).
+
+        Concurrent routes of one scope on this replica share one acquire (single flight): a
+        cold burst makes one acquire call instead of one per route (each a dozen Redis round
+        trips competing with the leader's for the loop), and every sharer then places through
+        route_place, the judge; those the pod cannot hold get need_acquire again. Shielded:
+        the route that started it going away does not cancel it for the others."""
+        shared = self.o._acquiring.get(self.scope_id)
+        if shared is None:
+            shared = asyncio.ensure_future(self._acquire(attempt))
+            self.o._acquiring[self.scope_id] = shared
+            shared.add_done_callback(self._acquired)
+        try:
+            return await asyncio.shield(shared)
+        except MaxPodsReached as exc:
+            now = asyncio.get_running_loop().time()
+            if self.cap_since is None:
+                self.cap_since = now
+            if now - self.cap_since < CAP_GRACE:
+                return False  # wait for a candidate that may be on its way, then look again
+            raise NoPodAvailable(f"no pod for scope {self.scope_id}: {exc}") from None
+
+    def _acquired(self, task: asyncio.Future[bool]) -> None:
+        if self.o._acquiring.get(self.scope_id) is task:
+            del self.o._acquiring[self.scope_id]
+        if not task.cancelled():
+            task.exception()  # retrieved: every sharer may have gone away
+
+    async def _acquire(self, attempt: int) -> bool:
         config = await self.o._config.resolve(self.scope_id, self.group_id, self.bot_id)
         try:
             pod = await self.o._resources.acquire(
@@ -251,13 +281,6 @@ class _Route:
             )
         except DeployInProgress:
             return False
-        except MaxPodsReached as exc:
-            now = asyncio.get_running_loop().time()
-            if self.cap_since is None:
-                self.cap_since = now
-            if now - self.cap_since < CAP_GRACE:
-                return False  # wait for a candidate that may be on its way, then look again
-            raise NoPodAvailable(f"no pod for scope {self.scope_id}: {exc}") from None
         except DeployFailed as exc:
             raise NoPodAvailable(f"no pod for scope {self.scope_id}: {exc}") from None
         registered = await self.o._state.register_pod(
