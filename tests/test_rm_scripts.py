@@ -636,6 +636,38 @@ async def test_release_of_a_pod_not_in_the_scope_writes_nothing(
     assert await redis.hget(K.info("theirs"), "phase") == "in_use"
 
 
+# --- pod_fields (read only) ---------------------------------------------------------------------
+
+
+async def test_pod_fields_reads_the_asked_fields_of_each_pod_in_order(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, "s1")
+    await configure(rs, "s2")
+    await add_pod(rs, "s1", "p1", warm=True)
+    await add_pod(rs, "s2", "p2", ver="v1", warm=False)
+    await redis.hdel(K.info("p2"), "namespace")
+    got = await rs.pod_fields(["p2", "ghost", "p1"], "phase", "scope_id", "namespace")
+    assert list(got) == ["p2", "ghost", "p1"]
+    assert got["p1"] == ["idle", "s1", await redis.hget(K.info("p1"), "namespace")]
+    assert got["p2"] == ["in_use", "s2", None], "a missing field is None, the row keeps its place"
+    assert got["ghost"] == [None, None, None], "an unknown pod: all None"
+    assert await rs.pod_fields([], "phase") == {}
+    assert await rs.pod_versions(["p1", "ghost"]) == {"p1": "v1", "ghost": None}
+
+
+async def test_pod_fields_over_more_pods_than_one_call(
+    rs: ResourceState, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agent_runtime.resource_manager import state as state_module
+
+    monkeypatch.setattr(state_module, "BATCH", 3)
+    for i in range(8):
+        await redis.hset(K.info(f"q{i}"), mapping={"phase": "in_use", "scope_id": f"s{i}"})
+    got = await rs.pod_fields([f"q{i}" for i in range(8)], "scope_id")
+    assert got == {f"q{i}": [f"s{i}"] for i in range(8)}
+
+
 # --- purge -------------------------------------------------------------------------------------
 
 

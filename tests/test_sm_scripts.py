@@ -1051,6 +1051,27 @@ async def test_sweep_idle_walks_every_registered_pod_page_by_page(
     assert await state.sweep_idle(0, page=4) == []
 
 
+# --- pod_usage (read only) ----------------------------------------------------------------------
+
+
+async def test_pod_usage_tells_candidate_and_sessions_per_pod(
+    state: SessionState, redis: Redis
+) -> None:
+    other = "f" * 32
+    await configure(redis, scope_concurrency=10, pod_concurrency=2)
+    await configure(redis, other)
+    await add_pod(state, "p1")
+    await add_pod(state, "p2")
+    await add_pod(state, "q1", other)
+    await route(state, "s1")
+    await route(state, "s2")  # p1 full
+    await route(state, "s3")  # p2
+    await state.remove_candidates(SID, ["p2"])  # sunset: keeps its session
+    pairs = [(SID, "p1"), (SID, "p2"), (other, "q1"), (SID, "ghost")]
+    assert await state.pod_usage(pairs) == [(True, 2), (False, 1), (True, 0), (False, 0)]
+    assert await state.pod_usage([]) == []
+
+
 # --- register_pod ------------------------------------------------------------------------------
 
 

@@ -132,6 +132,7 @@ class ResourceState:
         self._release = script("release")
         self._purge = script("purge")
         self._follower_gate = script("deploy_follower_gate")
+        self._pod_fields = script("pod_fields")
 
     # --- pool config ---------------------------------------------------------------------------
 
@@ -350,14 +351,15 @@ class ResourceState:
         }
 
     async def pod_fields(self, pod_ids: list[str], *fields: str) -> dict[str, list[str | None]]:
-        """Some fields of many pods' infos (HMGET, pipelined): the jobs' cheap read."""
-        return {
-            pod_id: values
-            for chunk, rows in await self._batched(
-                pod_ids, lambda pipe, p: pipe.hmget(pod_info_key(p), list(fields))
-            )
-            for pod_id, values in zip(chunk, rows, strict=True)
-        }
+        """Some fields of many pods' infos: the jobs' cheap read, one ``pod_fields`` script
+        per BATCH pods (each reply a flat list, n values per pod)."""
+        n = len(fields)
+        out: dict[str, list[str | None]] = {}
+        for i in range(0, len(pod_ids), BATCH):
+            chunk = pod_ids[i : i + BATCH]
+            flat = await self._pod_fields(keys=[], args=[POD_PREFIX, n, *fields, *chunk])
+            out.update((p, flat[j * n : j * n + n]) for j, p in enumerate(chunk))
+        return out
 
     async def pod_versions(self, pod_ids: list[str]) -> dict[str, str | None]:
         return {p: v[0] for p, v in (await self.pod_fields(pod_ids, "deploy_ver")).items()}
