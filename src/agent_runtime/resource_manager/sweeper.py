@@ -127,8 +127,9 @@ class ResourceSweeper:
         the min_idle floor; returns pods reclaimed."""
         now = await self._state.now()
         reclaimed = 0
-        configs = await self._pool_configs()
-        idle_of, versions = await self._idle_with_versions(list(configs))
+        # warm pods first: only the scopes that have some need their config read
+        idle_of, versions = await self._idle_with_versions(await self._state.scopes_with_config())
+        configs = await self._state.pool_configs([s for s, idle in idle_of.items() if idle])
         for scope_id, config in configs.items():
             idle = idle_of[scope_id]
             old = [p for p in idle if versions.get(p) != config.deploy_ver]
@@ -201,7 +202,9 @@ class ResourceSweeper:
 
         async def worker() -> None:
             nonlocal cleaned
-            for pod_id, status in pending:  # shared iterator: each pod taken by one worker
+            for n, (pod_id, status) in enumerate(pending):  # shared: each pod to one worker
+                if n % 64 == 63:
+                    await asyncio.sleep(0)  # a probe that answers without I/O never yields
                 port = ports.get(status.scope_id or "")
                 if port is None or status.pod_ip is None:
                     continue
