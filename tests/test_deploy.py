@@ -39,7 +39,6 @@ from kubernetes_asyncio.client import (
     V1ObjectMeta,
     V1Pod,
     V1PodCondition,
-    V1PodList,
     V1PodStatus,
 )
 from kubernetes_validate import utils as kv_utils
@@ -518,6 +517,21 @@ def test_call_to_permission_mapping() -> None:
     assert (lease.group, lease.resource) == ("coordination.k8s.io", "leases")
 
 
+class _RawReply:
+    """An unread aiohttp response, as ``_preload_content=False`` hands it back."""
+
+    status, reason, headers = 200, "OK", {}
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    async def read(self) -> bytes:
+        return self._body
+
+    def release(self) -> None:
+        return None
+
+
 class _RecordingApi:
     """Stands in for CoreV1Api behind ``api_factory``: records every method the client calls
     and answers with a Ready pod (or a Failed one, to drive the discard path)."""
@@ -550,8 +564,9 @@ class _RecordingApi:
             self.calls.append(name)
             if name == "read_namespaced_pod":
                 return self._pod(args[0], args[1])
-            if name == "list_namespaced_pod":
-                return V1PodList(items=[self._pod("agent-x", args[0])])
+            if name == "list_namespaced_pod":  # read raw (_preload_content=False)
+                pod = self._pod("agent-x", args[0]).to_dict(serialize=True)
+                return _RawReply(json.dumps({"items": [pod]}).encode())
             return None
 
         return call

@@ -19,6 +19,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from kubernetes_asyncio.client import (
     V1ContainerState,
     V1ContainerStateRunning,
@@ -27,19 +29,22 @@ from kubernetes_asyncio.client import (
     V1ObjectMeta,
     V1Pod,
     V1PodCondition,
-    V1PodList,
     V1PodStatus,
 )
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from agent_runtime.resource_manager import k8s as k8s_module
 from agent_runtime.resource_manager.k8s import (
     FakeK8sPodClient,
     RealK8sPodClient,
     build_pod_body,
+    iter_json_object,
     label_selector_matches,
     new_pod_name,
     parse_label_selector,
     pod_status,
+    pod_status_from_json,
+    read_pod_list,
 )
 from agent_runtime.resource_manager.models import (
     APP_LABEL,
@@ -257,6 +262,13 @@ def test_body_without_image_is_a_deploy_failure() -> None:
 def test_pod_status(pod: V1Pod, phase: str, ready: bool, dead: bool) -> None:
     status = pod_status(pod)
     assert (status.phase, status.ready, status.dead) == (phase, ready, dead)
+    assert pod_status_from_json(as_json(pod)) == status, "a LIST page reads it the same"
+
+
+def as_json(pod: V1Pod) -> dict[str, Any]:
+    """The Pod as the API server sends it: camelCase JSON (times as strings)."""
+    loaded: dict[str, Any] = json.loads(json.dumps(pod.to_dict(serialize=True), default=str))
+    return loaded
 
 
 def test_pod_status_fields() -> None:
@@ -267,6 +279,26 @@ def test_pod_status_fields() -> None:
     assert pod_status(v1pod(phase="Pending", ip=None)).pod_ip is None
 
 
+def test_pod_status_reads_init_containers_as_the_json_path() -> None:
+    pod = pending()
+    pod.status.init_container_statuses = [
+        V1ContainerStatus(
+            name="init",
+            image="busybox",
+            image_id="",
+            ready=False,
+            restart_count=0,
+            state=V1ContainerState(waiting=V1ContainerStateWaiting(reason="ErrImagePull")),
+        ),
+        V1ContainerStatus(
+            name="init2", image="busybox", image_id="", ready=False, restart_count=0, state=None
+        ),
+    ]
+    status = pod_status(pod)
+    assert status.phase == "ErrImagePull" and status.dead
+    assert pod_status_from_json(as_json(pod)) == status
+
+
 def test_pod_status_without_status_block() -> None:
     status = pod_status(V1Pod(metadata=V1ObjectMeta(name="p", namespace="ns")))
     assert (status.phase, status.ready, status.pod_ip, status.labels) == (
@@ -275,6 +307,49 @@ def test_pod_status_without_status_block() -> None:
         None,
         {},
     )
+    assert pod_status_from_json({"metadata": {"name": "p", "namespace": "ns"}}) == status
+
+
+def test_pod_status_from_json_as_the_api_sends_it() -> None:
+    """Only the fields the rules read matter; absent, null or empty blocks are tolerated."""
+    pod = {
+        "metadata": {
+            "name": "agent-q",
+            "namespace": "team",
+            "labels": {SCOPE_LABEL: SCOPE, DEPLOY_VER_LABEL: VER},
+            "managedFields": [{"manager": "kubelet"}],
+        },
+        "spec": {"containers": [{"name": "agentserver", "image": "x:1"}]},
+        "status": {
+            "phase": "Running",
+            "podIP": "10.9.9.9",
+            "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "Ready", "status": "True", "lastProbeTime": None},
+            ],
+            "initContainerStatuses": [{"name": "init", "state": {"terminated": {"exitCode": 0}}}],
+            "containerStatuses": [{"name": "agentserver", "state": {"running": {}}}],
+        },
+    }
+    status = pod_status_from_json(pod)
+    assert (status.pod_id, status.namespace, status.phase, status.ready, status.pod_ip) == (
+        "agent-q",
+        "team",
+        "Running",
+        True,
+        "10.9.9.9",
+    )
+    assert (status.scope_id, status.deploy_ver, status.dead) == (SCOPE, VER, False)
+
+    pod["status"]["initContainerStatuses"] = [
+        {"name": "init", "state": {"waiting": {"reason": "ImagePullBackOff"}}}
+    ]
+    assert pod_status_from_json(pod).phase == "ImagePullBackOff", "init containers count"
+    pod["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert pod_status_from_json(pod).phase == "Terminating"
+    bare = {"metadata": {"name": "p", "labels": None}, "status": {"podIP": "", "conditions": None}}
+    assert pod_status_from_json(bare) == pod_status_from_json({"metadata": {"name": "p"}})
+    assert pod_status_from_json(bare).pod_ip is None and pod_status_from_json(bare).namespace == ""
 
 
 def test_normalize_phase_order() -> None:
@@ -285,6 +360,111 @@ def test_normalize_phase_order() -> None:
         "ImagePullBackOff"
     )
     assert normalize_phase(None, deleting=False) == "Unknown"
+
+
+# --- a LIST page read a piece at a time -----------------------------------------------------------
+
+
+def walked(text: str) -> dict[str, Any]:
+    """``iter_json_object`` put back together: it must equal ``json.loads`` (an empty
+    ``items`` array gives no element, so it is put back as one)."""
+    out: dict[str, Any] = {}
+    for key, value in iter_json_object(text):
+        if key == "items[]":
+            out.setdefault("items", []).append(value)
+        else:
+            out[key] = value
+    if re.search(r'"items"\s*:\s*\[', text) and "items" not in out:
+        out["items"] = []
+    return out
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{}",
+        " { } ",
+        '{"items": []}',
+        '{"items":[ ]}',
+        '{"items": null, "metadata": {}}',
+        '{"kind":"PodList","metadata":{"continue":"x","remainingItemCount":3},"items":[{"a":1}]}',
+        '\n{\n "items" : [ {"a": [1, 2]} ,\t{"b": "]}"} ] ,\r\n "z": [1] }\n',
+        '{"a": {"items": [1]}, "items": [[1], "s", 2.5, true, null]}',
+    ],
+)
+def test_iter_json_object_matches_json_loads(text: str) -> None:
+    assert walked(text) == json.loads(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "[]",
+        "{",
+        '{"items": [1,]}',
+        '{"items": [1}',
+        '{"a": 1,}',
+        '{"a" 1}',
+        "{1: 2}",
+        '{"a": 1} x',
+        '{"items": [{"a": 1} {"b": 2}]}',
+        '{"a": tru}',
+    ],
+)
+def test_iter_json_object_refuses_malformed_json(text: str) -> None:
+    with pytest.raises(ValueError):
+        walked(text)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+
+
+@given(
+    st.dictionaries(st.text(max_size=6), json_values, max_size=4),
+    st.lists(json_values, max_size=5),
+    st.sampled_from([None, 0, 2]),
+)
+def test_iter_json_object_any_object(
+    members: dict[str, Any], items: list[Any], indent: int | None
+) -> None:
+    document = {**members, "items": items}
+    assert walked(json.dumps(document, indent=indent)) == document
+
+
+async def test_read_pod_list_yields_to_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    pods = [as_json(v1pod(f"agent-{i}", ip=f"10.0.0.{i}")) for i in range(50)]
+    text = json.dumps({"kind": "PodList", "metadata": {"continue": "next"}, "items": pods})
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    monkeypatch.setattr(k8s_module, "LIST_PARSE_SLICE", 0.0)  # yield after every item
+    found: list[Any] = []
+    try:
+        assert await read_pod_list(text, found) == "next"
+        assert ticks >= 50, "the loop ran between the items"
+    finally:
+        task.cancel()
+    assert [p.pod_id for p in found] == [f"agent-{i}" for i in range(50)]
+    assert found[7].pod_ip == "10.0.0.7" and found[7].ready
+
+    last: list[Any] = []
+    assert await read_pod_list('{"metadata": {"continue": ""}, "items": []}', last) is None
+    with pytest.raises(ValueError, match="item is an object"):
+        await read_pod_list('{"items": [1]}', last)
 
 
 # --- label selectors ---------------------------------------------------------------------------
@@ -340,10 +520,12 @@ class ScriptedCoreApi:
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.create_faults: list[BaseException | str] = []
         self.list_fault: BaseException | None = None
+        self.list_faults: list[BaseException | str | None] = []  # one per LIST, in order
         self.delete_fault: BaseException | None = None
         self.creates: list[str] = []
         self.reads: list[str] = []
-        self.lists: list[tuple[str, str]] = []
+        self.lists: list[tuple[str, str, int | None, str | None]] = []
+        self.raw_replies: list[RawReply] = []
         self.deletes: list[tuple[str, int | None]] = []
         self.closed = False
         self.api_client = self
@@ -386,13 +568,37 @@ class ScriptedCoreApi:
             raise api_error(404, "Not Found")
         return self._v1pod(namespace, name)
 
-    async def list_namespaced_pod(self, namespace: str, *, label_selector: str) -> V1PodList:
-        self.lists.append((namespace, label_selector))
-        if self.list_fault is not None:
-            raise self.list_fault
-        return V1PodList(
-            items=[self._v1pod(ns, name) for (ns, name) in self.pods if ns == namespace]
-        )
+    async def list_namespaced_pod(
+        self,
+        namespace: str,
+        *,
+        label_selector: str,
+        limit: int | None = None,
+        _continue: str | None = None,
+        _preload_content: bool = True,
+    ) -> RawReply:
+        """Pages of ``limit`` pods by name, ``continue`` = the offset; always raw (the client
+        reads LISTs with ``_preload_content=False``). A scripted ``ApiException`` is answered
+        as the server would (that status and body); any other exception is raised."""
+        assert _preload_content is False
+        self.lists.append((namespace, label_selector, limit, _continue))
+        fault = self.list_faults.pop(0) if self.list_faults else self.list_fault
+        if isinstance(fault, ApiException):
+            reply = RawReply(fault.status, fault.body or b"", fault.reason, fault.headers)
+        elif isinstance(fault, BaseException):
+            raise fault
+        elif fault == "garbage":
+            reply = RawReply(200, b'{"items": [')
+        else:
+            names = sorted(name for (ns, name) in self.pods if ns == namespace)
+            start = int(_continue or 0)
+            end = len(names) if not limit else min(len(names), start + limit)
+            meta = {"resourceVersion": "7", "continue": str(end) if end < len(names) else None}
+            items = [as_json(self._v1pod(namespace, name)) for name in names[start:end]]
+            body = {"kind": "PodList", "apiVersion": "v1", "metadata": meta, "items": items}
+            reply = RawReply(200, json.dumps(body).encode())
+        self.raw_replies.append(reply)
+        return reply
 
     async def delete_namespaced_pod(
         self, name: str, namespace: str, grace_period_seconds: int | None = None
@@ -402,6 +608,27 @@ class ScriptedCoreApi:
             raise self.delete_fault
         if self.pods.pop((namespace, name), None) is None:
             raise api_error(404, "Not Found")
+
+
+class RawReply:
+    """What ``_preload_content=False`` hands back: an unread aiohttp response."""
+
+    def __init__(
+        self,
+        status: int,
+        body: bytes,
+        reason: str | None = "OK",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.status, self.reason, self.headers = status, reason, headers or {}
+        self._body = body
+        self.released = False
+
+    async def read(self) -> bytes:
+        return self._body
+
+    def release(self) -> None:
+        self.released = True
 
 
 class Opened:
@@ -636,27 +863,110 @@ async def test_closed_client_refuses() -> None:
 # list / get / delete
 
 
-async def test_list_pods_one_call(real: RealK8sPodClient, api: ScriptedCoreApi) -> None:
+async def test_list_pods_one_page(real: RealK8sPodClient, api: ScriptedCoreApi) -> None:
     info = await deploy(real)
     pods = await real.list_pods("ns", COMPONENT_SELECTOR)
     assert [(p.pod_id, p.phase, p.ready, p.scope_id) for p in pods] == [
         (info.pod_id, "Running", True, SCOPE)
     ]
-    assert api.lists == [("ns", COMPONENT_SELECTOR)]
+    assert api.lists == [("ns", COMPONENT_SELECTOR, 500, None)]
+    assert all(reply.released for reply in api.raw_replies)
 
 
-async def test_list_pods_missing_namespace(real: RealK8sPodClient, api: ScriptedCoreApi) -> None:
+def add_pods(api: ScriptedCoreApi, n: int, namespace: str = "ns") -> list[str]:
+    names = [f"agent-{i:03d}" for i in range(n)]
+    for name in names:
+        api.pods[(namespace, name)] = build_pod_body(name, SCOPE, VER, spec())
+    return names
+
+
+async def test_list_pods_pages_until_no_continue_token(
+    real: RealK8sPodClient, api: ScriptedCoreApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(k8s_module, "LIST_PAGE_SIZE", 2)
+    names = add_pods(api, 5)
+    pods = await real.list_pods("ns", COMPONENT_SELECTOR)
+    assert [p.pod_id for p in pods] == names, "every pod once, in order"
+    assert all(p.ready and p.pod_ip == "10.1.2.3" and p.scope_id == SCOPE for p in pods)
+    assert [(limit, token) for _, _, limit, token in api.lists] == [
+        (2, None),
+        (2, "2"),
+        (2, "4"),
+    ]
+
+
+async def test_list_pods_missing_namespace(
+    real: RealK8sPodClient, api: ScriptedCoreApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
     api.list_fault = api_error(404, "Not Found")
     assert await real.list_pods("gone", COMPONENT_SELECTOR) == []
+    api.list_fault = None
+    monkeypatch.setattr(k8s_module, "LIST_PAGE_SIZE", 2)
+    add_pods(api, 3)
+    api.list_faults = [None, api_error(404, "Not Found")]  # gone between two pages
+    assert await real.list_pods("ns", COMPONENT_SELECTOR) == []
+
+
+async def test_list_pods_expired_token_restarts_once(
+    real: RealK8sPodClient, api: ScriptedCoreApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(k8s_module, "LIST_PAGE_SIZE", 2)
+    names = add_pods(api, 5)
+    gone = api_error(410, "Gone", "The provided continue parameter is too old")
+    api.list_faults = [None, gone]
+    pods = await real.list_pods("ns", COMPONENT_SELECTOR)
+    assert [p.pod_id for p in pods] == names, "the first page is not kept twice"
+    assert [token for *_, token in api.lists] == [None, "2", None, "2", "4"]
+
+    api.lists.clear()
+    api.list_faults = [None, gone, None, gone]
+    with pytest.raises(K8sApiError, match="410 Gone: The provided continue") as info:
+        await real.list_pods("ns", COMPONENT_SELECTOR)
+    assert info.value.status == 410 and len(api.lists) == 4, "restarted once only"
+
+    api.lists.clear()
+    api.list_faults = [gone]
+    with pytest.raises(K8sApiError) as info:
+        await real.list_pods("ns", COMPONENT_SELECTOR)
+    assert info.value.status == 410 and len(api.lists) == 1, "a first page has no token to renew"
+
+
+async def test_list_pods_429_is_a_k8s_error_with_its_text(
+    real: RealK8sPodClient, api: ScriptedCoreApi
+) -> None:
+    api.list_fault = api_error(429, "Too Many Requests", "slow down", Retry_After="2")
+    with pytest.raises(K8sApiError, match="429 Too Many Requests: slow down") as info:
+        await real.list_pods("ns", COMPONENT_SELECTOR)
+    assert info.value.status == 429 and len(api.lists) == 1
+
+
+async def test_list_pods_reply_that_is_not_a_pod_list(
+    real: RealK8sPodClient, api: ScriptedCoreApi
+) -> None:
+    api.list_faults = ["garbage"]
+    with pytest.raises(K8sApiError, match="not a PodList") as info:
+        await real.list_pods("ns", COMPONENT_SELECTOR)
+    assert info.value.status is None
 
 
 @pytest.mark.parametrize("status", [403, 401, 500])
-async def test_list_pods_refused(real: RealK8sPodClient, api: ScriptedCoreApi, status: int) -> None:
+async def test_list_pods_refused(
+    real: RealK8sPodClient, api: ScriptedCoreApi, status: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     api.list_fault = api_error(status, "Nope", "pods is forbidden")
     with pytest.raises(K8sApiError) as info:
         await real.list_pods("ns", COMPONENT_SELECTOR)
     assert info.value.status == status
     assert "pods is forbidden" in str(info.value)
+    assert all(reply.released for reply in api.raw_replies)
+
+    api.list_fault = None  # refused on a later page: the same, nothing half-listed
+    monkeypatch.setattr(k8s_module, "LIST_PAGE_SIZE", 2)
+    add_pods(api, 5)
+    api.list_faults = [None, api_error(status, "Nope", "pods is forbidden")]
+    with pytest.raises(K8sApiError) as info:
+        await real.list_pods("ns", COMPONENT_SELECTOR)
+    assert info.value.status == status and len(api.lists) == 3
 
 
 async def test_list_pods_transport_error(real: RealK8sPodClient, api: ScriptedCoreApi) -> None:

@@ -26,14 +26,16 @@ import pytest
 from agent_runtime import spec_fields
 from agent_runtime.db.engine import Database
 from agent_runtime.kubesim import KubeSim
+from agent_runtime.kubesim import pods as sim_pods
 from agent_runtime.kubesim.kubeconfig import render_kubeconfig
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager import k8s as k8s_module
 from agent_runtime.resource_manager.facade import ResourceManagerFacade
-from agent_runtime.resource_manager.k8s import RealK8sPodClient
+from agent_runtime.resource_manager.k8s import RealK8sPodClient, build_pod_body
 from agent_runtime.resource_manager.models import (
     APP_LABEL,
     COMPONENT_LABEL,
+    COMPONENT_SELECTOR,
     COMPONENT_VALUE,
     DEPLOY_VER_LABEL,
     SCOPE_LABEL,
@@ -388,6 +390,111 @@ async def test_half_dead_pod_is_running_but_fails_its_probe(
     assert not await client.probe_health(info.pod_ip, 8080)
     assert 0.25 <= time.monotonic() - started < 2.0, "a hung /health fails at the probe timeout"
     assert not await client.probe_health("127.0.0.250", 8080), "nothing listens there"
+
+
+# --- paged lists ----------------------------------------------------------------------------------
+
+
+def stock(sim: KubeSim, n: int, namespace: str = "default") -> dict[str, tuple[str, bool, str]]:
+    """``n`` pods of ours written straight into the simulator's store (no kubelet, no
+    AgentServer: cheap enough for thousands), most Running and Ready, every 97th Failed, every
+    89th crash-looping, every 101st Terminating. Returns name → (phase, ready, pod IP) as
+    ``PodStatus`` should read them."""
+    expected: dict[str, tuple[str, bool, str]] = {}
+    for i in range(n):
+        name = f"agent-{i:05d}-stock"
+        ip = f"10.0.{i // 250}.{i % 250 + 1}"
+        body = build_pod_body(name, SCOPE if i % 2 else OTHER, VER, spec())
+        sim.store.create_pod(sim_pods.admit(namespace, body, sim.rng))
+
+        def start(pod: dict[str, Any], i: int = i, ip: str = ip) -> None:
+            sim_pods.scheduled(pod)
+            sim_pods.sandbox_ready(pod, ip)
+            sim_pods.running(pod, True)
+            if i % 97 == 5:
+                sim_pods.failed(pod, "Evicted", "low on memory")
+            elif i % 89 == 3:
+                sim_pods.crash_loop(pod, 1)
+            elif i % 101 == 7:
+                sim_pods.mark_deleting(pod, 30, 30.0)
+
+        sim.store.update_pod(namespace, name, start)
+        phase, ready = "Running", True
+        if i % 97 == 5:
+            phase, ready = "Failed", False
+        elif i % 89 == 3:
+            phase, ready = "CrashLoopBackOff", False
+        elif i % 101 == 7:
+            phase, ready = "Terminating", False
+        expected[name] = (phase, ready, ip)
+    return expected
+
+
+async def test_a_list_of_more_pods_than_a_page(
+    sim: KubeSim, client: RealK8sPodClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = stock(sim, 1200)
+    await post_pod(sim, "not-an-agent", {COMPONENT_LABEL: "other"})
+    assert k8s_module.LIST_PAGE_SIZE == 500
+
+    listed = await client.list_pods("default", COMPONENT_SELECTOR)
+    assert sim.requests["list pods"] == 3, "500 + 500 + 200"
+    assert len(listed) == 1200 and len({p.pod_id for p in listed}) == 1200, "each pod once"
+    assert {p.pod_id: (p.phase, p.ready, p.pod_ip) for p in listed} == expected
+    assert {p.namespace for p in listed} == {"default"}
+    assert {p.pod_id for p in listed if p.dead} == {
+        name for name, (phase, _, _) in expected.items() if phase != "Running"
+    }
+    by_name = {p.pod_id: p for p in listed}
+    assert by_name["agent-00001-stock"].scope_id == SCOPE
+    assert by_name["agent-00002-stock"].scope_id == OTHER
+    assert by_name["agent-00002-stock"].deploy_ver == VER
+
+    # a selector the server filters by, and pages smaller than it
+    monkeypatch.setattr(k8s_module, "LIST_PAGE_SIZE", 7)
+    ours_only = await client.list_pods("default", f"{SCOPE_LABEL}={SCOPE}")
+    assert sorted(p.pod_id for p in ours_only) == sorted(
+        name for i, name in enumerate(expected) if i % 2
+    )
+    assert sim.requests["list pods"] == 3 + 86, "600 pods in pages of 7"
+    assert await client.list_pods("team", "") == []
+
+
+async def test_paged_list_404_and_403_as_before(sim: KubeSim, client: RealK8sPodClient) -> None:
+    stock(sim, 600, namespace="team")
+    assert await client.list_pods("ghost", COMPONENT_SELECTOR) == [], "no such namespace"
+    missing = sim.faults.add("namespace_missing", namespace="team")
+    assert await client.list_pods("team", COMPONENT_SELECTOR) == []
+    sim.faults.remove(missing.id)
+    sim.faults.add("namespace_forbidden", namespace="team")
+    with pytest.raises(K8sApiError, match="403 Forbidden: pods is forbidden") as info:
+        await client.list_pods("team", COMPONENT_SELECTOR)
+    assert info.value.status == 403
+    assert sim.requests["list pods"] == 3, "one request each: nothing retried"
+    sim.faults.clear()
+    sim.faults.add("api_error", status=503, verb="list", count=1)
+    with pytest.raises(K8sApiError) as info:
+        await client.list_pods("team", COMPONENT_SELECTOR)
+    assert info.value.status == 503, "a failed page fails the list (the job tries next tick)"
+    assert len(await client.list_pods("team", COMPONENT_SELECTOR)) == 600
+
+
+async def test_an_expired_continue_token_restarts_the_list_once(
+    sim: KubeSim, client: RealK8sPodClient
+) -> None:
+    expected = stock(sim, 1200)
+    sim.faults.add("continue_expired", count=1)
+    listed = await client.list_pods("default", COMPONENT_SELECTOR)
+    assert sorted(p.pod_id for p in listed) == sorted(expected), "each pod once"
+    assert sim.injected["continue_expired"] == 1
+    assert sim.requests["list pods"] == 5, "page 1, page 2 (410), then pages 1 to 3 again"
+
+    sim.requests.clear()
+    sim.faults.add("continue_expired", count=2)
+    with pytest.raises(K8sApiError, match="410 Gone: The provided continue parameter") as info:
+        await client.list_pods("default", COMPONENT_SELECTOR)
+    assert info.value.status == 410
+    assert sim.requests["list pods"] == 4, "restarted once, not twice"
 
 
 # --- the resource manager on top (fakeredis) -----------------------------------------------------

@@ -8,6 +8,7 @@ RealK8sPodClient against the simulator is ``test_k8s_real_sim.py``.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
 import signal
@@ -25,6 +26,7 @@ import pytest
 from agent_runtime.kubesim import KubeSim
 from agent_runtime.kubesim.kubeconfig import render_kubeconfig
 from agent_runtime.kubesim.labels import SelectorError, parse_field_selector, parse_selector
+from agent_runtime.kubesim.paging import Pager, decode_token, encode_token
 
 PODS = "/api/v1/namespaces/default/pods"
 TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
@@ -374,6 +376,160 @@ async def test_list_with_label_and_field_selectors(http: httpx.AsyncClient) -> N
     assert_status(await http.get(PODS, params={"fieldSelector": "spec.x=1"}), 400, "BadRequest")
 
 
+# --- LIST paging: limit and continue ------------------------------------------------------------
+
+
+def token_of(body: dict[str, Any]) -> dict[str, Any]:
+    """The continue token of a list (or a 410 Status), decoded as the API server encodes it."""
+    token = body["metadata"]["continue"]
+    assert "=" not in token, "unpadded base64url"
+    decoded: dict[str, Any] = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+    return decoded
+
+
+async def pages(
+    http: httpx.AsyncClient, path: str = PODS, **params: str
+) -> tuple[list[str], list[dict[str, Any]]]:
+    """Follow continue tokens to the end: every name listed, and each page's metadata."""
+    names: list[str] = []
+    metas: list[dict[str, Any]] = []
+    token: str | None = None
+    while True:
+        resp = await http.get(path, params={**params, **({"continue": token} if token else {})})
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        names += [f"{i['metadata']['namespace']}/{i['metadata']['name']}" for i in body["items"]]
+        metas.append(body["metadata"])
+        token = body["metadata"].get("continue")
+        if not token:
+            return names, metas
+
+
+async def test_list_pages_with_limit_and_continue(sim: KubeSim, http: httpx.AsyncClient) -> None:
+    for name in ("e", "c", "a", "d", "b"):
+        labels = {"app": "x" if name in "ace" else "y"}
+        assert (await http.post(PODS, json=pod_body(name, labels=labels))).status_code == 201
+    assert (await http.post("/api/v1/namespaces/team/pods", json=pod_body("t"))).status_code == 201
+
+    names, metas = await pages(http, limit="2")
+    assert names == ["default/a", "default/b", "default/c", "default/d", "default/e"]
+    assert [m.get("remainingItemCount") for m in metas] == [3, 1, None]
+    assert "continue" not in metas[-1]
+    first = token_of({"metadata": metas[0]})
+    assert first == {
+        "v": "meta.k8s.io/v1",
+        "rv": int(metas[0]["resourceVersion"]),
+        "start": "b\x00",
+    }
+    assert {m["resourceVersion"] for m in metas} == {metas[0]["resourceVersion"]}, "one snapshot"
+    assert sim.requests["list pods"] == 3
+    assert len(sim.pager) == 0, "a list served to its end leaves no snapshot behind"
+
+    names, metas = await pages(http, limit="2", labelSelector="app=x")
+    assert names == ["default/a", "default/c", "default/e"]
+    assert all("remainingItemCount" not in m for m in metas), "not counted for a selector"
+    names, metas = await pages(http, "/api/v1/pods", limit="3")
+    assert names == ["default/a", "default/b", "default/c", "default/d", "default/e", "team/t"]
+    assert token_of({"metadata": metas[0]})["start"] == "default/c\x00", "keys across namespaces"
+    assert (await pages(http, limit="5"))[1] == [{"resourceVersion": metas[0]["resourceVersion"]}]
+    assert len((await pages(http, limit="0"))[0]) == 5, "0: no limit"
+    assert_status(await http.get(PODS, params={"limit": "many"}), 400, "BadRequest")
+
+
+async def test_continued_pages_read_the_first_pages_snapshot(
+    sim: KubeSim, http: httpx.AsyncClient
+) -> None:
+    for name in ("a", "b", "c", "d"):
+        assert (await http.post(PODS, json=pod_body(name))).status_code == 201
+    first = (await http.get(PODS, params={"limit": "2"})).json()
+    assert [i["metadata"]["name"] for i in first["items"]] == ["a", "b"]
+    # meanwhile: a pod created, one deleted, the kubelet writes statuses
+    assert (await http.post(PODS, json=pod_body("zz"))).status_code == 201
+    assert (await http.delete(f"{PODS}/d", params={"gracePeriodSeconds": "0"})).status_code == 200
+    await running_pod(http, "c")
+    rest = (await http.get(PODS, params={"continue": first["metadata"]["continue"]})).json()
+    assert [i["metadata"]["name"] for i in rest["items"]] == ["c", "d"], "as at the first page"
+    assert rest["items"][0]["status"]["phase"] == "Pending", "c as it was then"
+    assert rest["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+    names, _ = await pages(http, limit="2")
+    assert names == ["default/a", "default/b", "default/c", "default/zz"], "a new list: now"
+
+
+async def test_invalid_continue_tokens_are_400(http: httpx.AsyncClient) -> None:
+    for token in (
+        "%%%",
+        "bm90IGpzb24",  # "not json"
+        encode_token(5, "a\x00").replace("eyJ2", "eyJ3"),  # another key: no "v"
+        base64.urlsafe_b64encode(b'{"v":"meta.k8s.io/v2","rv":5,"start":"a"}').decode(),
+        encode_token(0, "a\x00"),
+        encode_token(5, ""),
+        encode_token(5, "../other/a"),
+    ):
+        body = assert_status(await http.get(PODS, params={"continue": token}), 400, "BadRequest")
+        assert body["message"].startswith("invalid continue token: continue key is not valid")
+
+
+async def test_expired_continue_token_is_410_with_an_inconsistent_token(
+    sim: KubeSim, http: httpx.AsyncClient
+) -> None:
+    for name in ("a", "b", "c", "d", "e"):
+        assert (await http.post(PODS, json=pod_body(name))).status_code == 201
+    first = (await http.get(PODS, params={"limit": "2"})).json()
+    token = first["metadata"]["continue"]
+    fault = await add_fault(http, kind="continue_expired", count=1)
+    assert fault["kind"] == "continue_expired"
+    resp = await http.get(PODS, params={"limit": "2", "continue": token})
+    body = assert_status(resp, 410, "Expired")
+    assert body["message"].startswith("The provided continue parameter is too old")
+    assert token_of(body) == {"v": "meta.k8s.io/v1", "rv": -1, "start": "b\x00"}
+    assert sim.injected["continue_expired"] == 1
+
+    # the Status's token goes on from the current state; the old one works again (count 1)
+    assert (await http.delete(f"{PODS}/c", params={"gracePeriodSeconds": "0"})).status_code == 200
+    names, _ = await pages(http, limit="2", **{"continue": body["metadata"]["continue"]})
+    assert names == ["default/d", "default/e"]
+    resp = await http.get(PODS, params={"limit": "2", "continue": token})
+    assert [i["metadata"]["name"] for i in resp.json()["items"]] == ["c", "d"]
+
+    # snapshots gone (as after a compaction): a token of the current resourceVersion still
+    # reads (nothing changed since), one of an older resourceVersion is 410
+    for name in ("a", "b", "d", "e"):
+        await running_pod(http, name)  # the kubelet has nothing left to write
+    second = (await http.get(PODS, params={"limit": "2"})).json()
+    sim.pager.clear()
+    assert second["metadata"]["resourceVersion"] == sim.store.resource_version
+    resp = await http.get(PODS, params={"continue": second["metadata"]["continue"]})
+    assert [i["metadata"]["name"] for i in resp.json()["items"]] == ["d", "e"]
+    third = (await http.get(PODS, params={"limit": "2"})).json()
+    sim.pager.clear()
+    assert (await http.post(PODS, json=pod_body("f"))).status_code == 201
+    resp = await http.get(PODS, params={"continue": third["metadata"]["continue"]})
+    assert_status(resp, 410, "Expired")
+
+
+def test_pager_snapshots_expire_and_are_bounded() -> None:
+    now = [0.0]
+    pager = Pager(ttl=10.0, keep=2, clock=lambda: now[0])
+    items = [("a", {"n": 1}), ("b", {"n": 2}), ("c", {"n": 3})]
+
+    def page(query: str, rv: int, token: str | None = None) -> Any:
+        return pager.page(
+            (query, "", ""), limit=1, token=token, resource_version=rv, listing=lambda: items
+        )
+
+    first = page("q1", 7)
+    assert first.items == ['{"n": 1}'] and first.remaining == 2 and len(pager) == 1
+    assert decode_token(first.continue_token) == (7, "a\x00")
+    now[0] = 10.5
+    with pytest.raises(Exception, match="too old") as info:
+        page("q1", 8, first.continue_token)
+    assert getattr(info.value, "code", None) == 410
+    assert page("q1", 7, first.continue_token).items == ['{"n": 2}'], "its rv is current: read"
+    page("q2", 8)
+    page("q3", 8)
+    assert len(pager) == 2, "at most keep snapshots"
+
+
 async def test_graceful_delete_then_gone_and_agentserver_closed(
     sim: KubeSim, http: httpx.AsyncClient
 ) -> None:
@@ -685,6 +841,7 @@ async def test_control_endpoint(sim: KubeSim, http: httpx.AsyncClient) -> None:
         ({"kind": "image_pull", "labels": "a in ("}, "labels: unable to parse"),
         ({"kind": "namespace_missing"}, "needs a namespace"),
         ({"kind": "namespace_missing", "namespace": "x", "count": 1}, "takes only a namespace"),
+        ({"kind": "continue_expired", "status": 410}, "unknown field(s) status"),
     ):
         resp = await http.post("/_sim/faults", json=bad)
         assert resp.status_code == 400, (bad, resp.text)

@@ -5,7 +5,8 @@
 ``/apis``, ``/healthz``, ``/readyz``
 ``GET /api/v1/namespaces[/{ns}]``            Namespace(List); 404 missing, 403 forbidden
 ``GET /api/v1/pods``                         pods of every namespace
-``GET /api/v1/namespaces/{ns}/pods``         PodList; ``labelSelector``, ``fieldSelector``
+``GET /api/v1/namespaces/{ns}/pods``         PodList; ``labelSelector``, ``fieldSelector``,
+                                             ``limit`` and ``continue`` (``paging.py``)
 ``POST /api/v1/namespaces/{ns}/pods``        201 Pod; 409 AlreadyExists, 422 Invalid, 404 ns
 ``GET /api/v1/namespaces/{ns}/pods/{name}``  Pod; 404 NotFound
 ``DELETE .../pods/{name}``                   200 Pod (``gracePeriodSeconds`` query or body)
@@ -14,7 +15,7 @@
 
 Every failure is a ``Status`` (``errors.py``). Each request of the API passes the gate first:
 fault latency, then injected errors (429 / 5xx), then the namespace's RBAC (403).
-Not served: watches, PATCH/PUT, ``limit``/``continue`` paging (a list is one page).
+Not served: watches, PATCH/PUT.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -256,20 +257,40 @@ class _Api:
             fields = parse_field_selector(query.get("fieldSelector"))
         except SelectorError as exc:
             raise bad_request(str(exc)) from None
-        items: list[Obj] = []
-        if namespace is None or self.sim.namespace_exists(namespace):  # a missing one: empty
-            items = [
-                pod
-                for pod in self.sim.store.list_pods(namespace, selector, fields)
-                if self.sim.faults.namespace_state(pod["metadata"]["namespace"]) is None
-            ]
-        return _json(
-            {
-                "kind": "PodList",
-                "apiVersion": "v1",
-                "metadata": {"resourceVersion": self.sim.store.resource_version},
-                "items": [_item(pod) for pod in items],
-            }
+        limit = _limit(query.get("limit"))
+        sim = self.sim
+
+        def listing() -> Iterator[tuple[str, Obj]]:
+            """(key relative to the list's prefix, item) of the pods the list shows."""
+            if namespace is not None and not sim.namespace_exists(namespace):
+                return  # a missing namespace lists empty
+            for (ns, name), pod in sim.store.iter_pods(namespace, selector, fields):
+                if sim.faults.namespace_state(ns) is None:
+                    yield (name if namespace is not None else f"{ns}/{name}"), _item(pod)
+
+        def expire() -> bool:
+            if sim.faults.take("continue_expired", namespace=namespace) is None:
+                return False
+            sim.injected["continue_expired"] += 1
+            return True
+
+        page = sim.pager.page(
+            (namespace, query.get("labelSelector") or "", query.get("fieldSelector") or ""),
+            limit=limit,
+            token=query.get("continue") or None,
+            resource_version=int(sim.store.resource_version),
+            listing=listing,
+            expire=expire,
+        )
+        meta: dict[str, Any] = {"resourceVersion": str(page.resource_version)}
+        if page.continue_token is not None:
+            meta["continue"] = page.continue_token
+        if page.remaining is not None:
+            meta["remainingItemCount"] = page.remaining
+        head = json.dumps({"kind": "PodList", "apiVersion": "v1", "metadata": meta})
+        return web.Response(
+            text=f'{head[:-1]}, "items": [{", ".join(page.items)}]}}',
+            content_type="application/json",
         )
 
     async def create_pod(self, request: web.Request) -> web.Response:
@@ -315,6 +336,16 @@ class _Api:
 def _item(obj: Obj) -> Obj:
     """A list item: the API server leaves out ``kind`` and ``apiVersion``."""
     return {k: v for k, v in obj.items() if k not in ("kind", "apiVersion")}
+
+
+def _limit(raw: str | None) -> int:
+    """``limit``: a whole number; absent, 0 or negative is no limit (one page)."""
+    if not raw:
+        return 0
+    try:
+        return max(int(raw), 0)
+    except ValueError:
+        raise bad_request(f'invalid value for limit: "{raw}": not an integer') from None
 
 
 async def _grace_seconds(request: web.Request) -> int | None:

@@ -11,7 +11,8 @@ from typing import Any
 
 
 class ApiError(Exception):
-    """A failure to answer as a ``Status``; ``headers`` go on the HTTP response."""
+    """A failure to answer as a ``Status``; ``headers`` go on the HTTP response, ``metadata``
+    (a ListMeta: a 410's ``continue``) in the Status."""
 
     def __init__(
         self,
@@ -21,6 +22,7 @@ class ApiError(Exception):
         *,
         details: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
@@ -28,12 +30,13 @@ class ApiError(Exception):
         self.message = message
         self.details = details
         self.headers = headers or {}
+        self.metadata = metadata or {}
 
     def status(self) -> dict[str, Any]:
         body: dict[str, Any] = {
             "kind": "Status",
             "apiVersion": "v1",
-            "metadata": {},
+            "metadata": dict(self.metadata),
             "status": "Failure",
             "message": self.message,
             "reason": self.reason,

@@ -18,6 +18,8 @@ Kinds and when they are looked at:
 ``latency``          each API request of ``verb`` on ``resource``: waits ``seconds`` first
 ``reply_lost``       a ``create`` / ``delete`` that was applied: ``mode`` ``drop`` (the
                      connection closes without an answer) or ``500``
+``continue_expired`` each LIST page asked with a continue token: the token has expired
+                     (410 Expired, as after etcd compacted its revision)
 ``namespace_missing``   the namespace does not exist (until the rule is removed)
 ``namespace_forbidden`` every request in the namespace is 403 Forbidden
 ==================== ===========================================================================
@@ -34,7 +36,7 @@ from typing import Any
 from agent_runtime.kubesim.labels import Selector, SelectorError, parse_selector
 
 POD_KINDS = ("image_pull", "crash_loop", "never_ready")
-API_KINDS = ("api_error", "latency", "reply_lost")
+API_KINDS = ("api_error", "latency", "reply_lost", "continue_expired")
 NAMESPACE_KINDS = ("namespace_missing", "namespace_forbidden")
 KINDS = (*POD_KINDS, "health", *API_KINDS, *NAMESPACE_KINDS)
 VERBS = ("create", "get", "list", "delete", "*")
@@ -49,6 +51,7 @@ _PARAMS: dict[str, dict[str, Any]] = {
     "api_error": {"status": 500, "verb": "*", "resource": "pods", "retry_after": 1},
     "latency": {"seconds": 0.5, "verb": "*", "resource": "*"},
     "reply_lost": {"mode": "drop", "verb": "create"},
+    "continue_expired": {},
     "namespace_missing": {},
     "namespace_forbidden": {},
 }

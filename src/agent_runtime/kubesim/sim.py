@@ -32,6 +32,7 @@ from agent_runtime.kubesim.errors import not_found
 from agent_runtime.kubesim.faults import Faults
 from agent_runtime.kubesim.kubeconfig import write_kubeconfig
 from agent_runtime.kubesim.kubelet import FIRST_POD_IP, Kubelet
+from agent_runtime.kubesim.paging import Pager
 from agent_runtime.kubesim.store import Obj, Store
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class KubeSim:
         self.user = user or ("kubesim" if token else "system:anonymous")
         self.rng = random.Random(seed)
         self.store = Store()
+        self.pager = Pager()  # the snapshots paged LISTs continue from
         self.faults = Faults(self.rng)
         self.kubelet = Kubelet(
             self.store,
@@ -257,8 +259,9 @@ class KubeSim:
             await self._shielded(self.kubelet.pod_removed(namespace, name), f"{namespace}/{name}")
 
     async def reset(self) -> None:
-        """Forget every pod and fault and the counters; namespaces stay."""
+        """Forget every pod and fault, the counters and paged lists; namespaces stay."""
         self.faults.clear()
+        self.pager.clear()
         self.requests.clear()
         self.injected.clear()
         for namespace, name in list(self.store.pods()):

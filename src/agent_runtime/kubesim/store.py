@@ -29,6 +29,10 @@ def new_uid() -> str:
     return str(uuid.uuid4())
 
 
+def _by_key(entry: tuple[tuple[str, str], Obj]) -> tuple[str, str]:
+    return entry[0]
+
+
 class Store:
     def __init__(self) -> None:
         self._rv = 1000
@@ -73,6 +77,8 @@ class Store:
         gone = [key for key in self._pods if key[0] == name]
         for key in gone:
             del self._pods[key]
+        if gone:
+            self._rv += 1  # a delete is a write: same resourceVersion, same contents (paging)
         return [pod_name for _, pod_name in gone]
 
     # --- pods -------------------------------------------------------------------------------
@@ -111,16 +117,27 @@ class Store:
         fields: list[FieldRequirement] | None = None,
     ) -> list[Obj]:
         """Matching pods, ordered by namespace then name (as etcd's key order)."""
-        found = []
-        for (ns, _), pod in sorted(self._pods.items()):
-            if namespace is not None and ns != namespace:
+        return [
+            copy.deepcopy(pod)
+            for _, pod in sorted(self.iter_pods(namespace, selector, fields), key=_by_key)
+        ]
+
+    def iter_pods(
+        self,
+        namespace: str | None,
+        selector: Selector | None = None,
+        fields: list[FieldRequirement] | None = None,
+    ) -> Iterator[tuple[tuple[str, str], Obj]]:
+        """``((namespace, name), pod)`` of the matching pods, unordered and NOT copied: for a
+        reader that serialises them at once and changes nothing (a LIST page's snapshot)."""
+        for key, pod in self._pods.items():
+            if namespace is not None and key[0] != namespace:
                 continue
             if selector is not None and not selector.matches(pod["metadata"].get("labels")):
                 continue
             if fields and not fields_match(fields, pod):
                 continue
-            found.append(copy.deepcopy(pod))
-        return found
+            yield key, pod
 
     def pods(self) -> Iterator[tuple[str, str]]:
         yield from sorted(self._pods)
@@ -144,4 +161,5 @@ class Store:
         if pod is None or (uid is not None and pod["metadata"]["uid"] != uid):
             return None
         del self._pods[(namespace, name)]
+        self._rv += 1  # a delete is a write: same resourceVersion, same contents (paging)
         return pod
