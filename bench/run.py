@@ -193,9 +193,14 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     if "queue_wake" in results:
         add("queue wake p99", _get(results, "queue_wake", "wake_ms", "p99"), "<=", 20, " ms")
     if "scale" in results:
+        add("scale: sm_sweep tick", _get(results, "scale", "ticks", "sm_sweep", "median_ms"),
+            "<=", 100, " ms")  # fmt: skip
+        # the jobs run in the serving process: no tick may hold the loop longer than the
+        # slow-callback threshold of loop_check (the resource manager's ticks have no bound
+        # of their own: their durations are in the scale table)
         for tick in ("sm_sweep", "rm_autoscale", "rm_reclaim", "rm_watch", "rm_reconcile"):
-            value = _get(results, "scale", "ticks", tick, "median_ms")
-            add(f"scale: {tick} tick", value, "<=", 100, " ms")
+            value = _get(results, "scale", "ticks", tick, "loop_stall_max_ms")
+            add(f"scale: {tick}, longest loop stall", value, "<=", 10, " ms")
         add(
             "scale: sm_sweep with 1 % due",
             _get(results, "scale", "expiry_tick", "ms"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import math
 import random
 import statistics
@@ -73,9 +74,14 @@ async def run(ctx: Context) -> dict[str, Any]:
         await check_backends(settings, backends)
         svc = wire(settings, backends)
         out["setup"], out["memory"] = await populate(ctx, svc, k8s, n_sessions, n_pods, n_scopes)
+        # as `agent-runtime serve` does after startup (cli.tune_gc): the setup's objects out of
+        # the collector, which would otherwise walk them in the ticks' loop stalls
+        gc.collect()
+        gc.freeze()
         out["ticks"] = await ticks(svc, profile=ctx.profile)
         out["expiry_tick"] = await expiry_tick(ctx, svc, k8s, max(100, n_sessions // 100))
     finally:
+        gc.unfreeze()
         await redis.aclose()
         await db.close()
     out["refresh_jobs_off"] = await refresh_at_size(ctx, n_sessions, n_scopes, jobs=False)

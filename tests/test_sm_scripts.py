@@ -883,6 +883,31 @@ async def test_evict_of_a_dead_pods_session_is_idempotent_and_keeps_the_tombston
     assert 85 <= await redis.ttl(K.tombstone("s1")) <= 90
 
 
+async def test_evict_expired_evicts_only_what_is_due_oldest_first_up_to_the_limit(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis, scope_concurrency=10, pod_concurrency=10)
+    await add_pod(state, "p1")
+    for i in range(5):
+        await route(state, f"s{i}")
+    now = await rnow(redis)
+    for i, age in ((0, 30), (1, 10), (2, 20)):
+        await set_expiry(redis, f"s{i}", now - age)
+    await redis.zadd(K.EXPIRY, {"ghost": now - 40})  # a stray entry: no session hash
+    recorder = record(state, "evict_expired")
+    async with listening(redis) as pubsub:
+        assert await state.evict_expired(3) == ["ghost", "s0", "s2"]
+        assert {await signal(pubsub), await signal(pubsub)} == {"s0", "s2"}
+    assert await state.evict_expired(3) == ["s1"], "fewer than the limit: nothing more due"
+    assert await recorder.again(0) == [], "a re-sent call: nothing left to do"
+    for i in range(3):
+        assert await four_places(redis, f"s{i}", SID, "p1") == [False] * 4
+    for i in (3, 4):
+        assert await four_places(redis, f"s{i}", SID, "p1") == [True] * 4
+    assert await redis.scard(K.pod_sessions(SID, "p1")) == 2
+    assert await state.evict_expired(3) == []
+
+
 async def test_evict_drops_a_stray_expiry_entry(state: SessionState, redis: Redis) -> None:
     await redis.zadd(K.EXPIRY, {"ghost": 1})
     assert await state.evict("ghost", pod_died=True) is None
@@ -1571,14 +1596,12 @@ class SessionMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.expired)
     @rule()
     def sweep_expired(self) -> None:
-        """The sweeper's expiry pass: expired members of session_expiry, evicted one by one."""
-        found = self.run(self.state.expired_sessions(1000))
-        mine = [s for s in found if s.startswith(self.sid)]
-        assert set(mine) == self.expired
+        """The sweeper's expiry pass: every expired session evicted, nothing else."""
+        evicted = self.run(self.state.evict_expired(1000))
+        mine = [s for s in evicted if s.startswith(self.sid)]
+        assert sorted(mine) == sorted(self.expired)
         for session in mine:
-            pod = self.sessions[session]
             self.drop(session)
-            assert self.run(self.state.evict(session)) == (self.sid, pod, self.on_pod(pod))
 
     # --- after every step ---
 

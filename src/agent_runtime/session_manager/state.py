@@ -130,6 +130,7 @@ class SessionState:
 
         self._route_place = script("route_place", "_session")
         self._evict = script("evict", "_session")
+        self._evict_expired = script("evict_expired", "_session")
         self._touch = script("touch", "_session")
         self._sweep_idle_notify = script("sweep_idle_notify")
         self._register_pod = script("register_pod")
@@ -244,13 +245,11 @@ class SessionState:
             )
         )
 
-    async def expired_sessions(self, limit: int) -> list[str]:
-        """Sessions whose expiry passed (Redis clock), oldest first, at most ``limit``."""
-        seconds, micros = await self.redis.time()
-        now = seconds + micros / 1_000_000
+    async def evict_expired(self, limit: int) -> list[str]:
+        """Evict up to ``limit`` sessions whose expiry passed (Redis clock), oldest first, in
+        one script (see evict_expired.lua); the ids evicted."""
         return cast(
-            list[str],
-            await self.redis.zrangebyscore(SESSION_EXPIRY_KEY, "-inf", now, start=0, num=limit),
+            list[str], await self._evict_expired(keys=[SESSION_EXPIRY_KEY], args=[P, limit])
         )
 
     async def registered_pods(self) -> list[tuple[str, str]]:
@@ -274,20 +273,6 @@ class SessionState:
         if not reply:
             return None
         return str(reply[0]), str(reply[1]), int(reply[2])
-
-    async def evict_many(self, session_ids: list[str]) -> int:
-        """``evict`` for each, pipelined (one round trip; each script atomic on its own)."""
-        if not session_ids:
-            return 0
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for session_id in session_ids:
-                await self._evict(
-                    keys=[session_key(session_id), SESSION_EXPIRY_KEY],
-                    args=[P, session_id, "0"],
-                    client=pipe,
-                )
-            replies = await pipe.execute()
-        return sum(1 for reply in replies if reply)
 
     async def cleanup_pod(self, scope_id: str, pod_id: str) -> int:
         """-1: sessions remain (evict them, call again); 1: cleaned; 0: was not registered."""

@@ -1,7 +1,8 @@
 """The session side's job (``sm_sweep``, 1 s): expiry pass and empty-pod pass.
 
-Expiry: sessions whose expiry passed (Redis clock) are evicted in batches — the only way an
-abandoned session leaves. Empty pods: ``sweep_idle_notify`` takes an empty pod out of the
+Expiry: sessions whose expiry passed (Redis clock) are evicted in slices of one script each
+(read and evicted atomically: a session extended meanwhile stays) — the only way an abandoned
+session leaves. Empty pods: ``sweep_idle_notify`` takes an empty pod out of the
 candidates and, once per 60 s, the resource manager is told (``idle_consider``) so the pod
 joins the warm pool. That notice is fire-and-forget: a failure is logged and the 60 s notice
 expiry sends it again.
@@ -17,8 +18,8 @@ from agent_runtime.session_manager.state import SessionState
 
 log = logging.getLogger(__name__)
 
-EXPIRY_BATCH = 500
-MAX_EXPIRY_BATCHES = 20  # per tick: a backlog is worked off over several ticks
+EXPIRY_BATCH = 200  # evictions per script call: Redis is held well under a millisecond
+MAX_EXPIRY_BATCHES = 50  # per tick: a backlog is worked off over several ticks
 IDLE_GRACE = 2.0  # seconds: a pod registered this recently is getting its first session
 
 
@@ -34,11 +35,9 @@ class SessionSweeper:
     async def expire_once(self) -> int:
         evicted = 0
         for _ in range(MAX_EXPIRY_BATCHES):
-            expired = await self._state.expired_sessions(EXPIRY_BATCH)
-            if not expired:
-                break
-            evicted += await self._state.evict_many(expired)
-            if len(expired) < EXPIRY_BATCH:
+            batch = len(await self._state.evict_expired(EXPIRY_BATCH))
+            evicted += batch
+            if batch < EXPIRY_BATCH:
                 break
         return evicted
 
