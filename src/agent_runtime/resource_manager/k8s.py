@@ -954,11 +954,14 @@ class FakeK8sPodClient:
         if namespace in self.missing_namespaces:
             return []
         terms = parse_label_selector(label_selector)
-        return [
-            p
-            for p in self.pods.values()
-            if p.namespace == namespace and labels_match(terms, p.labels)
-        ]
+        pods = list(self.pods.values())
+        found: list[PodStatus] = []
+        for i in range(0, len(pods), LIST_PAGE_SIZE):  # pages, as the real client reads them
+            if i:
+                await asyncio.sleep(0)
+            page = pods[i : i + LIST_PAGE_SIZE]
+            found += [p for p in page if p.namespace == namespace and labels_match(terms, p.labels)]
+        return found
 
     async def probe_health(self, pod_ip: str, port: int) -> bool:
         pod = self.pods.get(self._pod_of_ip.get(pod_ip, ""))

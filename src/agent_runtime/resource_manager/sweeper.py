@@ -203,7 +203,7 @@ class ResourceSweeper:
         async def worker() -> None:
             nonlocal cleaned
             for n, (pod_id, status) in enumerate(pending):  # shared: each pod to one worker
-                if n % 64 == 63:
+                if n % 16 == 15:
                     await asyncio.sleep(0)  # a probe that answers without I/O never yields
                 port = ports.get(status.scope_id or "")
                 if port is None or status.pod_ip is None:
