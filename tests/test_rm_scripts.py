@@ -661,7 +661,7 @@ async def test_pod_fields_over_more_pods_than_one_call(
 ) -> None:
     from agent_runtime.resource_manager import state as state_module
 
-    monkeypatch.setattr(state_module, "BATCH", 3)
+    monkeypatch.setattr(state_module, "SCRIPT_BATCH", 3)
     for i in range(8):
         await redis.hset(K.info(f"q{i}"), mapping={"phase": "in_use", "scope_id": f"s{i}"})
     got = await rs.pod_fields([f"q{i}" for i in range(8)], "scope_id")

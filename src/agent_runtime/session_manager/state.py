@@ -219,9 +219,10 @@ class SessionState:
         pairs taken out of the candidates, each to be told to the resource manager."""
         return await self._notify_idle([f"{scope_id}:{pod_id}" for scope_id, pod_id in pods], grace)
 
-    async def sweep_idle(self, grace: float, page: int = 1000) -> list[tuple[str, str]]:
+    async def sweep_idle(self, grace: float, page: int = 200) -> list[tuple[str, str]]:
         """``sweep_idle_notify`` over every registered pod, an SSCAN page per call: at 10k pods
-        about 10 pages and as many scripts, each a SCARD per pod inside Redis."""
+        about 50 pages and as many scripts, each a SCARD per pod inside Redis (~2.8 µs a pod:
+        a page of 200 holds Redis ~0.6 ms, a route waits behind it at most that)."""
         notified: list[tuple[str, str]] = []
         cursor = 0
         while True:
@@ -411,11 +412,11 @@ class SessionState:
 
     async def pod_usage(self, pods: list[tuple[str, str]]) -> list[tuple[bool, int]]:
         """For each (scope, pod): (is a placement candidate, live sessions on it). One
-        ``pod_usage`` script per 500 pods: reconcile asks about every pod, and a command per
+        ``pod_usage`` script per 100 pods: reconcile asks about every pod, and a command per
         pod (pipelined) costs the loop ~90 µs each."""
         usage: list[tuple[bool, int]] = []
-        for i in range(0, len(pods), 500):
-            members = [f"{scope_id}:{pod_id}" for scope_id, pod_id in pods[i : i + 500]]
+        for i in range(0, len(pods), 100):  # ~4.8 µs a pod inside Redis: ~0.5 ms a call
+            members = [f"{scope_id}:{pod_id}" for scope_id, pod_id in pods[i : i + 100]]
             flat = await self._pod_usage(keys=[], args=[P, *members])
             usage += [(flat[j] == 1, int(flat[j + 1])) for j in range(0, len(flat), 2)]
         return usage

@@ -18,8 +18,8 @@ from agent_runtime.session_manager.state import SessionState
 
 log = logging.getLogger(__name__)
 
-EXPIRY_BATCH = 200  # evictions per script call: Redis is held well under a millisecond
-MAX_EXPIRY_BATCHES = 50  # per tick: a backlog is worked off over several ticks
+EXPIRY_BATCH = 50  # evictions per script call (~10 µs each inside Redis: ~0.5 ms a call)
+MAX_EXPIRY_BATCHES = 200  # per tick: a backlog is worked off over several ticks
 IDLE_GRACE = 2.0  # seconds: a pod registered this recently is getting its first session
 
 
