@@ -33,6 +33,8 @@ from agent_runtime.session_manager.facade import SessionManagerFacade
 
 log = logging.getLogger(__name__)
 
+# YIELD_NOTE: the jobs run in the serving process; a loop over every pod (10k) between two
+# awaits holds requests for its whole length, so the long ones yield now and then.
 HEALTH_FAILS_TO_DEAD = 2
 PROBE_CONCURRENCY = 16
 MAX_WARM_DEPLOYS = 8  # per replica at once
@@ -204,7 +206,7 @@ class ResourceSweeper:
             nonlocal cleaned
             for n, (pod_id, status) in enumerate(pending):  # shared: each pod to one worker
                 if n % 16 == 15:
-                    await asyncio.sleep(0)  # a probe that answers without I/O never yields
+                    await asyncio.sleep(0)  # YIELD_NOTE: a probe answered without I/O
                 port = ports.get(status.scope_id or "")
                 if port is None or status.pod_ip is None:
                     continue
@@ -259,7 +261,9 @@ class ResourceSweeper:
         known_now = set(await self._state.all_pods())
         known_at_start = {p for pods in known_before.values() for p in pods}
         for listed in listings.values():
-            for status in listed.values():
+            for n, status in enumerate(listed.values()):
+                if n % 1000 == 999:
+                    await asyncio.sleep(0)  # see YIELD_NOTE
                 if status.pod_id in known_now or status.phase == "Terminating":
                     continue
                 if status.pod_id in known_at_start:
@@ -302,7 +306,9 @@ class ResourceSweeper:
                 view[pod_id] = scope_id
         if not view:
             return 0
+        await asyncio.sleep(0)  # see YIELD_NOTE
         usage = await self._sessions.reconcile_pods(view)
+        await asyncio.sleep(0)
         unused = {p for p in view if (use := usage.get(p)) is None or use.unused}
         # Two passes in a row: a pod just handed out by acquire is in use before the session
         # side registers it; one pass could catch it in between and release a pod about to
