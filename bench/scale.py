@@ -22,7 +22,10 @@ import gc
 import math
 import random
 import statistics
+import sys
+import threading
 import time
+import traceback
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -254,11 +257,17 @@ async def memory_usage(redis: Redis, sids: list[str], n_sessions: int) -> dict[s
 class LoopStall:
     """The longest the event loop went without running a 1 ms ticker while a tick ran: what
     a request arriving at the worst moment would wait for the loop (jobs run in the serving
-    process). Reported minus the 1 ms sleep."""
+    process). Reported minus the 1 ms sleep. A watcher thread also samples the loop thread's
+    stack whenever the ticker is over STALL_SAMPLE_MS late: where the long slices are."""
+
+    STALL_SAMPLE_MS = 5.0
 
     def __init__(self) -> None:
         self.worst = 0.0
+        self.where: Counter[str] = Counter()
+        self._beat = time.perf_counter()
         self._task: asyncio.Task[None] | None = None
+        self._stop = threading.Event()
 
     async def _watch(self) -> None:
         last = time.perf_counter()
@@ -266,14 +275,30 @@ class LoopStall:
             await asyncio.sleep(0.001)
             now = time.perf_counter()
             self.worst = max(self.worst, now - last - 0.001)
-            last = now
+            self._beat = last = now
+
+    def _sample(self, loop_thread: int) -> None:
+        while not self._stop.wait(0.001):
+            if (time.perf_counter() - self._beat) * 1000 < self.STALL_SAMPLE_MS:
+                continue
+            frame = sys._current_frames().get(loop_thread)
+            if frame is None:
+                continue
+            ours = [
+                f"{f.name} ({f.filename.rsplit('/', 1)[-1]}:{f.lineno})"
+                for f in traceback.extract_stack(frame)
+                if "agent_runtime" in f.filename
+            ]
+            self.where[" <- ".join(reversed(ours[-4:])) or "(outside agent_runtime)"] += 1
 
     async def __aenter__(self) -> LoopStall:
         self._task = asyncio.create_task(self._watch())
+        threading.Thread(target=self._sample, args=(threading.get_ident(),), daemon=True).start()
         await asyncio.sleep(0)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
         assert self._task is not None
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -282,6 +307,7 @@ class LoopStall:
 
 async def timed(fn: Callable[[], Awaitable[Any]], *, profile: bool = False) -> dict[str, Any]:
     runs, trips, stalls, result = [], [], [], None
+    where: Counter[str] = Counter()
     for _ in range(TICK_REPEATS):
         r0 = bench_server.ROUND_TRIPS[0]
         async with LoopStall() as stall:
@@ -293,12 +319,14 @@ async def timed(fn: Callable[[], Awaitable[Any]], *, profile: bool = False) -> d
             runs.append((time.perf_counter() - t0) * 1000)
         trips.append(bench_server.ROUND_TRIPS[0] - r0)
         stalls.append(stall.worst * 1000)
+        where.update(stall.where)
     out = {
         "ms": [round(x, 1) for x in runs],
         "median_ms": round(statistics.median(runs), 1),
         "max_ms": round(max(runs), 1),
         "redis_round_trips": trips[-1],
         "loop_stall_max_ms": round(max(stalls), 1),
+        "loop_stalled_in": dict(where.most_common(3)),  # stack samples over 5 ms late
         "result": result,
     }
     if profile:
