@@ -502,8 +502,8 @@ async def test_a_pool_config_the_scope_index_lacks_is_found_by_reconcile(env: En
 
 
 async def test_many_scopes_are_served_in_one_tick(env: Env) -> None:
-    """More scopes than one pipeline batch: every one gets its warm pod in the same tick."""
-    scopes = [f"scope-many-{i}" for i in range(state_module.PIPELINE_BATCH + 20)]
+    """More scopes than one read_many call: every one gets its warm pod."""
+    scopes = [f"scope-many-{i}" for i in range(state_module.SCRIPT_BATCH + 20)]
     for scope in scopes:
         await configure(env, scope=scope, min_idle=1, max_pods=2)
     started = 0
@@ -513,7 +513,7 @@ async def test_many_scopes_are_served_in_one_tick(env: Env) -> None:
         started += n
         await env.sweeper.wait_for_warm_deploys()
     assert await env.sweeper.autoscale_once() == 0
-    for scope in scopes[:: state_module.PIPELINE_BATCH // 4]:
+    for scope in scopes[:: state_module.SCRIPT_BATCH // 4]:
         assert len(await warm_set(env.redis, scope)) == 1
 
 

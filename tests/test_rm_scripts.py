@@ -26,6 +26,7 @@ from hypothesis.stateful import (
     rule,
 )
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from agent_runtime.resource_manager.state import (
     POD_PREFIX,
@@ -666,6 +667,30 @@ async def test_pod_fields_over_more_pods_than_one_call(
         await redis.hset(K.info(f"q{i}"), mapping={"phase": "in_use", "scope_id": f"s{i}"})
     got = await rs.pod_fields([f"q{i}" for i in range(8)], "scope_id")
     assert got == {f"q{i}": [f"s{i}"] for i in range(8)}
+
+
+# --- read_many (read only) ----------------------------------------------------------------------
+
+
+async def test_read_many_reads_each_key_in_order_and_refuses_other_commands(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, "s1", max_pods=2)
+    await add_pod(rs, "s1", "p1", warm=True)
+    config = await redis.hgetall(K.config("s1"))
+    flat = await rs._read_many_script(keys=[K.config("s1"), K.config("nope")], args=["HGETALL"])
+    assert dict(zip(flat[0][::2], flat[0][1::2], strict=True)) == config and flat[1] == []
+    sets = await rs._read_many_script(keys=[K.idle("s1"), K.idle("nope")], args=["SMEMBERS"])
+    assert sets == [["p1"], []]
+    for command in ("DEL", "SET", "hgetall"):
+        with pytest.raises(ResponseError, match="read_many serves"):
+            await rs._read_many_script(keys=[K.config("s1")], args=[command])
+    assert await redis.hgetall(K.config("s1")) == config, "nothing written"
+    assert await rs.pool_configs(["nope", "s1"]) == {"s1": await rs.pool_config("s1")}
+    assert await rs.idle_pods_of(["s1", "nope"]) == {
+        "s1": {"p1": float(await redis.get(K.idle_since("p1")))},
+        "nope": {},
+    }
 
 
 # --- purge -------------------------------------------------------------------------------------

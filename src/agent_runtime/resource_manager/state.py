@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from redis.asyncio import Redis
-from redis.asyncio.client import Pipeline
 from redis.asyncio.lock import Lock
 
 from agent_runtime import lua
@@ -31,11 +30,10 @@ PODS_ALL_KEY = f"{P}resource:pods:all"
 SCOPES_KEY = f"{P}resource:scopes"
 SCOPE_CONFIG_PATTERN = f"{SCOPE_PREFIX}*:config"
 IDEM_TTL = 60
-# The jobs' reads come in slices, a round trip each, so no slice holds the loop for long:
+# The jobs' reads come in slices, a round trip each, so no slice holds the loop for long
 # and no call holds Redis (single-threaded: a route waits behind it) for more than ~0.5 ms.
 BATCH = 500  # keys per MGET / SADD, members per SSCAN page (~0.3 ms in Redis)
-SCRIPT_BATCH = 200  # pods per pod_fields call (~2.8 µs each inside Redis, measured)
-PIPELINE_BATCH = 100  # commands per pipeline (~45 µs of loop time each in redis-py)
+SCRIPT_BATCH = 200  # keys per pod_fields / read_many call (~2–3 µs each inside Redis)
 
 
 def scope_config_key(scope_id: str) -> str:
@@ -107,6 +105,11 @@ class PoolConfig:
     pod_spec: dict[str, Any] | None
 
 
+def _pairs(flat: list[str]) -> dict[str, str]:
+    """A hash as a script returns it (field, value, field, value ...) as a dict."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
 def _pool_config(raw: dict[str, str]) -> PoolConfig | None:
     if not raw:
         return None
@@ -146,6 +149,7 @@ class ResourceState:
         self._purge = script("purge")
         self._follower_gate = script("deploy_follower_gate")
         self._pod_fields = script("pod_fields")
+        self._read_many_script = script("read_many")
 
     # --- pool config ---------------------------------------------------------------------------
 
@@ -176,14 +180,12 @@ class ResourceState:
 
     async def pool_configs(self, scope_ids: list[str]) -> dict[str, PoolConfig]:
         """``pool_config`` of many scopes (those without one left out), pipelined."""
-        configs: dict[str, PoolConfig] = {}
-        for chunk, raws in await self._batched(
-            scope_ids, lambda pipe, s: pipe.hgetall(scope_config_key(s))
-        ):
-            for scope_id, raw in zip(chunk, raws, strict=True):
-                if (config := _pool_config(raw)) is not None:
-                    configs[scope_id] = config
-        return configs
+        raws = await self._read_many([scope_config_key(s) for s in scope_ids], "HGETALL")
+        return {
+            scope_id: config
+            for scope_id, flat in zip(scope_ids, raws, strict=True)
+            if (config := _pool_config(_pairs(flat))) is not None
+        }
 
     async def scopes_with_config(self) -> list[str]:
         """Every scope with a pool config: an SSCAN of the index (see SCOPES_KEY)."""
@@ -340,28 +342,18 @@ class ResourceState:
     async def pod_info(self, pod_id: str) -> dict[str, str]:
         return cast(dict[str, str], await self.redis.hgetall(pod_info_key(pod_id)))
 
-    async def _batched(
-        self, items: list[str], command: Callable[[Pipeline, str], object]
-    ) -> list[tuple[list[str], list[Any]]]:
-        """One read per item, pipelined PIPELINE_BATCH at a time: (chunk, replies) per trip."""
-        out = []
-        for i in range(0, len(items), PIPELINE_BATCH):
-            chunk = items[i : i + PIPELINE_BATCH]
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for item in chunk:
-                    command(pipe, item)
-                out.append((chunk, await pipe.execute()))
-        return out
+    async def _read_many(self, keys: list[str], command: str) -> list[Any]:
+        """One reply per key (``read_many`` script: HGETALL or SMEMBERS), SCRIPT_BATCH keys a
+        call: one round trip and one reply parsed in C instead of a pipelined command each."""
+        replies: list[Any] = []
+        for i in range(0, len(keys), SCRIPT_BATCH):
+            replies += await self._read_many_script(keys=keys[i : i + SCRIPT_BATCH], args=[command])
+        return replies
 
     async def pod_infos(self, pod_ids: list[str]) -> dict[str, dict[str, str]]:
-        """``pod_info`` of many pods, pipelined (one round trip per batch)."""
-        return {
-            pod_id: info
-            for chunk, infos in await self._batched(
-                pod_ids, lambda pipe, p: pipe.hgetall(pod_info_key(p))
-            )
-            for pod_id, info in zip(chunk, infos, strict=True)
-        }
+        """``pod_info`` of many pods (``read_many``, SCRIPT_BATCH a round trip)."""
+        infos = await self._read_many([pod_info_key(p) for p in pod_ids], "HGETALL")
+        return {p: _pairs(flat) for p, flat in zip(pod_ids, infos, strict=True)}
 
     async def pod_fields(self, pod_ids: list[str], *fields: str) -> dict[str, list[str | None]]:
         """Some fields of many pods' infos: the jobs' cheap read, one ``pod_fields`` script
@@ -412,11 +404,8 @@ class ResourceState:
     async def _members_of(
         self, scope_ids: list[str], key: Callable[[str], str]
     ) -> dict[str, list[str]]:
-        return {
-            scope_id: sorted(members)
-            for chunk, sets in await self._batched(scope_ids, lambda pipe, s: pipe.smembers(key(s)))
-            for scope_id, members in zip(chunk, sets, strict=True)
-        }
+        sets = await self._read_many([key(s) for s in scope_ids], "SMEMBERS")
+        return {s: sorted(members) for s, members in zip(scope_ids, sets, strict=True)}
 
     async def pod_phases(self) -> dict[str, int]:
         """Registered pods by phase (in_use / idle): O(pods), pipelined (``pod_infos``)."""
