@@ -130,9 +130,9 @@ def record(state: SessionState, script: str) -> Recorder:
     return recorder
 
 
-async def idle_notify(state: SessionState, scope_id: str, pod_id: str, grace: float) -> bool:
-    """sweep_idle_notify with a page of one pod: was it handed back?"""
-    return await state.sweep_idle_notify([(scope_id, pod_id)], grace) == [(scope_id, pod_id)]
+async def idle_sweep(state: SessionState, grace: float) -> set[str]:
+    """One sweep over every registered pod: the pods of SID handed back."""
+    return {pod for sid, pod in await state.sweep_idle(grace) if sid == SID}
 
 
 def url(pod: str) -> str:
@@ -293,7 +293,7 @@ async def test_the_calls_match_the_script_headers(state: SessionState) -> None:
     await state.evict("s1", pod_died=True)
     await state.touch("s1", eos=True, request_id="r1")
     await state.register_pod(SID, "p1", "u", "v1")
-    await idle_notify(state, SID, "p1", 2.0)
+    await state.sweep_idle(2.0)
     await state.cleanup_pod(SID, "p1")
     await state.take_waiter_seat(SID, "r1", 30, 6)
     await state.renew_route(SID, "r1", "t1")
@@ -330,8 +330,8 @@ async def test_the_calls_match_the_script_headers(state: SessionState) -> None:
         ],
         [P, SID, "p1", "u", "v1"],
     )
-    # its keys are derived from the prefix, per member of the page it is given
-    assert calls["sweep_idle_notify"] == ([], [P, 2.0, f"{SID}:p1"])
+    # a pod's keys are derived from the prefix, per member of the SSCAN page it walks
+    assert calls["sweep_idle_notify"] == ([K.REGISTERED], [P, 2.0, "0", 200])
     assert calls["cleanup_pod"] == (
         [
             K.candidates(SID),
@@ -986,16 +986,15 @@ async def test_idle_notify_takes_an_empty_pod_out_once(state: SessionState, redi
     await add_pod(state, "p1")
     await add_pod(state, "p2")
     await route(state, "s1")  # p1
-    assert await idle_notify(state, SID, "p1", 0) is False, "it has a session"
-    assert await idle_notify(state, SID, "p2", 60) is False, "registered within the grace"
-    assert await idle_notify(state, SID, "ghost", 0) is False, "not registered here"
+    await redis.sadd(K.REGISTERED, f"{SID}:ghost")  # a member whose pod info is gone
+    assert await idle_sweep(state, 60) == set(), "p1 busy, p2 within the grace, ghost unknown"
     assert not await redis.exists(K.idle_notified(SID, "p2"))
     recorder = record(state, "sweep_idle_notify")
-    assert await idle_notify(state, SID, "p2", 0) is True
+    assert await idle_sweep(state, 0) == {"p2"}
     assert await redis.zrange(K.candidates(SID), 0, -1) == ["p1"]
     assert await redis.sismember(K.REGISTERED, f"{SID}:p2"), "still registered"
     assert 0 < await redis.ttl(K.idle_notified(SID, "p2")) <= 60
-    assert await recorder.again() == [], "one notice per 60 s"
+    assert await recorder.again() == ["0"], "one notice per 60 s"
     assert await route(state, "s2") == ["need_acquire"], "never placed on a pod handed back"
 
 
@@ -1005,8 +1004,8 @@ async def test_idle_notify_waits_for_the_grace_since_registration(
     await configure(redis)
     await add_pod(state, "p1")
     await redis.hset(K.pod_info(SID, "p1"), "registered_at", f"{await rnow(redis) - 10:.6f}")
-    assert await idle_notify(state, SID, "p1", 30) is False
-    assert await idle_notify(state, SID, "p1", 5) is True
+    assert await idle_sweep(state, 30) == set()
+    assert await idle_sweep(state, 5) == {"p1"}
 
 
 async def test_a_sunset_pod_is_notified_once_it_is_empty(state: SessionState, redis: Redis) -> None:
@@ -1014,9 +1013,9 @@ async def test_a_sunset_pod_is_notified_once_it_is_empty(state: SessionState, re
     await add_pod(state, "p1")
     await route(state, "s1")
     await state.remove_candidates(SID, ["p1"])
-    assert await idle_notify(state, SID, "p1", 0) is False
+    assert await idle_sweep(state, 0) == set()
     await state.evict("s1")
-    assert await idle_notify(state, SID, "p1", 0) is True
+    assert await idle_sweep(state, 0) == {"p1"}
     assert await redis.exists(K.idle_notified(SID, "p1"))
 
 
@@ -1026,7 +1025,8 @@ async def test_a_notified_pod_registered_again_comes_back_last_in_line(
     await configure(redis, pod_concurrency=1)
     await add_pod(state, "p1")
     await add_pod(state, "p2")
-    assert await idle_notify(state, SID, "p1", 0) is True
+    await redis.hset(K.pod_info(SID, "p2"), "registered_at", f"{await rnow(redis) + 60:.6f}")
+    assert await idle_sweep(state, 0) == {"p1"}, "p2 is within its grace"
     assert await add_pod(state, "p1") is True  # reused from the warm pool
     assert await redis.zrange(K.candidates(SID), 0, -1, withscores=True) == [
         ("p2", 2.0),
@@ -1037,11 +1037,11 @@ async def test_a_notified_pod_registered_again_comes_back_last_in_line(
     assert await route(state, "s2") == placed("p1")
 
 
-async def test_idle_notify_judges_each_member_of_a_page_on_its_own(
+async def test_idle_notify_judges_each_registered_pod_on_its_own(
     state: SessionState, redis: Redis
 ) -> None:
-    """One call, a page of pods of two scopes: only the empty, registered, past-grace,
-    not-yet-notified ones are handed back, each out of its own scope's candidates."""
+    """Pods of two scopes: only the empty, registered, past-grace, not-yet-notified ones are
+    handed back, each out of its own scope's candidates."""
     other = "f" * 32
     await configure(redis, scope_concurrency=10, pod_concurrency=1)
     await configure(redis, other, scope_concurrency=10, pod_concurrency=1)
@@ -1049,14 +1049,13 @@ async def test_idle_notify_judges_each_member_of_a_page_on_its_own(
         await add_pod(state, pod)
     await add_pod(state, "empty2", other)
     await route(state, "s1")  # on "busy", the first candidate
-    assert await idle_notify(state, SID, "notified", 0) is True
+    await redis.set(K.idle_notified(SID, "notified"), "1", ex=60)  # told within the last minute
     await redis.hset(K.pod_info(SID, "fresh"), "registered_at", f"{await rnow(redis) + 30:.6f}")
-    page = [(SID, p) for p in ("busy", "empty", "notified", "fresh", "ghost")] + [(other, "empty2")]
-    assert await state.sweep_idle_notify(page, 0) == [(SID, "empty"), (other, "empty2")]
-    assert await redis.zrange(K.candidates(SID), 0, -1) == ["busy", "fresh"]
+    await redis.sadd(K.REGISTERED, f"{SID}:ghost", "no-colon")
+    assert set(await state.sweep_idle(0)) == {(SID, "empty"), (other, "empty2")}
+    assert await redis.zrange(K.candidates(SID), 0, -1) == ["busy", "notified", "fresh"]
     assert await redis.zrange(K.candidates(other), 0, -1) == []
-    assert await state.sweep_idle_notify(page, 0) == [], "one notice per 60 s"
-    assert await state.sweep_idle_notify([], 5) == []
+    assert await state.sweep_idle(0) == [], "one notice per 60 s"
 
 
 async def test_sweep_idle_walks_every_registered_pod_page_by_page(
@@ -1402,15 +1401,13 @@ class SessionMachine(RuleBasedStateMachine):
             self.candidates.append(pod)
 
     @precondition(lambda self: self.pods)
-    @rule(data=st.data())
-    def idle_notify(self, data: st.DataObject) -> None:
-        empty = sorted(p for p in self.pods if self.on_pod(p) == 0 and p not in self.notified)
-        pod = data.draw(
-            st.sampled_from(empty if empty and data.draw(st.booleans()) else sorted(self.pods))
-        )
-        expected = self.on_pod(pod) == 0 and pod not in self.notified
-        assert self.run(idle_notify(self.state, self.sid, pod, 0)) is expected
-        if expected:
+    @rule()
+    def idle_notify(self) -> None:
+        """The sweeper's empty-pod pass: every empty pod not yet notified, and only those."""
+        empty = {p for p in self.pods if self.on_pod(p) == 0 and p not in self.notified}
+        swept = self.run(self.state.sweep_idle(0))
+        assert {pod for sid, pod in swept if sid == self.sid} == empty
+        for pod in empty:
             self.notified.add(pod)
             if pod in self.candidates:
                 self.candidates.remove(pod)
