@@ -350,11 +350,6 @@ class ResourceState:
             replies += await self._read_many_script(keys=keys[i : i + SCRIPT_BATCH], args=[command])
         return replies
 
-    async def pod_infos(self, pod_ids: list[str]) -> dict[str, dict[str, str]]:
-        """``pod_info`` of many pods (``read_many``, SCRIPT_BATCH a round trip)."""
-        infos = await self._read_many([pod_info_key(p) for p in pod_ids], "HGETALL")
-        return {p: _pairs(flat) for p, flat in zip(pod_ids, infos, strict=True)}
-
     async def pod_fields(self, pod_ids: list[str], *fields: str) -> dict[str, list[str | None]]:
         """Some fields of many pods' infos: the jobs' cheap read, one ``pod_fields`` script
         per SCRIPT_BATCH pods (each reply a flat list, n values per pod)."""
@@ -408,11 +403,11 @@ class ResourceState:
         return {s: sorted(members) for s, members in zip(scope_ids, sets, strict=True)}
 
     async def pod_phases(self) -> dict[str, int]:
-        """Registered pods by phase (in_use / idle): O(pods), pipelined (``pod_infos``)."""
+        """Registered pods by phase (in_use / idle): O(pods), in slices (``pod_fields``)."""
         counts: dict[str, int] = {"in_use": 0, "idle": 0}
-        for info in (await self.pod_infos(await self.all_pods())).values():
-            if info.get("phase"):
-                counts[info["phase"]] = counts.get(info["phase"], 0) + 1
+        for (phase,) in (await self.pod_fields(await self.all_pods(), "phase")).values():
+            if phase:
+                counts[phase] = counts.get(phase, 0) + 1
         return counts
 
     async def placeholders(self, scope_ids: list[str]) -> int:

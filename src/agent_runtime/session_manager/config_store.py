@@ -12,7 +12,6 @@ run, even though the DB write already happened and the retry sees no change.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +40,7 @@ from agent_runtime.session_manager.models import (
     parse_item,
 )
 from agent_runtime.session_manager.state import SessionState
+from agent_runtime.single_flight import SingleFlight
 from agent_runtime.spec_fields import classify_change
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class ConfigStore:
         self._state = state
         self._resources = resources
         # scope → the DB load running for it: a cold burst of one scope reads the DB once
-        self._loading: dict[str, asyncio.Task[ScopeConfig]] = {}
+        self._loading: SingleFlight[str, ScopeConfig] = SingleFlight()
 
     # --- resolve -------------------------------------------------------------------------------
 
@@ -101,19 +101,7 @@ class ConfigStore:
                 return ScopeConfig.from_hash(scope_id, cached)
             except (KeyError, ValueError):
                 log.warning("resolve cache of scope %s is malformed; reloading", scope_id)
-        loading = self._loading.get(scope_id)
-        if loading is None:
-            loading = asyncio.ensure_future(self._load(scope_id, group_id, bot_id))
-            self._loading[scope_id] = loading
-            loading.add_done_callback(lambda task: self._loaded(scope_id, task))
-        # shielded: one caller going away does not cancel the load the others wait for
-        return await asyncio.shield(loading)
-
-    def _loaded(self, scope_id: str, task: asyncio.Task[ScopeConfig]) -> None:
-        if self._loading.get(scope_id) is task:
-            del self._loading[scope_id]
-        if not task.cancelled():
-            task.exception()  # retrieved: every waiter may have gone away
+        return await self._loading.run(scope_id, lambda: self._load(scope_id, group_id, bot_id))
 
     async def _load(self, scope_id: str, group_id: str, bot_id: str) -> ScopeConfig:
         """One DB read for the scope, then the cache filled (unless a config change came)."""

@@ -43,6 +43,7 @@ from agent_runtime.resource_manager.facade import (
 )
 from agent_runtime.session_manager.config_store import ConfigStore
 from agent_runtime.session_manager.state import ROUTE_LEASE, SessionState, scope_free_channel
+from agent_runtime.single_flight import SingleFlight
 from agent_runtime.util import scope_id_of
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class SessionOrchestrator:
         self._notifier = notifier
         self._scope_full_timeout = scope_full_timeout
         # scope → the acquire its concurrent routes on this replica share (see _Route.acquire)
-        self._acquiring: dict[str, asyncio.Future[bool]] = {}
+        self._acquiring: SingleFlight[str, bool] = SingleFlight()
         self.draining = False
 
     def drain(self) -> None:
@@ -248,13 +249,8 @@ class _Route:
         trips competing with the leader's for the loop), and every sharer then places through
         route_place, the judge; those the pod cannot hold get need_acquire again. Shielded:
         the route that started it going away does not cancel it for the others."""
-        shared = self.o._acquiring.get(self.scope_id)
-        if shared is None:
-            shared = asyncio.ensure_future(self._acquire(attempt))
-            self.o._acquiring[self.scope_id] = shared
-            shared.add_done_callback(self._acquired)
         try:
-            return await asyncio.shield(shared)
+            return await self.o._acquiring.run(self.scope_id, lambda: self._acquire(attempt))
         except MaxPodsReached as exc:
             now = asyncio.get_running_loop().time()
             if self.cap_since is None:
@@ -262,12 +258,6 @@ class _Route:
             if now - self.cap_since < CAP_GRACE:
                 return False  # wait for a candidate that may be on its way, then look again
             raise NoPodAvailable(f"no pod for scope {self.scope_id}: {exc}") from None
-
-    def _acquired(self, task: asyncio.Future[bool]) -> None:
-        if self.o._acquiring.get(self.scope_id) is task:
-            del self.o._acquiring[self.scope_id]
-        if not task.cancelled():
-            task.exception()  # retrieved: every sharer may have gone away
 
     async def _acquire(self, attempt: int) -> bool:
         config = await self.o._config.resolve(self.scope_id, self.group_id, self.bot_id)
