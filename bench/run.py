@@ -396,7 +396,6 @@ def details(results: dict[str, Any]) -> list[str]:
                 out.append(
                     f"{name}: loop held over 5 ms in (stack samples) {tick['loop_stalled_in']}"
                 )
-        for name, tick in scale["ticks"].items():
             prof = tick.get("profile")
             if prof and "top_self" in prof:
                 out.append(f"{name} profile ({prof['total_seconds']} s), top self time:")
