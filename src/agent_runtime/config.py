@@ -101,6 +101,18 @@ class Settings(BaseSettings):
     db_connect_timeout: int = Field(5, ge=1, description="DB connect timeout (s)")
     db_pool_size: int = Field(8, ge=1, le=128, description="DB connections (and DB threads)")
 
+    # -- http edge: connections (headers, timeouts, connection cap) --
+
+    # -- http edge: requests (methods, open gateway, overload) --
+
+    # -- templates: clusters, namespaces, secrets --
+
+    # -- bounded growth: pod budgets --
+
+    # -- bounded growth: scope expiry, config_sync propagation --
+
+    # -- answers: replay binding, messages --
+
     _split_gateway = field_validator("gateway_tokens", "admin_tokens", mode="before")(_split_tokens)
 
     @field_validator("log_level")

@@ -24,6 +24,11 @@ class ErrorCode(StrEnum):
     BACKEND_UNAVAILABLE = "BACKEND_UNAVAILABLE"
     SCOPE_FULL_TIMEOUT = "SCOPE_FULL_TIMEOUT"
     INTERNAL = "INTERNAL"
+    # -- http edge --
+
+    # -- bounded growth --
+
+    # -- answers --
 
 
 class AgentRuntimeError(Exception):
