@@ -15,6 +15,7 @@ from redis.asyncio.lock import Lock
 from redis.exceptions import LockNotOwnedError
 
 from agent_runtime import spec_fields
+from agent_runtime.errors import RequestIdReused
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.facade import (
     DeployFailed,
@@ -178,6 +179,20 @@ async def test_same_request_id_replays_the_first_answer(
     first = await acquire(rm, "r1")
     assert await acquire(rm, "r1") == first
     assert k8s.deploy_calls == 1
+
+
+async def test_a_request_id_of_another_scope_gets_no_pod_of_that_scope(
+    rm: Instance, rm2: Instance, k8s: FakeK8sPodClient
+) -> None:
+    """A deployed pod's cached result (idem:{request_id}) is bound to its scope: the same id
+    from another scope, on any replica, is refused and nothing is deployed for it."""
+    first = await acquire(rm, "r1")
+    other = "fedcba9876543210fedcba9876543210"
+    for instance in (rm, rm2):
+        with pytest.raises(RequestIdReused):
+            await instance.facade.acquire(other, spec(), pool(), "r1")
+    assert k8s.deploy_calls == 1
+    assert await acquire(rm2, "r1") == first, "the first scope still replays"
 
 
 async def test_first_acquire_writes_the_pool_config(rm: Instance, redis: Redis) -> None:

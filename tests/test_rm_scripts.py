@@ -28,6 +28,7 @@ from hypothesis.stateful import (
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from agent_runtime.errors import RequestIdReused
 from agent_runtime.resource_manager.state import (
     POD_PREFIX,
     AcquireOutcome,
@@ -174,7 +175,7 @@ async def second_client(redis: Redis) -> AsyncIterator[Redis]:
 def acquire_call(sid: str, request_id: str, token: str) -> dict[str, Any]:
     """The exact EVALSHA keys/args ``ResourceState.acquire`` sends."""
     keys = [K.config(sid), K.idle(sid), K.pods(sid), K.deploying(sid), K.idem(request_id)]
-    return {"keys": keys, "args": [POD_PREFIX, token, TTL, 60]}
+    return {"keys": keys, "args": [POD_PREFIX, token, TTL, 60, sid]}
 
 
 # --- acquire -----------------------------------------------------------------------------------
@@ -227,6 +228,7 @@ async def test_acquire_reuse_pops_the_pod_and_caches_the_result(
         "pod_id": "p1",
         "pod_sse_url": sse("p1"),
         "deploy_ver": ver,
+        "scope_id": "s1",  # the binding: replayed for this scope only
     }
     assert 0 < await redis.ttl(K.idem("r1")) <= 60
 
@@ -234,6 +236,37 @@ async def test_acquire_reuse_pops_the_pod_and_caches_the_result(
     assert again == AcquireOutcome("cached", "p1", sse("p1"), ver)
     assert await smembers(redis, K.idle("s1")) == {"p2"}  # p2 not taken by the replay
     assert not await redis.exists(K.deploying("s1"))
+
+
+async def test_acquire_result_replays_only_for_its_own_scope(
+    rs: ResourceState, redis: Redis
+) -> None:
+    """idem:{request_id} holds the scope it was acquired for: the same id from another scope
+    (another tenant) gets REQUEST_ID_REUSED, never the first scope's pod, and takes nothing."""
+    await configure(rs, "s1")
+    await configure(rs, "s2")
+    await add_pod(rs, "s1", "p1", warm=True)
+    await add_pod(rs, "s2", "q1", warm=True)
+    first = await rs.acquire("s1", "r1", "t1", TTL)
+    assert first.action == "reuse" and first.pod_id == "p1"
+    stored = await redis.get(K.idem("r1"))
+    with pytest.raises(RequestIdReused):
+        await rs.acquire("s2", "r1", "t2", TTL)
+    with pytest.raises(RequestIdReused):
+        await rs.cached_result("s2", "r1")
+    assert await redis.get(K.idem("r1")) == stored, "the first answer stays the first scope's"
+    assert await smembers(redis, K.idle("s2")) == {"q1"}, "nothing taken for the reused id"
+    assert not await redis.exists(K.deploying("s2"))
+    again = await rs.acquire("s1", "r1", "t1-retry", TTL)
+    assert again == AcquireOutcome("cached", "p1", sse("p1"), first.deploy_ver)
+    assert await rs.cached_result("s1", "r1") == {
+        "pod_id": "p1",
+        "pod_sse_url": sse("p1"),
+        "deploy_ver": first.deploy_ver or "",
+    }
+    # a result cached before results were bound (no scope_id) replays as it did
+    await redis.set(K.idem("r-old"), json.dumps({"pod_id": "p9", "pod_sse_url": "u"}), ex=60)
+    assert (await rs.acquire("s2", "r-old", "t3", TTL)).action == "cached"
 
 
 async def test_acquire_reuse_replayed_evalsha_is_cached(rs: ResourceState, redis: Redis) -> None:
@@ -249,6 +282,7 @@ async def test_acquire_reuse_replayed_evalsha_is_cached(rs: ResourceState, redis
         "pod_id": first[1],
         "pod_sse_url": first[2],
         "deploy_ver": first[3],
+        "scope_id": "s1",
     }
     assert len(await smembers(redis, K.idle("s1"))) == 1  # one pod left the pool, not two
 

@@ -31,7 +31,7 @@ from hypothesis.stateful import (
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
-from agent_runtime.session_manager.state import SessionState
+from agent_runtime.session_manager.state import SessionState, request_hash
 from helpers import other_client, run_redis_state_machine
 
 T = TypeVar("T")
@@ -139,10 +139,17 @@ def url(pod: str) -> str:
     return f"http://{pod}.pods:8080/sse"  # slashes: real Redis's cjson escapes them, fakeredis not
 
 
+def pending(token: str, session_id: str, sid: str = SID) -> str:
+    """The replay marker of a running route: its caller's token and the request's binding."""
+    return f"pending:{token}\n{request_hash(sid, session_id)}"
+
+
 def answer_of(reply: list[Any]) -> dict[str, str]:
     """What the gateway sees, from a placing reply or from a replay (the stored JSON)."""
     if reply[0] == "replay":
-        return dict(json.loads(reply[1]))
+        stored = dict(json.loads(reply[1]))
+        stored.pop("request_hash")  # the binding (route_place.lua), not part of the answer
+        return stored
     answer = {"pod_id": reply[1], "pod_sse_url": reply[2], "placement": reply[0]}
     if reply[0] == "rebound":
         answer["previous_pod_id"] = reply[3]
@@ -311,12 +318,12 @@ async def test_the_calls_match_the_script_headers(state: SessionState) -> None:
             K.reserved(SID),
             K.waiters(SID),
         ],
-        [P, "s1", SID, "t1", 60, 3.0, "r1", "0"],
+        [P, "s1", SID, "t1", 60, 3.0, "r1", "0", request_hash(SID, "s1")],
     )
     assert calls["evict"] == ([K.session("s1"), K.EXPIRY], [P, "s1", "1"])
     assert calls["touch"] == (
         [K.session("s1"), K.EXPIRY, f"{P}touch:r1"],
-        [P, "s1", "1", 60],
+        [P, "s1", "1", 60, request_hash("s1")],
     )
     assert calls["register_pod"] == (
         [
@@ -358,7 +365,7 @@ async def test_a_cache_miss_is_need_config_and_writes_only_the_pending_marker(
 ) -> None:
     await add_pod(state, "p1")
     assert await route(state, "s1", request_id="r1", token="t1") == ["need_config"]
-    assert await redis.get(K.route("r1")) == "pending:t1"
+    assert await redis.get(K.route("r1")) == pending("t1", "s1")
     assert 0 < await redis.ttl(K.route("r1")) <= 60
     assert await four_places(redis, "s1", SID, "p1") == [False] * 4
 
@@ -379,7 +386,12 @@ async def test_placed_commits_the_four_places_and_clears_the_idle_notice(
     assert not await redis.exists(K.idle_notified(SID, "p1"))
     stored = await redis.get(K.route("r1"))
     assert stored is not None
-    assert json.loads(stored) == {"pod_id": "p1", "pod_sse_url": url("p1"), "placement": "placed"}
+    assert json.loads(stored) == {
+        "pod_id": "p1",
+        "pod_sse_url": url("p1"),
+        "placement": "placed",
+        "request_hash": request_hash(SID, "s1"),  # the binding: replayed for this request only
+    }
     assert 0 < await redis.ttl(K.route("r1")) <= 60
 
 
@@ -520,6 +532,7 @@ async def test_a_pod_death_tombstone_makes_the_next_placement_rebound(
         "pod_sse_url": url("p3"),
         "placement": "rebound",
         "previous_pod_id": "p1",
+        "request_hash": request_hash(SID, "s1"),
     }
     assert await route(state, "s1") == placed("p3", "refresh")
 
@@ -543,7 +556,7 @@ async def test_the_scope_gate_holds_at_exactly_scope_concurrency(
     for i in range(3):
         assert await route(state, f"s{i}") == placed("p1")
     assert await route(state, "s3", request_id="r-full", token="t") == ["scope_full", ""]
-    assert await redis.get(K.route("r-full")) == "pending:t"
+    assert await redis.get(K.route("r-full")) == pending("t", "s3")
     assert await redis.scard(K.scope_sessions(SID)) == 3
     await state.evict("s0")
     assert await route(state, "s3", request_id="r-full", token="t") == placed("p1")
@@ -639,7 +652,7 @@ async def test_a_reservation_taken_from_the_queue_leaves_the_queue(
 async def test_no_candidate_at_all_is_need_acquire(state: SessionState, redis: Redis) -> None:
     await configure(redis)
     assert await route(state, "s1", request_id="r1", token="t1") == ["need_acquire"]
-    assert await redis.get(K.route("r1")) == "pending:t1"
+    assert await redis.get(K.route("r1")) == pending("t1", "s1")
     assert not await redis.exists(K.session("s1"))
 
 
@@ -702,7 +715,7 @@ async def test_release_route_gives_back_only_its_own_marker_reservation_and_seat
     assert await redis.zscore(K.reserved(SID), "r1") is not None
     await state.take_waiter_seat(SID, "r1", 30, 6)
     assert await state.release_route(SID, "r1", "t2") is False  # not the owner: untouched
-    assert await redis.get(K.route("r1")) == "pending:t1"
+    assert await redis.get(K.route("r1")) == pending("t1", "s1")
     assert await redis.zscore(K.reserved(SID), "r1") is not None
     assert await redis.zscore(K.waiters(SID), "r1") is not None
     assert await state.release_route(SID, "r1", "t1") is True

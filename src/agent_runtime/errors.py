@@ -29,6 +29,7 @@ class ErrorCode(StrEnum):
     # -- bounded growth --
 
     # -- answers --
+    REQUEST_ID_REUSED = "REQUEST_ID_REUSED"
 
 
 class AgentRuntimeError(Exception):
@@ -113,3 +114,12 @@ class ClientDisconnected(AgentRuntimeError):
 class InternalError(AgentRuntimeError):
     code = ErrorCode.INTERNAL
     http_status = 500
+
+
+class RequestIdReused(AgentRuntimeError):
+    """A request_id answered (or being answered) within 60 s for another request: another
+    session or scope (route), another session (touch eos), another scope (acquire). The
+    first answer is never handed to a different request."""
+
+    code = ErrorCode.REQUEST_ID_REUSED
+    http_status = 409

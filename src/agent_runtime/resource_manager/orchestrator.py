@@ -132,7 +132,7 @@ class ResourceOrchestrator:
         on_ready: OnReady | None,
     ) -> tuple[dict[str, str], str]:
         """The pod and where it came from: replay, warm, deploy or follower."""
-        cached = await self._state.cached_result(request_id)
+        cached = await self._state.cached_result(scope_id, request_id)
         if cached is not None:
             return cached, "replay"
         call = _Acquire(
@@ -242,7 +242,7 @@ class ResourceOrchestrator:
             result = await self.deploy_and_register(
                 scope_id, call.pod_spec, placeholder, warm=False, requester=requester
             )
-            await self._state.cache_result(call.request_id, result)
+            await self._state.cache_result(scope_id, call.request_id, result)
             if call.on_ready is not None and not requester.gone:
                 try:  # still under the lock: nobody decides to deploy before the pod is seen
                     await call.on_ready(result)

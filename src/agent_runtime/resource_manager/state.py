@@ -19,6 +19,7 @@ from redis.asyncio.lock import Lock
 
 from agent_runtime import lua
 from agent_runtime.config import RM_KEY_PREFIX as P
+from agent_runtime.errors import RequestIdReused
 
 SCOPE_PREFIX = f"{P}resource:scope:"
 POD_PREFIX = f"{P}resource:pod:"
@@ -81,7 +82,12 @@ REGISTERED_PATTERN = f"{SCOPE_PREFIX}*:registered"
 
 
 def idem_key(request_id: str) -> str:
+    """The acquire result for 60 s, bound to its scope (``scope_id`` in the JSON)."""
     return f"{P}idem:{request_id}"
+
+
+def _reused(request_id: str) -> RequestIdReused:
+    return RequestIdReused(f"acquire {request_id}: the request_id got a pod of another scope")
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,9 +223,11 @@ class ResourceState:
                 scope_deploying_key(scope_id),
                 idem_key(request_id),
             ],
-            args=[POD_PREFIX, token, placeholder_ttl, IDEM_TTL],
+            args=[POD_PREFIX, token, placeholder_ttl, IDEM_TTL, scope_id],
         )
         action = reply[0]
+        if action == "reused":
+            raise _reused(request_id)
         if action == "cached":
             cached = json.loads(reply[1])
             return AcquireOutcome(
@@ -449,12 +457,21 @@ class ResourceState:
     async def all_pods(self) -> list[str]:
         return [p async for p in self.redis.sscan_iter(PODS_ALL_KEY, count=BATCH)]
 
-    async def cached_result(self, request_id: str) -> dict[str, str] | None:
+    async def cached_result(self, scope_id: str, request_id: str) -> dict[str, str] | None:
+        """The pod this request_id got for this scope within IDEM_TTL; RequestIdReused when
+        it got one for another scope (never handed to this one)."""
         raw = await self.redis.get(idem_key(request_id))
-        return cast(dict[str, str], json.loads(raw)) if raw else None
+        if not raw:
+            return None
+        cached = cast(dict[str, str], json.loads(raw))
+        owner = cached.pop("scope_id", None)
+        if owner is not None and owner != scope_id:
+            raise _reused(request_id)
+        return cached
 
-    async def cache_result(self, request_id: str, result: dict[str, str]) -> None:
-        await self.redis.set(idem_key(request_id), json.dumps(result), ex=IDEM_TTL)
+    async def cache_result(self, scope_id: str, request_id: str, result: dict[str, str]) -> None:
+        value = json.dumps({**result, "scope_id": scope_id})
+        await self.redis.set(idem_key(request_id), value, ex=IDEM_TTL)
 
     async def count_health_failure(self, pod_id: str) -> int:
         """One more failed probe; 0 if the pod has been forgotten meanwhile.

@@ -30,6 +30,7 @@ from agent_runtime.errors import (
     BackendUnavailable,
     ClientDisconnected,
     NoPodAvailable,
+    RequestIdReused,
     ScopeFullTimeout,
     ScopeQueueFull,
 )
@@ -132,6 +133,8 @@ class SessionOrchestrator:
         if reply[0] in PLACED or reply[0] == "replay":  # the hot path: one round trip
             self._placements[reply[0]].inc()
             return _answer(reply)
+        if reply[0] == "reused":  # nothing was taken: nothing to give back
+            raise _reused()
         route = _Route(self, request_id, session_id, group_id, bot_id, scope_id, token)
         outcome = "error"
         started = time.perf_counter()
@@ -166,7 +169,10 @@ class SessionOrchestrator:
         self, session_id: str, *, eos: bool = False, request_id: str = ""
     ) -> dict[str, bool]:
         """``request_id``: an eos re-sent with it (its reply lost) gets the first answer."""
-        touched, released = await self._state.touch(session_id, eos=eos, request_id=request_id)
+        outcome = await self._state.touch(session_id, eos=eos, request_id=request_id)
+        if outcome is None:
+            raise _reused()
+        touched, released = outcome
         if eos:
             return {"touched": touched, "released": released}
         return {"touched": touched}
@@ -227,6 +233,8 @@ class _Route:
                 await self.wait(disconnected, seat=reply[1:2] != ["1"])
             elif action == "in_flight":  # a duplicate: wait for the first call's answer
                 await self.wait(disconnected, seat=False, duplicate=True)
+            elif action == "reused":  # our marker lapsed and another request took the id
+                raise _reused()
             else:
                 raise BackendUnavailable(f"unexpected route outcome {action!r}")
             if action in ("need_config", "need_acquire"):
@@ -358,13 +366,22 @@ def _outcome(exc: BaseException) -> str:
         ClientDisconnected: "disconnected",
         NoPodAvailable: "no_pod",
         BackendUnavailable: "backend",
+        RequestIdReused: "reused",
     }
     return labels.get(type(exc), "error")
 
 
+def _reused() -> RequestIdReused:
+    return RequestIdReused(
+        "request_id was used by another request within the last 60 s; use a new request_id"
+    )
+
+
 def _answer(reply: list[str]) -> dict[str, Any]:
     if reply[0] == "replay":
-        return dict(json.loads(reply[1]))
+        answer = dict(json.loads(reply[1]))
+        answer.pop("request_hash", None)  # the binding, not part of the answer
+        return answer
     answer: dict[str, Any] = {"pod_id": reply[1], "pod_sse_url": reply[2], "placement": reply[0]}
     if reply[0] == "rebound":
         answer["previous_pod_id"] = reply[3]

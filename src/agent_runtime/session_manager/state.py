@@ -10,6 +10,7 @@ racing a config_sync cannot write back a stale cache).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable
@@ -78,8 +79,17 @@ def scope_pod_seq_key(scope_id: str) -> str:
 
 
 def route_key(request_id: str) -> str:
-    """Replay of a route: its answer (JSON) for 60 s, or ``pending:{token}`` while running."""
+    """Replay of a route: its answer (JSON, with the request's ``request_hash``) for 60 s, or
+    ``pending:{token}\n{request_hash}`` while running."""
     return f"{P}route:{request_id}"
+
+
+def request_hash(*fields: str) -> str:
+    """What binds a replay answer to its request: a digest of the request's own fields (route:
+    scope and session; touch: session). A request_id reused by another request does not match
+    it and is answered REQUEST_ID_REUSED instead of the first caller's answer."""
+    joined = "\x00".join(fields).encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(joined, digest_size=16).hexdigest()
 
 
 def touch_key(request_id: str) -> str:
@@ -170,6 +180,7 @@ class SessionState:
                     ROUTE_LEASE,
                     request_id,
                     "1" if slow else "0",
+                    request_hash(scope_id, session_id),
                 ],
             ),
         )
@@ -187,12 +198,23 @@ class SessionState:
         keys = [route_key(request_id), scope_reserved_key(scope_id), scope_waiters_key(scope_id)]
         return bool(await self._route_lease(keys=keys, args=[token, request_id, seconds]))
 
-    async def touch(self, session_id: str, *, eos: bool, request_id: str = "") -> tuple[bool, bool]:
-        """(touched, released) — see touch.lua. Without a request_id no eos answer is kept."""
+    async def touch(
+        self, session_id: str, *, eos: bool, request_id: str = ""
+    ) -> tuple[bool, bool] | None:
+        """(touched, released) — see touch.lua. Without a request_id no eos answer is kept.
+        None: an eos whose request_id ended another session within REPLAY_TTL (nothing done)."""
         touched, released = await self._touch(
             keys=[session_key(session_id), SESSION_EXPIRY_KEY, touch_key(request_id)],
-            args=[P, session_id, "1" if eos else "0", REPLAY_TTL if request_id else 0],
+            args=[
+                P,
+                session_id,
+                "1" if eos else "0",
+                REPLAY_TTL if request_id else 0,
+                request_hash(session_id),
+            ],
         )
+        if int(touched) < 0:
+            return None
         return bool(touched), bool(released)
 
     async def register_pod(self, scope_id: str, pod_id: str, sse_url: str, deploy_ver: str) -> bool:

@@ -4,14 +4,17 @@
 -- KEYS[2] resource:scope:{sid}:idle       SET   warm pool
 -- KEYS[3] resource:scope:{sid}:pods       ZSET  every pod of the scope
 -- KEYS[4] resource:scope:{sid}:deploying  SET   placeholders "{token}@{deadline}"
--- KEYS[5] idem:{request_id}               STRING cached acquire result (JSON)
+-- KEYS[5] idem:{request_id}               STRING cached acquire result (JSON, with its scope_id)
 -- ARGV[1] pod key prefix, e.g. "resource_manager:resource:pod:" (derives {prefix}{pod}:info
 --         and {prefix}{pod}:idle_since for the warm pods: the only derived keys)
 -- ARGV[2] placeholder token (unique per attempt; the same token on a re-sent call)
 -- ARGV[3] placeholder lifetime in seconds (ready_timeout + margin)
 -- ARGV[4] idem TTL in seconds
+-- ARGV[5] scope_id: a cached result replays only for the scope it was acquired for
 --
 -- returns {"cached", json}                 this request already got a pod (replay)
+--         {"reused"}                       the request_id got a pod of another scope: nothing
+--                                          is done, that pod is never handed out here
 --         {"reuse", pod_id, pod_sse_url, deploy_ver}   a warm pod left the pool, now in use
 --         {"no_config"}                    the scope has no pool config yet
 --         {"max_reached"}                  ZCARD pods + SCARD deploying >= max_pods
@@ -20,7 +23,13 @@
 -- invariant: ZCARD pods + SCARD deploying <= max_pods after every call; expired placeholders
 -- (a crashed deployer) are dropped before counting, so a crash never lowers the cap for good.
 local cached = redis.call('GET', KEYS[5])
-if cached then return {'cached', cached} end
+if cached then
+  -- a result without a scope_id (written before results were bound) replays as it did
+  local decoded, first = pcall(cjson.decode, cached)
+  local owner = decoded and type(first) == 'table' and first.scope_id
+  if owner and owner ~= ARGV[5] then return {'reused'} end
+  return {'cached', cached}
+end
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'no_config'} end
 
 local now = tonumber(redis.call('TIME')[1])
@@ -43,8 +52,8 @@ if best then
   redis.call('DEL', ARGV[1] .. best .. ':idle_since')
   redis.call('HSET', info, 'phase', 'in_use')
   local url = redis.call('HGET', info, 'pod_sse_url') or ''
-  redis.call('SET', KEYS[5], cjson.encode({pod_id = best, pod_sse_url = url, deploy_ver = version}),
-    'EX', tonumber(ARGV[4]))
+  redis.call('SET', KEYS[5], cjson.encode({pod_id = best, pod_sse_url = url, deploy_ver = version,
+    scope_id = ARGV[5]}), 'EX', tonumber(ARGV[4]))
   return {'reuse', best, url, version}
 end
 

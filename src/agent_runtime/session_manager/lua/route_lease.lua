@@ -1,7 +1,7 @@
 -- route_lease: what a route on its slow path holds — its pending replay marker, its
 -- reservation, its queue seat — kept alive while it runs, or given back when it fails.
 --
--- KEYS[1] route:{request_id}       STRING "pending:{token}" while the route runs
+-- KEYS[1] route:{request_id}       STRING "pending:{token}\n{fingerprint}" while the route runs
 -- KEYS[2] scope:{sid}:reserved     ZSET request_id -> lease deadline
 -- KEYS[3] scope:{sid}:waiters      ZSET request_id -> deadline
 -- ARGV[1] token   ARGV[2] request_id
@@ -16,7 +16,8 @@
 -- lost Redis for longer than the lease). Renewal never creates a seat or a reservation (XX).
 -- Replay-safe: renewing twice or releasing twice changes nothing more.
 local marker = redis.call('GET', KEYS[1])
-local owner = marker == 'pending:' .. ARGV[1]
+local mine = 'pending:' .. ARGV[1]
+local owner = marker == mine or (marker and string.sub(marker, 1, #mine + 1) == mine .. '\n')
 local lease = tonumber(ARGV[3])
 if lease > 0 then
   if not owner then return 0 end

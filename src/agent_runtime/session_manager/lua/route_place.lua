@@ -7,7 +7,8 @@
 -- KEYS[4] scope:{sid}:pods                    ZSET candidates in arrival order
 -- KEYS[5] scope:{sid}:config                  HASH resolve cache (the scope's policy)
 -- KEYS[6] pods:registered                     SET "{sid}:{pod}"
--- KEYS[7] route:{request_id}                  STRING replay: the answer JSON, or "pending:{token}"
+-- KEYS[7] route:{request_id}                  STRING replay: the answer JSON (with the request's
+--         fingerprint in its "request_hash" field), or "pending:{token}\n{fingerprint}"
 -- KEYS[8] previous_pod:{session_id}   STRING tombstone of a pod that died under it
 --         (written by evict with pod_died, or here when the bound pod is no longer
 --         registered; read for `rebound`, deleted when the session is placed again)
@@ -26,11 +27,15 @@
 -- ARGV[7] request_id
 -- ARGV[8] "1" from the slow path: on placing, also leave the queue (a reservation is always
 --         given back on placing)
+-- ARGV[9] the request's fingerprint (state.request_hash: scope and session): a request_id
+--         replays only for the request that used it first
 --
 -- returns {"replay", json}                   this request_id was answered already (json: the
 --                                            first answer {pod_id, pod_sse_url, placement[,
 --                                            previous_pod_id]}; cjson may escape "/" as "\/")
 --         {"in_flight"}                      another call with this request_id is running
+--         {"reused"}                         this request_id was used (answered or running) by
+--                                            another request: nothing is done, nothing given
 --         {"refresh", pod_id, sse_url, ""}   binding kept, expiry extended by its own ttl
 --         {"placed", pod_id, sse_url, ""}    new binding, committed in its four places
 --         {"rebound", pod_id, sse_url, previous_pod_id}  new binding after its pod died/left
@@ -44,23 +49,34 @@
 -- invariant: SCARD scope:{sid}:sessions + live reservations <= scope_concurrency (when it
 -- held before), and SCARD pod sessions <= pod_concurrency, after every call; a session is in
 -- its four places or in none. Replay-safe: a re-sent call finds its own answer in KEYS[7].
+-- A value without a fingerprint (written before answers were bound) replays as it did.
 local p, sid, scope, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local replay_ttl, lease, rid, slow = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], ARGV[8] == '1'
+local fingerprint = ARGV[9]
 
 local cached = redis.call('GET', KEYS[7])
 if cached then
-  if string.sub(cached, 1, 8) ~= 'pending:' then return {'replay', cached} end
-  if cached ~= 'pending:' .. token then return {'in_flight'} end
+  if string.sub(cached, 1, 8) ~= 'pending:' then
+    local decoded, first = pcall(cjson.decode, cached)
+    local owner = decoded and type(first) == 'table' and first.request_hash
+    if owner and owner ~= fingerprint then return {'reused'} end
+    return {'replay', cached}
+  end
+  local nl = string.find(cached, '\n', 9, true)
+  if nl and string.sub(cached, nl + 1) ~= fingerprint then return {'reused'} end
+  if string.sub(cached, 1, (nl or 0) - 1) ~= 'pending:' .. token then return {'in_flight'} end
 end
 
 -- a short lease: a caller that dies (or loses Redis) cannot hold up a retry for long
 local function pending(outcome, detail)
-  redis.call('SET', KEYS[7], 'pending:' .. token, 'PX', math.ceil(lease * 1000))
+  redis.call('SET', KEYS[7], 'pending:' .. token .. '\n' .. fingerprint, 'PX',
+    math.ceil(lease * 1000))
   return {outcome, detail}
 end
 
 local function answer(placement, pod, url, previous)
-  local reply = {pod_id = pod, pod_sse_url = url, placement = placement}
+  local reply = {pod_id = pod, pod_sse_url = url, placement = placement,
+    request_hash = fingerprint}
   if previous then reply.previous_pod_id = previous end
   redis.call('SET', KEYS[7], cjson.encode(reply), 'EX', replay_ttl)
   return {placement, pod, url, previous or ''}
