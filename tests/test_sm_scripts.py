@@ -806,6 +806,113 @@ async def test_concurrent_duplicates_of_one_request_place_once(
     assert await redis.scard(K.scope_sessions(SID)) == 1
 
 
+# --- route_place: a request_id reused by another request ---------------------------------------
+
+
+async def test_an_answered_request_id_replays_only_for_its_own_request(
+    state: SessionState, redis: Redis
+) -> None:
+    """Another session or another scope with a used request_id gets "reused" — never the first
+    caller's pod — and nothing is done for it; the first request keeps replaying (any replica)."""
+    await configure(redis)
+    await configure(redis, "scope-b")
+    await add_pod(state, "p1")
+    await add_pod(state, "q1", "scope-b")
+    first = await route(state, "s1", request_id="r1", token="t1")
+    assert first == placed("p1")
+    stored = await redis.get(K.route("r1"))
+    assert await route(state, "s2", request_id="r1", token="t2") == ["reused"]
+    assert await route(state, "s1", "scope-b", request_id="r1", token="t3") == ["reused"]
+    assert not await redis.exists(K.session("s2"))
+    assert await redis.smembers(K.scope_sessions(SID)) == {"s1"}
+    assert not await redis.exists(K.scope_sessions("scope-b"), K.reserved("scope-b"))
+    assert await redis.get(K.route("r1")) == stored, "the first answer is left as it was"
+    client = other_client(redis)
+    try:
+        again = await SessionState(client).route_place(
+            request_id="r1", session_id="s1", scope_id=SID, token="t4"
+        )
+    finally:
+        await client.aclose()
+    assert again[0] == "replay" and answer_of(again) == answer_of(first)
+
+
+async def test_a_running_request_id_is_reused_for_another_request_at_once(
+    state: SessionState, redis: Redis
+) -> None:
+    """A pending marker carries the request's binding: the same request waits (in_flight),
+    another one is told "reused" without waiting and without a reservation or a seat."""
+    await configure(redis, pod_concurrency=1)
+    assert await route(state, "s1", request_id="r1", token="t1") == ["need_acquire"]
+    assert await route(state, "s1", request_id="r1", token="t2") == ["in_flight"]
+    assert await route(state, "s2", request_id="r1", token="t3") == ["reused"]
+    assert await redis.zcard(K.reserved(SID)) == 1  # the first request's own reservation
+    assert await redis.get(K.route("r1")) == pending("t1", "s1")
+    await add_pod(state, "p1")
+    assert await route(state, "s1", request_id="r1", token="t1", slow=True) == placed("p1")
+    assert await route(state, "s2", request_id="r1", token="t3") == ["reused"]
+    assert not await redis.exists(K.session("s2"))
+
+
+async def test_an_unbound_answer_of_an_older_version_still_replays(
+    state: SessionState, redis: Redis
+) -> None:
+    """Values written before answers were bound (a rolling upgrade) keep their replay."""
+    await configure(redis)
+    old = {"pod_id": "p9", "pod_sse_url": "u", "placement": "placed"}
+    await redis.set(K.route("r-old"), json.dumps(old), ex=60)
+    reply = await route(state, "s-any", request_id="r-old", token="t1")
+    assert reply[0] == "replay" and json.loads(reply[1]) == old
+    await redis.set(K.route("r-pending"), "pending:t-old", px=3000)
+    assert await route(state, "s-any", request_id="r-pending", token="t2") == ["in_flight"]
+    assert await state.release_route(SID, "r-pending", "t-old") is True  # its owner still can
+
+
+async def test_concurrent_routes_of_different_sessions_with_one_request_id_place_one(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis, scope_concurrency=50, pod_concurrency=50)
+    await add_pod(state, "p1")
+    client = other_client(redis)
+    states = [state, SessionState(client)]
+    try:
+        replies = await asyncio.gather(
+            *(
+                states[i % 2].route_place(
+                    request_id="r1", session_id=f"s{i % 4}", scope_id=SID, token=f"t{i}"
+                )
+                for i in range(20)
+            )
+        )
+    finally:
+        await client.aclose()
+    kinds = Counter(r[0] for r in replies)
+    assert kinds["placed"] == 1 and kinds["placed"] + kinds["replay"] + kinds["reused"] == 20
+    winner = next(i for i, r in enumerate(replies) if r[0] == "placed")
+    for i, reply in enumerate(replies):  # a replay only ever for the winner's own session
+        assert reply[0] != "replay" or i % 4 == winner % 4
+        assert reply[0] != "reused" or i % 4 != winner % 4
+    assert await redis.smembers(K.scope_sessions(SID)) == {f"s{winner % 4}"}
+
+
+async def test_an_eos_request_id_of_another_session_does_nothing(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis)
+    await add_pod(state, "p1")
+    for sid in ("s1", "s2"):
+        await route(state, sid)
+    assert await state.touch("s1", eos=True, request_id="r-eos") == (True, True)
+    assert await state.touch("s2", eos=True, request_id="r-eos") is None  # s2 not ended
+    assert await state.touch("s3", eos=True, request_id="r-eos") is None  # nor told "ended"
+    assert await four_places(redis, "s2", SID, "p1") == [True] * 4
+    assert await state.touch("s1", eos=True, request_id="r-eos") == (True, True)  # replay
+    assert await state.touch("s2", eos=False, request_id="r-eos") == (True, False)  # no eos
+    # an answer kept before answers were bound (no fingerprint) replays as it did
+    await redis.set(f"{P}touch:r-old", "1,1", ex=60)
+    assert await state.touch("s9", eos=True, request_id="r-old") == (True, True)
+
+
 # --- route_place: concurrency ----------------------------------------------------------------
 
 
