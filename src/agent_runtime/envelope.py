@@ -307,7 +307,7 @@ class NotFound404(ErrorEnvelope):
 
 
 class Conflict409(ErrorEnvelope):
-    error_code: Literal[ErrorCode.CONFIG_SYNC_BUSY, ErrorCode.CONFLICT]
+    error_code: Literal[ErrorCode.CONFIG_SYNC_BUSY, ErrorCode.CONFLICT, ErrorCode.REQUEST_ID_REUSED]
 
 
 class Internal500(ErrorEnvelope):
@@ -336,7 +336,11 @@ ERROR_RESPONSES: dict[int, tuple[type[ErrorEnvelope], str]] = {
     400: (ValidationError400, "VALIDATION: malformed body, bad field, bad config item"),
     401: (Unauthorized401, "UNAUTHORIZED: missing or wrong bearer token"),
     404: (NotFound404, "NOT_FOUND: update or delete of an item that does not exist"),
-    409: (Conflict409, "CONFIG_SYNC_BUSY or CONFLICT"),
+    409: (
+        Conflict409,
+        "CONFIG_SYNC_BUSY or CONFLICT (config_sync); REQUEST_ID_REUSED (route, touch: the "
+        "request_id answered another request within 60 s)",
+    ),
     500: (Internal500, "INTERNAL: a bug (no stack trace)"),
     502: (K8sError502, "K8S_ERROR: Kubernetes refused the call"),
     503: (

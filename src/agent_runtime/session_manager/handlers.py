@@ -64,7 +64,7 @@ TouchBody = Annotated[TouchEnvelope, _body(TouchEnvelope, admin=False)]
 @router.post(
     "/route",
     openapi_extra=json_request_body(inline_schema(RouteEnvelope), security="GatewayToken"),
-    responses=documented_responses(RouteOk, 400, 401, 500, 503, 504),
+    responses=documented_responses(RouteOk, 400, 401, 409, 500, 503, 504),
 )
 async def route(envelope: RouteBody, request: Request, svc: ServicesDep) -> JSONResponse:
     """Which pod serves this session: refresh, placed or rebound (gateway)."""
@@ -82,7 +82,7 @@ async def route(envelope: RouteBody, request: Request, svc: ServicesDep) -> JSON
 @router.post(
     "/touch",
     openapi_extra=json_request_body(inline_schema(TouchEnvelope), security="GatewayToken"),
-    responses=documented_responses(TouchOk, 400, 401, 500, 503),
+    responses=documented_responses(TouchOk, 400, 401, 409, 500, 503),
 )
 async def touch(envelope: TouchBody, svc: ServicesDep) -> JSONResponse:
     """Keep a session alive, or end it with ``rawdata.eos`` (gateway)."""

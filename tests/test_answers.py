@@ -1,0 +1,128 @@
+"""Answers that do not leak or mislead (issue 13, section 4), through HTTP.
+
+A used request_id replays only for the request that used it (two replicas over one Redis);
+gateway-facing error messages carry no Kubernetes, loader or backend text (the details go to
+the log with the request id); a cleanup label_selector is validated with the grammar we
+accept; the admin views take every id route takes. Key names are the contract's (§4).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from agent_runtime.db.engine import Database
+from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from helpers import envelope, other_client, running_app, sync_body
+
+ROUTE = "/api/session/route"
+TOUCH = "/api/session/touch"
+SYNC = "/api/session/config_sync"
+CLEANUP = "/api/session/cleanup"
+
+
+def scope_of(group_id: str, bot_id: str) -> str:
+    return hashlib.md5(f"{group_id}\x00{bot_id}".encode()).hexdigest()  # contract §1
+
+
+async def configure(client: httpx.AsyncClient, **fields: Any) -> None:
+    item = {"template_id": "tpl-a", "image": "agentserver:1", "ready_poll_interval": 0.02}
+    resp = await client.post(SYNC, json=sync_body("template", "create", {**item, **fields}))
+    assert resp.status_code == 200, resp.text
+    rule = {"group_id": "*", "bot_id": "*", "template_id": "tpl-a"}
+    resp = await client.post(SYNC, json=sync_body("routing_rule", "create", rule))
+    assert resp.status_code == 200, resp.text
+
+
+def route_body(request_id: str, session_id: str, group_id: str = "g1", bot_id: str = "b1") -> Any:
+    return envelope(
+        request_id=request_id, session_id=session_id, bot_id=bot_id, extra={"group_id": group_id}
+    )
+
+
+# --- 1. a used request_id replays only for its own request -------------------------------------
+
+
+async def test_a_reused_request_id_of_another_tenant_gets_409_not_the_first_pod(
+    redis: Redis, db: Database
+) -> None:
+    cluster = FakeK8sPodClient()
+    second = other_client(redis)
+    try:
+        async with (
+            running_app(redis, db, k8s=cluster, instance_id="replica-a") as a,
+            running_app(second, db, k8s=cluster, instance_id="replica-b") as b,
+        ):
+            await configure(a)
+            first = await a.post(ROUTE, json=route_body("r-shared", "s-tenant-1", "g1"))
+            assert first.status_code == 200, first.text
+            # another tenant (group), another session of the same tenant, another bot: each on
+            # either replica gets 409 and nothing of the first answer
+            for client in (a, b):
+                for body in (
+                    route_body("r-shared", "s-tenant-2", "g2"),
+                    route_body("r-shared", "s-other", "g1"),
+                    route_body("r-shared", "s-tenant-1", "g1", "b2"),
+                ):
+                    resp = await client.post(ROUTE, json=body)
+                    assert resp.status_code == 409, resp.text
+                    failure = resp.json()
+                    assert failure["error_code"] == "REQUEST_ID_REUSED"
+                    assert failure["request_id"] == "r-shared"
+                    assert first.json()["data"]["pod_id"] not in resp.text
+                    assert "retry_after" not in failure
+            # nothing was done for them: no session, no pod, no reservation
+            for group_id, session_id in (("g2", "s-tenant-2"), ("g1", "s-other")):
+                sid = scope_of(group_id, "b1")
+                assert not await redis.exists(f"session_manager:session:{session_id}")
+                assert not await redis.exists(f"session_manager:scope:{sid}:reserved")
+            assert cluster.deploy_calls == 1
+            # the same request replays the first answer on both replicas (contract §2.3)
+            for client in (a, b):
+                again = await client.post(ROUTE, json=route_body("r-shared", "s-tenant-1", "g1"))
+                assert again.status_code == 200 and again.json() == first.json()
+            # a fresh request_id serves the other tenant normally
+            fresh = await b.post(ROUTE, json=route_body("r-fresh", "s-tenant-2", "g2"))
+            assert fresh.status_code == 200
+            assert fresh.json()["data"]["pod_id"] != first.json()["data"]["pod_id"]
+            schema = (await a.get("/openapi.json")).json()
+            route_409 = schema["paths"][ROUTE]["post"]["responses"]["409"]
+            assert "REQUEST_ID_REUSED" in str(schema["components"]["schemas"]) + str(route_409)
+    finally:
+        await second.aclose()
+
+
+async def test_an_eos_request_id_reused_for_another_session_ends_nothing(
+    redis: Redis, db: Database
+) -> None:
+    second = other_client(redis)
+    cluster = FakeK8sPodClient()
+    try:
+        async with (
+            running_app(redis, db, k8s=cluster, instance_id="replica-a") as a,
+            running_app(second, db, k8s=cluster, instance_id="replica-b") as b,
+        ):
+            await configure(a, pod_concurrency=4, scope_concurrency=4)
+            for session_id in ("s1", "s2"):
+                resp = await a.post(ROUTE, json=route_body(f"r-{session_id}", session_id))
+                assert resp.status_code == 200, resp.text
+            eos = {"eos": True}
+            ended = await a.post(TOUCH, json=envelope(eos, request_id="r-eos", session_id="s1"))
+            assert ended.json()["data"] == {"touched": True, "released": True}
+            for client in (a, b):
+                body = envelope(eos, request_id="r-eos", session_id="s2")
+                resp = await client.post(TOUCH, json=body)
+                assert resp.status_code == 409, resp.text
+                assert resp.json()["error_code"] == "REQUEST_ID_REUSED"
+                # the first eos re-sent still gets its own answer
+                body = envelope(eos, request_id="r-eos", session_id="s1")
+                assert (await client.post(TOUCH, json=body)).json() == ended.json()
+            assert await redis.exists("session_manager:session:s2"), "s2 was not ended"
+    finally:
+        await second.aclose()
