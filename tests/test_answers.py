@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import uuid
+from pathlib import Path
 from typing import Any
 
+import fakeredis
 import httpx
 import pytest
 from redis.asyncio import Redis
 
 from agent_runtime.db.engine import Database
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from agent_runtime.kubesim import KubeSim
+from agent_runtime.resource_manager.k8s import FakeK8sPodClient, RealK8sPodClient
 from helpers import envelope, other_client, running_app, sync_body
 
 ROUTE = "/api/session/route"
@@ -126,3 +128,69 @@ async def test_an_eos_request_id_reused_for_another_session_ends_nothing(
             assert await redis.exists("session_manager:session:s2"), "s2 was not ended"
     finally:
         await second.aclose()
+
+
+# --- 2. gateway-facing messages carry no Kubernetes, loader or backend text ---------------------
+
+
+@pytest.fixture(autouse=False)
+def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kubernetes_asyncio honours proxy variables (trust_env): the simulator is local."""
+    for name in (
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+
+
+@pytest.mark.usefixtures("_no_proxy")
+async def test_kubernetes_text_goes_to_the_log_not_to_the_gateway(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A deploy refused by the API server (`namespaces "default" not found`) answers the
+    gateway 503 NO_POD_AVAILABLE with a fixed message; a cleanup refused (403) names the status
+    and its reason, not the API server's body. The details are logged with the request id."""
+    async with KubeSim(ready_delay=0.05, namespaces=("default",), seed=3) as sim:
+        client = RealK8sPodClient(kubeconfig=str(sim.kubeconfig_path), default_namespace="default")
+        await client.start()
+        db = Database.from_url(f"sqlite:///{tmp_path / 'config.db'}")
+        redis = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
+        try:
+            async with running_app(redis, db, k8s=client) as app:  # type: ignore[arg-type]
+                await configure(app, ready_timeout=5)
+                sim.faults.add("namespace_missing", namespace="default")
+                with caplog.at_level(logging.WARNING):
+                    resp = await app.post(ROUTE, json=route_body("r-deploy", "s1"))
+                assert resp.status_code == 503, resp.text
+                failure = resp.json()
+                assert failure["error_code"] == "NO_POD_AVAILABLE"
+                message = failure["error_message"]
+                for leak in ("namespace", "not found", '"', "default", "404", "create pod"):
+                    assert leak not in message, message
+                logged = [r for r in caplog.records if "r-deploy" in r.getMessage()]
+                assert logged and logged[0].levelno == logging.WARNING
+                assert 'namespaces \\"default\\" not found' in logged[0].getMessage() or (
+                    'namespaces "default" not found' in logged[0].getMessage()
+                ), logged[0].getMessage()
+                sim.faults.clear()
+
+                caplog.clear()
+                sim.faults.add("namespace_forbidden", namespace="default")
+                with caplog.at_level(logging.WARNING):
+                    resp = await app.post(CLEANUP, json=envelope({}, request_id="r-clean"))
+                assert resp.status_code == 502, resp.text
+                assert resp.json()["error_code"] == "K8S_ERROR"
+                assert resp.json()["error_message"] == (
+                    "kubernetes refused the cleanup: 403 Forbidden"
+                )
+                logged = [r for r in caplog.records if "r-clean" in r.getMessage()]
+                assert logged and "is forbidden: User" in logged[0].getMessage()
+        finally:
+            await client.close()
+            await redis.aclose()
+            await db.close()

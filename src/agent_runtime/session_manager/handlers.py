@@ -8,6 +8,8 @@ only, nothing at run time).
 
 from __future__ import annotations
 
+import logging
+from http import HTTPStatus
 from typing import Annotated, TypeVar
 
 from fastapi import APIRouter, Depends, Request
@@ -40,6 +42,8 @@ from agent_runtime.session_manager.models import (
     check_fields,
 )
 from agent_runtime.wiring import Services, services
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(strict_content_type=False)  # JSON whatever the Content-Type
 
@@ -122,5 +126,18 @@ async def cleanup(envelope: AdminBody, svc: ServicesDep) -> JSONResponse:
     except ValueError as exc:
         raise ValidationFailed(f"rawdata.label_selector: {exc}") from None
     except K8sApiError as exc:
-        raise K8sError(f"kubernetes refused the cleanup: {exc}") from None
+        # the API server's body (names, paths) goes to the log; the caller gets the status
+        log.warning("cleanup %s: %s", envelope.metadata.request_id, exc)
+        raise K8sError(_refusal(exc.status)) from None
     return ok(envelope.metadata.request_id, {"cleaned": cleaned})
+
+
+def _refusal(status: int | None) -> str:
+    """``kubernetes refused the cleanup: 403 Forbidden`` — the status and its reason only."""
+    if status is None:
+        return "kubernetes could not be reached for the cleanup"
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = "error"
+    return f"kubernetes refused the cleanup: {status} {reason}"

@@ -56,6 +56,9 @@ POLL = 0.5  # safety net under the free signal
 CAP_GRACE = 0.5
 MAX_SLOW_STEPS = 20  # config fills and acquires per route: a loop that does not converge ends
 PLACED = ("refresh", "placed", "rebound")
+# what the gateway is told; the reasons (Kubernetes' own text) go to the log
+NO_POD_AT_CAP = "no pod available: the scope is at its pod limit"
+NO_POD_DEPLOY_FAILED = "no pod available: a new pod could not be started"
 
 
 class SessionOrchestrator:
@@ -265,7 +268,8 @@ class _Route:
                 self.cap_since = now
             if now - self.cap_since < CAP_GRACE:
                 return False  # wait for a candidate that may be on its way, then look again
-            raise NoPodAvailable(f"no pod for scope {self.scope_id}: {exc}") from None
+            log.info("route %s: no pod: %s", self.request_id, exc)
+            raise NoPodAvailable(NO_POD_AT_CAP) from None
 
     async def _acquire(self, attempt: int) -> bool:
         config = await self.o._config.resolve(self.scope_id, self.group_id, self.bot_id)
@@ -280,7 +284,12 @@ class _Route:
         except DeployInProgress:
             return False
         except DeployFailed as exc:
-            raise NoPodAvailable(f"no pod for scope {self.scope_id}: {exc}") from None
+            # the reason is Kubernetes' or the loader's text (namespaces, paths, errno): it goes
+            # to the log with the request id, never to the gateway
+            log.warning(
+                "route %s: deploy for scope %s failed: %s", self.request_id, self.scope_id, exc
+            )
+            raise NoPodAvailable(NO_POD_DEPLOY_FAILED) from None
         registered = await self.o._state.register_pod(
             self.scope_id, pod["pod_id"], pod["pod_sse_url"], pod.get("deploy_ver", "")
         )
