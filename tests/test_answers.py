@@ -16,10 +16,14 @@ from typing import Any
 import fakeredis
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from redis.asyncio import Redis
 
+from agent_runtime import label_selector
 from agent_runtime.db.engine import Database
 from agent_runtime.kubesim import KubeSim
+from agent_runtime.kubesim import labels as sim_labels
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient, RealK8sPodClient
 from helpers import envelope, other_client, running_app, sync_body
 
@@ -194,3 +198,80 @@ async def test_kubernetes_text_goes_to_the_log_not_to_the_gateway(
             await client.close()
             await redis.aclose()
             await db.close()
+
+
+# --- 3. cleanup label selectors: the grammar we accept, 400 for the rest -----------------------
+
+
+@pytest.mark.parametrize(
+    "selector", [",", "a=b,", ",a=b", "a=b,,c", " , ", "a gt 1", "a in ()", "a in (b,)", "!a=b"]
+)
+async def test_cleanup_refuses_a_selector_kubernetes_would_refuse_with_400(
+    redis: Redis, db: Database, selector: str
+) -> None:
+    cluster = FakeK8sPodClient()
+    async with running_app(redis, db, k8s=cluster) as app:
+        resp = await app.post(CLEANUP, json=envelope({"label_selector": selector}))
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error_code"] == "VALIDATION"
+        assert resp.json()["error_message"].startswith("rawdata.label_selector:")
+
+
+@pytest.mark.usefixtures("_no_proxy")
+async def test_cleanup_selectors_reach_kubernetes_as_accepted(tmp_path: Path) -> None:
+    """Set-based and equality selectors through the real client and the simulator's API
+    server: what we accept, it accepts too, and it deletes exactly the matching pods."""
+    async with KubeSim(ready_delay=0.05, namespaces=("default",), seed=5) as sim:
+        client = RealK8sPodClient(kubeconfig=str(sim.kubeconfig_path), default_namespace="default")
+        await client.start()
+        db = Database.from_url(f"sqlite:///{tmp_path / 'config.db'}")
+        redis = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
+        try:
+            async with running_app(redis, db, k8s=client) as app:  # type: ignore[arg-type]
+                await configure(app, ready_timeout=5)
+                pods = [
+                    await client.deploy(
+                        scope_id=scope_of(f"g{i}", "b"),
+                        deploy_ver="v1",
+                        pod_spec={"image": "agentserver:1", "ready_timeout": 5, "pod_name": "x"},
+                    )
+                    for i in range(3)
+                ]
+                first, second = scope_of("g0", "b"), scope_of("g1", "b")
+                selector = f"agent-runtime/scope in ({first}, {second}), app notin (nothing)"
+                resp = await app.post(CLEANUP, json=envelope({"label_selector": selector}))
+                assert resp.status_code == 200, resp.text
+                assert resp.json()["data"] == {"cleaned": 2}
+                left = {  # deleted: gone, or terminating (the simulator's grace period)
+                    p["metadata"]["name"]
+                    for p in sim.pods("default")
+                    if not p["metadata"].get("deletionTimestamp")
+                }
+                assert pods[2].pod_id in left and pods[0].pod_id not in left
+        finally:
+            await client.close()
+            await redis.aclose()
+            await db.close()
+
+
+_TOKENS = ["a", "b", "x.io/k", "v", "", "=", "==", "!=", "!", ",", "(", ")", " in ", " notin ", " "]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.sampled_from(_TOKENS), max_size=8),
+    st.dictionaries(st.sampled_from(["a", "b", "x.io/k"]), st.sampled_from(["v", "b", ""])),
+)
+def test_what_the_service_accepts_the_api_server_accepts_and_matches_alike(
+    parts: list[str], labels: dict[str, str]
+) -> None:
+    """kubesim's copy of ``labels.Parse`` is the oracle: a selector we accept (and the
+    canonical form we send) parses there and selects the same labels."""
+    text = "".join(parts)
+    try:
+        ours = label_selector.parse(text)
+    except ValueError:
+        return
+    for sent in (text, label_selector.render(ours)):
+        theirs = sim_labels.parse_selector(sent)
+        assert theirs.matches(labels) == label_selector.matches(ours, labels), sent

@@ -33,6 +33,7 @@ from kubernetes_asyncio.client import (
 )
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from agent_runtime.label_selector import Requirement
 from agent_runtime.resource_manager import k8s as k8s_module
 from agent_runtime.resource_manager.k8s import (
     FakeK8sPodClient,
@@ -471,16 +472,19 @@ async def test_read_pod_list_yields_to_the_loop(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_parse_label_selector() -> None:
-    assert parse_label_selector(" a=b, c==d ,e!=f,g,!h,") == [
-        ("a", "=", "b"),
-        ("c", "=", "d"),
-        ("e", "!=", "f"),
-        ("g", "exists", ""),
-        ("h", "!exists", ""),
+    assert parse_label_selector(" a=b, c==d ,e!=f,g,!h, i in (1,2), j notin (3)") == [
+        Requirement("a", "=", ("b",)),
+        Requirement("c", "=", ("d",)),
+        Requirement("e", "!=", ("f",)),
+        Requirement("g", "exists"),
+        Requirement("h", "!exists"),
+        Requirement("i", "in", ("1", "2")),
+        Requirement("j", "notin", ("3",)),
     ]
     assert parse_label_selector("") == []
-    with pytest.raises(ValueError, match="set-based"):
-        parse_label_selector("env in (a,b)")
+    for refused in ("a=b,", ",", "a gt 1"):
+        with pytest.raises(ValueError):
+            parse_label_selector(refused)
 
 
 @pytest.mark.parametrize(
@@ -497,6 +501,12 @@ def test_parse_label_selector() -> None:
         ("z", False),
         ("!z", True),
         ("!a", False),
+        ("a in (1,3)", True),
+        ("a in (3)", False),
+        ("z in (1)", False),
+        ("a notin (2)", True),
+        ("a notin (1)", False),
+        ("z notin (1)", True),
     ],
 )
 def test_label_selector_matches(selector: str, matches: bool) -> None:

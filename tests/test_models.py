@@ -570,7 +570,16 @@ def test_no_session_id_names_another_sessions_tombstone() -> None:
 
 @pytest.mark.parametrize(
     "selector",
-    ["app=x", " a = b , !c , d!=e,f==g,", "agent-runtime/scope=abc", "x", "k=", "a.b_c-d=v.1"],
+    [
+        "app=x",
+        " a = b , !c , d!=e,f==g",
+        "agent-runtime/scope=abc",
+        "x",
+        "k=",
+        "a.b_c-d=v.1",
+        "env in (a,b)",
+        "env notin (a)",
+    ],
 )
 def test_label_selector_accepted(selector: str) -> None:
     assert CleanupRequest.model_validate({"label_selector": selector}).label_selector == selector
@@ -578,7 +587,10 @@ def test_label_selector_accepted(selector: str) -> None:
 
 @pytest.mark.parametrize(
     "selector",
-    ["a b", "=x", "a=b=c", "a=" + "v" * 64, "a\x00=b", "env in (a,b)", "!", "A/b=c", "-a=b"],
+    [
+        *("a b", "=x", "a=b=c", "a=" + "v" * 64, "a\x00=b", "!", "A/b=c", "-a=b"),
+        *(",", "a=b,", ",a", "a,,b", " , ", "a gt 1", "a < 2", "a in ()", "a in (b,)", "!a=b"),
+    ],
 )
 def test_label_selector_refused(selector: str) -> None:
     with pytest.raises(ValidationError):

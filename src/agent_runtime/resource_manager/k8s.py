@@ -29,6 +29,7 @@ from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
+from agent_runtime import label_selector
 from agent_runtime.resource_manager.models import (
     APP_LABEL,
     COMPONENT_LABEL,
@@ -319,29 +320,10 @@ async def read_pod_list(text: str, into: list[PodStatus]) -> str | None:
     return token
 
 
-def parse_label_selector(selector: str) -> list[tuple[str, str, str]]:
-    """``a=b,c!=d,e,!f`` → ``[(key, op, value)]`` with op ``=``, ``!=``, ``exists``, ``!exists``.
-
-    Set-based forms (``in``, ``notin``) are refused rather than silently mismatched.
-    """
-    terms: list[tuple[str, str, str]] = []
-    for raw in selector.split(","):
-        term = raw.strip()
-        if not term:
-            continue
-        if "(" in term or " in " in term or " notin " in term:
-            raise ValueError(f"set-based label selector not supported: {term!r}")
-        if "!=" in term:
-            key, value = term.split("!=", 1)
-            terms.append((key.strip(), "!=", value.strip()))
-        elif "=" in term:
-            key, value = term.replace("==", "=", 1).split("=", 1)
-            terms.append((key.strip(), "=", value.strip()))
-        elif term.startswith("!"):
-            terms.append((term[1:].strip(), "!exists", ""))
-        else:
-            terms.append((term, "exists", ""))
-    return terms
+def parse_label_selector(selector: str) -> list[label_selector.Requirement]:
+    """The requirements of a label selector (``agent_runtime.label_selector``: the grammar we
+    accept; ``ValueError`` for anything else)."""
+    return label_selector.parse(selector)
 
 
 def label_selector_matches(selector: str, labels: dict[str, str]) -> bool:
@@ -349,18 +331,9 @@ def label_selector_matches(selector: str, labels: dict[str, str]) -> bool:
     return labels_match(parse_label_selector(selector), labels)
 
 
-def labels_match(terms: list[tuple[str, str, str]], labels: dict[str, str]) -> bool:
+def labels_match(terms: list[label_selector.Requirement], labels: dict[str, str]) -> bool:
     """``label_selector_matches`` with the selector parsed once (a LIST of many pods)."""
-    for key, op, value in terms:
-        ok = {
-            "=": labels.get(key) == value,
-            "!=": labels.get(key) != value,
-            "exists": key in labels,
-            "!exists": key not in labels,
-        }[op]
-        if not ok:
-            return False
-    return True
+    return label_selector.matches(terms, labels)
 
 
 def _deploy_timing(pod_spec: dict[str, Any]) -> tuple[float, float]:

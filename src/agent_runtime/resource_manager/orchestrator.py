@@ -399,11 +399,10 @@ class ResourceOrchestrator:
         """Delete AgentServer pods matching the selector (the component label always ANDed
         in). Redis is not touched: watch and reconcile notice the deleted pods."""
         ns = namespace or self._default_namespace
-        if label_selector:
-            parse_label_selector(label_selector)  # ValueError for a malformed selector
-        selector = (
-            COMPONENT_SELECTOR if not label_selector else f"{COMPONENT_SELECTOR},{label_selector}"
-        )
+        # ValueError for a selector we do not accept; what Kubernetes gets is its canonical
+        # form, so the API server never refuses (502) what we validated (400)
+        terms = parse_label_selector(label_selector or "")
+        selector = ",".join([COMPONENT_SELECTOR, *(term.render() for term in terms)])
         pods = await self._k8s.list_pods(ns, selector)
         gate = asyncio.Semaphore(CLEANUP_CONCURRENCY)
 
