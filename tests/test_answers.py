@@ -12,6 +12,7 @@ import hashlib
 import logging
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import fakeredis
 import httpx
@@ -275,3 +276,52 @@ def test_what_the_service_accepts_the_api_server_accepts_and_matches_alike(
     for sent in (text, label_selector.render(ours)):
         theirs = sim_labels.parse_selector(sent)
         assert theirs.matches(labels) == label_selector.matches(ours, labels), sent
+
+
+# --- 4. the admin views take every id route takes ----------------------------------------------
+
+ADMIN_IDS = ["a b", "会话-一", "s*", "x" * 256, "a/b", "a:b", "s?[x]", "100%", "é\U0001f600"]
+
+
+async def test_admin_views_accept_exactly_the_ids_route_accepts(redis: Redis, db: Database) -> None:
+    cluster = FakeK8sPodClient()
+    async with running_app(redis, db, k8s=cluster) as app:
+        await configure(app, pod_concurrency=20, scope_concurrency=20)
+        for i, session_id in enumerate(["s1", *ADMIN_IDS]):
+            resp = await app.post(ROUTE, json=route_body(f"r-{i}", session_id))
+            assert resp.status_code == 200, (session_id, resp.text)
+        base = "/api/session/admin"
+        for session_id in ADMIN_IDS:
+            resp = await app.get(f"{base}/sessions/{quote(session_id, safe='')}")
+            assert resp.status_code == 200, (session_id, resp.text)
+            data = resp.json()["data"]
+            assert data["session_id"] == session_id
+            assert data["binding"]["scope_id"] == scope_of("g1", "b1")
+        # exact keys, never patterns: "s*" names no other session; a pod or scope id likewise
+        assert (await app.get(f"{base}/sessions/s%2A%2A")).status_code == 404
+        assert (await app.get(f"{base}/sessions/s%3F")).status_code == 404
+        for kind in ("pods", "scopes"):
+            for odd in ("a b", "会话-一", "p*", "x" * 256):
+                resp = await app.get(f"{base}/{kind}/{quote(odd, safe='')}")
+                assert resp.status_code == 404, (kind, odd, resp.text)
+                assert resp.json()["error_code"] == "NOT_FOUND"
+        # what route refuses, the views refuse: too long, control and format characters
+        for refused in ("x" * 257, "a\x00b", "a\nb", "a\u202eb", "a\x7f"):
+            for kind in ("sessions", "pods", "scopes"):
+                resp = await app.get(f"{base}/{kind}/{quote(refused, safe='')}")
+                assert resp.status_code == 400, (kind, refused, resp.text)
+                assert resp.json()["error_code"] == "VALIDATION"
+            route = await app.post(ROUTE, json=route_body("r-refused", refused))
+            assert route.status_code == 400
+        schema = (await app.get("/openapi.json")).json()
+        for path, name in (
+            ("/sessions/{session_id}", "session_id"),
+            ("/pods/{pod_id}", "pod_id"),
+            ("/scopes/{scope_id}", "scope_id"),
+        ):
+            (param,) = schema["paths"][base + path]["get"]["parameters"]
+            assert param["name"] == name and param["in"] == "path"
+            assert param["schema"]["minLength"] == 1 and param["schema"]["maxLength"] == 256
+            route_schema = schema["paths"][ROUTE]["post"]["requestBody"]["content"]
+            session = route_schema["application/json"]["schema"]["properties"]["metadata"]
+            assert param["schema"]["pattern"] == session["properties"]["session_id"]["pattern"]

@@ -11,21 +11,48 @@ stay there).
 
 from __future__ import annotations
 
-import re
 import uuid
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import JSONResponse
+from starlette.convertors import PathConvertor, register_url_convertor
 
 from agent_runtime.auth import check_bearer
-from agent_runtime.envelope import ok
+from agent_runtime.envelope import ID_MAX, PRINTABLE_PATTERN, is_id, ok
 from agent_runtime.errors import NotFound, ValidationFailed
 from agent_runtime.wiring import Services, services
 
 MAX_PAGE = 200
 MAX_CURSOR = 2**63 - 1  # SCAN cursors are 64-bit; beyond signed range some servers refuse them
-_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,253}")  # what ids of ours look like (fullmatch)
+
+
+class _AnyIdConvertor(PathConvertor):
+    """``{name:anyid}``: the rest of the path, newlines included (``path`` stops at one), so
+    an id route would refuse is answered 400 by ``_checked``, not 404 by the router."""
+
+    regex = r"[\s\S]*"
+
+
+register_url_convertor("anyid", _AnyIdConvertor())
+
+
+def _path_id(description: str) -> Any:
+    """An id in the path: exactly what route accepts (contract §2.1: 1–256 characters, no
+    control or format characters; ``/`` and newlines reach it too: ``:anyid``). The pattern is the
+    documented one; ``is_id`` is what runs. Ids only ever name exact keys (never a SCAN
+    MATCH), so ``*`` or ``:`` in one reads nothing but that key."""
+    return Path(
+        description=description,
+        min_length=1,
+        max_length=ID_MAX,
+        json_schema_extra={"pattern": PRINTABLE_PATTERN},
+    )
+
+
+ScopeId = Annotated[str, _path_id("a scope id (md5 of group_id and bot_id, hex)")]
+PodId = Annotated[str, _path_id("a pod id")]
+SessionId = Annotated[str, _path_id("a session id, as route takes it")]
 
 router = APIRouter(prefix="/admin")
 
@@ -40,7 +67,7 @@ Admin = Annotated[Services, Depends(_admin)]
 
 def _request_id(request: Request) -> str:
     given = request.headers.get("x-request-id", "")
-    return given if _ID.fullmatch(given) else f"admin-{uuid.uuid4().hex[:12]}"
+    return given if is_id(given) else f"admin-{uuid.uuid4().hex[:12]}"
 
 
 def _only_query(request: Request, *names: str) -> None:
@@ -50,8 +77,10 @@ def _only_query(request: Request, *names: str) -> None:
 
 
 def _checked(kind: str, value: str) -> str:
-    if not _ID.fullmatch(value):
-        raise ValidationFailed(f"{kind}: not a valid id")
+    if not is_id(value):
+        raise ValidationFailed(
+            f"{kind}: an id is 1-{ID_MAX} characters without control or format characters"
+        )
     return value
 
 
@@ -89,8 +118,8 @@ async def list_scopes(
     return ok(_request_id(request), {"scopes": scopes, "next_cursor": next_cursor})
 
 
-@router.get("/scopes/{scope_id}")
-async def get_scope(request: Request, svc: Admin, scope_id: str) -> JSONResponse:
+@router.get("/scopes/{scope_id:anyid}")
+async def get_scope(request: Request, svc: Admin, scope_id: ScopeId) -> JSONResponse:
     _only_query(request)
     sid = _checked("scope_id", scope_id)
     (summary,) = await svc.session_state.scope_summaries([sid])
@@ -102,8 +131,8 @@ async def get_scope(request: Request, svc: Admin, scope_id: str) -> JSONResponse
     return ok(_request_id(request), {**summary, **detail, "pool": pool})
 
 
-@router.get("/pods/{pod_id}")
-async def get_pod(request: Request, svc: Admin, pod_id: str) -> JSONResponse:
+@router.get("/pods/{pod_id:anyid}")
+async def get_pod(request: Request, svc: Admin, pod_id: PodId) -> JSONResponse:
     _only_query(request)
     pid = _checked("pod_id", pod_id)
     info = await svc.resource_state.pod_info(pid)
@@ -113,8 +142,8 @@ async def get_pod(request: Request, svc: Admin, pod_id: str) -> JSONResponse:
     return ok(_request_id(request), {"pod_id": pid, "info": info, "scopes": registrations})
 
 
-@router.get("/sessions/{session_id}")
-async def get_session(request: Request, svc: Admin, session_id: str) -> JSONResponse:
+@router.get("/sessions/{session_id:anyid}")
+async def get_session(request: Request, svc: Admin, session_id: SessionId) -> JSONResponse:
     _only_query(request)
     sid = _checked("session_id", session_id)
     view = await svc.session_state.session_view(sid)
