@@ -15,9 +15,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -26,6 +27,7 @@ from agent_runtime.config import ConfigError, Settings
 from agent_runtime.db import schema
 from agent_runtime.db.engine import Database
 
+T = TypeVar("T")
 EXIT_CONFIG = 2
 EXIT_STOP_TIMEOUT = 3
 
@@ -53,7 +55,7 @@ def _serve(args: argparse.Namespace) -> None:
     settings.check_server()
 
     async def preflight() -> None:
-        backends = build_backends(settings)
+        backends = _unusable_url_is_config_error(build_backends, settings)
         try:
             await check_backends(settings, backends)
         finally:
@@ -126,9 +128,24 @@ def _start_watchdog(seconds: float) -> None:
     threading.Thread(target=expire, name="stop-watchdog", daemon=True).start()
 
 
+def _unusable_url_is_config_error(build: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Build a backend from the settings; a URL the libraries cannot use (a driver that is
+    not installed, a form the validators let through) is a startup refusal, not a
+    traceback. Only the exception's type and first line: never the URL itself."""
+    try:
+        return build(*args, **kwargs)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ConfigError(f"backend URL not usable: {type(exc).__name__}: {first}") from None
+
+
 def _db(args: argparse.Namespace) -> None:
     settings = _settings(args)
-    db = Database.from_url(settings.sqlalchemy_url(), connect_timeout=settings.db_connect_timeout)
+    db = _unusable_url_is_config_error(
+        Database.from_url, settings.sqlalchemy_url(), connect_timeout=settings.db_connect_timeout
+    )
     try:
         if args.action == "upgrade":
             schema.upgrade(db.engine)
@@ -178,8 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.handler(args)
-    except ConfigError as exc:
-        print(f"agent-runtime: error: {exc}", file=sys.stderr)
+    except ConfigError as exc:  # one line, passwords in URLs masked
+        print(f"agent-runtime: error: {logs.redact(str(exc))}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
 
 

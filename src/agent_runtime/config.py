@@ -113,6 +113,41 @@ class Settings(BaseSettings):
 
     # -- answers: replay binding, messages --
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        """A malformed URL is a startup refusal (one line, exit 2), not a traceback. The
+        library's reason is left out: it may quote the URL, password and all."""
+        if value is None:
+            return value
+        from redis.asyncio.connection import parse_url
+
+        try:
+            parse_url(value)
+        except (ValueError, TypeError):
+            raise ValueError(
+                "not a usable Redis URL: redis://[[user]:password@]host[:port][/db], "
+                "rediss://… or unix://path"
+            ) from None
+        return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        try:
+            make_url(value).get_dialect()  # the dialect only: its driver is imported later
+        except (ArgumentError, ValueError, TypeError):
+            raise ValueError(
+                "not a usable SQLAlchemy URL: dialect[+driver]://user[:password]@host[:port]/db "
+                "(mysql, postgresql; sqlite in local mode)"
+            ) from None
+        return value
+
     _split_gateway = field_validator("gateway_tokens", "admin_tokens", mode="before")(_split_tokens)
 
     @field_validator("log_level")
