@@ -117,8 +117,9 @@ class Settings(BaseSettings):
     @classmethod
     def _redis_url(cls, value: str | None) -> str | None:
         """A malformed URL is a startup refusal (one line, exit 2), not a traceback. The
-        library's reason is left out: it may quote the URL, password and all."""
-        if value is None:
+        library's reason is left out: it may quote the URL, password and all. Unset or empty:
+        ``check_server`` says what is missing."""
+        if not value:
             return value
         from redis.asyncio.connection import parse_url
 
@@ -134,7 +135,7 @@ class Settings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _database_url(cls, value: str | None) -> str | None:
-        if value is None:
+        if not value:
             return value
         from sqlalchemy.engine import make_url
         from sqlalchemy.exc import ArgumentError
