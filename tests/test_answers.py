@@ -26,7 +26,17 @@ from agent_runtime.db.engine import Database
 from agent_runtime.kubesim import KubeSim
 from agent_runtime.kubesim import labels as sim_labels
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient, RealK8sPodClient
-from helpers import envelope, other_client, running_app, sync_body
+from agent_runtime.wiring import build_redis
+from helpers import (
+    TcpProxy,
+    envelope,
+    make_settings,
+    other_client,
+    real_only,
+    real_redis_url,
+    running_app,
+    sync_body,
+)
 
 ROUTE = "/api/session/route"
 TOUCH = "/api/session/touch"
@@ -325,3 +335,33 @@ async def test_admin_views_accept_exactly_the_ids_route_accepts(redis: Redis, db
             route_schema = schema["paths"][ROUTE]["post"]["requestBody"]["content"]
             session = route_schema["application/json"]["schema"]["properties"]["metadata"]
             assert param["schema"]["pattern"] == session["properties"]["session_id"]["pattern"]
+
+
+@real_only
+async def test_a_redis_outage_is_a_generic_503_and_the_reason_is_logged(
+    redis: Redis, db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    conn = redis.connection_pool.connection_kwargs
+    async with TcpProxy(conn.get("host", "127.0.0.1"), conn.get("port", 6379)) as proxy:
+        index = real_redis_url().rsplit("/", 1)[1]
+        client = build_redis(
+            make_settings(redis_url=f"redis://127.0.0.1:{proxy.port}/{index}", redis_timeout=0.5)
+        )
+        try:
+            async with running_app(client, db) as app:  # type: ignore[arg-type]
+                await configure(app)
+                assert (await app.post(ROUTE, json=route_body("r-up", "s1"))).status_code == 200
+                await proxy.stop()
+                with caplog.at_level(logging.WARNING):
+                    down = [
+                        await app.post(ROUTE, json=route_body("r-down", "s1")),
+                        await app.post(TOUCH, json=envelope({}, request_id="r-t", session_id="s1")),
+                    ]
+                for resp in down:
+                    assert resp.status_code == 503, resp.text
+                    assert resp.json()["error_code"] == "BACKEND_UNAVAILABLE"
+                    assert resp.json()["error_message"] == "redis is unavailable; retry shortly"
+                logged = " ".join(r.getMessage() for r in caplog.records)
+                assert "r-down" in logged and "r-t" in logged and "ConnectionError" in logged
+        finally:
+            await client.aclose()

@@ -513,7 +513,10 @@ async def _on_app_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _on_backend_error(request: Request, exc: Exception) -> JSONResponse:
-    log.warning("backend unavailable: %s: %s", type(exc).__name__, exc)
+    # the library's text (hosts, ports, errno) is for the log; the caller gets which backend
+    log.warning(
+        "request %s: backend unavailable: %s: %s", _request_id(request), type(exc).__name__, exc
+    )
     which = "redis" if isinstance(exc, redis_errors.RedisError) else "database"
     err = BackendUnavailable(f"{which} is unavailable; retry shortly")
     return await _on_app_error(request, err)
