@@ -388,9 +388,9 @@ def _reused() -> RequestIdReused:
 
 def _answer(reply: list[str]) -> dict[str, Any]:
     if reply[0] == "replay":
-        answer = dict(json.loads(reply[1]))
-        answer.pop("request_hash", None)  # the binding, not part of the answer
-        return answer
+        stored: dict[str, Any] = json.loads(reply[1])
+        stored.pop("request_hash", None)  # the binding, not part of the answer
+        return stored
     answer: dict[str, Any] = {"pod_id": reply[1], "pod_sse_url": reply[2], "placement": reply[0]}
     if reply[0] == "rebound":
         answer["previous_pod_id"] = reply[3]
