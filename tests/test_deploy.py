@@ -133,7 +133,9 @@ COMPLETE_ENV = {
     "AGENT_RUNTIME_LOG_LEVEL": "INFO",
     "AGENT_RUNTIME_SCOPE_FULL_TIMEOUT": "8",
     "AGENT_RUNTIME_RECONCILE_INTERVAL": "",  # empty: left out, the default applies
-    "AGENT_RUNTIME_REDIS_URL": "redis://:s3cr#t=x@redis.data:6379/0",
+    # a '#' in a password is percent-encoded in a URL (redis-py reads a raw one as a fragment
+    # and the URL as unusable: Settings refuses it); '%' and '=' go through the env file as is
+    "AGENT_RUNTIME_REDIS_URL": "redis://:s3cr%23t=x@redis.data:6379/0",
     "AGENT_RUNTIME_DATABASE_URL": "mysql+pymysql://ar:pw%40@mysql.data:3306/agent_runtime",
     "AGENT_RUNTIME_ADMIN_TOKENS": "adm-1,adm-2",
     "AGENT_RUNTIME_GATEWAY_TOKENS": "gw-1",
@@ -249,6 +251,11 @@ def _settings_of(docs: list[dict[str, Any]]) -> Settings:
     configmap, secret = _env_sources(docs)
     env = {**configmap["data"], **_secret_data(secret)}
     fields = {k.removeprefix("AGENT_RUNTIME_").lower(): v for k, v in env.items()}
+    # a placeholder URL is not a URL (Settings refuses it: a deployment that forgot to fill
+    # it in stops at startup with one line); the rest of the configuration is what is checked
+    for name in ("redis_url", "database_url"):
+        if PLACEHOLDER.search(fields.get(name, "")):
+            fields[name] = REAL_LOOKING_SECRETS[name]
     return Settings(**fields)
 
 

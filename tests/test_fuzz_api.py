@@ -329,8 +329,8 @@ async def test_ids_over_256_characters_are_400_and_256_is_fine(redis: Redis, db:
 async def test_session_ids_with_colons_never_share_a_redis_key(redis: Redis, db: Database) -> None:
     """``s-1:previous_pod`` once shared its key with the tombstone of ``s-1``; both route."""
     async with running_app(redis, db, local_seed=True) as client:
-        for sid in ("s-1", "s-1:previous_pod", "tenant:s-1:previous"):
-            resp = await _post(client, ROUTE, _route_body(session_id=sid))
+        for i, sid in enumerate(("s-1", "s-1:previous_pod", "tenant:s-1:previous")):
+            resp = await _post(client, ROUTE, _route_body(request_id=f"r-{i}", session_id=sid))
             assert resp.status_code == 200, resp.text
 
 
@@ -421,12 +421,17 @@ async def test_odd_field_names_are_escaped_in_the_message(redis: Redis, db: Data
 @pytest.mark.parametrize("sql_backend", ["sqlite"], indirect=True)
 async def test_label_selector_is_checked_at_the_edge(redis: Redis, db: Database) -> None:
     async with running_app(redis, db) as client:
-        for selector in ("a b", "=x", "a=b=c", "a=" + "v" * 64, "a\x00=b", "env in (a,b)", "a,,!"):
+        for selector in ("a b", "=x", "a=b=c", "a=" + "v" * 64, "a\x00=b", "a,,!", "a=b,", ","):
             body = {"metadata": {"request_id": "r"}, "rawdata": {"label_selector": selector}}
             resp = await _post(client, CLEANUP, body)
             message = _assert_400(resp, request_id="r")["error_message"]
             assert "rawdata.label_selector" in message, message
-        for selector in ("app=x", " a = b , !c , d!=e,f==g,", "agent-runtime/scope=abc", "x"):
+        for selector in (
+            "app=x",
+            " a = b , !c , d!=e,f==g",
+            "agent-runtime/scope=abc",
+            "env in (a,b)",
+        ):
             body = {"metadata": {"request_id": "r"}, "rawdata": {"label_selector": selector}}
             resp = await _post(client, CLEANUP, body)
             assert resp.status_code == 200, (selector, resp.text)

@@ -1462,8 +1462,10 @@ async def test_route_replay_returns_the_first_answer_and_places_nothing(
 
         assert again == first and again["placement"] == "placed", "the first answer, as it was"
         assert await w.expiry("s1") == pytest.approx(expiry - 30, abs=1e-3), "nothing done"
-        # a replay answers even for another session: the request id is the key
-        assert await w.routed("s2", request_id="r-1") == first
+        # another session with the id is refused: the first answer is that request's only
+        reused = await w.route("s2", request_id="r-1")
+        assert reused.status_code == 409 and reused.json()["error_code"] == "REQUEST_ID_REUSED"
+        assert first["pod_id"] not in reused.text
         assert not await redis.exists(sm_session("s2"))
         assert w.k8s.deploy_calls == 1
         assert await redis.scard(sm_scope(SCOPE, "sessions")) == 1
