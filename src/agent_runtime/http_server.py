@@ -8,7 +8,7 @@ every connection until the process runs out of file descriptors (then /healthz f
 ``EdgeProtocol`` adds, per connection:
 
 - the head (request line + header lines) is fed to the parser in slices that never take it
-  past ``http_max_header_bytes``; one byte over, the client gets 431 and the connection is
+  past ``http_max_header_bytes``; a head not complete at the bound gets 431 and the connection is
   closed, before the parser has buffered more. A line over ``http_max_header_line_bytes`` or
   more than ``http_max_headers`` headers: the same 431;
 - a head must be complete within ``http_header_timeout`` of the connection's start (first
@@ -174,8 +174,8 @@ class EdgeProtocol(HttpToolsProtocol):
         while data:
             if self._in_body:
                 chunk, data = data, b""
-            else:  # never more than one byte past the head's bound into the parser
-                room = limit - self._head_bytes + 1
+            else:  # never a byte past the head's bound into the parser
+                room = limit - self._head_bytes
                 chunk, data = data[:room], data[room:]
             try:
                 self.parser.feed_data(chunk)
@@ -189,7 +189,7 @@ class EdgeProtocol(HttpToolsProtocol):
                     return
             if self._head_open:
                 self._head_bytes += len(chunk)  # a head begun inside the chunk pays all of it
-                if self._head_bytes > limit and self._head_refusal is None:
+                if self._head_bytes >= limit and self._head_refusal is None:  # not done at it
                     self._head_refusal = f"request head over {limit} bytes"
             if self._head_refusal is not None:
                 self._close_with(self.too_large, "headers_too_large")
