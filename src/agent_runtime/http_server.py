@@ -225,7 +225,8 @@ class EdgeProtocol(HttpToolsProtocol):
             return  # never handed to the app; data_received answers 431
         super().on_headers_complete()
         self._in_body = True
-        self._arm(self.limits.body_timeout, self._body_timed_out)
+        if not self.pipeline:  # queued behind a running request, its body is not read yet
+            self._arm(self.limits.body_timeout, self._body_timed_out)
 
     def on_body(self, body: bytes) -> None:
         if self.cycle is not None:
@@ -236,6 +237,12 @@ class EdgeProtocol(HttpToolsProtocol):
         self._disarm()
         if self.cycle is not None:
             super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # a pipelined request just started: its body's deadline runs from now
+        if self._in_body and self._deadline is None and not self.transport.is_closing():
+            self._arm(self.limits.body_timeout, self._body_timed_out)
 
     # --- deadlines
     def _arm(self, seconds: float, then: Any) -> None:
