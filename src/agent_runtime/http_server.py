@@ -20,10 +20,12 @@ every connection until the process runs out of file descriptors (then /healthz f
   ``connection_made``: it costs one accept and one write, never a parser or a timer, and the
   connections already open (a gateway's keep-alive pool) go on being served.
 
-Hazard: the counting is per slice fed to the parser, so a pipelined request whose head starts
-inside a slice is charged the whole slice (it can be refused a little under the bound, never
-admitted over it). WebSocket upgrades are off (``ws="none"``): the service has none, and an
-upgraded connection would leave these bounds.
+Hazard: the counting is per slice fed to the parser. A head that starts inside a slice is
+charged the whole slice (it may be refused a few bytes under the bound, never admitted over it),
+except a pipelined head that starts in the same read as the previous request's body: of that
+read only what the parser handed over is counted (not its partial line), so its bound holds to
+within one read; later reads count exactly. WebSocket upgrades are off (``ws="none"``): the
+service has none, and an upgraded connection would leave these bounds.
 """
 
 from __future__ import annotations
@@ -148,6 +150,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._in_body = False  # head complete, body not
         self._head_bytes = 0
         self._header_count = 0
+        self._head_seen = 0  # bytes of the head the parser has handed over (line + headers)
         self._head_refusal: str | None = None
 
     # --- connection
@@ -172,7 +175,8 @@ class EdgeProtocol(HttpToolsProtocol):
         self._unset_keepalive_if_required()
         limit = self.limits.max_header_bytes
         while data:
-            if self._in_body:
+            body_chunk = self._in_body
+            if body_chunk:
                 chunk, data = data, b""
             else:  # never a byte past the head's bound into the parser
                 room = limit - self._head_bytes
@@ -187,7 +191,11 @@ class EdgeProtocol(HttpToolsProtocol):
                     self.logger.warning("Invalid HTTP request received.")
                     self.send_400_response("Invalid HTTP request received.")
                     return
-            if self._head_open:
+            if self._head_open and body_chunk:
+                # a pipelined head begun after a body in this chunk: only what the parser
+                # handed over is known (its partial line is not); later slices count exactly
+                self._head_bytes = max(self._head_bytes, self._head_seen)
+            elif self._head_open:
                 self._head_bytes += len(chunk)  # a head begun inside the chunk pays all of it
                 if self._head_bytes >= limit and self._head_refusal is None:  # not done at it
                     self._head_refusal = f"request head over {limit} bytes"
@@ -200,17 +208,19 @@ class EdgeProtocol(HttpToolsProtocol):
     # --- parser callbacks
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._head_open, self._head_bytes, self._header_count = True, 0, 0
+        self._head_open, self._head_bytes, self._header_count, self._head_seen = True, 0, 0, 0
         if self._deadline is None:  # a keep-alive connection's next request
             self._arm(self.limits.header_timeout, self._head_timed_out)
 
     def on_url(self, url: bytes) -> None:
         super().on_url(url)
+        self._head_seen += len(url)
         if len(self.url) > self.limits.max_header_line_bytes:
             self._head_refusal = f"request line over {self.limits.max_header_line_bytes} bytes"
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
+        self._head_seen += len(name) + len(value) + 4
         if self._header_count > self.limits.max_headers:
             self._head_refusal = f"more than {self.limits.max_headers} header lines"
         elif len(name) + len(value) + 4 > self.limits.max_header_line_bytes:
