@@ -46,6 +46,7 @@ OWN_PREFIXES = ("session_manager:", "resource_manager:", "agent_runtime:")
 CLAIM_KEY = "agent_runtime:bench:claim"
 API = "/api/session"
 CONNECTIONS = 50  # the wrk setting
+HTTP_ENV = "AGENT_RUNTIME_BENCH_HTTP"  # bench/server.py's protocol: edge | httptools | h11
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 

@@ -67,6 +67,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--loadgen", choices=["auto", "wrk", "python"], default="auto")
     parser.add_argument(
+        "--http",
+        choices=["edge", "httptools", "h11"],
+        default="edge",
+        help="the servers' HTTP protocol: edge (the service's, as serve runs it), httptools "
+        "(uvicorn's, without the edge's bounds), h11",
+    )
+    parser.add_argument(
         "--redis-url",
         default=os.environ.get("AGENT_RUNTIME_BENCH_REDIS_URL", common.DEFAULT_REDIS_URL),
     )
@@ -89,7 +96,9 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
         "quick": args.quick,
         "selected": names,
         "redis_url": args.redis_url,
+        "http": args.http,
     }
+    os.environ[common.HTTP_ENV] = args.http  # the bench servers read it (bench/server.py)
     results: dict[str, Any] = {}
     async with common.bench_context(
         quick=args.quick, redis_url=args.redis_url, loadgen=args.loadgen, profile=args.profile
@@ -257,6 +266,7 @@ def render(report: dict[str, Any]) -> str:
         f"machine: {m['nproc']} CPUs, {m['cpu_model']}; load average {m['loadavg_start']} at "
         f"start, {m.get('loadavg_end')} at end",
         f"load generator: {meta.get('loadgen')}; {meta.get('durations_s')}",
+        f"server HTTP protocol: {meta.get('http', 'edge')}",
         "",
     ]
     rows = []

@@ -171,6 +171,7 @@ def seed_fake_k8s(k8s: Any, redis_url: str) -> int:
 
 
 def build_app(args: argparse.Namespace) -> tuple[FastAPI, Any]:
+    """The app and its settings."""
     from agent_runtime.config import Mode, Settings
     from agent_runtime.db.engine import Database
     from agent_runtime.envelope import ok
@@ -268,7 +269,7 @@ def build_app(args: argparse.Namespace) -> tuple[FastAPI, Any]:
     # first in the route table: matching costs the baseline no more than route's own match
     ours = [r for r in app.router.routes if getattr(r, "path", "").startswith("/_bench/")]
     app.router.routes[:] = ours + [r for r in app.router.routes if r not in ours]
-    return app, k8s
+    return app, settings
 
 
 class _Server(uvicorn.Server):
@@ -375,13 +376,20 @@ def main() -> None:
         count_redis_commands()
     if args.callback_audit:
         audit_callbacks(args.callback_audit)
-    app, _ = build_app(args)
+    app, settings = build_app(args)
+    http = os.environ.get("AGENT_RUNTIME_BENCH_HTTP", "edge")  # bench.common.HTTP_ENV
+    if http == "edge":  # as `agent-runtime serve` runs it
+        from agent_runtime.http_server import fit_descriptors, uvicorn_options
+
+        protocol = uvicorn_options(settings, fit_descriptors(settings)[0])
+    else:
+        protocol = {"http": http}
     config = uvicorn.Config(
         app,
         host="127.0.0.1",
         port=args.port,
         loop="asyncio" if args.callback_audit else "uvloop",
-        http="httptools",
+        **protocol,
         workers=1,
         access_log=False,
         log_level="warning",

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,7 +82,11 @@ def _wait_healthy(server: LocalServer, timeout: float) -> None:
 
 @contextmanager
 def local_server(
-    workdir: Path, *, env: dict[str, str] | None = None, start_timeout: float = START_TIMEOUT
+    workdir: Path,
+    *,
+    env: dict[str, str] | None = None,
+    start_timeout: float = START_TIMEOUT,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> Iterator[LocalServer]:
     """Run ``agent-runtime serve --mode local`` in ``workdir`` until healthy; always killed."""
     port = free_port()
@@ -99,6 +103,7 @@ def local_server(
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,
+            preexec_fn=preexec_fn,
         )  # fmt: skip
     server = LocalServer(proc, f"http://127.0.0.1:{port}", log_path, instance_id)
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import logging
 import os
 import signal
 import sys
@@ -48,11 +49,13 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
 def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from agent_runtime import http_server
     from agent_runtime.main import create_app
     from agent_runtime.wiring import build_backends, check_backends
 
     settings = _settings(args, mode=args.mode, host=args.host, port=args.port)
     settings.check_server()
+    max_connections, lowered = http_server.fit_descriptors(settings)
 
     async def preflight() -> None:
         backends = _unusable_url_is_config_error(build_backends, settings)
@@ -65,6 +68,8 @@ def _serve(args: argparse.Namespace) -> None:
     asyncio.run(preflight())
     # only now: a failed preflight must leave exactly one line on stderr, not library logs
     logs.configure(settings.log_level, settings.log_format)
+    if lowered:
+        logging.getLogger(__name__).warning(lowered)
     app = create_app(settings)
     tune_gc()
 
@@ -98,6 +103,8 @@ def _serve(args: argparse.Namespace) -> None:
         timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout / 2)),
         log_config=None,  # ours (logs.configure): one format for every line
         access_log=False,
+        # bounded heads, head/body deadlines, keep-alive timeout, connection cap
+        **http_server.uvicorn_options(settings, max_connections),
     )
     DrainingServer(config).run()
 

@@ -102,6 +102,37 @@ class Settings(BaseSettings):
     db_pool_size: int = Field(8, ge=1, le=128, description="DB connections (and DB threads)")
 
     # -- http edge: connections (headers, timeouts, connection cap) --
+    http_max_header_bytes: int = Field(
+        16384,
+        ge=1024,
+        le=1 << 20,
+        description="bytes of a request head (request line + headers); over it: 431 and close",
+    )
+    http_max_header_line_bytes: int = Field(
+        8192, ge=256, le=1 << 20, description="bytes of one request or header line; over: 431"
+    )
+    http_max_headers: int = Field(
+        100, ge=8, le=10_000, description="header lines of a request; more: 431 and close"
+    )
+    http_header_timeout: float = Field(
+        5.0,
+        gt=0,
+        description="a request head must be complete within this (s) of the connection's "
+        "start or of its first byte; else 408 and close",
+    )
+    http_body_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="a request body must be complete within this (s) of its head; else close",
+    )
+    http_keepalive_timeout: float = Field(
+        5.0, gt=0, description="an idle keep-alive connection is closed after this (s)"
+    )
+    http_max_connections: int = Field(
+        4096,
+        ge=1,
+        description="open connections per replica; one more is answered 503 and closed at once",
+    )
 
     # -- http edge: requests (methods, open gateway, overload) --
 

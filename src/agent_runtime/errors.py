@@ -25,6 +25,9 @@ class ErrorCode(StrEnum):
     SCOPE_FULL_TIMEOUT = "SCOPE_FULL_TIMEOUT"
     INTERNAL = "INTERNAL"
     # -- http edge --
+    HEADERS_TOO_LARGE = "HEADERS_TOO_LARGE"
+    REQUEST_TIMEOUT = "REQUEST_TIMEOUT"
+    TOO_MANY_CONNECTIONS = "TOO_MANY_CONNECTIONS"
 
     # -- bounded growth --
 
@@ -123,3 +126,22 @@ class RequestIdReused(AgentRuntimeError):
 
     code = ErrorCode.REQUEST_ID_REUSED
     http_status = 409
+
+
+# -- http edge: connections (answered by http_server's protocol, before the app sees a request)
+
+
+class HeadersTooLarge(AgentRuntimeError):
+    code = ErrorCode.HEADERS_TOO_LARGE
+    http_status = 431
+
+
+class RequestTimeout(AgentRuntimeError):
+    code = ErrorCode.REQUEST_TIMEOUT
+    http_status = 408
+
+
+class TooManyConnections(AgentRuntimeError):
+    code = ErrorCode.TOO_MANY_CONNECTIONS
+    http_status = 503
+    default_retry_after = 1
