@@ -77,6 +77,9 @@ def create_app(
         redoc_url=None,
         openapi_url="/openapi.json",  # the contract as OpenAPI; open, like /healthz
         strict_content_type=False,  # a body is JSON whatever Content-Type a client sent
+        # no 307 to the slash-less path (it came before auth, and is no envelope): a path with
+        # a trailing slash is an unknown path, 404 NOT_FOUND like any other
+        redirect_slashes=False,
     )
     envelope.install(app)
     app.include_router(session_router, prefix=API_PREFIX)
