@@ -150,3 +150,32 @@ async def test_trailing_slash_and_unknown_paths_are_404_envelopes_never_redirect
         assert "location" not in resp.headers
         # no route, so nothing was bound on the way
         assert await redis.exists("session_manager:session:s-1") == 0
+
+
+# --- an open gateway is said at startup ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("redis", ["fake"], indirect=True)
+@pytest.mark.parametrize("sql_backend", ["sqlite"], indirect=True)
+@pytest.mark.parametrize(
+    ("settings", "warned"),
+    [
+        ({"host": "0.0.0.0", "allow_open_gateway": True}, True),
+        ({"host": "0.0.0.0", "gateway_tokens": ["gw"]}, False),
+        ({"host": "127.0.0.1"}, False),  # a developer's local run: open, and nobody else sees it
+    ],
+)
+async def test_an_open_gateway_reachable_from_elsewhere_logs_a_warning_at_startup(
+    redis: Redis,
+    db: Database,
+    caplog: pytest.LogCaptureFixture,
+    settings: dict[str, Any],
+    warned: bool,
+) -> None:
+    caplog.set_level(logging.INFO, logger="agent_runtime")
+    async with running_app(redis, db, **settings):
+        pass
+    warnings = [
+        r for r in caplog.records if r.levelno == logging.WARNING and "GATEWAY OPEN" in r.message
+    ]
+    assert bool(warnings) is warned, [r.getMessage() for r in caplog.records]

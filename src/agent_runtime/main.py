@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from agent_runtime import envelope
 from agent_runtime.admin import router as admin_router
-from agent_runtime.config import API_PREFIX, Mode, Settings
+from agent_runtime.config import API_PREFIX, Mode, Settings, is_loopback
 from agent_runtime.jobs import Job
 from agent_runtime.metrics import CONTENT_TYPE_LATEST, Metrics, MetricsMiddleware
 from agent_runtime.session_manager.handlers import router as session_router
@@ -51,6 +51,16 @@ def create_app(
             await svc.start()
             svc.ready = True
             log.info("ready: mode=%s instance=%s", settings.mode, settings.instance_id)
+            if settings.gateway_open and (
+                settings.mode is Mode.SERVER or not is_loopback(settings.host)
+            ):
+                log.warning(
+                    "GATEWAY OPEN: no AGENT_RUNTIME_GATEWAY_TOKENS; route and touch answer "
+                    "anyone who reaches %s:%s (opted in by AGENT_RUNTIME_ALLOW_OPEN_GATEWAY "
+                    "or AGENT_RUNTIME_ALLOW_UNAUTHENTICATED)",
+                    settings.host,
+                    settings.port,
+                )
             yield
         finally:
             svc_now: Services | None = getattr(app.state, "services", None)
