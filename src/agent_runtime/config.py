@@ -122,7 +122,7 @@ class Settings(BaseSettings):
         "non-loopback host in local mode) only when this (or allow_unauthenticated) is true",
     )
     max_in_flight: int = Field(
-        64,
+        32,
         ge=1,
         le=1024,
         description="API requests one replica works on at once; past it a request is answered "

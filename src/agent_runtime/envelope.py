@@ -528,7 +528,9 @@ async def _on_client_disconnect(request: Request, exc: Exception) -> JSONRespons
     """The caller went away while sending its body: not our failure, so 499 ``CLIENT_ABORTED``
     (the metrics count it so) and a debug line, never an ERROR with a traceback. Nobody reads
     the answer (uvicorn drops a reply to a closed connection)."""
-    log.debug("client disconnected before its body was read: %s %s", request.method, request.url.path)
+    log.debug(
+        "client disconnected before its body was read: %s %s", request.method, request.url.path
+    )
     err = ClientDisconnected("the caller disconnected before sending its whole body")
     return await _on_app_error(request, err)
 

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from agent_runtime import envelope
 from agent_runtime.admin import router as admin_router
+from agent_runtime.admission import Admission, AdmissionMiddleware
 from agent_runtime.config import API_PREFIX, Mode, Settings, is_loopback
 from agent_runtime.jobs import Job
 from agent_runtime.metrics import CONTENT_TYPE_LATEST, Metrics, MetricsMiddleware
@@ -104,6 +105,16 @@ def create_app(
     # from the router itself: FastAPI keeps an included router as one nested entry of app.routes
     api_paths = {API_PREFIX + r.path for r in session_router.routes if hasattr(r, "path")}
     known = frozenset(api_paths | {"/healthz", "/metrics"})
+    # inside the metrics (a shed request is counted), outside everything else (shed first)
+    admitted = Admission(limit=settings.max_in_flight)
+    app.state.admission = admitted
+    app.add_middleware(
+        AdmissionMiddleware,
+        admission=admitted,
+        prefix=API_PREFIX + "/",
+        reserve_paths=frozenset({API_PREFIX + "/touch"}),  # a touch frees what a route took
+    )
+    metrics.watch_admission(lambda: (admitted.active, admitted.parked_now))
     app.add_middleware(MetricsMiddleware, metrics=metrics, known_paths=known)
 
     @app.get("/metrics", response_class=Response, responses=envelope.METRICS_RESPONSES)
