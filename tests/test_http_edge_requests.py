@@ -285,7 +285,7 @@ async def test_past_the_in_flight_bound_requests_are_shed_at_once_without_redis_
     redis: Redis, db: Database
 ) -> None:
     limit = 3
-    async with running_app(redis, db, max_in_flight=limit) as client:
+    async with running_app(redis, db, max_in_flight=limit, admission_queue=0) as client:
         await _configure(client, scope_concurrency=50)
         app = client.app  # type: ignore[attr-defined]
         # `limit` slow clients hold every place
@@ -344,10 +344,13 @@ def _assert_envelope_with_retry(resp: httpx.Response, status: int, code: str) ->
     return body
 
 
+@pytest.mark.parametrize("queue", [0, 512], ids=["no-queue", "queue"])
 async def test_a_burst_over_a_small_bound_is_served_or_shed_and_leaks_nothing(
-    redis: Redis, db: Database
+    redis: Redis, db: Database, queue: int
 ) -> None:
-    async with running_app(redis, db, max_in_flight=4) as client:
+    """Without a waiting room the excess of a burst is shed; with one (the default) a burst
+    is absorbed: every route is served. Either way nothing is left behind."""
+    async with running_app(redis, db, max_in_flight=4, admission_queue=queue) as client:
         await _configure(client, scope_concurrency=200)
         answers = await asyncio.gather(
             *(client.post(ROUTE, json=_route_body(f"burst-{i}")) for i in range(60))
@@ -359,6 +362,8 @@ async def test_a_burst_over_a_small_bound_is_served_or_shed_and_leaks_nothing(
             else:
                 _assert_retry(resp)
         assert served, "the bound must let some through"
+        if queue:
+            assert len(served) == 60
         assert await _gauge(client, "agent_runtime_http_in_flight") == 0
         live = {
             k.removeprefix("session_manager:session:")
@@ -403,3 +408,37 @@ async def test_routes_waiting_in_a_full_scope_do_not_hold_in_flight_places(
         for task in waiters:
             task.cancel()
         await asyncio.gather(*waiters, return_exceptions=True)
+
+
+async def test_a_request_waiting_for_a_place_is_shed_after_its_wait_and_leaves_nothing(
+    redis: Redis, db: Database
+) -> None:
+    """The waiting room is bounded in count (admission_queue) and in time (burst_wait)."""
+    async with running_app(
+        redis, db, max_in_flight=1, admission_queue=2, admission_burst_wait=0.3
+    ) as client:
+        await _configure(client, scope_concurrency=50)
+        app = client.app  # type: ignore[attr-defined]
+        holder = _SlowBody(app, json.dumps(_route_body("holder")).encode())
+        await _eventually(lambda: _gauge_is(client, "agent_runtime_http_in_flight", 1))
+        calls_before = await _redis_script_calls(client)
+        answers = await asyncio.gather(
+            *(client.post(ROUTE, json=_route_body(f"late-{i}")) for i in range(5))
+        )
+        for resp in answers:  # 3 shed at once (room for 2), 2 after their 0.3 s
+            _assert_retry(resp)
+        assert await _redis_script_calls(client) == calls_before
+        assert await _gauge(client, "agent_runtime_http_admission_waiting") == 0
+        holder.gate.set()
+        await asyncio.wait_for(holder.task, 20)
+        assert holder.status == 200
+        # a waiter is handed the place the moment it frees
+        second = _SlowBody(app, json.dumps(_route_body("second")).encode())
+        await _eventually(lambda: _gauge_is(client, "agent_runtime_http_in_flight", 1))
+        waiter = asyncio.create_task(client.post(ROUTE, json=_route_body("waiter")))
+        await _eventually(lambda: _gauge_is(client, "agent_runtime_http_admission_waiting", 1))
+        second.gate.set()
+        resp = await asyncio.wait_for(waiter, 20)
+        assert resp.status_code == 200, resp.text
+        await asyncio.wait_for(second.task, 20)
+        assert await _gauge(client, "agent_runtime_http_in_flight") == 0

@@ -5,8 +5,10 @@ grew with the backlog; each request held a Redis connection while the saturated 
 to its reply, the pool ran dry ("No connection available" → 503 BACKEND_UNAVAILABLE), eos
 touches failed so sessions stayed, scopes filled, routes queued for ``scope_full_timeout`` and
 job ticks (which share the pool) failed: a collapse that outlived the overload. With the bound
-the excess is answered at once (503 ``OVERLOADED`` + ``Retry-After``, a fixed answer, no Redis
-or DB work) and the admitted requests keep the replica at capacity.
+the excess is answered (503 ``OVERLOADED`` + ``Retry-After``, a fixed answer, no Redis or DB
+work) and the admitted requests keep the replica at capacity. A short burst over the bound is
+not overload: it waits for places (a bounded stack, newest first) and is served; only a backlog
+that has lasted ``OVERLOAD_INTERVAL`` makes newcomers wait milliseconds before they are shed.
 
 What counts: a request under ``/api/session/`` from the moment it arrives until its answer
 is sent. A request *parked* (a route in its scope's wait queue, a follower waiting for a
@@ -34,6 +36,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from agent_runtime.errors import ErrorCode
 
 RETRY_AFTER = 1  # seconds: a shed request is retried (ideally on another replica) soon
+OVERLOAD_INTERVAL = 1.0  # seconds the waiting stack stays non-empty before it is overload
+OVERLOAD_WAIT = 0.005  # seconds a newcomer may wait for a place under overload
 
 
 @dataclass
@@ -43,43 +47,96 @@ class _Ticket:
     held: bool = True
 
 
-@dataclass
 class Admission:
-    """The count of admitted requests of one app; ``limit`` from ``max_in_flight``."""
+    """The places of one app: ``limit`` requests at work, then a bounded waiting stack.
 
-    limit: int
-    active: int = 0
-    shed: int = 0  # requests answered OVERLOADED since start
-    parked_now: int = 0
+    A request over the bound waits for a place, newest first (LIFO): in a short burst every
+    waiter is served within ``burst_wait``; under sustained overload the newest arrivals are
+    served at once (low latency for what is served) and the oldest are shed. When the stack
+    has not been empty for ``OVERLOAD_INTERVAL`` the replica is overloaded, not bursting: a
+    newcomer then waits at most ``OVERLOAD_WAIT`` before it is shed, and with ``queue`` waiters
+    already there it is shed at once.
+    """
 
-    def enter(self, *, reserve: bool) -> _Ticket | None:
-        """A place, or None when the bound is reached (``reserve``: the touch's extra room)."""
+    def __init__(self, limit: int, *, queue: int = 0, burst_wait: float = 0.0) -> None:
+        self.limit = limit
+        self.queue = queue
+        self.burst_wait = burst_wait
+        self.active = 0
+        self.shed = 0  # requests answered OVERLOADED since start
+        self.parked_now = 0
+        self.waiting = 0
+        self._stack: list[asyncio.Future[None]] = []
+        self._empty_at = 0.0  # loop time the stack was last empty
+
+    async def enter(self, *, reserve: bool) -> _Ticket | None:
+        """A place, or None: shed (``reserve``: the touch's extra room, and it passes waiting
+        routes)."""
         bound = 2 * self.limit if reserve else self.limit
-        if self.active >= bound:
+        if self.active < bound and (reserve or not self.waiting):
+            self.active += 1
+            return _Ticket(self, asyncio.current_task())
+        if self.waiting >= self.queue:
             self.shed += 1
             return None
-        self.active += 1
-        return _Ticket(self, asyncio.current_task())
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if not self.waiting:
+            self._empty_at = now
+        overloaded = now - self._empty_at > OVERLOAD_INTERVAL
+        wait = min(OVERLOAD_WAIT, self.burst_wait) if overloaded else self.burst_wait
+        place: asyncio.Future[None] = loop.create_future()
+        self._stack.append(place)
+        self.waiting += 1
+        try:
+            await asyncio.wait_for(asyncio.shield(place), wait)
+        except TimeoutError:
+            if not place.done():
+                place.cancel()
+                self._gone()
+                self.shed += 1
+                return None
+        except BaseException:  # the caller went away while waiting
+            if place.done() and not place.cancelled():
+                self._release()  # the place was handed to us: pass it on
+            else:
+                place.cancel()
+                self._gone()
+            raise
+        return _Ticket(self, asyncio.current_task())  # handed over: ``active`` already counts it
+
+    def _gone(self) -> None:
+        self.waiting -= 1
+        if not self.waiting:
+            self._empty_at = asyncio.get_running_loop().time()
+        if len(self._stack) > 2 * max(self.queue, 8):  # drop the dead entries (LIFO leaves them)
+            self._stack = [f for f in self._stack if not f.done()]
+
+    def _release(self) -> None:
+        """A place comes free: to the newest live waiter, else back to the pool."""
+        while self._stack:
+            place = self._stack.pop()
+            if not place.done():
+                place.set_result(None)
+                self._gone()
+                return
+        self.active -= 1
 
     def leave(self, ticket: _Ticket) -> None:
         if ticket.held:
             ticket.held = False
-            self.active -= 1
+            self._release()
 
     @contextlib.contextmanager
     def parked(self) -> Iterator[None]:
         """Give the current request's place back while it waits (see the module docstring)."""
         ticket = _ticket.get()
-        if (
-            ticket is None
-            or ticket.admission is not self
-            or not ticket.held
-            or ticket.task is not asyncio.current_task()
-        ):
+        mine = ticket is not None and ticket.admission is self and ticket.held
+        if ticket is None or not mine or ticket.task is not asyncio.current_task():
             yield
             return
         ticket.held = False
-        self.active -= 1
+        self._release()
         self.parked_now += 1
         try:
             yield
@@ -143,7 +200,7 @@ class AdmissionMiddleware:
         if scope["type"] != "http" or not path.startswith(self.prefix):
             await self.app(scope, receive, send)
             return
-        ticket = self.admission.enter(reserve=path in self.reserve_paths)
+        ticket = await self.admission.enter(reserve=path in self.reserve_paths)
         if ticket is None:
             await send(self._start)
             await send(self._body)

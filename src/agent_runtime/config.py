@@ -129,6 +129,19 @@ class Settings(BaseSettings):
         "503 OVERLOADED + Retry-After before any Redis or DB work (a route waiting in a "
         "scope's queue does not count while it waits)",
     )
+    admission_queue: int = Field(
+        512,
+        ge=0,
+        le=100_000,
+        description="requests over max_in_flight that may wait for a place (newest first); "
+        "more are answered 503 OVERLOADED at once; 0: no waiting",
+    )
+    admission_burst_wait: float = Field(
+        5.0,
+        gt=0,
+        description="seconds a request over max_in_flight may wait for a place in a burst; "
+        "once waiters have been there for 1 s (overload, not a burst) a newcomer waits 5 ms",
+    )
 
     # -- templates: clusters, namespaces, secrets --
 

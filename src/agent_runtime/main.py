@@ -106,7 +106,11 @@ def create_app(
     api_paths = {API_PREFIX + r.path for r in session_router.routes if hasattr(r, "path")}
     known = frozenset(api_paths | {"/healthz", "/metrics"})
     # inside the metrics (a shed request is counted), outside everything else (shed first)
-    admitted = Admission(limit=settings.max_in_flight)
+    admitted = Admission(
+        settings.max_in_flight,
+        queue=settings.admission_queue,
+        burst_wait=settings.admission_burst_wait,
+    )
     app.state.admission = admitted
     app.add_middleware(
         AdmissionMiddleware,
@@ -114,7 +118,7 @@ def create_app(
         prefix=API_PREFIX + "/",
         reserve_paths=frozenset({API_PREFIX + "/touch"}),  # a touch frees what a route took
     )
-    metrics.watch_admission(lambda: (admitted.active, admitted.parked_now))
+    metrics.watch_admission(lambda: (admitted.active, admitted.parked_now, admitted.waiting))
     app.add_middleware(MetricsMiddleware, metrics=metrics, known_paths=known)
 
     @app.get("/metrics", response_class=Response, responses=envelope.METRICS_RESPONSES)

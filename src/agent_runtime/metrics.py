@@ -164,8 +164,9 @@ class Metrics:
         """Report the jobs ``jobs()`` returns at every scrape (empty before startup)."""
         self.registry.register(_JobCollector(jobs))
 
-    def watch_admission(self, counts: Callable[[], tuple[int, int]]) -> None:
-        """The edge's in-flight bound at every scrape: ``counts()`` is (admitted, parked)."""
+    def watch_admission(self, counts: Callable[[], tuple[int, int, int]]) -> None:
+        """The edge's in-flight bound at every scrape: ``counts()`` is (admitted, parked,
+        waiting for a place)."""
         self.registry.register(_AdmissionCollector(counts))
 
     def render(self) -> bytes:
@@ -202,11 +203,11 @@ class _JobCollector(Collector):
 
 
 class _AdmissionCollector(Collector):
-    def __init__(self, counts: Callable[[], tuple[int, int]]) -> None:
+    def __init__(self, counts: Callable[[], tuple[int, int, int]]) -> None:
         self._counts = counts
 
     def collect(self) -> Iterator[Metric]:
-        active, parked = self._counts()
+        active, parked, waiting = self._counts()
         yield GaugeMetricFamily(
             "agent_runtime_http_in_flight",
             "API requests at work now (counted against AGENT_RUNTIME_MAX_IN_FLIGHT)",
@@ -216,6 +217,11 @@ class _AdmissionCollector(Collector):
             "agent_runtime_http_parked",
             "API requests waiting (scope queue, deploy) that gave their in-flight place back",
             value=parked,
+        )
+        yield GaugeMetricFamily(
+            "agent_runtime_http_admission_waiting",
+            "API requests over the in-flight bound waiting for a place",
+            value=waiting,
         )
 
 
