@@ -66,7 +66,7 @@ class Admission:
         self.shed = 0  # requests answered OVERLOADED since start
         self.parked_now = 0
         self.waiting = 0
-        self._stack: list[asyncio.Future[None]] = []
+        self._stack: list[tuple[asyncio.Future[bool], float]] = []  # (place, when it came)
         self._empty_at = 0.0  # loop time the stack was last empty
 
     async def enter(self, *, reserve: bool) -> _Ticket | None:
@@ -85,11 +85,13 @@ class Admission:
             self._empty_at = now
         overloaded = now - self._empty_at > OVERLOAD_INTERVAL
         wait = min(OVERLOAD_WAIT, self.burst_wait) if overloaded else self.burst_wait
-        place: asyncio.Future[None] = loop.create_future()
-        self._stack.append(place)
+        place: asyncio.Future[bool] = loop.create_future()
+        self._stack.append((place, now))
         self.waiting += 1
         try:
-            await asyncio.wait_for(asyncio.shield(place), wait)
+            if not await asyncio.wait_for(asyncio.shield(place), wait):
+                self.shed += 1  # shed by _release: it waited too long under overload
+                return None
         except TimeoutError:
             if not place.done():
                 place.cancel()
@@ -97,7 +99,7 @@ class Admission:
                 self.shed += 1
                 return None
         except BaseException:  # the caller went away while waiting
-            if place.done() and not place.cancelled():
+            if place.done() and not place.cancelled() and place.result():
                 self._release()  # the place was handed to us: pass it on
             else:
                 place.cancel()
@@ -110,16 +112,25 @@ class Admission:
         if not self.waiting:
             self._empty_at = asyncio.get_running_loop().time()
         if len(self._stack) > 2 * max(self.queue, 8):  # drop the dead entries (LIFO leaves them)
-            self._stack = [f for f in self._stack if not f.done()]
+            self._stack = [(f, t) for f, t in self._stack if not f.done()]
 
     def _release(self) -> None:
-        """A place comes free: to the newest live waiter, else back to the pool."""
+        """A place comes free: to the newest live waiter, else back to the pool. Under
+        overload a waiter older than ``OVERLOAD_WAIT`` is shed instead (and so is every one
+        under it: they are older still), so what is served has not waited."""
+        now = asyncio.get_running_loop().time()
+        overloaded = self.waiting and now - self._empty_at > OVERLOAD_INTERVAL
         while self._stack:
-            place = self._stack.pop()
-            if not place.done():
-                place.set_result(None)
+            place, came = self._stack.pop()
+            if place.done():
+                continue
+            if overloaded and now - came > OVERLOAD_WAIT:
+                place.set_result(False)
                 self._gone()
-                return
+                continue
+            place.set_result(True)
+            self._gone()
+            return
         self.active -= 1
 
     def leave(self, ticket: _Ticket) -> None:
