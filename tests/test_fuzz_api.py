@@ -455,7 +455,7 @@ async def test_a_method_the_path_does_not_have_is_405_with_allow(
         assert resp.status_code == 405
         assert resp.headers["allow"] == "POST"
         body = resp.json()
-        assert body["ok"] is False and body["error_code"] == "VALIDATION", body
+        assert body["ok"] is False and body["error_code"] == "METHOD_NOT_ALLOWED", body
 
 
 def test_openapi_documents_every_body_and_answer() -> None:

@@ -67,6 +67,7 @@ class Admission:
         self.parked_now = 0
         self.waiting = 0
         self._stack: list[tuple[asyncio.Future[bool], float]] = []  # (place, when it came)
+        self._touches: list[tuple[asyncio.Future[bool], float]] = []  # served before routes
         self._empty_at = 0.0  # loop time the stack was last empty
 
     async def enter(self, *, reserve: bool) -> _Ticket | None:
@@ -86,7 +87,7 @@ class Admission:
         overloaded = now - self._empty_at > OVERLOAD_INTERVAL
         wait = min(OVERLOAD_WAIT, self.burst_wait) if overloaded else self.burst_wait
         place: asyncio.Future[bool] = loop.create_future()
-        self._stack.append((place, now))
+        (self._touches if reserve else self._stack).append((place, now))
         self.waiting += 1
         try:
             if not await asyncio.wait_for(asyncio.shield(place), wait):
@@ -113,6 +114,7 @@ class Admission:
             self._empty_at = asyncio.get_running_loop().time()
         if len(self._stack) > 2 * max(self.queue, 8):  # drop the dead entries (LIFO leaves them)
             self._stack = [(f, t) for f, t in self._stack if not f.done()]
+            self._touches = [(f, t) for f, t in self._touches if not f.done()]
 
     def _release(self) -> None:
         """A place comes free: to the newest live waiter, else back to the pool. Under
@@ -120,8 +122,8 @@ class Admission:
         under it: they are older still), so what is served has not waited."""
         now = asyncio.get_running_loop().time()
         overloaded = self.waiting and now - self._empty_at > OVERLOAD_INTERVAL
-        while self._stack:
-            place, came = self._stack.pop()
+        while self._touches or self._stack:
+            place, came = (self._touches or self._stack).pop()
             if place.done():
                 continue
             if overloaded and now - came > OVERLOAD_WAIT:
