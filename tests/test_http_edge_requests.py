@@ -432,7 +432,12 @@ async def test_a_request_waiting_for_a_place_is_shed_after_its_wait_and_leaves_n
         holder.gate.set()
         await asyncio.wait_for(holder.task, 20)
         assert holder.status == 200
-        # a waiter is handed the place the moment it frees
+
+
+async def test_a_waiter_is_handed_the_place_the_moment_it_frees(redis: Redis, db: Database) -> None:
+    async with running_app(redis, db, max_in_flight=1, admission_burst_wait=30) as client:
+        await _configure(client, scope_concurrency=50)
+        app = client.app  # type: ignore[attr-defined]
         second = _SlowBody(app, json.dumps(_route_body("second")).encode())
         await _eventually(lambda: _gauge_is(client, "agent_runtime_http_in_flight", 1))
         waiter = asyncio.create_task(client.post(ROUTE, json=_route_body("waiter")))

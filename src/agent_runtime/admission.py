@@ -8,7 +8,7 @@ job ticks (which share the pool) failed: a collapse that outlived the overload. 
 the excess is answered (503 ``OVERLOADED`` + ``Retry-After``, a fixed answer, no Redis or DB
 work) and the admitted requests keep the replica at capacity. A short burst over the bound is
 not overload: it waits for places (a bounded stack, newest first) and is served; only a backlog
-that has lasted ``OVERLOAD_INTERVAL`` makes newcomers wait milliseconds before they are shed.
+that has lasted ``burst_wait`` makes newcomers wait milliseconds before they are shed.
 
 What counts: a request under ``/api/session/`` from the moment it arrives until its answer
 is sent. A request *parked* (a route in its scope's wait queue, a follower waiting for a
@@ -36,7 +36,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from agent_runtime.errors import ErrorCode
 
 RETRY_AFTER = 1  # seconds: a shed request is retried (ideally on another replica) soon
-OVERLOAD_INTERVAL = 1.0  # seconds the waiting stack stays non-empty before it is overload
 OVERLOAD_WAIT = 0.005  # seconds a newcomer may wait for a place under overload
 
 
@@ -53,9 +52,9 @@ class Admission:
     A request over the bound waits for a place, newest first (LIFO): in a short burst every
     waiter is served within ``burst_wait``; under sustained overload the newest arrivals are
     served at once (low latency for what is served) and the oldest are shed. When the stack
-    has not been empty for ``OVERLOAD_INTERVAL`` the replica is overloaded, not bursting: a
-    newcomer then waits at most ``OVERLOAD_WAIT`` before it is shed, and with ``queue`` waiters
-    already there it is shed at once.
+    has not been empty for ``burst_wait`` the replica is overloaded, not bursting: a newcomer
+    then waits at most ``OVERLOAD_WAIT`` and older waiters are shed when a place frees; with
+    ``queue`` waiters already there a newcomer is shed at once.
     """
 
     def __init__(self, limit: int, *, queue: int = 0, burst_wait: float = 0.0) -> None:
@@ -84,7 +83,7 @@ class Admission:
         now = loop.time()
         if not self.waiting:
             self._empty_at = now
-        overloaded = now - self._empty_at > OVERLOAD_INTERVAL
+        overloaded = now - self._empty_at > self.burst_wait
         wait = min(OVERLOAD_WAIT, self.burst_wait) if overloaded else self.burst_wait
         place: asyncio.Future[bool] = loop.create_future()
         (self._touches if reserve else self._stack).append((place, now))
@@ -121,7 +120,7 @@ class Admission:
         overload a waiter older than ``OVERLOAD_WAIT`` is shed instead (and so is every one
         under it: they are older still), so what is served has not waited."""
         now = asyncio.get_running_loop().time()
-        overloaded = self.waiting and now - self._empty_at > OVERLOAD_INTERVAL
+        overloaded = self.waiting and now - self._empty_at > self.burst_wait
         while self._touches or self._stack:
             place, came = (self._touches or self._stack).pop()
             if place.done():

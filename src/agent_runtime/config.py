@@ -139,8 +139,9 @@ class Settings(BaseSettings):
     admission_burst_wait: float = Field(
         5.0,
         gt=0,
-        description="seconds a request over max_in_flight may wait for a place in a burst; "
-        "once waiters have been there for 1 s (overload, not a burst) a newcomer waits 5 ms",
+        description="how long a backlog over max_in_flight may last as a burst: its requests "
+        "wait for a place up to this long; a backlog older than this is overload: newcomers "
+        "wait at most 5 ms and older waiters are shed",
     )
 
     # -- templates: clusters, namespaces, secrets --
