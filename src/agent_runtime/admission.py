@@ -89,15 +89,12 @@ class Admission:
         (self._touches if reserve else self._stack).append((place, now))
         self.waiting += 1
         try:
-            if not await asyncio.wait_for(asyncio.shield(place), wait):
-                self.shed += 1  # shed by _release: it waited too long under overload
-                return None
+            admitted = await asyncio.wait_for(asyncio.shield(place), wait)
         except TimeoutError:
             if not place.done():
                 place.cancel()
                 self._gone()
-                self.shed += 1
-                return None
+            admitted = place.done() and not place.cancelled() and place.result()
         except BaseException:  # the caller went away while waiting
             if place.done() and not place.cancelled() and place.result():
                 self._release()  # the place was handed to us: pass it on
@@ -105,6 +102,9 @@ class Admission:
                 place.cancel()
                 self._gone()
             raise
+        if not admitted:  # its wait ran out, or _release shed it (too old under overload)
+            self.shed += 1
+            return None
         return _Ticket(self, asyncio.current_task())  # handed over: ``active`` already counts it
 
     def _gone(self) -> None:
