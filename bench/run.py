@@ -44,6 +44,7 @@ ORDER = [
     "scale",
     "scale_out",
     "loop_check",
+    "overload",
 ]
 NEEDS_BASELINE = {"refresh", "placed", "touch"}
 THROUGHPUT = ["baseline", "refresh", "placed", "touch", "baseline_after"]

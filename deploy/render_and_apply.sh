@@ -170,12 +170,20 @@ if [ -n "$nodeport" ] && [ "$nodeport" != auto ]; then
 fi
 
 allow_unauthenticated=false
+allow_open_gateway=false
 for i in "${!settings_keys[@]}"; do
   is_placeholder "${settings_vals[$i]}" && missing+=("${settings_keys[$i]}: placeholder left")
   if [ "${settings_keys[$i]}" = AGENT_RUNTIME_ALLOW_UNAUTHENTICATED ]; then
     allow_unauthenticated=$(printf '%s' "${settings_vals[$i]}" | tr '[:upper:]' '[:lower:]')
   fi
+  if [ "${settings_keys[$i]}" = AGENT_RUNTIME_ALLOW_OPEN_GATEWAY ]; then
+    allow_open_gateway=$(printf '%s' "${settings_vals[$i]}" | tr '[:upper:]' '[:lower:]')
+  fi
 done
+open_gateway_allowed=false
+if [[ $allow_unauthenticated =~ ^(1|true|yes|on)$ ]] || [[ $allow_open_gateway =~ ^(1|true|yes|on)$ ]]; then
+  open_gateway_allowed=true
+fi
 
 secret_value() { # key → value ('' and status 1 when absent)
   local i
@@ -187,13 +195,15 @@ secret_value() { # key → value ('' and status 1 when absent)
 for key in $SECRET_KEYS; do
   if ! value=$(secret_value "$key"); then
     if [ "$key" = AGENT_RUNTIME_GATEWAY_TOKENS ]; then
-      missing+=("$key: not set (an empty value is allowed: route/touch then need no token)")
+      missing+=("$key: not set (empty is allowed with AGENT_RUNTIME_ALLOW_OPEN_GATEWAY=true)")
     else
       missing+=("$key: not set")
     fi
     secret_keys+=("$key") secret_vals+=("__REPLACE_ME__") # rendered as a visible placeholder
-  elif [ "$key" = AGENT_RUNTIME_GATEWAY_TOKENS ] || { [ "$key" = AGENT_RUNTIME_ADMIN_TOKENS ] \
-    && [[ $allow_unauthenticated =~ ^(1|true|yes|on)$ ]]; }; then
+  elif [ "$key" = AGENT_RUNTIME_GATEWAY_TOKENS ] && [ "$open_gateway_allowed" = true ]; then
+    is_placeholder "$value" && missing+=("$key: placeholder left")
+  elif [ "$key" = AGENT_RUNTIME_ADMIN_TOKENS ] \
+    && [[ $allow_unauthenticated =~ ^(1|true|yes|on)$ ]]; then
     is_placeholder "$value" && missing+=("$key: placeholder left")
   else
     need "$key" "$value"

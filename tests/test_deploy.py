@@ -264,6 +264,7 @@ REAL_LOOKING_SECRETS = {
     "redis_url": "redis://redis:6379/0",
     "database_url": "mysql+pymysql://u:p@db/agent_runtime",
     "admin_tokens": "t",
+    "gateway_tokens": "g",
 }
 
 
@@ -848,6 +849,7 @@ def test_render_one_namespace_and_digest(kubectl: str, tmp_path: Path) -> None:
         AGENTSERVER_NAMESPACE="agents",
         IMAGE=f"registry.example.com:5000/agent-runtime@{digest}",
         AGENT_RUNTIME_GATEWAY_TOKENS="",
+        AGENT_RUNTIME_ALLOW_OPEN_GATEWAY="true",  # an open gateway is an explicit choice
     )
     run = _render(kubectl, env)
     assert run.returncode == 0, run.stderr
@@ -886,6 +888,7 @@ def test_example_env_file_is_refused_and_lists_what_is_missing(
         ({"AGENT_RUNTIME_LOG_LEVEL": "${LOG_LEVEL}"}, "AGENT_RUNTIME_LOG_LEVEL"),
         ({"AGENT_RUNTIME_REDIS_URL": None}, "AGENT_RUNTIME_REDIS_URL: not set"),
         ({"AGENT_RUNTIME_GATEWAY_TOKENS": None}, "AGENT_RUNTIME_GATEWAY_TOKENS: not set"),
+        ({"AGENT_RUNTIME_GATEWAY_TOKENS": ""}, "AGENT_RUNTIME_GATEWAY_TOKENS"),
         ({"IMAGE": None}, "IMAGE: not set"),
     ],
 )

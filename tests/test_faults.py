@@ -42,7 +42,7 @@ from agent_runtime.resource_manager import k8s as k8s_module
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient, K8sPodClient, RealK8sPodClient
 from agent_runtime.resource_manager.models import SCOPE_LABEL
 from agent_runtime.session_manager.state import ROUTE_LEASE
-from agent_runtime.wiring import REDIS_MAX_CONNECTIONS, REDIS_RETRIES, Services, build_redis
+from agent_runtime.wiring import REDIS_RETRIES, Services, build_redis, redis_pool_size
 from helpers import (
     CLAIM_KEY,
     TcpProxy,
@@ -116,7 +116,7 @@ def app_redis(redis: Redis, url: str | None = None, timeout: float = 2.0) -> Red
             server=kwargs["server"],
             decode_responses=True,
             connection_pool_class=BlockingConnectionPool,
-            max_connections=REDIS_MAX_CONNECTIONS,
+            max_connections=redis_pool_size(make_settings()),
         )
     return build_redis(make_settings(redis_url=url or real_redis_url(), redis_timeout=timeout))
 

@@ -58,10 +58,10 @@ BUILTIN_CHECKS = [
     "negative_data_rejection",
 ]
 
-# the contract's table (errors.py): which HTTP status each error code comes with (VALIDATION
-# is 400; ClientDisconnected's 499 says VALIDATION too, but nobody reads that answer)
+# the contract's table (errors.py): which HTTP status each error code comes with (one class
+# per code; a code two classes shared would make this ambiguous)
 STATUS_OF = {cls.code: cls.http_status for cls in AgentRuntimeError.__subclasses__()}
-STATUS_OF[ErrorCode.VALIDATION] = 400
+assert len(STATUS_OF) == len(AgentRuntimeError.__subclasses__())
 
 
 def _token_for(path: str) -> str:
@@ -112,7 +112,7 @@ def _app_lifespan() -> Iterator[None]:
 def contract_envelope(ctx: CheckContext, response: Any, case: schemathesis.Case) -> bool | None:
     """Every API answer is the contract's envelope and a failure has its code's status; a
     401 comes only without the right token, and with it a body that breaks the schema is a 400
-    VALIDATION. A method the path does not have is 405 with ``Allow`` (outside the table)."""
+    VALIDATION. A method the path does not have is 405 ``METHOD_NOT_ALLOWED`` with ``Allow``."""
     if not case.path.startswith("/api/"):
         return None
     body = response.json()
@@ -126,7 +126,7 @@ def contract_envelope(ctx: CheckContext, response: Any, case: schemathesis.Case)
     assert "Traceback" not in body["error_message"], body
     code = ErrorCode(body["error_code"])
     if response.status_code == 405:
-        assert code is ErrorCode.VALIDATION and response.headers.get("allow"), body
+        assert code is ErrorCode.METHOD_NOT_ALLOWED and response.headers.get("allow"), body
         assert case.method.lower() not in case.operation.schema.raw_schema["paths"][case.path]
         return None
     assert STATUS_OF[code] == response.status_code, body
@@ -460,7 +460,7 @@ async def test_a_method_the_path_does_not_have_is_405_with_allow(
         assert resp.status_code == 405
         assert resp.headers["allow"] == "POST"
         body = resp.json()
-        assert body["ok"] is False and body["error_code"] == "VALIDATION", body
+        assert body["ok"] is False and body["error_code"] == "METHOD_NOT_ALLOWED", body
 
 
 def test_openapi_documents_every_body_and_answer() -> None:

@@ -56,6 +56,7 @@ async def test_deploy_replicas_runs_n_healthy_replicas_and_stops_them_all(
         f"AGENT_RUNTIME_REDIS_URL={real_redis_url()}\n"
         f"AGENT_RUNTIME_DATABASE_URL={database.url}\n"
         "AGENT_RUNTIME_ADMIN_TOKENS=ops-admin\n"
+        "AGENT_RUNTIME_GATEWAY_TOKENS=ops-gateway\n"
         # no cluster: the pod jobs degrade, and routing is not what this test is about
         "AGENT_RUNTIME_KUBECONFIG=/nonexistent/kubeconfig\n"
     )

@@ -30,7 +30,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient, PodDeployInfo
 from agent_runtime.session_manager import orchestrator as sm_orchestrator
-from agent_runtime.wiring import REDIS_MAX_CONNECTIONS, Services, build_redis
+from agent_runtime.wiring import Services, build_redis, redis_pool_size
 from helpers import (
     TcpProxy,
     both_redis_server_dbs,
@@ -143,7 +143,7 @@ def replica_client(redis: Redis, url: str | None = None, timeout: float = 2.0) -
             server=kwargs["server"],
             decode_responses=True,
             connection_pool_class=BlockingConnectionPool,
-            max_connections=REDIS_MAX_CONNECTIONS,
+            max_connections=redis_pool_size(make_settings()),
         )
     return build_redis(make_settings(redis_url=url or real_redis_url(), redis_timeout=timeout))
 
@@ -453,10 +453,11 @@ async def test_a_burst_beyond_the_redis_pool_waits_for_a_connection_instead_of_f
     url = None if fake else real_redis_url()
     client = build_redis(make_settings(redis_url=url))
     try:
-        async with running_app(client, db) as app:
+        # admission far above the pool: this is about the pool's own wait, not the edge's bound
+        async with running_app(client, db, max_in_flight=1024) as app:
             await configure(app, scope_concurrency=1, pod_concurrency=1)
             assert (await route(app, "pool-1")).status_code == 200
-            n = 3 * REDIS_MAX_CONNECTIONS
+            n = 3 * redis_pool_size(make_settings())
             answers = await asyncio.gather(*(route(app, "pool-1") for _ in range(n)))
             codes = collections.Counter(
                 r.json()["data"]["placement"] if r.status_code == 200 else r.json()["error_code"]

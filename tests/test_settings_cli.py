@@ -230,6 +230,7 @@ GOOD_SERVER = {
     "redis_url": "redis://redis.svc:6379/0",
     "database_url": "postgresql://u@db.svc/agents",
     "admin_tokens": ["adm"],
+    "gateway_tokens": ["gw"],
 }
 
 
@@ -253,6 +254,8 @@ def test_check_server_accepts_complete_config(clean_env: pytest.MonkeyPatch) -> 
         ({"database_url": "sqlite+pysqlite:////var/lib/agents.db"}, "SQLite"),
         ({"admin_tokens": []}, "AGENT_RUNTIME_ADMIN_TOKENS"),
         ({"admin_tokens": [], "allow_unauthenticated": False}, "ALLOW_UNAUTHENTICATED"),
+        ({"gateway_tokens": []}, "AGENT_RUNTIME_GATEWAY_TOKENS"),
+        ({"gateway_tokens": [], "allow_open_gateway": False}, "ALLOW_OPEN_GATEWAY"),
     ],
 )
 def test_check_server_refuses(
@@ -262,6 +265,33 @@ def test_check_server_refuses(
         server_settings(**overrides).check_server()
     assert mentions in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_check_server_open_gateway_needs_an_explicit_opt_in(clean_env: pytest.MonkeyPatch) -> None:
+    """Server mode without gateway tokens serves route and touch to anyone: only when told so,
+    by ALLOW_OPEN_GATEWAY or by ALLOW_UNAUTHENTICATED (which already means "run open")."""
+    server_settings(gateway_tokens=[], allow_open_gateway=True).check_server()
+    server_settings(gateway_tokens=[], allow_unauthenticated=True).check_server()
+    with pytest.raises(ConfigError):
+        server_settings(gateway_tokens=[]).check_server()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "agents.example.com", "[::]"])
+def test_local_mode_on_a_non_loopback_host_needs_tokens_or_the_opt_in(
+    clean_env: pytest.MonkeyPatch, host: str
+) -> None:
+    local = {"mode": Mode.LOCAL, "host": host}
+    with pytest.raises(ConfigError) as info:
+        Settings(_env_file=None, **local).check_server()  # type: ignore[arg-type]
+    assert "AGENT_RUNTIME_GATEWAY_TOKENS" in str(info.value) and host in str(info.value)
+    assert "\n" not in str(info.value)
+    Settings(_env_file=None, gateway_tokens=["gw"], **local).check_server()  # type: ignore[arg-type]
+    Settings(_env_file=None, allow_open_gateway=True, **local).check_server()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.5", "::1", "[::1]", "localhost"])
+def test_local_mode_on_loopback_stays_open(clean_env: pytest.MonkeyPatch, host: str) -> None:
+    Settings(_env_file=None, mode=Mode.LOCAL, host=host).check_server()  # type: ignore[call-arg]
 
 
 def test_check_server_ignores_local_mode(clean_env: pytest.MonkeyPatch) -> None:
@@ -343,7 +373,11 @@ def test_serve_server_mode_from_env_without_urls(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_serve_server_without_db_url(tmp_path: Path) -> None:
-    env = {"AGENT_RUNTIME_REDIS_URL": f"redis://{CLOSED}/0", "AGENT_RUNTIME_ADMIN_TOKENS": "x"}
+    env = {
+        "AGENT_RUNTIME_REDIS_URL": f"redis://{CLOSED}/0",
+        "AGENT_RUNTIME_ADMIN_TOKENS": "x",
+        "AGENT_RUNTIME_GATEWAY_TOKENS": "gw",
+    }
     line = assert_fail_fast(run_cli("serve", "--mode", "server", cwd=tmp_path, env=env))
     assert "AGENT_RUNTIME_DATABASE_URL" in line
 
@@ -354,6 +388,7 @@ def test_serve_server_refuses_sqlite(tmp_path: Path) -> None:
         "AGENT_RUNTIME_REDIS_URL": f"redis://{CLOSED}/0",
         "AGENT_RUNTIME_DATABASE_URL": f"sqlite:///{tmp_path / 'x.db'}",
         "AGENT_RUNTIME_ADMIN_TOKENS": "x",
+        "AGENT_RUNTIME_GATEWAY_TOKENS": "gw",
     }
     line = assert_fail_fast(run_cli("serve", "--mode", "server", cwd=tmp_path, env=env))
     assert "SQLite" in line
@@ -375,11 +410,36 @@ def test_serve_server_refuses_no_admin_tokens(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_serve_refuses_an_open_gateway_without_the_opt_in(tmp_path: Path) -> None:
+    env = {
+        "AGENT_RUNTIME_REDIS_URL": f"redis://{CLOSED}/0",
+        "AGENT_RUNTIME_DATABASE_URL": CLOSED_DB_URL,
+        "AGENT_RUNTIME_ADMIN_TOKENS": "x",
+    }
+    line = assert_fail_fast(run_cli("serve", "--mode", "server", cwd=tmp_path, env=env))
+    assert "AGENT_RUNTIME_GATEWAY_TOKENS" in line and "ALLOW_OPEN_GATEWAY" in line
+    # opted in: past the token checks, refused later on the unreachable Redis
+    line = assert_fail_fast(
+        run_cli(
+            "serve", "--mode", "server", cwd=tmp_path,
+            env={**env, "AGENT_RUNTIME_ALLOW_OPEN_GATEWAY": "true"},
+        )
+    )  # fmt: skip
+    assert "redis" in line.lower()
+    # local mode on every interface, no tokens: refused before anything is started
+    local = run_cli("serve", "--mode", "local", "--host", "0.0.0.0", cwd=tmp_path)
+    line = assert_fail_fast(local)
+    assert "0.0.0.0" in line and "AGENT_RUNTIME_GATEWAY_TOKENS" in line
+    assert not (tmp_path / "agent_runtime_local.db").exists()
+
+
+@pytest.mark.timeout(60)
 def test_serve_server_unreachable_redis(tmp_path: Path) -> None:
     env = {
         "AGENT_RUNTIME_REDIS_URL": f"redis://{CLOSED}/0",
         "AGENT_RUNTIME_DATABASE_URL": CLOSED_DB_URL,
         "AGENT_RUNTIME_ADMIN_TOKENS": "x",
+        "AGENT_RUNTIME_GATEWAY_TOKENS": "gw",
     }
     line = assert_fail_fast(run_cli("serve", "--mode", "server", cwd=tmp_path, env=env))
     assert "redis" in line.lower()
@@ -394,6 +454,7 @@ def test_serve_server_unreachable_database(tmp_path: Path) -> None:
         "AGENT_RUNTIME_REDIS_URL": PING_REDIS_URL,
         "AGENT_RUNTIME_DATABASE_URL": CLOSED_DB_URL,
         "AGENT_RUNTIME_ADMIN_TOKENS": "x",
+        "AGENT_RUNTIME_GATEWAY_TOKENS": "gw",
     }
     line = assert_fail_fast(run_cli("serve", "--mode", "server", cwd=tmp_path, env=env))
     assert "database" in line.lower()
@@ -423,6 +484,7 @@ def test_serve_reads_env_file_and_env_wins(tmp_path: Path) -> None:
         f"AGENT_RUNTIME_REDIS_URL=redis://{CLOSED}/0\n"
         f"AGENT_RUNTIME_DATABASE_URL={CLOSED_DB_URL}\n"
         "AGENT_RUNTIME_ADMIN_TOKENS=x\n"
+        "AGENT_RUNTIME_GATEWAY_TOKENS=gw\n"
     )
     args = ("serve", "--mode", "server", "--env-file", str(env_file))
     # the file's URLs are used: the check gets as far as the (unreachable) Redis
@@ -589,6 +651,7 @@ def test_serve_server_refuses_empty_database(backend_name: str, tmp_path: Path) 
             "AGENT_RUNTIME_REDIS_URL": PING_REDIS_URL,
             "AGENT_RUNTIME_DATABASE_URL": backend.url,
             "AGENT_RUNTIME_ADMIN_TOKENS": "x",
+            "AGENT_RUNTIME_GATEWAY_TOKENS": "gw",
             "AGENT_RUNTIME_LOG_LEVEL": "DEBUG",  # even at DEBUG the failure is one line
         }
         run = run_cli("serve", "--mode", "server", cwd=tmp_path, env=env)

@@ -7,6 +7,7 @@ allowed) admin tokens, so a mis-deployed replica dies at start instead of servin
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import uuid
@@ -34,6 +35,17 @@ class ConfigError(Exception):
 def _default_instance_id() -> str:
     # hostname is the pod name in Kubernetes, so an operator can map an id to a replica
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a bind address) is reachable from this machine only."""
+    name = host.strip().strip("[]").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False  # a name (or 0.0.0.0 / ::, which are not loopback): assume reachable
 
 
 def _split_tokens(value: object) -> object:
@@ -135,6 +147,33 @@ class Settings(BaseSettings):
     )
 
     # -- http edge: requests (methods, open gateway, overload) --
+    allow_open_gateway: bool = Field(
+        False,
+        description="route and touch may run without gateway tokens in server mode (or on a "
+        "non-loopback host in local mode) only when this (or allow_unauthenticated) is true",
+    )
+    max_in_flight: int = Field(
+        32,
+        ge=1,
+        le=1024,
+        description="API requests one replica works on at once; past it a request is answered "
+        "503 OVERLOADED + Retry-After before any Redis or DB work (a route waiting in a "
+        "scope's queue does not count while it waits)",
+    )
+    admission_queue: int = Field(
+        512,
+        ge=0,
+        le=100_000,
+        description="requests over max_in_flight that may wait for a place (newest first); "
+        "more are answered 503 OVERLOADED at once; 0: no waiting",
+    )
+    admission_burst_wait: float = Field(
+        5.0,
+        gt=0,
+        description="how long a backlog over max_in_flight may last as a burst: its requests "
+        "wait for a place up to this long; a backlog older than this is overload: newcomers "
+        "wait at most 5 ms and older waiters are shed",
+    )
 
     # -- templates: clusters, namespaces, secrets --
 
@@ -190,9 +229,25 @@ class Settings(BaseSettings):
             raise ValueError(f"unknown log level {value!r}")
         return level
 
+    @property
+    def gateway_open(self) -> bool:
+        """route and touch answer anyone (no gateway tokens)."""
+        return not self.gateway_tokens
+
+    @property
+    def open_gateway_allowed(self) -> bool:
+        return self.allow_open_gateway or self.allow_unauthenticated
+
     def check_server(self) -> None:
-        """Raise ConfigError with a one-line reason if this is not a usable server config."""
+        """Raise ConfigError with a one-line reason if this is not a usable config to serve:
+        server mode's backends and tokens, and in either mode an open gateway (no gateway
+        tokens) reachable from other hosts without the opt-in."""
         if self.mode is not Mode.SERVER:
+            if self.gateway_open and not is_loopback(self.host) and not self.open_gateway_allowed:
+                raise ConfigError(
+                    f"local mode on {self.host} (not loopback) needs AGENT_RUNTIME_GATEWAY_TOKENS "
+                    "(or AGENT_RUNTIME_ALLOW_OPEN_GATEWAY=true)"
+                )
             return
         if not self.redis_url:
             raise ConfigError("server mode needs AGENT_RUNTIME_REDIS_URL (no fakeredis fallback)")
@@ -206,6 +261,11 @@ class Settings(BaseSettings):
             raise ConfigError(
                 "server mode needs AGENT_RUNTIME_ADMIN_TOKENS "
                 "(or AGENT_RUNTIME_ALLOW_UNAUTHENTICATED=true)"
+            )
+        if self.gateway_open and not self.open_gateway_allowed:
+            raise ConfigError(
+                "server mode needs AGENT_RUNTIME_GATEWAY_TOKENS "
+                "(or AGENT_RUNTIME_ALLOW_OPEN_GATEWAY=true to serve route and touch to anyone)"
             )
 
     def sqlalchemy_url(self) -> str:

@@ -27,10 +27,17 @@ from pydantic.json_schema import SkipJsonSchema
 from redis import exceptions as redis_errors
 from sqlalchemy import exc as sa_errors
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agent_runtime.config import API_PREFIX
-from agent_runtime.errors import AgentRuntimeError, BackendUnavailable, ErrorCode, ValidationFailed
+from agent_runtime.errors import (
+    AgentRuntimeError,
+    BackendUnavailable,
+    ClientDisconnected,
+    ErrorCode,
+    ValidationFailed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -324,6 +331,7 @@ class Unavailable503(ErrorEnvelope):
         ErrorCode.SCOPE_QUEUE_FULL,
         ErrorCode.NO_POD_AVAILABLE,
         ErrorCode.BACKEND_UNAVAILABLE,
+        ErrorCode.OVERLOADED,
     ]
 
 
@@ -345,8 +353,9 @@ ERROR_RESPONSES: dict[int, tuple[type[ErrorEnvelope], str]] = {
     502: (K8sError502, "K8S_ERROR: Kubernetes refused the call"),
     503: (
         Unavailable503,
-        "CONFIG_NOT_FOUND, SCOPE_QUEUE_FULL, NO_POD_AVAILABLE or BACKEND_UNAVAILABLE "
-        "(also while the service starts or stops); Retry-After where retry_after is given",
+        "CONFIG_NOT_FOUND, SCOPE_QUEUE_FULL, NO_POD_AVAILABLE, BACKEND_UNAVAILABLE or "
+        "OVERLOADED (also while the service starts or stops); Retry-After where retry_after "
+        "is given",
     ),
     504: (Timeout504, "SCOPE_FULL_TIMEOUT: no slot within scope_full_timeout; Retry-After"),
 }
@@ -522,9 +531,27 @@ async def _on_backend_error(request: Request, exc: Exception) -> JSONResponse:
     return await _on_app_error(request, err)
 
 
+async def _on_client_disconnect(request: Request, exc: Exception) -> JSONResponse:
+    """The caller went away while sending its body: not our failure, so 499 ``CLIENT_ABORTED``
+    (the metrics count it so) and a debug line, never an ERROR with a traceback. Nobody reads
+    the answer (uvicorn drops a reply to a closed connection)."""
+    log.debug(
+        "client disconnected before its body was read: %s %s", request.method, request.url.path
+    )
+    err = ClientDisconnected("the caller disconnected before sending its whole body")
+    return await _on_app_error(request, err)
+
+
+_HTTP_CODES = {
+    401: ErrorCode.UNAUTHORIZED,
+    404: ErrorCode.NOT_FOUND,
+    405: ErrorCode.METHOD_NOT_ALLOWED,
+}
+
+
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    code = {401: ErrorCode.UNAUTHORIZED, 404: ErrorCode.NOT_FOUND}.get(
+    code = _HTTP_CODES.get(
         exc.status_code, ErrorCode.VALIDATION if exc.status_code < 500 else ErrorCode.INTERNAL
     )
     # keep the exception's headers: a 405 says which methods the path has (Allow)
@@ -549,6 +576,7 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(AgentRuntimeError, _on_app_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(ClientDisconnect, _on_client_disconnect)
     for exc_type in BACKEND_ERRORS:
         app.add_exception_handler(exc_type, _on_backend_error)
     app.add_middleware(GuardMiddleware)

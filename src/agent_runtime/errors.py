@@ -28,6 +28,9 @@ class ErrorCode(StrEnum):
     HEADERS_TOO_LARGE = "HEADERS_TOO_LARGE"
     REQUEST_TIMEOUT = "REQUEST_TIMEOUT"
     TOO_MANY_CONNECTIONS = "TOO_MANY_CONNECTIONS"
+    METHOD_NOT_ALLOWED = "METHOD_NOT_ALLOWED"  # 405, with Allow
+    CLIENT_ABORTED = "CLIENT_ABORTED"  # 499: the caller went away; nobody reads the answer
+    OVERLOADED = "OVERLOADED"  # 503 + Retry-After: the replica's in-flight bound is reached
 
     # -- bounded growth --
 
@@ -108,10 +111,24 @@ class ScopeFullTimeout(AgentRuntimeError):
 
 
 class ClientDisconnected(AgentRuntimeError):
-    """The caller went away while waiting (nobody reads this answer; 499 as nginx logs it)."""
+    """The caller went away while waiting or while sending its body (nobody reads this answer;
+    499 as nginx logs it)."""
 
-    code = ErrorCode.VALIDATION
+    code = ErrorCode.CLIENT_ABORTED
     http_status = 499
+
+
+class MethodNotAllowed(AgentRuntimeError):
+    code = ErrorCode.METHOD_NOT_ALLOWED
+    http_status = 405
+
+
+class Overloaded(AgentRuntimeError):
+    """Shed before any Redis or DB work: this replica has ``max_in_flight`` requests at work."""
+
+    code = ErrorCode.OVERLOADED
+    http_status = 503
+    default_retry_after = 1
 
 
 class InternalError(AgentRuntimeError):

@@ -18,7 +18,8 @@ from fastapi.responses import JSONResponse, Response
 
 from agent_runtime import envelope
 from agent_runtime.admin import router as admin_router
-from agent_runtime.config import API_PREFIX, Mode, Settings
+from agent_runtime.admission import Admission, AdmissionMiddleware
+from agent_runtime.config import API_PREFIX, Mode, Settings, is_loopback
 from agent_runtime.jobs import Job
 from agent_runtime.metrics import CONTENT_TYPE_LATEST, Metrics, MetricsMiddleware
 from agent_runtime.session_manager.handlers import router as session_router
@@ -51,6 +52,16 @@ def create_app(
             await svc.start()
             svc.ready = True
             log.info("ready: mode=%s instance=%s", settings.mode, settings.instance_id)
+            if settings.gateway_open and (
+                settings.mode is Mode.SERVER or not is_loopback(settings.host)
+            ):
+                log.warning(
+                    "GATEWAY OPEN: no AGENT_RUNTIME_GATEWAY_TOKENS; route and touch answer "
+                    "anyone who reaches %s:%s (opted in by AGENT_RUNTIME_ALLOW_OPEN_GATEWAY "
+                    "or AGENT_RUNTIME_ALLOW_UNAUTHENTICATED)",
+                    settings.host,
+                    settings.port,
+                )
             yield
         finally:
             svc_now: Services | None = getattr(app.state, "services", None)
@@ -77,6 +88,9 @@ def create_app(
         redoc_url=None,
         openapi_url="/openapi.json",  # the contract as OpenAPI; open, like /healthz
         strict_content_type=False,  # a body is JSON whatever Content-Type a client sent
+        # no 307 to the slash-less path (it came before auth, and is no envelope): a path with
+        # a trailing slash is an unknown path, 404 NOT_FOUND like any other
+        redirect_slashes=False,
     )
     envelope.install(app)
     app.include_router(session_router, prefix=API_PREFIX)
@@ -91,6 +105,20 @@ def create_app(
     # from the router itself: FastAPI keeps an included router as one nested entry of app.routes
     api_paths = {API_PREFIX + r.path for r in session_router.routes if hasattr(r, "path")}
     known = frozenset(api_paths | {"/healthz", "/metrics"})
+    # inside the metrics (a shed request is counted), outside everything else (shed first)
+    admitted = Admission(
+        settings.max_in_flight,
+        queue=settings.admission_queue,
+        burst_wait=settings.admission_burst_wait,
+    )
+    app.state.admission = admitted
+    app.add_middleware(
+        AdmissionMiddleware,
+        admission=admitted,
+        prefix=API_PREFIX + "/",
+        reserve_paths=frozenset({API_PREFIX + "/touch"}),  # a touch frees what a route took
+    )
+    metrics.watch_admission(lambda: (admitted.active, admitted.parked_now, admitted.waiting))
     app.add_middleware(MetricsMiddleware, metrics=metrics, known_paths=known)
 
     @app.get("/metrics", response_class=Response, responses=envelope.METRICS_RESPONSES)

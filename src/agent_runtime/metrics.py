@@ -164,6 +164,11 @@ class Metrics:
         """Report the jobs ``jobs()`` returns at every scrape (empty before startup)."""
         self.registry.register(_JobCollector(jobs))
 
+    def watch_admission(self, counts: Callable[[], tuple[int, int, int]]) -> None:
+        """The edge's in-flight bound at every scrape: ``counts()`` is (admitted, parked,
+        waiting for a place)."""
+        self.registry.register(_AdmissionCollector(counts))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -195,6 +200,29 @@ class _JobCollector(Collector):
             last.add_metric([job.name], job.last_success or 0.0)
             leading.add_metric([job.name], 1.0 if job.leading else 0.0)
         yield from (runs, failures, seconds, last, leading)
+
+
+class _AdmissionCollector(Collector):
+    def __init__(self, counts: Callable[[], tuple[int, int, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        active, parked, waiting = self._counts()
+        yield GaugeMetricFamily(
+            "agent_runtime_http_in_flight",
+            "API requests at work now (counted against AGENT_RUNTIME_MAX_IN_FLIGHT)",
+            value=active,
+        )
+        yield GaugeMetricFamily(
+            "agent_runtime_http_parked",
+            "API requests waiting (scope queue, deploy) that gave their in-flight place back",
+            value=parked,
+        )
+        yield GaugeMetricFamily(
+            "agent_runtime_http_admission_waiting",
+            "API requests over the in-flight bound waiting for a place",
+            value=waiting,
+        )
 
 
 class MetricsMiddleware:

@@ -13,6 +13,8 @@ import asyncio
 from collections.abc import Callable, Coroutine, Hashable
 from typing import Any, Generic, TypeVar
 
+from agent_runtime import admission
+
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
 
@@ -29,7 +31,9 @@ class SingleFlight(Generic[K, T]):
             running = asyncio.ensure_future(start())
             self._running[key] = running
             running.add_done_callback(lambda done: self._ended(key, done))
-        return await asyncio.shield(running)
+            return await asyncio.shield(running)  # the starter's place counts the call's work
+        with admission.parked():  # the others only wait for it: their places go to others
+            return await asyncio.shield(running)
 
     def _ended(self, key: K, done: asyncio.Future[T]) -> None:
         if self._running.get(key) is done:

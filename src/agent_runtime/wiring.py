@@ -49,20 +49,36 @@ class Backends:
     redis: Redis
     db: Database
     k8s: K8sPodClient
+    # the job leader locks' own small pool (None: they share ``redis``): a renewal never
+    # waits behind requests for a connection, so leadership holds under any load
+    job_locks: Redis | None = None
 
     async def close(self) -> None:
         await self.k8s.close()
         await self.redis.aclose()
+        if self.job_locks is not None:
+            await self.job_locks.aclose()
         await self.db.close()
 
 
-REDIS_MAX_CONNECTIONS = 100  # per replica; more concurrent commands wait for a free one
+# Connections beyond the requests' share: the notifier's pub/sub, the job ticks, /metrics,
+# warm deploys and the lease renewals of parked routes.
+REDIS_RESERVE = 16
+JOB_LOCK_CONNECTIONS = 8  # the job leader locks' own pool: one lock call at a time per job
+
+
+def redis_pool_size(settings: Settings) -> int:
+    """Connections of the shared pool: a request in flight uses at most two at once (a slow
+    route's command and its lease renewal), touch has a second bound's worth of room
+    (admission.py), and the reserve. So the pool never runs dry while the in-flight bound
+    holds ("No connection available" was the collapse of issue 13)."""
+    return 2 * 2 * settings.max_in_flight + REDIS_RESERVE
 
 
 REDIS_RETRIES = 1  # a command whose reply was lost is re-sent once (scripts are replay-safe)
 
 
-def build_redis(settings: Settings) -> Redis:
+def build_redis(settings: Settings, *, max_connections: int | None = None) -> Redis:
     # A blocking pool: a burst of more concurrent commands than connections waits (server: at most
     # redis_timeout) for a free one. redis-py's default pool raises at once instead, which
     # turned a burst of routes into 503 BACKEND_UNAVAILABLE while Redis was fine.
@@ -73,7 +89,7 @@ def build_redis(settings: Settings) -> Redis:
             server=fakeredis.FakeServer(),
             decode_responses=True,
             connection_pool_class=BlockingConnectionPool,
-            max_connections=REDIS_MAX_CONNECTIONS,
+            max_connections=redis_pool_size(settings),
         )
     assert settings.redis_url is not None
     # Scripts are replay-safe, so a command whose reply was lost may be re-sent once; timeouts
@@ -83,7 +99,7 @@ def build_redis(settings: Settings) -> Redis:
     # backoff. A connection that died while idle fails its next command, which is re-sent.
     pool = BlockingConnectionPool.from_url(
         settings.redis_url,
-        max_connections=REDIS_MAX_CONNECTIONS,
+        max_connections=max_connections or redis_pool_size(settings),
         timeout=settings.redis_timeout,  # the wait for a free connection
         decode_responses=True,
         socket_timeout=settings.redis_timeout,
@@ -108,7 +124,12 @@ def build_backends(settings: Settings) -> Backends:
         if settings.mode is Mode.LOCAL
         else RealK8sPodClient(kubeconfig=settings.kubeconfig, default_namespace=namespace)
     )
-    return Backends(redis=build_redis(settings), db=db, k8s=k8s)
+    redis = build_redis(settings)
+    # fakeredis (local mode without a URL) has no pool to run dry: the locks share it
+    locks = (
+        build_redis(settings, max_connections=JOB_LOCK_CONNECTIONS) if settings.redis_url else None
+    )
+    return Backends(redis=redis, db=db, k8s=k8s, job_locks=locks)
 
 
 async def check_backends(settings: Settings, backends: Backends) -> None:
@@ -244,7 +265,7 @@ def wire(settings: Settings, backends: Backends, metrics: Metrics | None = None)
     config_store = ConfigStore(db=db, state=session_state, resources=resources)
     session_sweeper = SessionSweeper(state=session_state, resources=resources)
     jobs = JobRunner(
-        redis=redis,
+        redis=backends.job_locks or redis,
         jobs=[
             Job("sm_sweep", settings.sweep_interval, session_sweeper.sweep_once),
             Job("rm_autoscale", settings.autoscale_interval, sweeper.autoscale_once),

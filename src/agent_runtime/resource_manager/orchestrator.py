@@ -23,7 +23,7 @@ from typing import Any
 from redis.asyncio.lock import Lock
 from redis.exceptions import LockError
 
-from agent_runtime import spec_fields
+from agent_runtime import admission, spec_fields
 from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
@@ -267,7 +267,10 @@ class ResourceOrchestrator:
         kind = "warm" if warm else "cold"
         started = time.perf_counter()
         try:
-            info = await self._k8s.deploy(scope_id=scope_id, deploy_ver=version, pod_spec=pod_spec)
+            with admission.parked():  # a cold route waits on Kubernetes, not on Redis
+                info = await self._k8s.deploy(
+                    scope_id=scope_id, deploy_ver=version, pod_spec=pod_spec
+                )
         except BaseException as exc:
             cancelled = isinstance(exc, asyncio.CancelledError)
             self._deploys_done.labels(kind, "cancelled" if cancelled else "failed").inc()
@@ -342,7 +345,8 @@ class ResourceOrchestrator:
                     remaining = deadline - loop.time()
                     if remaining <= 0:
                         raise MaxPodsReached(f"scope {scope_id}: no pod within {hold} s")
-                    await listener.wait(min(FOLLOWER_POLL, remaining))
+                    with admission.parked():  # waits on the leader, holds no connection
+                        await listener.wait(min(FOLLOWER_POLL, remaining))
         finally:
             self._follower_waits.observe(loop.time() - entered)
             with contextlib.suppress(Exception):

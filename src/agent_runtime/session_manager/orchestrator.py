@@ -25,7 +25,7 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from agent_runtime import logs
+from agent_runtime import admission, logs
 from agent_runtime.errors import (
     BackendUnavailable,
     ClientDisconnected,
@@ -349,7 +349,8 @@ class _Route:
             # the state was read before we listened: a slot freed in between sent its signal
             # to nobody, so look again first (from now on every signal reaches the listener)
             return
-        await self.listener.wait(min(POLL, remaining))
+        with admission.parked():  # queued: its place at the edge goes to the fast path
+            await self.listener.wait(min(POLL, remaining))
         self.o._refuse_if_draining()  # answered now (seat given back), not cut off later
         if disconnected is not None and await disconnected():
             raise ClientDisconnected(f"{self.request_id}: the caller disconnected")
