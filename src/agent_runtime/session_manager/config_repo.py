@@ -111,13 +111,6 @@ def get_template(conn: Connection, template_id: str) -> TemplateItem | None:
     return _template_from_row(row) if row is not None else None
 
 
-def template_namespaces(conn: Connection) -> set[str]:
-    """The namespaces templates name (a template without one deploys to the default)."""
-    column = service_config_template.c.namespace
-    rows = conn.execute(select(column).where(column.is_not(None)).distinct())
-    return {str(ns) for (ns,) in rows if ns}
-
-
 def rules_using(conn: Connection, template_id: str) -> int:
     return int(
         conn.execute(

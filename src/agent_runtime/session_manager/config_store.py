@@ -13,6 +13,7 @@ run, even though the DB write already happened and the retry sees no change.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,11 +84,23 @@ class Plan:
 
 class ConfigStore:
     def __init__(
-        self, *, db: Database, state: SessionState, resources: ResourceManagerFacade
+        self,
+        *,
+        db: Database,
+        state: SessionState,
+        resources: ResourceManagerFacade,
+        clusters: frozenset[str] = frozenset(),
+        namespaces: frozenset[str] | None = None,
+        default_namespace: str = "default",
     ) -> None:
+        """``clusters``: the names a template's ``kubeconfig`` may hold; ``namespaces``: where a
+        template may deploy (None: anywhere; the wiring passes the settings' allow-list)."""
         self._db = db
         self._state = state
         self._resources = resources
+        self._clusters = clusters
+        self._namespaces = namespaces
+        self._default_namespace = default_namespace
         # scope → the DB load running for it: a cold burst of one scope reads the DB once
         self._loading: SingleFlight[str, ScopeConfig] = SingleFlight()
 
@@ -115,10 +128,6 @@ class ConfigStore:
         )
         return config
 
-    async def pod_namespaces(self, default_namespace: str) -> set[str]:
-        """Where this service ever deploys: the default namespace and every template's."""
-        return {default_namespace} | await self._db.read(repo.template_namespaces)
-
     async def seed_local_defaults(self) -> bool:
         """Local mode, first start: a ``default`` template and a ``(*, *)`` rule, so a route
         answers at once. Does nothing when either table already has rows."""
@@ -139,6 +148,8 @@ class ConfigStore:
 
     async def config_sync(self, request: ConfigSyncRequest) -> dict[str, Any]:
         parsed = _parse(request)
+        if request.kind == "template" and request.op != "delete":
+            self.check_bounds(parsed if isinstance(parsed, dict) else parsed.as_dict())
         async with self._state.config_sync_lock() as taken:
             if not taken:
                 raise ConfigSyncBusy("another config_sync is running; retry shortly")
@@ -154,11 +165,31 @@ class ConfigStore:
             "affected_scopes": affected,
         }
 
+    def check_bounds(self, fields: dict[str, Any]) -> None:
+        """400 for a template outside the operator's bounds: a ``kubeconfig`` that is not a
+        configured cluster name (a path never is one), a namespace off the allow-list. Checks
+        the fields given (a partial update: those it sets; the merged item is checked too)."""
+        cluster = fields.get("kubeconfig")
+        if cluster is not None and cluster not in self._clusters:
+            configured = ", ".join(sorted(self._clusters)) or "none"
+            raise ValidationFailed(
+                "item.kubeconfig: must name a cluster of AGENT_RUNTIME_CLUSTERS "
+                f"(configured: {configured}), never a path"
+            )
+        if self._namespaces is None or "namespace" not in fields:
+            return
+        if (fields["namespace"] or self._default_namespace) not in self._namespaces:
+            allowed = ", ".join(sorted(self._namespaces))
+            raise ValidationFailed(
+                f"item.namespace: not an allowed namespace (allowed: {allowed}; "
+                "AGENT_RUNTIME_NAMESPACES adds to the default namespace)"
+            )
+
     async def _plan(self, kind: str, op: str, parsed: Any) -> Plan:
         snapshot = await self._db.read(repo.load_snapshot)
         known = await self._state.known_scopes()
         if kind == "template":
-            return _plan_template(op, parsed, snapshot, known)
+            return _plan_template(op, parsed, snapshot, known, check=self.check_bounds)
         return _plan_rule(op, parsed, snapshot, known)
 
     async def _check_sunset(self, plan: Plan) -> None:
@@ -240,7 +271,14 @@ def _scope_changes(
     return changes
 
 
-def _plan_template(op: str, parsed: Any, snap: Snapshot, known: dict[str, tuple[str, str]]) -> Plan:
+def _plan_template(
+    op: str,
+    parsed: Any,
+    snap: Snapshot,
+    known: dict[str, tuple[str, str]],
+    *,
+    check: Callable[[dict[str, Any]], None],
+) -> Plan:
     template_id = parsed["template_id"] if op == "update" else parsed.template_id
     current = snap.templates.get(template_id)
     after = Snapshot(templates=dict(snap.templates), rules=snap.rules)
@@ -264,6 +302,7 @@ def _plan_template(op: str, parsed: Any, snap: Snapshot, known: dict[str, tuple[
         if current is None:
             raise NotFound(f"template {template_id!r} does not exist")
         new = parse_item(TemplateItem, {**current.as_dict(), **parsed})
+        check(new.as_dict())  # the stored fields too: a row from before the bounds
     else:
         new = parsed
     after.templates[template_id] = new
