@@ -158,7 +158,11 @@ def build_pod_body(
         "name": CONTAINER_NAME,
         "image": pod_spec["image"],
         "ports": ports,
-        "env": [{"name": k, "value": v} for k, v in sorted((pod_spec.get("env") or {}).items())],
+        # a string is a value; an object is a ``{"valueFrom": {"secretKeyRef": …}}`` reference
+        "env": [
+            {"name": k, "value": v} if isinstance(v, str) else {"name": k, **v}
+            for k, v in sorted((pod_spec.get("env") or {}).items())
+        ],
         # A short period so Ready shows soon after start; the timeout matches our own probe.
         "readinessProbe": {
             "httpGet": {"path": HEALTH_PATH, "port": sse_port},

@@ -23,7 +23,7 @@ from typing import Any
 from redis.asyncio.lock import Lock
 from redis.exceptions import LockError
 
-from agent_runtime import spec_fields
+from agent_runtime import logs, spec_fields
 from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
@@ -269,6 +269,7 @@ class ResourceOrchestrator:
     ) -> dict[str, str]:
         """Deploy one pod and register it; the placeholder is given back on every path."""
         version = spec_fields.deploy_ver(pod_spec)
+        logs.add_secret_values(spec_fields.clear_env_values(pod_spec))  # an error may echo them
         kind = "warm" if warm else "cold"
         started = time.perf_counter()
         try:

@@ -60,7 +60,7 @@ def _template_from_row(row: Mapping[Any, Any]) -> TemplateItem:
 
 def _template_to_row(item: TemplateItem) -> dict[str, Any]:
     row = {COLUMN_OF.get(k, k): v for k, v in item.as_dict().items()}
-    row["env"] = json.dumps(item.env, sort_keys=True)
+    row["env"] = json.dumps(row["env"], sort_keys=True)  # strings and {"valueFrom": …} refs
     return row
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel
 from sqlalchemy import Connection
 
+from agent_runtime import logs
 from agent_runtime.db.engine import Database
 from agent_runtime.errors import (
     ConfigNotFound,
@@ -42,7 +43,7 @@ from agent_runtime.session_manager.models import (
 )
 from agent_runtime.session_manager.state import SessionState
 from agent_runtime.single_flight import SingleFlight
-from agent_runtime.spec_fields import classify_change
+from agent_runtime.spec_fields import classify_change, clear_env_values
 
 log = logging.getLogger(__name__)
 
@@ -109,12 +110,18 @@ class ConfigStore:
     async def resolve(self, scope_id: str, group_id: str, bot_id: str) -> ScopeConfig:
         """The scope's configuration: the Redis cache, else the DB (then cached)."""
         cached = await self._state.get_scope_config(scope_id)
+        config: ScopeConfig | None = None
         if cached:
             try:
-                return ScopeConfig.from_hash(scope_id, cached)
+                config = ScopeConfig.from_hash(scope_id, cached)
             except (KeyError, ValueError):
                 log.warning("resolve cache of scope %s is malformed; reloading", scope_id)
-        return await self._loading.run(scope_id, lambda: self._load(scope_id, group_id, bot_id))
+        if config is None:
+            config = await self._loading.run(
+                scope_id, lambda: self._load(scope_id, group_id, bot_id)
+            )
+        logs.add_secret_values(clear_env_values(config.pod_spec))  # masked in log lines
+        return config
 
     async def _load(self, scope_id: str, group_id: str, bot_id: str) -> ScopeConfig:
         """One DB read for the scope, then the cache filled (unless a config change came)."""
@@ -149,7 +156,9 @@ class ConfigStore:
     async def config_sync(self, request: ConfigSyncRequest) -> dict[str, Any]:
         parsed = _parse(request)
         if request.kind == "template" and request.op != "delete":
-            self.check_bounds(parsed if isinstance(parsed, dict) else parsed.as_dict())
+            fields = parsed if isinstance(parsed, dict) else parsed.as_dict()
+            logs.add_secret_values(clear_env_values(fields))
+            self.check_bounds(fields)
         async with self._state.config_sync_lock() as taken:
             if not taken:
                 raise ConfigSyncBusy("another config_sync is running; retry shortly")

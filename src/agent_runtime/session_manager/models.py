@@ -90,7 +90,7 @@ def _label_selector(value: str) -> str:
 no_control_ = AfterValidator(no_control)
 
 
-def _env(value: dict[str, str]) -> dict[str, str]:
+def _env(value: dict[str, Any]) -> dict[str, Any]:
     for name in value:
         if not _ENV_NAME.fullmatch(name):
             raise ValueError(f"env name {name!r} is not a valid environment variable name")
@@ -129,8 +129,53 @@ AbsPath = Annotated[
     AfterValidator(_abs_path),
 ]
 EnvValue = Annotated[str, Field(max_length=32768), AfterValidator(_no_nul)]
-
 _STRICT = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+MAX_ENV = 256  # variables per template
+_DNS_SUBDOMAIN_RE = re.compile(rf"^{_DNS_SUBDOMAIN}$")
+_SECRET_KEY_RE = re.compile(r"^[-._a-zA-Z0-9]+$")
+
+
+def _dns_subdomain(value: str) -> str:
+    if not _DNS_SUBDOMAIN_RE.fullmatch(value):
+        raise ValueError("must be a DNS-1123 subdomain (lowercase alphanumerics, '-' and '.')")
+    return value
+
+
+def _secret_key(value: str) -> str:
+    if not _SECRET_KEY_RE.fullmatch(value):
+        raise ValueError("must consist of alphanumerics, '-', '_' or '.'")
+    return value
+
+
+class SecretKeyRef(BaseModel):
+    """One key of a Kubernetes Secret in the pod's namespace: the pod reads it, the service
+    never sees its value."""
+
+    model_config = _STRICT
+    name: Annotated[
+        str,
+        Field(min_length=1, max_length=253, **_documented(_DNS_SUBDOMAIN_RE.pattern)),
+        AfterValidator(_dns_subdomain),
+    ]
+    key: Annotated[
+        str,
+        Field(min_length=1, max_length=253, **_documented(_SECRET_KEY_RE.pattern)),
+        AfterValidator(_secret_key),
+    ]
+    optional: bool = False
+
+
+class EnvSource(BaseModel):
+    model_config = _STRICT
+    secretKeyRef: SecretKeyRef  # Kubernetes spells it so
+
+
+class EnvFrom(BaseModel):
+    """``{"valueFrom": {"secretKeyRef": {"name", "key", "optional"?}}}``: an env value taken
+    from a Secret when the pod starts (rendered as the container's ``valueFrom``)."""
+
+    model_config = _STRICT
+    valueFrom: EnvSource
 
 
 class TemplateItem(BaseModel):
@@ -160,7 +205,9 @@ class TemplateItem(BaseModel):
     cpu_limit: Quantity | None = None
     memory_request: Quantity | None = None
     memory_limit: Quantity | None = None
-    env: Annotated[dict[EnvName, EnvValue], AfterValidator(_env)] = Field(default_factory=dict)
+    env: Annotated[
+        dict[EnvName, EnvValue | EnvFrom], Field(max_length=MAX_ENV), AfterValidator(_env)
+    ] = Field(default_factory=dict)
     nfs_server: Text | None = None
     nfs_path: AbsPath | None = None
     nfs_mount_path: AbsPath | None = None
