@@ -169,7 +169,9 @@ def _env_causes(where: str, env: Any) -> list[Cause]:
             continue
         if var.get("value"):
             causes.append(
-                _invalid_value(f"{at}.valueFrom", "", "may not be specified when `value` is not empty")
+                _invalid_value(
+                    f"{at}.valueFrom", "", "may not be specified when `value` is not empty"
+                )
             )  # fmt: skip
         given = [s for s in _VALUE_SOURCES if isinstance(source, dict) and source.get(s)]
         if len(given) != 1:
