@@ -10,9 +10,19 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, cast
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    WithJsonSchema,
+    create_model,
+    model_validator,
+)
 from pydantic.json_schema import SkipJsonSchema
 
 from agent_runtime import spec_fields
@@ -178,6 +188,45 @@ class EnvFrom(BaseModel):
     valueFrom: EnvSource
 
 
+_ENV_VALUE = TypeAdapter(EnvValue)
+_ENV_FROM = TypeAdapter(EnvFrom)
+
+
+def _env_entry(value: Any) -> str | EnvFrom:
+    """A string, or a ``valueFrom`` object: checked as the one its shape says, so a bad value
+    gets that one's message (a union would report both)."""
+    adapter: TypeAdapter[Any] = _ENV_FROM if isinstance(value, dict) else _ENV_VALUE
+    try:
+        return cast(str | EnvFrom, adapter.validate_python(value, strict=True))
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors(include_url=False):
+            where = ".".join(str(p) for p in err["loc"])
+            message = str(err["msg"]).removeprefix("Value error, ")
+            parts.append(f"{where}: {message}" if where else message)
+        raise ValueError("; ".join(parts)) from None
+
+
+EnvEntry = Annotated[
+    Any,
+    AfterValidator(_env_entry),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "maxLength": 32768},
+                {
+                    "type": "object",
+                    "required": ["valueFrom"],
+                    "additionalProperties": False,
+                    "description": '{"valueFrom": {"secretKeyRef": {"name": <Secret, '
+                    'DNS-1123 subdomain>, "key": <[-._a-zA-Z0-9]+>, "optional": <bool>}}}',
+                },
+            ]
+        }
+    ),
+]
+
+
 class TemplateItem(BaseModel):
     """One template, complete (defaults filled). Field names are the contract's."""
 
@@ -205,9 +254,9 @@ class TemplateItem(BaseModel):
     cpu_limit: Quantity | None = None
     memory_request: Quantity | None = None
     memory_limit: Quantity | None = None
-    env: Annotated[
-        dict[EnvName, EnvValue | EnvFrom], Field(max_length=MAX_ENV), AfterValidator(_env)
-    ] = Field(default_factory=dict)
+    env: Annotated[dict[EnvName, EnvEntry], Field(max_length=MAX_ENV), AfterValidator(_env)] = (
+        Field(default_factory=dict)
+    )
     nfs_server: Text | None = None
     nfs_path: AbsPath | None = None
     nfs_mount_path: AbsPath | None = None
