@@ -33,7 +33,7 @@ from agent_runtime.db.engine import Database
 from agent_runtime.kubesim import KubeSim
 from agent_runtime.kubesim.kubeconfig import render_kubeconfig
 from agent_runtime.resource_manager.clusters import read_clusters
-from agent_runtime.resource_manager.k8s import RealK8sPodClient
+from agent_runtime.resource_manager.k8s import FakeK8sPodClient, RealK8sPodClient
 from agent_runtime.session_manager import config_repo as repo
 from agent_runtime.session_manager.models import TemplateItem
 from agent_runtime.util import scope_id_of
@@ -418,3 +418,23 @@ async def test_a_secret_ref_reaches_the_pod_and_no_clear_value_is_shown(stack: S
 
     lines = stream.getvalue()
     assert "spec env" in lines and SECRET_VALUE not in lines
+
+
+async def test_reconcile_never_hunts_orphans_off_the_allow_list(redis: Redis, db: Database) -> None:
+    """A pool config from before the allow-list names kube-system: reconcile does not list
+    there, so a foreign pod that carries our labels in kube-system is not deleted as an
+    orphan; the same pod in an allowed namespace is (reconcile's normal duty)."""
+    k8s = FakeK8sPodClient()
+    async with running_app(redis, db, k8s=k8s, namespaces=["team"]) as app:
+        svc = app.app.state.services  # type: ignore[attr-defined]
+        pool = {"min_idle_pods": 0, "max_pods": 1, "pod_ttl": 60, "pod_concurrency": 1}
+        for sid, namespace in ((SID, "kube-system"), (scope_id_of("g2", "b2"), "team")):
+            spec = {"image": "registry.local/agent:1.0", "namespace": namespace}
+            await svc.resources.update_pool_config(sid, pool, pod_spec=spec)
+        theirs = k8s.add_pod(scope_id=SID, deploy_ver="other", namespace="kube-system").pod_id
+        orphan = k8s.add_pod(
+            scope_id=scope_id_of("g2", "b2"), deploy_ver="other", namespace="team"
+        ).pod_id
+        counts = await svc.sweeper.reconcile_once()
+        assert theirs in k8s.pods
+        assert orphan not in k8s.pods and counts["deleted"] == 1

@@ -249,6 +249,7 @@ def wire(settings: Settings, backends: Backends, metrics: Metrics | None = None)
         orchestrator=orchestrator,
         sessions=sessions,
         default_namespace=settings.default_namespace,
+        namespaces=settings.allowed_namespaces(),
     )
     config_store = ConfigStore(
         db=db,
