@@ -438,3 +438,34 @@ async def test_reconcile_never_hunts_orphans_off_the_allow_list(redis: Redis, db
         counts = await svc.sweeper.reconcile_once()
         assert theirs in k8s.pods
         assert orphan not in k8s.pods and counts["deleted"] == 1
+
+
+@pytest.mark.parametrize(
+    ("env", "field"),
+    [
+        ([{"name": "A", "valueFrom": {"secretKeyRef": {"name": "Bad_Name", "key": "k"}}}], "name"),
+        ([{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "a/b"}}}], "key"),
+        ([{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s"}}}], "key"),
+        (
+            [{"name": "A", "value": "x", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+            "",
+        ),
+        ([{"name": "1A", "value": "x"}], "name"),
+    ],
+)
+async def test_kubesim_checks_env_as_the_api_server(env: list[Any], field: str) -> None:
+    """The simulator refuses a bad env (422 naming the field), so a pod it runs had a valid one."""
+    async with KubeSim(seed=5) as sim, httpx.AsyncClient(base_url=sim.url) as http:
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "p"},
+            "spec": {"containers": [{"name": "c", "image": "i:1", "env": env}]},
+        }
+        resp = await http.post("/api/v1/namespaces/default/pods", json=pod)
+        assert resp.status_code == 422, resp.text
+        assert "spec.containers[0].env[0]" in resp.text and field in resp.text
+        pod["spec"]["containers"][0]["env"] = [  # type: ignore[index]
+            {"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
+        ]
+        assert (await http.post("/api/v1/namespaces/default/pods", json=pod)).status_code == 201
