@@ -35,6 +35,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from agent_runtime.label_selector import Requirement
 from agent_runtime.resource_manager import k8s as k8s_module
+from agent_runtime.resource_manager.clusters import ClusterConfig
 from agent_runtime.resource_manager.k8s import (
     FakeK8sPodClient,
     RealK8sPodClient,
@@ -832,16 +833,24 @@ async def test_deploy_cancelled_deletes_pod(real: RealK8sPodClient, api: Scripte
     assert api.pods == {}
 
 
-async def test_deploy_template_kubeconfig_gets_own_cached_client() -> None:
-    default, other = ScriptedCoreApi(), ScriptedCoreApi()
-    opened = Opened(default, other)
-    client = RealK8sPodClient(api_factory=opened)
+async def test_deploy_template_cluster_gets_own_client_opened_at_start() -> None:
+    other, default = ScriptedCoreApi(), ScriptedCoreApi()
+    opened = Opened(other, default)
+    east = ClusterConfig("east", "/etc/ar/east.kubeconfig", {"current-context": "c"})
+    client = RealK8sPodClient(api_factory=opened, clusters={"east": east})
     await client.start()
-    first = await deploy(client, kubeconfig="/etc/other.kubeconfig")
-    await deploy(client, kubeconfig="/etc/other.kubeconfig")
+    assert opened.opened == ["east", None]  # every configured cluster, once, at start
+    first = await deploy(client, kubeconfig="east")
+    await deploy(client, kubeconfig="east")
     await deploy(client)
-    assert opened.opened == [None, "/etc/other.kubeconfig"]
+    assert opened.opened == ["east", None]
     assert len(other.pods) == 2 and len(default.pods) == 1
+    # a name that is not configured (or a path from an old row) opens nothing, says nothing
+    for unknown in ("west", "/etc/shadow"):
+        with pytest.raises(DeployFailed) as refused:
+            await deploy(client, kubeconfig=unknown)
+        assert unknown not in str(refused.value)
+    assert opened.opened == ["east", None]
     # delete/get/list use the default client only (documented limitation)
     assert await client.delete(first.pod_id, "default") is False
     await client.close()
@@ -855,8 +864,9 @@ async def test_client_unavailable() -> None:
     client = RealK8sPodClient(api_factory=broken)
     with pytest.raises(K8sApiError, match="no credentials"):
         await client.start()
-    with pytest.raises(DeployFailed, match="no credentials"):
+    with pytest.raises(DeployFailed, match="is down") as refused:
         await deploy(client)
+    assert "no credentials" not in str(refused.value)  # details go to the log only
     with pytest.raises(K8sApiError):
         await client.list_pods("default", COMPONENT_SELECTOR)
     await client.close()

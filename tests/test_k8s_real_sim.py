@@ -572,9 +572,15 @@ async def test_cleanup_missing_namespace_is_0_forbidden_is_k8s_error(
     db = Database.from_url(f"sqlite:///{tmp_path / 'config.db'}")
     redis = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
     try:
-        async with running_app(redis, db, k8s=client, admin_tokens=["adm"]) as app:  # type: ignore[arg-type]
+        async with running_app(
+            redis,
+            db,
+            k8s=client,  # type: ignore[arg-type]
+            admin_tokens=["adm"],
+            namespaces=["team", "ghost"],
+        ) as app:
             headers = {"Authorization": "Bearer adm"}
-            for namespace in ("team", "ghost"):  # cleanup reaches only namespaces we deploy to
+            for namespace in ("team", "ghost"):  # allowed (AGENT_RUNTIME_NAMESPACES)
                 item = {"template_id": f"t-{namespace}", "image": "agentserver:1"}
                 body = sync_body("template", "create", {**item, "namespace": namespace})
                 synced = await app.post("/api/session/config_sync", json=body, headers=headers)

@@ -1364,7 +1364,7 @@ async def post_cleanup(w: World, **rawdata: str) -> httpx.Response:
 
 
 async def deploys_to(w: World, namespace: str) -> None:
-    """A template naming ``namespace``: cleanup only ever reaches namespaces we deploy to."""
+    """A template naming ``namespace`` (one of AGENT_RUNTIME_NAMESPACES)."""
     item = {**BASE_TEMPLATE, "template_id": f"tpl-ns-{namespace}", "namespace": namespace}
     await w.sync("template", "sync", item)
 
@@ -1372,7 +1372,7 @@ async def deploys_to(w: World, namespace: str) -> None:
 async def test_cleanup_deletes_agentserver_pods_and_leaves_redis_to_watch(
     redis: Redis, db: Database
 ) -> None:
-    async with world(redis, db) as w:
+    async with world(redis, db, namespaces=["team"]) as w:
         await w.configure(scope_concurrency=2, pod_concurrency=1)
         first = (await w.routed("s1"))["pod_id"]
         second = (await w.routed("s2"))["pod_id"]
@@ -1410,7 +1410,7 @@ async def test_cleanup_deletes_agentserver_pods_and_leaves_redis_to_watch(
 async def test_cleanup_of_a_missing_namespace_is_0_and_a_forbidden_one_is_502(
     redis: Redis, db: Database
 ) -> None:
-    async with world(redis, db) as w:
+    async with world(redis, db, namespaces=["ghost", "locked"]) as w:
         w.k8s.add_pod(scope_id=SCOPE, deploy_ver="x", namespace="locked")
         w.k8s.missing_namespaces.add("ghost")
         w.k8s.forbidden_namespaces.add("locked")
@@ -1426,11 +1426,12 @@ async def test_cleanup_of_a_missing_namespace_is_0_and_a_forbidden_one_is_502(
         assert len(w.k8s.pods) == 1 and w.k8s.deleted == []
 
 
-async def test_cleanup_never_reaches_a_namespace_no_template_names(
+async def test_cleanup_never_reaches_a_namespace_off_the_allow_list(
     redis: Redis, db: Database
 ) -> None:
-    """Only the default namespace and those templates name: elsewhere nothing of ours can
-    be, so nothing is listed or deleted there (cleaned 0), whatever the selector."""
+    """Only the default namespace and AGENT_RUNTIME_NAMESPACES: elsewhere nothing of ours can
+    be, so nothing is listed or deleted there (cleaned 0), whatever the selector, and a
+    template cannot make a namespace ours (400 at config_sync)."""
     async with world(redis, db) as w:
         theirs = w.k8s.add_pod(scope_id=SCOPE, deploy_ver="x", namespace="kube-system").pod_id
         calls: list[str] = []
@@ -1444,9 +1445,12 @@ async def test_cleanup_never_reaches_a_namespace_no_template_names(
         resp = await post_cleanup(w, namespace="kube-system")
         assert resp.status_code == 200 and resp.json()["data"] == {"cleaned": 0}
         assert calls == [] and theirs in w.k8s.pods
-        await deploys_to(w, "kube-system")  # a template that deploys there: now it is ours
+        item = {**BASE_TEMPLATE, "template_id": "tpl-kube-system", "namespace": "kube-system"}
+        resp = await w.client.post(SYNC, json=sync_body("template", "sync", item))
+        body = assert_failure(resp, 400, "VALIDATION")
+        assert body["error_message"].startswith("item.namespace:")
         resp = await post_cleanup(w, namespace="kube-system")
-        assert resp.json()["data"] == {"cleaned": 1} and calls == ["kube-system"]
+        assert resp.json()["data"] == {"cleaned": 0} and calls == [] and theirs in w.k8s.pods
 
 
 async def test_route_replay_returns_the_first_answer_and_places_nothing(

@@ -82,6 +82,7 @@ SETTINGS = {
     "AGENT_RUNTIME_ADMIN_TOKENS": ADMIN_TOKEN,
     "AGENT_RUNTIME_GATEWAY_TOKENS": GATEWAY_TOKEN,
     "AGENT_RUNTIME_DEFAULT_NAMESPACE": "default",
+    "AGENT_RUNTIME_NAMESPACES": "ghost,locked",  # the cleanup scenario's templates name them
     "AGENT_RUNTIME_SCOPE_FULL_TIMEOUT": str(SCOPE_FULL_TIMEOUT),
     "AGENT_RUNTIME_SWEEP_INTERVAL": "0.2",
     "AGENT_RUNTIME_AUTOSCALE_INTERVAL": "0.2",
@@ -1068,7 +1069,7 @@ async def test_j_cleanup_deletes_pods_in_kubernetes_and_watch_forgets_them(w: Sc
     assert await w.gone("s1", first)()
     assert await w.live_pods() == {second}
     await w.assert_live("s2", second)
-    for namespace in ("ghost", "locked"):  # cleanup reaches only namespaces templates name
+    for namespace in ("ghost", "locked"):  # allowed (AGENT_RUNTIME_NAMESPACES)
         item = {"template_id": f"{w.template_id}-{namespace}", "image": "agentserver:1"}
         await w.sync("template", "create", {**item, "namespace": namespace})
     resp = await w.cleanup(namespace="ghost")  # does not exist: nothing to delete

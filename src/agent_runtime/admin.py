@@ -11,6 +11,7 @@ stay there).
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Annotated, Any
 
@@ -21,6 +22,7 @@ from starlette.convertors import PathConvertor, register_url_convertor
 from agent_runtime.auth import check_bearer
 from agent_runtime.envelope import ID_MAX, PRINTABLE_PATTERN, is_id, ok
 from agent_runtime.errors import NotFound, ValidationFailed
+from agent_runtime.spec_fields import REDACTED, redacted_spec
 from agent_runtime.wiring import Services, services
 
 MAX_PAGE = 200
@@ -76,6 +78,19 @@ def _only_query(request: Request, *names: str) -> None:
         raise ValidationFailed(f"unknown query parameter {unknown[0][:64]!r}")
 
 
+def _redacted(config: dict[str, str] | None) -> dict[str, str] | None:
+    """A cached config hash with its pod spec's plain env values shown as ``<redacted>``
+    (API keys live there; names and ``valueFrom`` Secret references stay)."""
+    if not config or "pod_spec_json" not in config:
+        return config
+    try:
+        spec = json.loads(config["pod_spec_json"])
+        shown = json.dumps(redacted_spec(spec), sort_keys=True, separators=(",", ":"))
+    except (ValueError, TypeError, AttributeError):
+        shown = REDACTED
+    return {**config, "pod_spec_json": shown}
+
+
 def _checked(kind: str, value: str) -> str:
     if not is_id(value):
         raise ValidationFailed(
@@ -104,6 +119,7 @@ async def list_scopes(
         scopes.append(
             {
                 **summary,
+                "config": _redacted(summary["config"]),
                 "group_id": group_id,
                 "bot_id": bot_id,
                 "pods": {
@@ -128,6 +144,8 @@ async def get_scope(request: Request, svc: Admin, scope_id: ScopeId) -> JSONResp
     known = summary["config"] or pool["pool_config"] or detail["pods"] or pool["pods"]
     if not known and not detail["live_sessions"]:
         raise NotFound(f"scope {sid} is not known")
+    summary["config"] = _redacted(summary["config"])
+    pool["pool_config"] = _redacted(pool["pool_config"])
     return ok(_request_id(request), {**summary, **detail, "pool": pool})
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import socket
 import uuid
 from enum import StrEnum
@@ -55,6 +56,27 @@ def _split_tokens(value: object) -> object:
 
 
 TokenList = Annotated[list[str], NoDecode]
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label
+
+
+def _split_clusters(value: object) -> object:
+    """``east=/etc/ar/east.kubeconfig,west=...`` → ``{"east": "/etc/...", ...}``."""
+    if not isinstance(value, str):
+        return value
+    clusters: dict[str, str] = {}
+    for entry in (e.strip() for e in value.split(",")):
+        if not entry:
+            continue
+        name, sep, path = (part.strip() for part in entry.partition("="))
+        if not sep or not name or not path:
+            raise ValueError(f"{entry!r} is not name=kubeconfig-path")
+        if name in clusters:
+            raise ValueError(f"cluster {name!r} is named twice")
+        clusters[name] = path
+    return clusters
+
+
+ClusterMap = Annotated[dict[str, str], NoDecode]
 
 
 class Settings(BaseSettings):
@@ -176,6 +198,21 @@ class Settings(BaseSettings):
     )
 
     # -- templates: clusters, namespaces, secrets --
+    clusters: ClusterMap = Field(
+        default_factory=dict,
+        description="clusters a template may name in `kubeconfig`: name=kubeconfig-path,... "
+        "(each file read once at startup; a template can name no other cluster or path)",
+    )
+    clusters_allow_exec: TokenList = Field(
+        default_factory=list,
+        description="cluster names whose kubeconfig may use `exec` or `auth-provider` "
+        "(runs a program in the service); refused at startup otherwise",
+    )
+    namespaces: TokenList = Field(
+        default_factory=list,
+        description="namespaces templates may deploy to and cleanup may touch, besides "
+        "the default namespace (comma-separated)",
+    )
 
     # -- bounded growth: pod budgets --
 
@@ -220,6 +257,32 @@ class Settings(BaseSettings):
         return value
 
     _split_gateway = field_validator("gateway_tokens", "admin_tokens", mode="before")(_split_tokens)
+    _split_gateway = field_validator(
+        "gateway_tokens", "admin_tokens", "clusters_allow_exec", "namespaces", mode="before"
+    )(_split_tokens)
+    _split_cluster_map = field_validator("clusters", mode="before")(_split_clusters)
+
+    @field_validator("clusters")
+    @classmethod
+    def _cluster_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, path in value.items():
+            if not _NAME.fullmatch(name):
+                raise ValueError(f"cluster name {name!r} is not a DNS-1123 label")
+            if not path.startswith("/"):
+                raise ValueError(f"cluster {name!r}: the kubeconfig path must be absolute")
+        return value
+
+    @field_validator("namespaces")
+    @classmethod
+    def _namespace_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not _NAME.fullmatch(name):
+                raise ValueError(f"namespace {name!r} is not a DNS-1123 label")
+        return value
+
+    def allowed_namespaces(self) -> frozenset[str]:
+        """Where templates may deploy and cleanup may delete: the default and ``namespaces``."""
+        return frozenset({self.default_namespace, *self.namespaces})
 
     @field_validator("log_level")
     @classmethod

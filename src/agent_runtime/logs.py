@@ -15,7 +15,7 @@ import logging
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -46,10 +46,35 @@ def bound(**fields: str | None) -> Iterator[None]:
         _context.reset(token)
 
 
+# Template env values (API keys) this process has seen: masked wherever they show up (an API
+# server's error echoing a manifest, a repr). Short values would mangle ordinary words, and
+# the set is bounded: the newest MAX_SECRET_VALUES are kept.
+MIN_SECRET_LENGTH = 6
+MAX_SECRET_VALUES = 1000
+_secret_values: dict[str, None] = {}  # insertion-ordered set
+_secret_pattern: re.Pattern[str] | None = None
+
+
+def add_secret_values(values: Iterable[str]) -> None:
+    """Remember values to mask in every later log line (idempotent, cheap when known)."""
+    global _secret_pattern
+    new = [v for v in values if len(v) >= MIN_SECRET_LENGTH and v not in _secret_values]
+    if not new:
+        return
+    for value in new:
+        _secret_values[value] = None
+    while len(_secret_values) > MAX_SECRET_VALUES:
+        del _secret_values[next(iter(_secret_values))]
+    ordered = sorted(_secret_values, key=len, reverse=True)  # the longest match first
+    _secret_pattern = re.compile("|".join(re.escape(v) for v in ordered))
+
+
 def redact(text: str) -> str:
-    """Mask passwords in URLs and bearer tokens in free text."""
+    """Mask passwords in URLs, bearer tokens and known template env values in free text."""
     text = _URL_PASSWORD.sub(r"\g<scheme>\g<user>:***@", text)
-    return _BEARER.sub(r"\1***", text)
+    text = _BEARER.sub(r"\1***", text)
+    pattern = _secret_pattern
+    return pattern.sub("***", text) if pattern is not None else text
 
 
 def _clean(key: str, value: Any) -> Any:

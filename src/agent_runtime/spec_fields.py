@@ -74,3 +74,25 @@ def classify_change(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
     if any(old.get(f) != new.get(f) for f in POLICY_FIELDS):
         return "policy"
     return "none"
+
+
+REDACTED = "<redacted>"
+
+
+def clear_env_values(pod_spec: Mapping[str, Any]) -> list[str]:
+    """The plain env values of a template or pod spec (what logs and views must not show);
+    ``valueFrom`` references carry no value."""
+    env = pod_spec.get("env") or {}
+    return [v for v in env.values() if isinstance(v, str)] if isinstance(env, dict) else []
+
+
+def redacted_spec(pod_spec: Mapping[str, Any]) -> dict[str, Any]:
+    """``pod_spec`` with each plain env value replaced by ``<redacted>``: names and
+    ``valueFrom`` references kept."""
+    env = pod_spec.get("env")
+    if not isinstance(env, dict):
+        return dict(pod_spec)
+    return {
+        **pod_spec,
+        "env": {k: REDACTED if isinstance(v, str) else v for k, v in env.items()},
+    }

@@ -25,6 +25,7 @@ from agent_runtime.errors import BackendUnavailable
 from agent_runtime.jobs import Job, JobRunner
 from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
+from agent_runtime.resource_manager.clusters import read_clusters
 from agent_runtime.resource_manager.facade import ResourceManagerFacade
 from agent_runtime.resource_manager.k8s import (
     FakeK8sPodClient,
@@ -32,7 +33,7 @@ from agent_runtime.resource_manager.k8s import (
     MeteredK8sPodClient,
     RealK8sPodClient,
 )
-from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
+from agent_runtime.resource_manager.orchestrator import DeployBounds, ResourceOrchestrator
 from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
 from agent_runtime.resource_manager.sweeper import ResourceSweeper
 from agent_runtime.session_manager.config_store import ConfigStore
@@ -119,10 +120,15 @@ def build_backends(settings: Settings) -> Backends:
         connect_timeout=settings.db_connect_timeout,
     )
     namespace = settings.default_namespace
+    # the clusters' kubeconfigs, read and checked once here, at startup (a refusal is one line
+    # and exit 2); local mode has no Kubernetes to reach, but refuses the same files
+    clusters = read_clusters(settings.clusters, settings.clusters_allow_exec)
     k8s: K8sPodClient = (
         FakeK8sPodClient(default_namespace=namespace)
         if settings.mode is Mode.LOCAL
-        else RealK8sPodClient(kubeconfig=settings.kubeconfig, default_namespace=namespace)
+        else RealK8sPodClient(
+            kubeconfig=settings.kubeconfig, default_namespace=namespace, clusters=clusters
+        )
     )
     redis = build_redis(settings)
     # fakeredis (local mode without a URL) has no pool to run dry: the locks share it
@@ -251,6 +257,9 @@ def wire(settings: Settings, backends: Backends, metrics: Metrics | None = None)
         k8s=k8s,
         notifier=notifier,
         default_namespace=settings.default_namespace,
+        bounds=DeployBounds(
+            clusters=frozenset(settings.clusters), namespaces=settings.allowed_namespaces()
+        ),
         metrics=metrics,
     )
     resources = ResourceManagerFacade(orchestrator=orchestrator)
@@ -261,8 +270,16 @@ def wire(settings: Settings, backends: Backends, metrics: Metrics | None = None)
         orchestrator=orchestrator,
         sessions=sessions,
         default_namespace=settings.default_namespace,
+        namespaces=settings.allowed_namespaces(),
     )
-    config_store = ConfigStore(db=db, state=session_state, resources=resources)
+    config_store = ConfigStore(
+        db=db,
+        state=session_state,
+        resources=resources,
+        clusters=frozenset(settings.clusters),
+        namespaces=settings.allowed_namespaces(),
+        default_namespace=settings.default_namespace,
+    )
     session_sweeper = SessionSweeper(state=session_state, resources=resources)
     jobs = JobRunner(
         redis=backends.job_locks or redis,

@@ -4,6 +4,7 @@ simulated scheduler and kubelet write (the shapes of core/v1 ``Pod``)."""
 from __future__ import annotations
 
 import random
+import re
 import secrets
 from typing import Any
 
@@ -120,6 +121,7 @@ def _validate(name: str, meta: dict[str, Any], spec: dict[str, Any]) -> list[Cau
             seen.add(str(cname))
         if not container.get("image"):
             causes.append(_required(f"{where}.image"))
+        causes += _env_causes(where, container.get("env"))
         for j, port in enumerate(container.get("ports") or []):
             number = port.get("containerPort") if isinstance(port, dict) else None
             if not isinstance(number, int) or not 1 <= number <= 65535:
@@ -130,6 +132,76 @@ def _validate(name: str, meta: dict[str, Any], spec: dict[str, Any]) -> list[Cau
                         "must be between 1 and 65535, inclusive",
                     )
                 )
+    return causes
+
+
+_ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
+_CONFIG_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+_VALUE_SOURCES = ("secretKeyRef", "configMapKeyRef", "fieldRef", "resourceFieldRef")
+
+
+def _env_causes(where: str, env: Any) -> list[Cause]:
+    """The API server's env checks: a valid name, ``value`` or ``valueFrom`` (not both), one
+    source in ``valueFrom``, and for ``secretKeyRef`` a Secret name and a key it can hold."""
+    if env is None:
+        return []
+    if not isinstance(env, list):
+        return [_invalid_value(f"{where}.env", str(env), "must be a list")]
+    causes: list[Cause] = []
+    for k, var in enumerate(env):
+        at = f"{where}.env[{k}]"
+        if not isinstance(var, dict):
+            causes.append(_invalid_value(at, str(var), "must be an object"))
+            continue
+        name = var.get("name")
+        if not name:
+            causes.append(_required(f"{at}.name"))
+        elif not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+            causes.append(
+                _invalid_value(f"{at}.name", name, "a valid environment variable name must "
+                "consist of alphabetic characters, digits, '_', '-', or '.', and must not "
+                "start with a digit")
+            )  # fmt: skip
+        source = var.get("valueFrom")
+        if source is None:
+            if not isinstance(var.get("value", ""), str):
+                causes.append(_invalid_value(f"{at}.value", var.get("value"), "must be a string"))
+            continue
+        if var.get("value"):
+            causes.append(
+                _invalid_value(
+                    f"{at}.valueFrom", "", "may not be specified when `value` is not empty"
+                )
+            )  # fmt: skip
+        given = [s for s in _VALUE_SOURCES if isinstance(source, dict) and source.get(s)]
+        if len(given) != 1:
+            causes.append(
+                _invalid_value(f"{at}.valueFrom", "", "must specify exactly one of: "
+                "`fieldRef`, `resourceFieldRef`, `configMapKeyRef` or `secretKeyRef`")
+            )  # fmt: skip
+            continue
+        if given[0] != "secretKeyRef":
+            continue
+        ref = source["secretKeyRef"]
+        ref_at = f"{at}.valueFrom.secretKeyRef"
+        if not isinstance(ref, dict):
+            causes.append(_invalid_value(ref_at, str(ref), "must be an object"))
+            continue
+        secret, key = ref.get("name"), ref.get("key")
+        if not secret:
+            causes.append(_required(f"{ref_at}.name"))
+        else:
+            for message in dns1123_subdomain_errors(str(secret)):
+                causes.append(_invalid_value(f"{ref_at}.name", secret, message))
+        if not key:
+            causes.append(_required(f"{ref_at}.key"))
+        elif not isinstance(key, str) or len(key) > 253 or not _CONFIG_KEY.fullmatch(key):
+            causes.append(
+                _invalid_value(f"{ref_at}.key", key, "a valid config key must consist of "
+                "alphanumeric characters, '-', '_' or '.'")
+            )  # fmt: skip
+        if not isinstance(ref.get("optional", False), bool):
+            causes.append(_invalid_value(f"{ref_at}.optional", ref.get("optional"), "a bool"))
     return causes
 
 

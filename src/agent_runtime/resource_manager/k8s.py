@@ -24,12 +24,14 @@ import re
 import secrets
 import string
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
 from agent_runtime import label_selector
+from agent_runtime.resource_manager.clusters import ClusterConfig
 from agent_runtime.resource_manager.models import (
     APP_LABEL,
     COMPONENT_LABEL,
@@ -157,7 +159,11 @@ def build_pod_body(
         "name": CONTAINER_NAME,
         "image": pod_spec["image"],
         "ports": ports,
-        "env": [{"name": k, "value": v} for k, v in sorted((pod_spec.get("env") or {}).items())],
+        # a string is a value; an object is a ``{"valueFrom": {"secretKeyRef": …}}`` reference
+        "env": [
+            {"name": k, "value": v} if isinstance(v, str) else {"name": k, **v}
+            for k, v in sorted((pod_spec.get("env") or {}).items())
+        ],
         # A short period so Ready shows soon after start; the timeout matches our own probe.
         "readinessProbe": {
             "httpGet": {"path": HEALTH_PATH, "port": sse_port},
@@ -344,7 +350,7 @@ def _deploy_timing(pod_spec: dict[str, Any]) -> tuple[float, float]:
 
 # --- real client -----------------------------------------------------------------------------
 
-# Opens a CoreV1Api-like object for a kubeconfig path (None: the process default). It must
+# Opens a CoreV1Api-like object for a configured cluster name (None: the process default). It must
 # carry ``api_client`` with an async ``close()``. Tests inject a fake here.
 ApiFactory = Callable[[str | None], Awaitable[Any]]
 
@@ -421,13 +427,14 @@ class _DeployJob:
 
 
 class RealK8sPodClient:
-    """kubernetes_asyncio with one shared ``ApiClient`` per kubeconfig.
+    """kubernetes_asyncio with one shared ``ApiClient`` per cluster.
 
     The process default is the in-cluster service account, else ``kubeconfig``. A template
-    may name its own kubeconfig; that client is opened on first use and serves new deploys
-    only. delete, get_pod, list_pods (and so watch, reconcile and cleanup) always use the
-    default client: pods deployed through a template's own kubeconfig into another cluster
-    are not seen by them (a known limitation).
+    may name one of the operator's ``clusters`` (``clusters.read_clusters``: parsed and checked
+    at startup, opened in ``start``); that client serves new deploys only. A name that is not
+    configured fails the deploy without opening anything. delete, get_pod, list_pods (and so
+    watch, reconcile and cleanup) always use the default client: pods deployed into another
+    cluster are not seen by them (a known limitation).
     """
 
     def __init__(
@@ -436,10 +443,12 @@ class RealK8sPodClient:
         kubeconfig: str | None = None,
         default_namespace: str = "default",
         api_factory: ApiFactory | None = None,
+        clusters: Mapping[str, ClusterConfig] | None = None,
     ) -> None:
         self._kubeconfig = kubeconfig
         self._default_namespace = default_namespace
         self._open_api = api_factory or self._open_real_api
+        self._clusters = dict(clusters or {})
         self._apis: dict[str | None, Any] = {}
         self._apis_lock = asyncio.Lock()
         self._http: aiohttp.ClientSession | None = None
@@ -450,6 +459,11 @@ class RealK8sPodClient:
 
     async def start(self) -> None:
         self._closed = False
+        for name in self._clusters:
+            try:
+                await self._api(name)
+            except K8sApiError as exc:  # its deploys fail (and retry the open) until it heals
+                log.error("cluster %s: %s", name, exc)
         await self._api(None)
 
     async def close(self) -> None:
@@ -462,20 +476,21 @@ class RealK8sPodClient:
             await self._http.close()
             self._http = None
 
-    async def _open_real_api(self, kubeconfig: str | None) -> Any:
-        """A CoreV1Api for a template's kubeconfig, or for the process default.
-
-        The kubeconfig file is read on the loop: once per path, small, at first use.
-        """
+    async def _open_real_api(self, cluster: str | None) -> Any:
+        """A CoreV1Api for a configured cluster (its kubeconfig parsed at startup: the file is
+        not read again), or for the process default (read here, once, in ``start``)."""
         from kubernetes_asyncio import client, config
         from kubernetes_asyncio.config import ConfigException
+        from kubernetes_asyncio.config.kube_config import KubeConfigLoader
 
         configuration = client.Configuration()
-        if kubeconfig is not None:
-            await config.load_kube_config(
-                config_file=kubeconfig, client_configuration=configuration
+        if cluster is not None:
+            known = self._clusters[cluster]
+            loader = KubeConfigLoader(
+                config_dict=known.loader_input(), config_base_path=str(Path(known.path).parent)
             )
-            source = f"template kubeconfig {kubeconfig}"
+            await loader.load_and_set(configuration)
+            source = f"cluster {cluster} ({known.path})"
         else:
             try:
                 config.load_incluster_config(client_configuration=configuration)
@@ -489,22 +504,23 @@ class RealK8sPodClient:
         log.info("kubernetes client ready (%s)", source)
         return client.CoreV1Api(api_client=client.ApiClient(configuration=configuration))
 
-    async def _api(self, kubeconfig: str | None) -> Any:
-        """The cached API for a kubeconfig; opened on first use (so a failed start heals)."""
+    async def _api(self, cluster: str | None) -> Any:
+        """The cached API of a cluster (None: the default); opened on first use, so a failed
+        start heals. Only configured names get here."""
         if self._closed:
             raise K8sApiError("kubernetes client is closed")
-        api = self._apis.get(kubeconfig)
+        api = self._apis.get(cluster)
         if api is None:
             async with self._apis_lock:
-                api = self._apis.get(kubeconfig)
+                api = self._apis.get(cluster)
                 if api is None:
                     try:
-                        api = await self._open_api(kubeconfig)
+                        api = await self._open_api(cluster)
                     except Exception as exc:
                         raise K8sApiError(
                             f"kubernetes client unavailable: {_api_error_text(exc)}"
                         ) from exc
-                    self._apis[kubeconfig] = api
+                    self._apis[cluster] = api
         return api
 
     async def _call(self, what: str, coro_fn: Callable[[], Awaitable[Any]]) -> Any:
@@ -613,10 +629,17 @@ class RealK8sPodClient:
     ) -> PodDeployInfo:
         ready_timeout, poll = _deploy_timing(pod_spec)
         deadline = _Deadline(ready_timeout)  # create and readiness together
+        cluster = pod_spec.get("kubeconfig")
+        if cluster is not None and cluster not in self._clusters:
+            # a row written before clusters were names (a path), or a cluster since removed:
+            # nothing is opened or read, and the answer does not echo the template's value
+            log.warning("deploy refused: the template names an unknown cluster %.80r", cluster)
+            raise DeployFailed("the template names a cluster this service does not configure")
         try:
-            api = await self._api(pod_spec.get("kubeconfig"))
+            api = await self._api(cluster)
         except K8sApiError as exc:
-            raise DeployFailed(str(exc)) from exc
+            log.warning("deploy to cluster %s: %s", cluster or "(default)", exc)
+            raise DeployFailed("the kubernetes client of the template's cluster is down") from exc
         job = _DeployJob(
             api=api,
             namespace=pod_spec.get("namespace") or self._default_namespace,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 COMPONENT_LABEL = "jiuwenclaw-component"
 COMPONENT_VALUE = "agentserver"
@@ -76,6 +77,24 @@ def normalize_phase(
         if reason in DEAD_WAITING_REASONS:
             return reason
     return phase or "Unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class DeployBounds:
+    """Where the operator lets templates deploy: the configured cluster names and the allowed
+    namespaces. A stored template outside them (written before the bounds, or since narrowed)
+    gets no pod; the reason given names no value of the template."""
+
+    clusters: frozenset[str]
+    namespaces: frozenset[str]
+
+    def refusal(self, pod_spec: dict[str, Any], default_namespace: str) -> str | None:
+        cluster = pod_spec.get("kubeconfig")
+        if cluster is not None and cluster not in self.clusters:
+            return "the template names a cluster this service does not configure"
+        if (pod_spec.get("namespace") or default_namespace) not in self.namespaces:
+            return "the template names a namespace this service may not deploy to"
+        return None
 
 
 class ResourceError(Exception):

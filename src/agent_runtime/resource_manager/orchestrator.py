@@ -23,7 +23,7 @@ from typing import Any
 from redis.asyncio.lock import Lock
 from redis.exceptions import LockError
 
-from agent_runtime import admission, spec_fields
+from agent_runtime import admission, logs, spec_fields
 from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
@@ -31,6 +31,7 @@ from agent_runtime.resource_manager.k8s import K8sPodClient, parse_label_selecto
 from agent_runtime.resource_manager.models import (
     COMPONENT_SELECTOR,
     POOL_TOKEN_PREFIXES,
+    DeployBounds,
     DeployFailed,
     DeployInProgress,
     MaxPodsReached,
@@ -84,8 +85,11 @@ class ResourceOrchestrator:
         k8s: K8sPodClient,
         notifier: Notifier,
         default_namespace: str,
+        bounds: DeployBounds | None = None,
         metrics: Metrics | None = None,
     ) -> None:
+        """``bounds``: where a deploy may go (the wiring passes the settings'; None: anywhere,
+        for tests that build an orchestrator by hand)."""
         metrics = metrics or Metrics()
         self._acquired = metrics.acquires
         self._deploys_done = metrics.deploys
@@ -95,6 +99,7 @@ class ResourceOrchestrator:
         self._k8s = k8s
         self._notifier = notifier
         self._default_namespace = default_namespace
+        self._bounds = bounds
         self._deploys = BackgroundTasks()
 
     # --- acquire -------------------------------------------------------------------------------
@@ -264,9 +269,17 @@ class ResourceOrchestrator:
     ) -> dict[str, str]:
         """Deploy one pod and register it; the placeholder is given back on every path."""
         version = spec_fields.deploy_ver(pod_spec)
+        logs.add_secret_values(spec_fields.clear_env_values(pod_spec))  # an error may echo them
         kind = "warm" if warm else "cold"
         started = time.perf_counter()
         try:
+            refusal = self._bounds and self._bounds.refusal(pod_spec, self._default_namespace)
+            if refusal:
+                log.warning(
+                    "scope %s: no deploy: %s (namespace %.80r, cluster %.80r)",
+                    scope_id, refusal, pod_spec.get("namespace"), pod_spec.get("kubeconfig"),
+                )  # fmt: skip
+                raise DeployFailed(refusal)
             with admission.parked():  # a cold route waits on Kubernetes, not on Redis
                 info = await self._k8s.deploy(
                     scope_id=scope_id, deploy_ver=version, pod_spec=pod_spec

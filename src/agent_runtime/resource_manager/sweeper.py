@@ -51,12 +51,16 @@ class ResourceSweeper:
         orchestrator: ResourceOrchestrator,
         sessions: SessionManagerFacade,
         default_namespace: str,
+        namespaces: frozenset[str] | None = None,
     ) -> None:
+        """``namespaces``: the allow-list reconcile may look for orphans in besides where our
+        pods are (None: wherever pool configs say)."""
         self._state = state
         self._k8s = k8s
         self._orchestrator = orchestrator
         self._sessions = sessions
         self._default_namespace = default_namespace
+        self._namespaces = namespaces
         self._warm_deploys = BackgroundTasks()
         self._unused_last_pass: set[str] = set()
 
@@ -392,7 +396,8 @@ class ResourceSweeper:
         for config in (await self._pool_configs()).values():
             if config.pod_spec is not None:
                 namespaces.add(config.pod_spec.get("namespace") or self._default_namespace)
-        return namespaces
+        # a pool config from before the allow-list must not send reconcile where we may not go
+        return namespaces if self._namespaces is None else namespaces & self._namespaces
 
     async def _list(self, namespace: str) -> dict[str, PodStatus] | None:
         """Our pods in a namespace, or None when Kubernetes could not say (never "none")."""

@@ -60,7 +60,7 @@ def _template_from_row(row: Mapping[Any, Any]) -> TemplateItem:
 
 def _template_to_row(item: TemplateItem) -> dict[str, Any]:
     row = {COLUMN_OF.get(k, k): v for k, v in item.as_dict().items()}
-    row["env"] = json.dumps(item.env, sort_keys=True)
+    row["env"] = json.dumps(row["env"], sort_keys=True)  # strings and {"valueFrom": …} refs
     return row
 
 
@@ -109,13 +109,6 @@ def get_template(conn: Connection, template_id: str) -> TemplateItem | None:
         .first()
     )
     return _template_from_row(row) if row is not None else None
-
-
-def template_namespaces(conn: Connection) -> set[str]:
-    """The namespaces templates name (a template without one deploys to the default)."""
-    column = service_config_template.c.namespace
-    rows = conn.execute(select(column).where(column.is_not(None)).distinct())
-    return {str(ns) for (ns,) in rows if ns}
 
 
 def rules_using(conn: Connection, template_id: str) -> int:

@@ -13,12 +13,14 @@ run, even though the DB write already happened and the retry sees no change.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 from sqlalchemy import Connection
 
+from agent_runtime import logs
 from agent_runtime.db.engine import Database
 from agent_runtime.errors import (
     ConfigNotFound,
@@ -41,7 +43,7 @@ from agent_runtime.session_manager.models import (
 )
 from agent_runtime.session_manager.state import SessionState
 from agent_runtime.single_flight import SingleFlight
-from agent_runtime.spec_fields import classify_change
+from agent_runtime.spec_fields import classify_change, clear_env_values
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +85,23 @@ class Plan:
 
 class ConfigStore:
     def __init__(
-        self, *, db: Database, state: SessionState, resources: ResourceManagerFacade
+        self,
+        *,
+        db: Database,
+        state: SessionState,
+        resources: ResourceManagerFacade,
+        clusters: frozenset[str] = frozenset(),
+        namespaces: frozenset[str] | None = None,
+        default_namespace: str = "default",
     ) -> None:
+        """``clusters``: the names a template's ``kubeconfig`` may hold; ``namespaces``: where a
+        template may deploy (None: anywhere; the wiring passes the settings' allow-list)."""
         self._db = db
         self._state = state
         self._resources = resources
+        self._clusters = clusters
+        self._namespaces = namespaces
+        self._default_namespace = default_namespace
         # scope → the DB load running for it: a cold burst of one scope reads the DB once
         self._loading: SingleFlight[str, ScopeConfig] = SingleFlight()
 
@@ -96,12 +110,18 @@ class ConfigStore:
     async def resolve(self, scope_id: str, group_id: str, bot_id: str) -> ScopeConfig:
         """The scope's configuration: the Redis cache, else the DB (then cached)."""
         cached = await self._state.get_scope_config(scope_id)
+        config: ScopeConfig | None = None
         if cached:
             try:
-                return ScopeConfig.from_hash(scope_id, cached)
+                config = ScopeConfig.from_hash(scope_id, cached)
             except (KeyError, ValueError):
                 log.warning("resolve cache of scope %s is malformed; reloading", scope_id)
-        return await self._loading.run(scope_id, lambda: self._load(scope_id, group_id, bot_id))
+        if config is None:
+            config = await self._loading.run(
+                scope_id, lambda: self._load(scope_id, group_id, bot_id)
+            )
+        logs.add_secret_values(clear_env_values(config.pod_spec))  # masked in log lines
+        return config
 
     async def _load(self, scope_id: str, group_id: str, bot_id: str) -> ScopeConfig:
         """One DB read for the scope, then the cache filled (unless a config change came)."""
@@ -114,10 +134,6 @@ class ConfigStore:
             scope_id, group_id, bot_id, config.to_hash(), generation
         )
         return config
-
-    async def pod_namespaces(self, default_namespace: str) -> set[str]:
-        """Where this service ever deploys: the default namespace and every template's."""
-        return {default_namespace} | await self._db.read(repo.template_namespaces)
 
     async def seed_local_defaults(self) -> bool:
         """Local mode, first start: a ``default`` template and a ``(*, *)`` rule, so a route
@@ -139,6 +155,10 @@ class ConfigStore:
 
     async def config_sync(self, request: ConfigSyncRequest) -> dict[str, Any]:
         parsed = _parse(request)
+        if request.kind == "template" and request.op != "delete":
+            fields = parsed if isinstance(parsed, dict) else parsed.as_dict()
+            logs.add_secret_values(clear_env_values(fields))
+            self.check_bounds(fields)
         async with self._state.config_sync_lock() as taken:
             if not taken:
                 raise ConfigSyncBusy("another config_sync is running; retry shortly")
@@ -154,11 +174,31 @@ class ConfigStore:
             "affected_scopes": affected,
         }
 
+    def check_bounds(self, fields: dict[str, Any]) -> None:
+        """400 for a template outside the operator's bounds: a ``kubeconfig`` that is not a
+        configured cluster name (a path never is one), a namespace off the allow-list. Checks
+        the fields given (a partial update: those it sets; the merged item is checked too)."""
+        cluster = fields.get("kubeconfig")
+        if cluster is not None and cluster not in self._clusters:
+            configured = ", ".join(sorted(self._clusters)) or "none"
+            raise ValidationFailed(
+                "item.kubeconfig: must name a cluster of AGENT_RUNTIME_CLUSTERS "
+                f"(configured: {configured}), never a path"
+            )
+        if self._namespaces is None or "namespace" not in fields:
+            return
+        if (fields["namespace"] or self._default_namespace) not in self._namespaces:
+            allowed = ", ".join(sorted(self._namespaces))
+            raise ValidationFailed(
+                f"item.namespace: not an allowed namespace (allowed: {allowed}; "
+                "AGENT_RUNTIME_NAMESPACES adds to the default namespace)"
+            )
+
     async def _plan(self, kind: str, op: str, parsed: Any) -> Plan:
         snapshot = await self._db.read(repo.load_snapshot)
         known = await self._state.known_scopes()
         if kind == "template":
-            return _plan_template(op, parsed, snapshot, known)
+            return _plan_template(op, parsed, snapshot, known, check=self.check_bounds)
         return _plan_rule(op, parsed, snapshot, known)
 
     async def _check_sunset(self, plan: Plan) -> None:
@@ -240,7 +280,14 @@ def _scope_changes(
     return changes
 
 
-def _plan_template(op: str, parsed: Any, snap: Snapshot, known: dict[str, tuple[str, str]]) -> Plan:
+def _plan_template(
+    op: str,
+    parsed: Any,
+    snap: Snapshot,
+    known: dict[str, tuple[str, str]],
+    *,
+    check: Callable[[dict[str, Any]], None],
+) -> Plan:
     template_id = parsed["template_id"] if op == "update" else parsed.template_id
     current = snap.templates.get(template_id)
     after = Snapshot(templates=dict(snap.templates), rules=snap.rules)
@@ -264,6 +311,7 @@ def _plan_template(op: str, parsed: Any, snap: Snapshot, known: dict[str, tuple[
         if current is None:
             raise NotFound(f"template {template_id!r} does not exist")
         new = parse_item(TemplateItem, {**current.as_dict(), **parsed})
+        check(new.as_dict())  # the stored fields too: a row from before the bounds
     else:
         new = parsed
     after.templates[template_id] = new

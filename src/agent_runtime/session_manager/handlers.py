@@ -117,9 +117,8 @@ async def config_sync(envelope: AdminBody, svc: ServicesDep) -> JSONResponse:
 async def cleanup(envelope: AdminBody, svc: ServicesDep) -> JSONResponse:
     """Bulk-delete AgentServer pods in Kubernetes (admin); Redis is left to watch/reconcile."""
     body = parse_rawdata(CleanupRequest, envelope.rawdata)
-    default = svc.settings.default_namespace
-    if (body.namespace or default) not in await svc.config_store.pod_namespaces(default):
-        # never a namespace we do not deploy to: none of our pods can be there
+    if (body.namespace or svc.settings.default_namespace) not in svc.settings.allowed_namespaces():
+        # never outside the operator's allow-list: none of our pods can be there
         return ok(envelope.metadata.request_id, {"cleaned": 0})
     try:
         cleaned = await svc.resources.cleanup(body.namespace, body.label_selector)

@@ -10,9 +10,19 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, cast
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    WithJsonSchema,
+    create_model,
+    model_validator,
+)
 from pydantic.json_schema import SkipJsonSchema
 
 from agent_runtime import label_selector, spec_fields
@@ -72,7 +82,7 @@ def _label_selector(value: str) -> str:
 no_control_ = AfterValidator(no_control)
 
 
-def _env(value: dict[str, str]) -> dict[str, str]:
+def _env(value: dict[str, Any]) -> dict[str, Any]:
     for name in value:
         if not _ENV_NAME.fullmatch(name):
             raise ValueError(f"env name {name!r} is not a valid environment variable name")
@@ -111,8 +121,94 @@ AbsPath = Annotated[
     AfterValidator(_abs_path),
 ]
 EnvValue = Annotated[str, Field(max_length=32768), AfterValidator(_no_nul)]
-
 _STRICT = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+MAX_ENV = 256  # variables per template
+_DNS_SUBDOMAIN_RE = re.compile(
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+)  # Secret names
+_SECRET_KEY_RE = re.compile(r"^[-._a-zA-Z0-9]+$")
+
+
+def _dns_subdomain(value: str) -> str:
+    if not _DNS_SUBDOMAIN_RE.fullmatch(value):
+        raise ValueError("must be a DNS-1123 subdomain (lowercase alphanumerics, '-' and '.')")
+    return value
+
+
+def _secret_key(value: str) -> str:
+    if not _SECRET_KEY_RE.fullmatch(value):
+        raise ValueError("must consist of alphanumerics, '-', '_' or '.'")
+    return value
+
+
+class SecretKeyRef(BaseModel):
+    """One key of a Kubernetes Secret in the pod's namespace: the pod reads it, the service
+    never sees its value."""
+
+    model_config = _STRICT
+    name: Annotated[
+        str,
+        Field(min_length=1, max_length=253, **_documented(_DNS_SUBDOMAIN_RE.pattern)),
+        AfterValidator(_dns_subdomain),
+    ]
+    key: Annotated[
+        str,
+        Field(min_length=1, max_length=253, **_documented(_SECRET_KEY_RE.pattern)),
+        AfterValidator(_secret_key),
+    ]
+    optional: bool = False
+
+
+class EnvSource(BaseModel):
+    model_config = _STRICT
+    secretKeyRef: SecretKeyRef  # Kubernetes spells it so
+
+
+class EnvFrom(BaseModel):
+    """``{"valueFrom": {"secretKeyRef": {"name", "key", "optional"?}}}``: an env value taken
+    from a Secret when the pod starts (rendered as the container's ``valueFrom``)."""
+
+    model_config = _STRICT
+    valueFrom: EnvSource
+
+
+_ENV_VALUE = TypeAdapter(EnvValue)
+_ENV_FROM = TypeAdapter(EnvFrom)
+
+
+def _env_entry(value: Any) -> str | EnvFrom:
+    """A string, or a ``valueFrom`` object: checked as the one its shape says, so a bad value
+    gets that one's message (a union would report both)."""
+    adapter: TypeAdapter[Any] = _ENV_FROM if isinstance(value, dict) else _ENV_VALUE
+    try:
+        return cast(str | EnvFrom, adapter.validate_python(value, strict=True))
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors(include_url=False):
+            where = ".".join(str(p) for p in err["loc"])
+            message = str(err["msg"]).removeprefix("Value error, ")
+            parts.append(f"{where}: {message}" if where else message)
+        raise ValueError("; ".join(parts)) from None
+
+
+EnvEntry = Annotated[
+    Any,
+    AfterValidator(_env_entry),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "maxLength": 32768},
+                {
+                    "type": "object",
+                    "required": ["valueFrom"],
+                    "additionalProperties": False,
+                    "description": '{"valueFrom": {"secretKeyRef": {"name": <Secret, '
+                    'DNS-1123 subdomain>, "key": <[-._a-zA-Z0-9]+>, "optional": <bool>}}}',
+                },
+            ]
+        }
+    ),
+]
 
 
 class TemplateItem(BaseModel):
@@ -142,7 +238,9 @@ class TemplateItem(BaseModel):
     cpu_limit: Quantity | None = None
     memory_request: Quantity | None = None
     memory_limit: Quantity | None = None
-    env: Annotated[dict[EnvName, EnvValue], AfterValidator(_env)] = Field(default_factory=dict)
+    env: Annotated[dict[EnvName, EnvEntry], Field(max_length=MAX_ENV), AfterValidator(_env)] = (
+        Field(default_factory=dict)
+    )
     nfs_server: Text | None = None
     nfs_path: AbsPath | None = None
     nfs_mount_path: AbsPath | None = None
