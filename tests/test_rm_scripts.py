@@ -76,6 +76,13 @@ class K:
         return f"resource_manager:resource:pod:{pod}:health_fails"
 
     PODS_ALL = "resource_manager:resource:pods:all"
+    BUDGET = "resource_manager:budget:pods"
+    BUDGET_RULES = "resource_manager:budget:rules"
+    BUDGET_LIMITS = "resource_manager:budget:rule_limits"
+
+    @staticmethod
+    def rule_budget(rule_id: str) -> str:
+        return f"resource_manager:budget:rule:{rule_id}:pods"
 
     @staticmethod
     def idem(request_id: str) -> str:
@@ -174,7 +181,9 @@ async def second_client(redis: Redis) -> AsyncIterator[Redis]:
 def acquire_call(sid: str, request_id: str, token: str) -> dict[str, Any]:
     """The exact EVALSHA keys/args ``ResourceState.acquire`` sends."""
     keys = [K.config(sid), K.idle(sid), K.pods(sid), K.deploying(sid), K.idem(request_id)]
-    return {"keys": keys, "args": [POD_PREFIX, token, TTL, 60]}
+    keys += [K.BUDGET, K.BUDGET_RULES, K.BUDGET_LIMITS]
+    args = [POD_PREFIX, token, TTL, 60, sid, "resource_manager:budget:rule:", "", 0, 1000]
+    return {"keys": keys, "args": args}
 
 
 # --- acquire -----------------------------------------------------------------------------------
@@ -443,9 +452,12 @@ async def test_placeholder_caps_at_max_pods_and_never_touches_idle(
 async def test_placeholder_replay_returns_the_same_member(rs: ResourceState, redis: Redis) -> None:
     await configure(rs, "s1", max_pods=1)
     keys = [K.config("s1"), K.pods("s1"), K.deploying("s1")]
-    first = await rs._placeholder(keys=keys, args=["t1", TTL])
-    second = await rs._placeholder(keys=keys, args=["t1", TTL])  # at the cap, but ours
-    assert first == second
+    keys += [K.BUDGET, K.BUDGET_RULES, K.BUDGET_LIMITS]
+    args = ["t1", TTL, "s1", "resource_manager:budget:rule:", 1000]
+    first_reply = await rs._placeholder(keys=keys, args=args)
+    second_reply = await rs._placeholder(keys=keys, args=args)  # at the cap, but ours
+    assert first_reply == second_reply
+    first = first_reply[1]
     assert await smembers(redis, K.deploying("s1")) == {first}
     assert await rs.add_placeholder("s1", "t1", TTL) == first
     assert await rs.add_placeholder("s1", "t2", TTL) is None
@@ -523,8 +535,12 @@ async def test_register_replay_keeps_the_first_values_and_answer(
         K.deploying("s1"),
         K.idle("s1"),
         K.idle_since("p1"),
+        K.config("s1"),
+        K.BUDGET,
+        K.BUDGET_RULES,
     ]
     args = ["p1", member, "s1", sse("p1"), "10.0.0.1", "agents", "v1", "1"]
+    args.append("resource_manager:budget:rule:")
     assert await rs._register(keys=keys, args=args) == 1
     # make the first call look older, so that a rewrite would show
     await redis.hset(K.info("p1"), "created_ts", "1000")
@@ -541,6 +557,7 @@ async def test_register_replay_keeps_the_first_values_and_answer(
     assert await zmembers(redis, K.pods("s1")) == {"p1"}
     assert await smembers(redis, K.PODS_ALL) == {"p1"}
     assert not await redis.exists(K.deploying("s1"))
+    assert await redis.zrange(K.BUDGET, 0, -1) == ["p1"]  # the placeholder's unit is the pod's
 
 
 async def test_register_replay_never_puts_a_taken_pod_back_into_the_pool(

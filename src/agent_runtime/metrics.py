@@ -68,7 +68,7 @@ class Metrics:
         self.acquires = Counter(
             "agent_runtime_pool_acquires",
             "acquire outcomes: warm (reused), deploy (led one), follower, replay, "
-            "max_pods, in_progress, failed",
+            "max_pods, budget, in_progress, failed",
             ["source"],
             registry=self.registry,
         )
