@@ -223,7 +223,9 @@ def wire(settings: Settings, backends: Backends, metrics: Metrics | None = None)
     db = backends.db.observed(metrics.db_call)
     k8s = MeteredK8sPodClient(backends.k8s, metrics.k8s_call)
     session_state = SessionState(redis, observe=metrics.redis_call)
-    resource_state = ResourceState(redis, observe=metrics.redis_call)
+    resource_state = ResourceState(
+        redis, observe=metrics.redis_call, pod_budget=settings.pod_budget
+    )
     notifier = Notifier(redis, patterns=[REGISTERED_PATTERN, FREE_PATTERN])
     orchestrator = ResourceOrchestrator(
         state=resource_state,
@@ -241,7 +243,12 @@ def wire(settings: Settings, backends: Backends, metrics: Metrics | None = None)
         sessions=sessions,
         default_namespace=settings.default_namespace,
     )
-    config_store = ConfigStore(db=db, state=session_state, resources=resources)
+    config_store = ConfigStore(
+        db=db,
+        state=session_state,
+        resources=resources,
+        wildcard_rule_pod_budget=settings.wildcard_rule_pod_budget,
+    )
     session_sweeper = SessionSweeper(state=session_state, resources=resources)
     jobs = JobRunner(
         redis=redis,

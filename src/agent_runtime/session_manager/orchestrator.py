@@ -39,6 +39,7 @@ from agent_runtime.resource_manager.facade import (
     DeployFailed,
     DeployInProgress,
     MaxPodsReached,
+    PodBudgetReached,
     ResourceManagerFacade,
 )
 from agent_runtime.session_manager.config_store import ConfigStore
@@ -268,11 +269,18 @@ class _Route:
                 config.pool_config(),
                 f"{self.request_id}:{self.token[:8]}:{attempt}",
                 on_ready=self._make_candidate,
+                rule_id=config.rule_id or "",
+                rule_pod_budget=config.rule_pod_budget,
             )
         except DeployInProgress:
             return False
         except DeployFailed as exc:
             raise NoPodAvailable(f"no pod for scope {self.scope_id}: {exc}") from None
+        except PodBudgetReached as exc:
+            # at once: nothing is on its way (no grace as for max_pods); the gateway hears only
+            # that a budget is reached, the log says which
+            log.info("scope %s: %s (rule %s)", self.scope_id, exc, config.rule_id)
+            raise NoPodAvailable("no pod can be had now: a pod budget is reached") from None
         registered = await self.o._state.register_pod(
             self.scope_id, pod["pod_id"], pod["pod_sse_url"], pod.get("deploy_ver", "")
         )
