@@ -42,6 +42,9 @@ IDEM_TTL = 60
 # and no call holds Redis (single-threaded: a route waits behind it) for more than ~0.5 ms.
 BATCH = 500  # keys per MGET / SADD, members per SSCAN page (~0.3 ms in Redis)
 SCRIPT_BATCH = 200  # keys per pod_fields / read_many call (~2–3 µs each inside Redis)
+# reconcile's budget repair: a scope costs ~3 commands + 2 per pod and placeholder, a unit ~4
+FILL_BATCH = 25  # scopes per budget_fill call
+PRUNE_BATCH = 100  # units per budget_prune call
 
 
 def scope_config_key(scope_id: str) -> str:
@@ -346,11 +349,11 @@ class ResourceState:
     async def repair_budgets(self) -> tuple[int, int]:
         """Reconcile's repair of the budgets from the pools (which reconcile keeps equal to
         Kubernetes): missing units added, stale ones dropped, each checked inside a script;
-        returns (added, dropped). O(pods + scopes), SCRIPT_BATCH a call."""
+        returns (added, dropped). O(pods + scopes), in slices (FILL_BATCH, PRUNE_BATCH)."""
         added = 0
         scopes = await self.scopes_with_config()
-        for i in range(0, len(scopes), SCRIPT_BATCH):
-            chunk = scopes[i : i + SCRIPT_BATCH]
+        for i in range(0, len(scopes), FILL_BATCH):
+            chunk = scopes[i : i + FILL_BATCH]
             added += int(
                 await self._budget_fill(
                     keys=[BUDGET_PODS_KEY, BUDGET_RULES_KEY],
@@ -366,11 +369,11 @@ class ResourceState:
     async def _prune(self, key: str, rule_id: str) -> int:
         units = [u async for u, _ in self.redis.zscan_iter(key, count=BATCH)]
         dropped = 0
-        for i in range(0, max(len(units), 1), SCRIPT_BATCH):  # once even when empty
+        for i in range(0, max(len(units), 1), PRUNE_BATCH):  # once even when empty
             dropped += int(
                 await self._budget_prune(
                     keys=[key, PODS_ALL_KEY, BUDGET_RULES_KEY],
-                    args=[rule_id, SCOPE_PREFIX, POD_PREFIX, *units[i : i + SCRIPT_BATCH]],
+                    args=[rule_id, SCOPE_PREFIX, POD_PREFIX, *units[i : i + PRUNE_BATCH]],
                 )
             )
         return dropped
