@@ -321,3 +321,21 @@ async def test_reconcile_rebuilds_the_budget_after_redis_lost_it(
         assert set(await redis.zrange(BUDGET, 0, -1)) == set(k8s.pods)
         assert len(k8s.pods) == 4
         assert_budget_refusal(await route(c, "g4"))
+
+
+async def test_config_sync_writes_the_rule_limit_for_autoscale_at_once(
+    redis: Redis, db: Database
+) -> None:
+    limits = "resource_manager:budget:rule_limits"
+    async with running_app(redis, db, wildcard_rule_pod_budget=7) as client:
+        await setup_config(client)  # (*, *): the wildcard default, before any route
+        assert await redis.hget(limits, rule_id_of("*", "*")) == "7"
+        item = {"group_id": "*", "bot_id": "*", "template_id": "t", "pod_budget": 3}
+        await sync(client, "routing_rule", "sync", item)
+        assert await redis.hget(limits, rule_id_of("*", "*")) == "3"
+        await sync(client, "routing_rule", "create", {**exact_rule("gx"), "pod_budget": 2})
+        assert await redis.hget(limits, rule_id_of("gx", "b")) == "2"
+        await sync(client, "routing_rule", "create", exact_rule("gy"))  # unbounded: no limit
+        assert not await redis.hexists(limits, rule_id_of("gy", "b"))
+        await sync(client, "routing_rule", "delete", {"group_id": "gx", "bot_id": "b"})
+        assert not await redis.hexists(limits, rule_id_of("gx", "b"))

@@ -208,11 +208,8 @@ class ConfigStore:
         if plan.drop_all_caches:
             await self._state.drop_all_scope_configs()
         if plan.rule_key is not None:  # the rule's pod budget, for scopes that do not route
-            limit = (
-                plan.rule_after.effective_pod_budget(self._wildcard_budget)
-                if (plan.rule_after is not None)
-                else 0
-            )
+            after = plan.rule_after  # None: deleted, its limit goes
+            limit = after.effective_pod_budget(self._wildcard_budget) if after else 0
             await self._resources.set_rule_pod_budget(rule_id_of(*plan.rule_key), limit)
         for change in plan.scopes:
             await self._apply(change)
