@@ -133,6 +133,12 @@ class Metrics:
         self.sessions = Gauge(
             "agent_runtime_live_sessions", "live sessions (all scopes)", registry=self.registry
         )
+        self.pod_budget_used = Gauge(
+            "agent_runtime_pod_budget_used",
+            "units of the installation's pod budget in use: pods + deploys in flight "
+            "(AGENT_RUNTIME_POD_BUDGET is the limit)",
+            registry=self.registry,
+        )
         self.scope_sessions = Gauge(
             "agent_runtime_scope_live_sessions",
             "live sessions per scope (only with scope_metrics)",

@@ -195,6 +195,7 @@ class Services:
         metrics.pods.labels("deploying").set(await self.resource_state.placeholders(scopes))
         metrics.pods.labels("sunset").set(await self.session_state.sunset_pods())
         metrics.sessions.set(await self.session_state.live_sessions())
+        metrics.pod_budget_used.set(await self.resource_state.budget_used())
         if self.settings.scope_metrics:
             counts = await self.session_state.scope_session_counts(scopes)
             metrics.scope_sessions.clear()
