@@ -298,7 +298,7 @@ async def nothing_held_within(redis: Redis, within: float) -> None:
         await asyncio.sleep(0.05)
 
 
-def script_sha(package: str, name: str, prelude: str | None = None) -> bytes:
+def script_sha(package: str, name: str, prelude: str | tuple[str, ...] | None = None) -> bytes:
     """The SHA1 redis-py's EVALSHA sends for one of our scripts."""
     return hashlib.sha1(lua.source(package, name, prelude=prelude).encode()).hexdigest().encode()
 
@@ -308,7 +308,7 @@ SCRIPTS = {
     "route_place": (SM, "route_place", "_session"),
     "touch": (SM, "touch", "_session"),
     "waiter_gate": (SM, "waiter_gate", None),
-    "acquire": (RM, "acquire", "_placeholders"),
+    "acquire": (RM, "acquire", ("_budget", "_placeholders")),
 }
 ROUTE_PLACE_SHA = script_sha(*SCRIPTS["route_place"])
 TOUCH_SHA = script_sha(*SCRIPTS["touch"])

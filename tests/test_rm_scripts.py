@@ -77,6 +77,13 @@ class K:
         return f"resource_manager:resource:pod:{pod}:health_fails"
 
     PODS_ALL = "resource_manager:resource:pods:all"
+    BUDGET = "resource_manager:budget:pods"
+    BUDGET_RULES = "resource_manager:budget:rules"
+    BUDGET_LIMITS = "resource_manager:budget:rule_limits"
+
+    @staticmethod
+    def rule_budget(rule_id: str) -> str:
+        return f"resource_manager:budget:rule:{rule_id}:pods"
 
     @staticmethod
     def idem(request_id: str) -> str:
@@ -175,7 +182,9 @@ async def second_client(redis: Redis) -> AsyncIterator[Redis]:
 def acquire_call(sid: str, request_id: str, token: str) -> dict[str, Any]:
     """The exact EVALSHA keys/args ``ResourceState.acquire`` sends."""
     keys = [K.config(sid), K.idle(sid), K.pods(sid), K.deploying(sid), K.idem(request_id)]
-    return {"keys": keys, "args": [POD_PREFIX, token, TTL, 60, sid]}
+    keys += [K.BUDGET, K.BUDGET_RULES, K.BUDGET_LIMITS]
+    args = [POD_PREFIX, token, TTL, 60, sid, "resource_manager:budget:rule:", "", 0, 1000]
+    return {"keys": keys, "args": args}
 
 
 # --- acquire -----------------------------------------------------------------------------------
@@ -477,9 +486,12 @@ async def test_placeholder_caps_at_max_pods_and_never_touches_idle(
 async def test_placeholder_replay_returns_the_same_member(rs: ResourceState, redis: Redis) -> None:
     await configure(rs, "s1", max_pods=1)
     keys = [K.config("s1"), K.pods("s1"), K.deploying("s1")]
-    first = await rs._placeholder(keys=keys, args=["t1", TTL])
-    second = await rs._placeholder(keys=keys, args=["t1", TTL])  # at the cap, but ours
-    assert first == second
+    keys += [K.BUDGET, K.BUDGET_RULES, K.BUDGET_LIMITS]
+    args = ["t1", TTL, "s1", "resource_manager:budget:rule:", 1000]
+    first_reply = await rs._placeholder(keys=keys, args=args)
+    second_reply = await rs._placeholder(keys=keys, args=args)  # at the cap, but ours
+    assert first_reply == second_reply
+    first = first_reply[1]
     assert await smembers(redis, K.deploying("s1")) == {first}
     assert await rs.add_placeholder("s1", "t1", TTL) == first
     assert await rs.add_placeholder("s1", "t2", TTL) is None
@@ -557,8 +569,12 @@ async def test_register_replay_keeps_the_first_values_and_answer(
         K.deploying("s1"),
         K.idle("s1"),
         K.idle_since("p1"),
+        K.config("s1"),
+        K.BUDGET,
+        K.BUDGET_RULES,
     ]
     args = ["p1", member, "s1", sse("p1"), "10.0.0.1", "agents", "v1", "1"]
+    args.append("resource_manager:budget:rule:")
     assert await rs._register(keys=keys, args=args) == 1
     # make the first call look older, so that a rewrite would show
     await redis.hset(K.info("p1"), "created_ts", "1000")
@@ -575,6 +591,7 @@ async def test_register_replay_keeps_the_first_values_and_answer(
     assert await zmembers(redis, K.pods("s1")) == {"p1"}
     assert await smembers(redis, K.PODS_ALL) == {"p1"}
     assert not await redis.exists(K.deploying("s1"))
+    assert await redis.zrange(K.BUDGET, 0, -1) == ["p1"]  # the placeholder's unit is the pod's
 
 
 async def test_register_replay_never_puts_a_taken_pod_back_into_the_pool(
@@ -834,6 +851,183 @@ async def test_follower_gate_under_real_concurrency(
     assert await zmembers(redis, K.followers("s1")) == winners
 
 
+# --- pod budgets ------------------------------------------------------------------------------
+
+
+async def units(redis: Redis, key: str) -> set[str]:
+    return await zmembers(redis, key)
+
+
+async def test_acquire_refuses_past_the_global_budget_without_a_placeholder(
+    redis: Redis,
+) -> None:
+    rs = ResourceState(redis, pod_budget=2)
+    for sid in ("s1", "s2", "s3"):
+        await configure(rs, sid, max_pods=3)
+    a = await rs.acquire("s1", "r1", "t1", TTL)
+    b = await rs.acquire("s2", "r2", "t2", TTL)
+    assert a.action == b.action == "need_deploy"
+    refused = await rs.acquire("s3", "r3", "t3", TTL)
+    assert refused == AcquireOutcome("budget_reached", budget="global")
+    assert not await redis.exists(K.deploying("s3"))
+    assert await units(redis, K.BUDGET) == {f"s1:{a.placeholder}", f"s2:{b.placeholder}"}
+    # a unit's score is its placeholder's deadline
+    deadline = int(str(a.placeholder).rpartition("@")[2])
+    assert await redis.zscore(K.BUDGET, f"s1:{a.placeholder}") == deadline
+    # the replay of a call that got a placeholder keeps it, at the budget too
+    assert await rs.acquire("s1", "r1", "t1", TTL) == a
+    # register: the placeholder's unit becomes the pod's, the count stays
+    assert await register(rs, "s1", "p1", a.placeholder)
+    assert await units(redis, K.BUDGET) == {"p1", f"s2:{b.placeholder}"}
+    assert await redis.zscore(K.BUDGET, "p1") == float("inf")
+    assert (await rs.acquire("s3", "r4", "t4", TTL)).action == "budget_reached"
+    # a failed deploy gives its unit back, and so does a purged pod
+    await rs.drop_placeholder("s2", str(b.placeholder))
+    assert await units(redis, K.BUDGET) == {"p1"}
+    c = await rs.acquire("s3", "r5", "t5", TTL)
+    assert c.action == "need_deploy"
+    assert (await rs.acquire("s2", "r6", "t6", TTL)).action == "budget_reached"
+    assert await rs.purge("p1") == "s1"
+    assert await units(redis, K.BUDGET) == {f"s3:{c.placeholder}"}
+    assert await rs.budget_used() == 1
+
+
+async def test_a_warm_pod_is_handed_out_at_the_budget(redis: Redis) -> None:
+    rs = ResourceState(redis, pod_budget=1)
+    await configure(rs, "s1")
+    await add_pod(rs, "s1", "w1", warm=True)
+    out = await rs.acquire("s1", "r1", "t1", TTL)
+    assert out.action == "reuse" and out.pod_id == "w1"  # it exists: no new unit
+    assert await units(redis, K.BUDGET) == {"w1"}
+
+
+async def test_expired_placeholders_stop_counting_against_a_budget(redis: Redis) -> None:
+    rs = ResourceState(redis, pod_budget=1)
+    await configure(rs, "s1")
+    await configure(rs, "s2")
+    now = await rnow(redis)
+    # a crashed deployer of another scope: its placeholder and unit outlived their deadline
+    await redis.sadd(K.deploying("s1"), f"crashed@{now - 1}")
+    await redis.zadd(K.BUDGET, {f"s1:crashed@{now - 1}": now - 1})
+    assert await rs.budget_used() == 0
+    out = await rs.acquire("s2", "r1", "t1", TTL)
+    assert out.action == "need_deploy"
+    assert await units(redis, K.BUDGET) == {f"s2:{out.placeholder}"}
+
+
+async def test_rule_budget_counts_the_scopes_of_its_rule_and_follows_the_link(
+    redis: Redis,
+) -> None:
+    rs = ResourceState(redis, pod_budget=100)
+    for sid in ("a", "b", "c"):
+        await configure(rs, sid, max_pods=3)
+    x = await rs.acquire("a", "r1", "t1", TTL, rule_id="R", rule_pod_budget=2)
+    y = await rs.acquire("b", "r2", "t2", TTL, rule_id="R", rule_pod_budget=2)
+    assert x.action == y.action == "need_deploy"
+    assert await redis.hget(K.config("a"), "budget_rule") == "R"
+    assert await redis.hget(K.BUDGET_LIMITS, "R") == "2"
+    assert await smembers(redis, K.BUDGET_RULES) == {"R"}
+    refused = await rs.acquire("c", "r3", "t3", TTL, rule_id="R", rule_pod_budget=2)
+    assert refused == AcquireOutcome("budget_reached", budget="rule")
+    # another rule (or none) is not bounded by R's budget
+    other = await rs.acquire("c", "r4", "t4", TTL, rule_id="S", rule_pod_budget=0)
+    assert other.action == "need_deploy"
+    assert not await redis.hexists(K.BUDGET_LIMITS, "S")
+    assert await units(redis, K.rule_budget("R")) == {f"a:{x.placeholder}", f"b:{y.placeholder}"}
+    # scope b now resolves through S: its units move there, R has room again
+    assert await register(rs, "b", "pb", y.placeholder)
+    moved = await rs.acquire("b", "r5", "t5", TTL, rule_id="S", rule_pod_budget=0)
+    assert moved.action == "need_deploy"
+    assert await units(redis, K.rule_budget("R")) == {f"a:{x.placeholder}"}
+    assert await units(redis, K.rule_budget("S")) == {
+        f"c:{other.placeholder}",
+        "pb",
+        f"b:{moved.placeholder}",
+    }
+    # c comes back to R with its unit: R holds a's and c's, its budget of 2 is used up
+    back = await rs.acquire("c", "r6", "t6", TTL, rule_id="R", rule_pod_budget=2)
+    assert back == AcquireOutcome("budget_reached", budget="rule")
+    assert await units(redis, K.rule_budget("R")) == {
+        f"a:{x.placeholder}",
+        f"c:{other.placeholder}",
+    }
+    # purge and drop give back to the rule the scope is linked to
+    assert await rs.purge("pb") == "b"
+    await rs.drop_placeholder("b", str(moved.placeholder))
+    assert await units(redis, K.rule_budget("S")) == set()
+    assert await redis.zcard(K.BUDGET) == 2
+
+
+async def test_placeholder_respects_both_budgets_and_says_which(redis: Redis) -> None:
+    rs = ResourceState(redis, pod_budget=3)
+    await configure(rs, "s1", max_pods=5)
+    await configure(rs, "s2", max_pods=5)
+    assert (await rs.acquire("s1", "r1", "t1", TTL, rule_id="R", rule_pod_budget=1)).placeholder
+    refused = await rs.try_placeholder("s1", "warm:1", TTL)  # autoscale: the link's budget
+    assert (refused.member, refused.refused, refused.budget) == (None, "budget_reached", "rule")
+    assert await rs.add_placeholder("s2", "warm:2", TTL) is not None
+    assert await rs.add_placeholder("s2", "warm:3", TTL) is not None
+    full = await rs.try_placeholder("s2", "warm:4", TTL)
+    assert (full.member, full.budget) == (None, "global")
+    assert (await rs.try_placeholder("nope", "warm:5", TTL)).refused == "no_config"
+    assert await redis.zcard(K.BUDGET) == 3
+
+
+async def test_drop_placeholders_of_a_token_gives_back_their_units(redis: Redis) -> None:
+    rs = ResourceState(redis)
+    await configure(rs, "s1")
+    out = await rs.acquire("s1", "r1", "tok:1", TTL, rule_id="R", rule_pod_budget=5)
+    assert out.action == "need_deploy"
+    assert await rs.drop_placeholders_of("s1", "tok:1") == 1
+    assert not await redis.exists(K.deploying("s1"))
+    assert await redis.zcard(K.BUDGET) == await redis.zcard(K.rule_budget("R")) == 0
+
+
+async def test_acquire_under_concurrency_never_passes_the_global_budget(redis: Redis) -> None:
+    async with second_client(redis) as other:
+        rs, rs2 = ResourceState(redis, pod_budget=5), ResourceState(other, pod_budget=5)
+        for i in range(30):
+            await configure(rs, f"s{i}", max_pods=2)
+        outs = await asyncio.gather(
+            *(
+                (rs if i % 2 else rs2).acquire(
+                    f"s{i}", f"r{i}", f"t{i}", TTL, rule_id="R", rule_pod_budget=0
+                )
+                for i in range(30)
+            )
+        )
+    actions = [o.action for o in outs]
+    assert actions.count("need_deploy") == 5
+    assert actions.count("budget_reached") == 25
+    assert await redis.zcard(K.BUDGET) == 5
+    assert await redis.zcard(K.rule_budget("R")) == 5
+
+
+async def test_repair_budgets_rebuilds_lost_units_and_drops_stale_ones(redis: Redis) -> None:
+    rs = ResourceState(redis)
+    await configure(rs, "s1")
+    ph = await rs.acquire("s1", "r1", "t1", TTL, rule_id="R", rule_pod_budget=9)
+    assert ph.placeholder is not None
+    await add_pod(rs, "s1", "p1")
+    expected = {"p1", f"s1:{ph.placeholder}"}
+    assert await units(redis, K.BUDGET) == expected
+    # Redis lost the budgets (or an older version never wrote them)
+    await redis.delete(K.BUDGET, K.rule_budget("R"), K.BUDGET_RULES)
+    assert await rs.repair_budgets() == (2, 0)
+    assert await units(redis, K.BUDGET) == await units(redis, K.rule_budget("R")) == expected
+    assert await smembers(redis, K.BUDGET_RULES) == {"R"}
+    # units that stand for nothing: a pod no longer registered, a placeholder given back, a
+    # scope now linked elsewhere
+    await redis.zadd(K.BUDGET, {"ghost": float("inf"), "s1:gone@99999999999": 99999999999})
+    await redis.zadd(K.rule_budget("Q"), {"p1": float("inf")})
+    await redis.sadd(K.BUDGET_RULES, "Q")
+    assert await rs.repair_budgets() == (0, 3)
+    assert await units(redis, K.BUDGET) == expected
+    assert not await redis.exists(K.rule_budget("Q"))
+    assert await smembers(redis, K.BUDGET_RULES) == {"R"}
+    assert await rs.repair_budgets() == (0, 0)  # nothing left to repair
+
+
 # --- the pool as a state machine ---------------------------------------------------------------
 
 
@@ -991,6 +1185,10 @@ class PoolMachine(RuleBasedStateMachine):
         for pod in self.gone:
             assert not await r.exists(K.info(pod))
             assert not await r.sismember(K.PODS_ALL, pod)
+        # the budget holds exactly this scope's pods and placeholders (other examples' scopes
+        # share the key)
+        mine = {u for u in await zmembers(r, K.BUDGET) if u.startswith(sid)}
+        assert mine == pods | {f"{sid}:{m}" for m in deploying}
         # and Redis agrees with the model
         assert pods == set(self.pods)
         assert idle == {p for p, (_, is_idle) in self.pods.items() if is_idle}

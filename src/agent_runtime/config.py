@@ -215,6 +215,22 @@ class Settings(BaseSettings):
     )
 
     # -- bounded growth: pod budgets --
+    pod_budget: int = Field(
+        1000,
+        ge=1,
+        le=1_000_000,
+        description="the installation's pod budget: pods + deploys in flight over all scopes; "
+        "a route that would need one more gets 503 NO_POD_AVAILABLE at once (set the same on "
+        "every replica)",
+    )
+    wildcard_rule_pod_budget: int = Field(
+        100,
+        ge=0,
+        le=1_000_000,
+        description="pod budget of a routing rule with a '*' and no pod_budget of its own "
+        "(pods + deploys in flight of every scope it resolves); 0 = unbounded. Exact (g, b) "
+        "rules are unbounded unless they set pod_budget (their scope's max_pods bounds them)",
+    )
 
     # -- bounded growth: scope expiry, config_sync propagation --
 

@@ -21,11 +21,12 @@ ScriptObserver = Callable[[str], Callable[[float, bool], None]]
 
 
 @cache
-def source(package: str, name: str, *, prelude: str | None = None) -> str:
+def source(package: str, name: str, *, prelude: str | tuple[str, ...] | None = None) -> str:
     folder = resources.files(package).joinpath("lua")
     text = folder.joinpath(f"{name}.lua").read_text(encoding="utf-8")
-    if prelude is not None:
-        text = folder.joinpath(f"{prelude}.lua").read_text(encoding="utf-8") + "\n" + text
+    preludes = (prelude,) if isinstance(prelude, str) else prelude or ()
+    for part in reversed(preludes):  # in the order given, each before the script
+        text = folder.joinpath(f"{part}.lua").read_text(encoding="utf-8") + "\n" + text
     return text
 
 
@@ -34,7 +35,7 @@ def register(
     package: str,
     name: str,
     *,
-    prelude: str | None = None,
+    prelude: str | tuple[str, ...] | None = None,
     observe: ScriptObserver | None = None,
 ) -> Any:
     """The script as an awaitable ``(keys=, args=)`` call; timed when ``observe`` is given."""

@@ -68,7 +68,7 @@ class Metrics:
         self.acquires = Counter(
             "agent_runtime_pool_acquires",
             "acquire outcomes: warm (reused), deploy (led one), follower, replay, "
-            "max_pods, in_progress, failed",
+            "max_pods, budget, in_progress, failed",
             ["source"],
             registry=self.registry,
         )
@@ -132,6 +132,12 @@ class Metrics:
         self.pods = Gauge("agent_runtime_pods", "pods by state", ["state"], registry=self.registry)
         self.sessions = Gauge(
             "agent_runtime_live_sessions", "live sessions (all scopes)", registry=self.registry
+        )
+        self.pod_budget_used = Gauge(
+            "agent_runtime_pod_budget_used",
+            "units of the installation's pod budget in use: pods + deploys in flight "
+            "(AGENT_RUNTIME_POD_BUDGET is the limit)",
+            registry=self.registry,
         )
         self.scope_sessions = Gauge(
             "agent_runtime_scope_live_sessions",

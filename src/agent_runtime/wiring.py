@@ -222,6 +222,7 @@ class Services:
         metrics.pods.labels("deploying").set(await self.resource_state.placeholders(scopes))
         metrics.pods.labels("sunset").set(await self.session_state.sunset_pods())
         metrics.sessions.set(await self.session_state.live_sessions())
+        metrics.pod_budget_used.set(await self.resource_state.budget_used())
         if self.settings.scope_metrics:
             counts = await self.session_state.scope_session_counts(scopes)
             metrics.scope_sessions.clear()
@@ -250,7 +251,9 @@ def wire(settings: Settings, backends: Backends, metrics: Metrics | None = None)
     db = backends.db.observed(metrics.db_call)
     k8s = MeteredK8sPodClient(backends.k8s, metrics.k8s_call)
     session_state = SessionState(redis, observe=metrics.redis_call)
-    resource_state = ResourceState(redis, observe=metrics.redis_call)
+    resource_state = ResourceState(
+        redis, observe=metrics.redis_call, pod_budget=settings.pod_budget
+    )
     notifier = Notifier(redis, patterns=[REGISTERED_PATTERN, FREE_PATTERN])
     orchestrator = ResourceOrchestrator(
         state=resource_state,
@@ -279,6 +282,7 @@ def wire(settings: Settings, backends: Backends, metrics: Metrics | None = None)
         clusters=frozenset(settings.clusters),
         namespaces=settings.allowed_namespaces(),
         default_namespace=settings.default_namespace,
+        wildcard_rule_pod_budget=settings.wildcard_rule_pod_budget,
     )
     session_sweeper = SessionSweeper(state=session_state, resources=resources)
     jobs = JobRunner(

@@ -54,3 +54,8 @@ def status(engine: Engine) -> SchemaStatus:
 def upgrade(engine: Engine, revision: str = "head") -> None:
     """Blocking: migrate ``engine``'s database to ``revision``."""
     command.upgrade(_config(engine), revision)
+
+
+def downgrade(engine: Engine, revision: str) -> None:
+    """Blocking: take ``engine``'s database back to ``revision`` (tests of the migrations)."""
+    command.downgrade(_config(engine), revision)

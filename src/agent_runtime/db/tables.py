@@ -80,6 +80,8 @@ routing_rule = Table(
     Column("group_id", id_column_type(), nullable=False),
     Column("bot_id", id_column_type(), nullable=False),
     Column("template_id", id_column_type(), nullable=False, index=True),
+    # pods (+ deploys in flight) the rule's scopes may have together; NULL = the default
+    Column("pod_budget", Integer, nullable=True),
     Column("created_at", DateTime, nullable=False, server_default=func.now()),
     Column("updated_at", DateTime, nullable=False, server_default=func.now()),
     UniqueConstraint("group_id", "bot_id", name="uq_routing_rule_group_bot"),

@@ -14,6 +14,7 @@ from agent_runtime.resource_manager.models import (
     DeployInProgress,
     K8sApiError,
     MaxPodsReached,
+    PodBudgetReached,
 )
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 
@@ -22,6 +23,7 @@ __all__ = [
     "DeployInProgress",
     "K8sApiError",
     "MaxPodsReached",
+    "PodBudgetReached",
     "ResourceManagerFacade",
 ]
 
@@ -38,6 +40,8 @@ class ResourceManagerFacade:
         request_id: str,
         *,
         on_ready: Callable[[dict[str, str]], Awaitable[object]] | None = None,
+        rule_id: str = "",
+        rule_pod_budget: int = 0,
     ) -> dict[str, str]:
         """``{pod_id, pod_sse_url, deploy_ver}`` of a warm pod or of one new deploy (followers
         share it).
@@ -46,13 +50,28 @@ class ResourceManagerFacade:
         the scope's deploy lock, so the caller can publish the pod before another acquire
         could decide to deploy again (a failure there is logged, the pod is still returned).
 
+        ``rule_id``: the routing rule the scope resolved through (its pods count against that
+        rule's budget, ``rule_pod_budget``, 0 = unbounded; "" = no rule budget).
+
         Raises ``MaxPodsReached`` (the cap is held by pods that exist), its subclass
         ``DeployInProgress`` (the cap is held by a deploy in flight whose follower room is
-        full: its pod registers soon) or ``DeployFailed``.
+        full: its pod registers soon), ``PodBudgetReached`` (a new pod would exceed the
+        installation's or the rule's pod budget, and none is on its way) or ``DeployFailed``.
         """
         return await self._orchestrator.acquire(
-            scope_id, pod_spec, pool_config, request_id, on_ready=on_ready
+            scope_id,
+            pod_spec,
+            pool_config,
+            request_id,
+            on_ready=on_ready,
+            rule_id=rule_id,
+            rule_pod_budget=rule_pod_budget,
         )
+
+    async def set_rule_pod_budget(self, rule_id: str, limit: int) -> None:
+        """A routing rule's pod budget (0 = unbounded), from config_sync: autoscale of scopes
+        that do not route meanwhile sees it at once (an acquire also refreshes it)."""
+        await self._orchestrator.set_rule_pod_budget(rule_id, limit)
 
     async def idle_consider(self, pod_id: str, scope_id: str) -> dict[str, bool]:
         """The session side saw the pod empty: into the warm pool (idempotent)."""

@@ -110,6 +110,16 @@ class DeployInProgress(MaxPodsReached):
     caller may wait for the registration instead of failing."""
 
 
+class PodBudgetReached(ResourceError):
+    """No new pod may be deployed: the installation's pod budget or the scope's rule's budget
+    is used up (``budget``: "global" or "rule"). Not a MaxPodsReached: nothing is on its way,
+    so the caller answers at once instead of waiting for a pod."""
+
+    def __init__(self, message: str, *, budget: str) -> None:
+        super().__init__(message)
+        self.budget = budget
+
+
 class DeployFailed(ResourceError):
     """A deploy did not give a Ready pod (timeout, image pull, crash loop, API refusal)."""
 

@@ -35,6 +35,7 @@ from agent_runtime.resource_manager.models import (
     DeployFailed,
     DeployInProgress,
     MaxPodsReached,
+    PodBudgetReached,
     PodDeployInfo,
 )
 from agent_runtime.resource_manager.state import (
@@ -64,6 +65,8 @@ class _Acquire:
     request_id: str
     started_at: float  # Redis seconds: every pod registered since may be ours to share
     on_ready: OnReady | None
+    rule_id: str = ""  # the rule whose pod budget a new pod counts against ("" = none)
+    rule_pod_budget: int = 0  # 0 = unbounded
 
     @property
     def ready_timeout(self) -> float:
@@ -112,11 +115,13 @@ class ResourceOrchestrator:
         request_id: str,
         *,
         on_ready: OnReady | None = None,
+        rule_id: str = "",
+        rule_pod_budget: int = 0,
     ) -> dict[str, str]:
         source = "failed"
         try:
             result, source = await self._acquire(
-                scope_id, pod_spec, pool_config, request_id, on_ready
+                scope_id, pod_spec, pool_config, request_id, on_ready, rule_id, rule_pod_budget
             )
             return result
         except DeployInProgress:
@@ -124,6 +129,9 @@ class ResourceOrchestrator:
             raise
         except MaxPodsReached:
             source = "max_pods"
+            raise
+        except PodBudgetReached:
+            source = "budget"
             raise
         finally:
             self._acquired.labels(source).inc()
@@ -135,20 +143,36 @@ class ResourceOrchestrator:
         pool_config: dict[str, int],
         request_id: str,
         on_ready: OnReady | None,
+        rule_id: str,
+        rule_pod_budget: int,
     ) -> tuple[dict[str, str], str]:
         """The pod and where it came from: replay, warm, deploy or follower."""
         cached = await self._state.cached_result(scope_id, request_id)
         if cached is not None:
             return cached, "replay"
         call = _Acquire(
-            scope_id, pod_spec, pool_config, request_id, await self._state.now(), on_ready
+            scope_id,
+            pod_spec,
+            pool_config,
+            request_id,
+            await self._state.now(),
+            on_ready,
+            rule_id,
+            rule_pod_budget,
         )
         placeholder_ttl = math.ceil(call.ready_timeout) + LOCK_MARGIN
         wrote_config = False
         while True:
             token = f"{request_id}:{uuid.uuid4().hex[:8]}"
             try:
-                outcome = await self._state.acquire(scope_id, request_id, token, placeholder_ttl)
+                outcome = await self._state.acquire(
+                    scope_id,
+                    request_id,
+                    token,
+                    placeholder_ttl,
+                    rule_id=rule_id,
+                    rule_pod_budget=rule_pod_budget,
+                )
             except BaseException:
                 # the script may have taken a placeholder whose reply never came back (the
                 # caller cancelled, the connection dropped): it would hold a slot of max_pods
@@ -169,23 +193,37 @@ class ResourceOrchestrator:
                 await self.update_pool_config(scope_id, pool_config, pod_spec)
                 wrote_config = True
                 continue
-            if outcome.action == "max_reached":
-                # the leader's start, read now: a leader that registered its pod just before
-                # we started may release its lock before _follow looks
-                leader_started = await self._leader_started_at(scope_id)
-                placeholders = await self._state.deploying(scope_id)
-                cold = [p for p in placeholders if not p.startswith(POOL_TOKEN_PREFIXES)]
-                if leader_started is None and placeholders and not cold:
-                    # only the warm pool's deploys hold the cap: their pods come as warm
-                    # pods, to be taken by a later acquire, never handed to a follower
-                    raise DeployInProgress(f"scope {scope_id}: a warm pod is being deployed")
-                if leader_started is not None or cold:
-                    # the cap is held by a deploy in flight: its pod may have room for us
-                    since = min(call.started_at, leader_started or math.inf)
-                    return await self._follow(call, since), "follower"
-                raise MaxPodsReached(f"scope {scope_id} is at max_pods")
+            if outcome.action in ("max_reached", "budget_reached"):
+                # no new pod: one on its way may still serve us; else refused (max_pods: the
+                # route waits a moment for a candidate; a budget: it is answered at once)
+                if outcome.action == "max_reached":
+                    refusal: Exception = MaxPodsReached(f"scope {scope_id} is at max_pods")
+                else:
+                    budget = outcome.budget or "global"
+                    refusal = PodBudgetReached(
+                        f"scope {scope_id}: the {budget} pod budget is reached", budget=budget
+                    )
+                return await self._follow_in_flight(call, refusal), "follower"
             assert outcome.placeholder is not None
             return await self._deploy_or_follow(call, outcome.placeholder)
+
+    async def _follow_in_flight(self, call: _Acquire, refusal: Exception) -> dict[str, str]:
+        """The scope may not grow: follow a deploy in flight (its pod may have room for us),
+        wait for a warm one, or raise ``refusal``."""
+        scope_id = call.scope_id
+        # the leader's start, read now: a leader that registered its pod just before we
+        # started may release its lock before _follow looks
+        leader_started = await self._leader_started_at(scope_id)
+        placeholders = await self._state.deploying(scope_id)
+        cold = [p for p in placeholders if not p.startswith(POOL_TOKEN_PREFIXES)]
+        if leader_started is None and placeholders and not cold:
+            # only the warm pool's deploys hold the cap: their pods come as warm pods, to be
+            # taken by a later acquire, never handed to a follower
+            raise DeployInProgress(f"scope {scope_id}: a warm pod is being deployed")
+        if leader_started is not None or cold:
+            since = min(call.started_at, leader_started or math.inf)
+            return await self._follow(call, since)
+        raise refusal
 
     async def _deploy_or_follow(
         self, call: _Acquire, placeholder: str
@@ -400,6 +438,9 @@ class ResourceOrchestrator:
 
     async def idle_consider(self, pod_id: str, scope_id: str) -> dict[str, bool]:
         return {"transitioned_to_idle": await self._state.release(scope_id, pod_id)}
+
+    async def set_rule_pod_budget(self, rule_id: str, limit: int) -> None:
+        await self._state.set_rule_pod_budget(rule_id, limit)
 
     async def update_pool_config(
         self, scope_id: str, pool_config: dict[str, int], pod_spec: dict[str, Any] | None = None

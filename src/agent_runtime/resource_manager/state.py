@@ -30,11 +30,22 @@ PODS_ALL_KEY = f"{P}resource:pods:all"
 # config the index lacks (an upgrade from a version without it, a config written by hand).
 SCOPES_KEY = f"{P}resource:scopes"
 SCOPE_CONFIG_PATTERN = f"{SCOPE_PREFIX}*:config"
+# Pod budgets (docs/spec/resource-manager.md "Pod budgets"): ZSETs of units, a registered pod
+# (score +inf) or a placeholder "{sid}:{member}" (score = its deadline), changed only by the
+# scripts that add or remove the pod or placeholder itself.
+BUDGET_PODS_KEY = f"{P}budget:pods"
+BUDGET_RULE_PREFIX = f"{P}budget:rule:"
+BUDGET_RULES_KEY = f"{P}budget:rules"  # SET: rule ids that have a units ZSET (for reconcile)
+BUDGET_LIMITS_KEY = f"{P}budget:rule_limits"  # HASH: rule id -> its pod budget (>= 1)
+DEFAULT_POD_BUDGET = 1000
 IDEM_TTL = 60
 # The jobs' reads come in slices, a round trip each, so no slice holds the loop for long
 # and no call holds Redis (single-threaded: a route waits behind it) for more than ~0.5 ms.
 BATCH = 500  # keys per MGET / SADD, members per SSCAN page (~0.3 ms in Redis)
 SCRIPT_BATCH = 200  # keys per pod_fields / read_many call (~2–3 µs each inside Redis)
+# reconcile's budget repair: a scope costs ~3 commands + 2 per pod and placeholder, a unit ~4
+FILL_BATCH = 25  # scopes per budget_fill call
+PRUNE_BATCH = 100  # units per budget_prune call
 
 
 def scope_config_key(scope_id: str) -> str:
@@ -55,6 +66,10 @@ def scope_deploying_key(scope_id: str) -> str:
 
 def scope_followers_key(scope_id: str) -> str:
     return f"{SCOPE_PREFIX}{scope_id}:deploy_followers"
+
+
+def budget_rule_pods_key(rule_id: str) -> str:
+    return f"{BUDGET_RULE_PREFIX}{rule_id}:pods"
 
 
 def pod_info_key(pod_id: str) -> str:
@@ -94,11 +109,21 @@ def _reused(request_id: str) -> RequestIdReused:
 class AcquireOutcome:
     """What the ``acquire`` script decided."""
 
-    action: str  # cached | reuse | no_config | max_reached | need_deploy
+    action: str  # cached | reuse | no_config | max_reached | budget_reached | need_deploy
     pod_id: str | None = None
     pod_sse_url: str | None = None
     deploy_ver: str | None = None
     placeholder: str | None = None
+    budget: str | None = None  # budget_reached: "global" or "rule"
+
+
+@dataclass(frozen=True, slots=True)
+class PlaceholderOutcome:
+    """What the ``placeholder`` script decided: a member, or why not."""
+
+    member: str | None
+    refused: str | None = None  # no_config | max_reached | budget_reached
+    budget: str | None = None  # budget_reached: "global" or "rule"
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +134,7 @@ class PoolConfig:
     pod_concurrency: int
     deploy_ver: str | None
     pod_spec: dict[str, Any] | None
+    budget_rule: str = ""  # the rule whose pod budget the scope's pods count against
 
 
 def _pairs(flat: list[str]) -> dict[str, str]:
@@ -127,6 +153,7 @@ def _pool_config(raw: dict[str, str]) -> PoolConfig | None:
         pod_concurrency=int(raw.get("pod_concurrency", 1)),
         deploy_ver=raw.get("deploy_ver"),
         pod_spec=_parsed_spec(spec) if spec else None,
+        budget_rule=raw.get("budget_rule", ""),
     )
 
 
@@ -141,18 +168,29 @@ def _parsed_spec(raw: str) -> dict[str, Any]:
 class ResourceState:
     """Typed operations on the resource manager's Redis keys (client with decode_responses)."""
 
-    def __init__(self, redis: Redis, *, observe: lua.ScriptObserver | None = None) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        observe: lua.ScriptObserver | None = None,
+        pod_budget: int = DEFAULT_POD_BUDGET,
+    ) -> None:
         self.redis = redis
+        self.pod_budget = pod_budget  # the installation's: pods + placeholders of all scopes
         pkg = "agent_runtime.resource_manager"
 
-        def script(name: str, prelude: str | None = None) -> Any:
+        def script(name: str, prelude: str | tuple[str, ...] | None = None) -> Any:
             return lua.register(redis, pkg, name, prelude=prelude, observe=observe)
 
-        self._acquire = script("acquire", "_placeholders")
-        self._placeholder = script("placeholder", "_placeholders")
-        self._register = script("register")
+        placeholders = ("_budget", "_placeholders")
+        self._acquire = script("acquire", placeholders)
+        self._placeholder = script("placeholder", placeholders)
+        self._drop_placeholder = script("drop_placeholder", "_budget")
+        self._register = script("register", "_budget")
         self._release = script("release")
-        self._purge = script("purge")
+        self._purge = script("purge", "_budget")
+        self._budget_fill = script("budget_fill", "_budget")
+        self._budget_prune = script("budget_prune", "_budget")
         self._follower_gate = script("deploy_follower_gate")
         self._pod_fields = script("pod_fields")
         self._read_many_script = script("read_many")
@@ -213,8 +251,17 @@ class ResourceState:
     # --- scripts -------------------------------------------------------------------------------
 
     async def acquire(
-        self, scope_id: str, request_id: str, token: str, placeholder_ttl: int
+        self,
+        scope_id: str,
+        request_id: str,
+        token: str,
+        placeholder_ttl: int,
+        *,
+        rule_id: str = "",
+        rule_pod_budget: int = 0,
     ) -> AcquireOutcome:
+        """``rule_id``: the rule the scope resolves through now (its units follow it there);
+        ``rule_pod_budget``: that rule's budget, 0 = unbounded."""
         reply = await self._acquire(
             keys=[
                 scope_config_key(scope_id),
@@ -222,8 +269,21 @@ class ResourceState:
                 scope_pods_key(scope_id),
                 scope_deploying_key(scope_id),
                 idem_key(request_id),
+                BUDGET_PODS_KEY,
+                BUDGET_RULES_KEY,
+                BUDGET_LIMITS_KEY,
             ],
-            args=[POD_PREFIX, token, placeholder_ttl, IDEM_TTL, scope_id],
+            args=[
+                POD_PREFIX,
+                token,
+                placeholder_ttl,
+                IDEM_TTL,
+                scope_id,
+                BUDGET_RULE_PREFIX,
+                rule_id,
+                rule_pod_budget,
+                self.pod_budget,
+            ],
         )
         action = reply[0]
         if action == "reused":
@@ -237,29 +297,94 @@ class ResourceState:
             return AcquireOutcome("reuse", reply[1], reply[2], reply[3])
         if action == "need_deploy":
             return AcquireOutcome("need_deploy", placeholder=reply[1])
+        if action == "budget_reached":
+            return AcquireOutcome("budget_reached", budget=reply[1])
         return AcquireOutcome(action)
 
     async def add_placeholder(self, scope_id: str, token: str, placeholder_ttl: int) -> str | None:
-        member = await self._placeholder(
+        """The placeholder member, or None (no config, max_pods or a pod budget reached)."""
+        return (await self.try_placeholder(scope_id, token, placeholder_ttl)).member
+
+    async def try_placeholder(
+        self, scope_id: str, token: str, placeholder_ttl: int
+    ) -> PlaceholderOutcome:
+        reply = await self._placeholder(
             keys=[
                 scope_config_key(scope_id),
                 scope_pods_key(scope_id),
                 scope_deploying_key(scope_id),
+                BUDGET_PODS_KEY,
+                BUDGET_RULES_KEY,
+                BUDGET_LIMITS_KEY,
             ],
-            args=[token, placeholder_ttl],
+            args=[token, placeholder_ttl, scope_id, BUDGET_RULE_PREFIX, self.pod_budget],
         )
-        return cast(str | None, member or None)
+        if reply[0] == "ok":
+            return PlaceholderOutcome(reply[1])
+        return PlaceholderOutcome(None, reply[0], reply[1] if len(reply) > 1 else None)
 
     async def drop_placeholder(self, scope_id: str, member: str) -> None:
-        await self.redis.srem(scope_deploying_key(scope_id), member)
+        """Give back a placeholder and its budget units (idempotent)."""
+        await self._drop_placeholders(scope_id, "member", member)
 
     async def drop_placeholders_of(self, scope_id: str, token: str) -> int:
         """Placeholders taken with ``token`` (members ``{token}@{deadline}``), for a caller
         that never saw the member (its reply was lost). The set is small (≤ max_pods)."""
-        key = scope_deploying_key(scope_id)
-        members = cast(set[str], await self.redis.smembers(key))
-        mine = [m for m in members if m.rpartition("@")[0] == token]
-        return int(await self.redis.srem(key, *mine)) if mine else 0
+        return await self._drop_placeholders(scope_id, "token", token)
+
+    async def _drop_placeholders(self, scope_id: str, mode: str, value: str) -> int:
+        dropped = await self._drop_placeholder(
+            keys=[scope_config_key(scope_id), scope_deploying_key(scope_id), BUDGET_PODS_KEY],
+            args=[scope_id, BUDGET_RULE_PREFIX, mode, value],
+        )
+        return int(dropped)
+
+    # --- pod budgets ---------------------------------------------------------------------------
+
+    async def set_rule_pod_budget(self, rule_id: str, limit: int) -> None:
+        """A rule's pod budget as config_sync wrote it (0 = unbounded: the limit is dropped)."""
+        if limit > 0:
+            await self.redis.hset(BUDGET_LIMITS_KEY, rule_id, str(limit))
+        else:
+            await self.redis.hdel(BUDGET_LIMITS_KEY, rule_id)
+
+    async def budget_used(self, rule_id: str | None = None) -> int:
+        """Live units of the global budget (or of a rule's): pods + unexpired placeholders."""
+        key = BUDGET_PODS_KEY if rule_id is None else budget_rule_pods_key(rule_id)
+        seconds, _ = await self.redis.time()
+        return int(await self.redis.zcount(key, seconds, "+inf"))
+
+    async def repair_budgets(self) -> tuple[int, int]:
+        """Reconcile's repair of the budgets from the pools (which reconcile keeps equal to
+        Kubernetes): missing units added, stale ones dropped, each checked inside a script;
+        returns (added, dropped). O(pods + scopes), in slices (FILL_BATCH, PRUNE_BATCH)."""
+        added = 0
+        scopes = await self.scopes_with_config()
+        for i in range(0, len(scopes), FILL_BATCH):
+            chunk = scopes[i : i + FILL_BATCH]
+            added += int(
+                await self._budget_fill(
+                    keys=[BUDGET_PODS_KEY, BUDGET_RULES_KEY],
+                    args=[SCOPE_PREFIX, BUDGET_RULE_PREFIX, *chunk],
+                )
+            )
+        dropped = await self._prune(BUDGET_PODS_KEY, "")
+        rules = [r async for r in self.redis.sscan_iter(BUDGET_RULES_KEY, count=BATCH)]
+        for rule_id in rules:
+            dropped += await self._prune(budget_rule_pods_key(rule_id), rule_id)
+        return added, dropped
+
+    async def _prune(self, key: str, rule_id: str) -> int:
+        units = [u async for u, _ in self.redis.zscan_iter(key, count=BATCH)]
+        dropped = 0
+        for i in range(0, max(len(units), 1), PRUNE_BATCH):  # once even when empty
+            dropped += int(
+                await self._budget_prune(
+                    keys=[key, PODS_ALL_KEY, BUDGET_RULES_KEY],
+                    args=[rule_id, SCOPE_PREFIX, POD_PREFIX, *units[i : i + PRUNE_BATCH]],
+                )
+            )
+        return dropped
 
     async def release_lock_of(self, lock: Lock, token: str) -> bool:
         """Compare-and-delete ``lock`` if it holds ``token`` (redis-py's own release script),
@@ -289,6 +414,9 @@ class ResourceState:
                 scope_deploying_key(scope_id),
                 scope_idle_key(scope_id),
                 pod_idle_since_key(pod_id),
+                scope_config_key(scope_id),
+                BUDGET_PODS_KEY,
+                BUDGET_RULES_KEY,
             ],
             args=[
                 pod_id,
@@ -299,6 +427,7 @@ class ResourceState:
                 namespace,
                 deploy_ver,
                 "1" if warm else "0",
+                BUDGET_RULE_PREFIX,
             ],
         )
         return bool(held)
@@ -322,8 +451,9 @@ class ResourceState:
                 pod_idle_since_key(pod_id),
                 pod_health_fails_key(pod_id),
                 PODS_ALL_KEY,
+                BUDGET_PODS_KEY,
             ],
-            args=[pod_id, SCOPE_PREFIX],
+            args=[pod_id, SCOPE_PREFIX, BUDGET_RULE_PREFIX],
         )
         return cast(str | None, scope or None)
 

@@ -78,18 +78,25 @@ class ResourceSweeper:
         }
         warm_of = await self._current_idle(configs)
         deploying = await self._state.deploying_of(list(configs))
+        spent_rules: set[str] = set()  # rules whose pod budget refused this tick
         for scope_id, config in configs.items():
             assert config.pod_spec is not None
+            if config.budget_rule and config.budget_rule in spent_rules:
+                continue
             in_flight = sum(1 for m in deploying[scope_id] if m.startswith(WARM_TOKEN_PREFIX))
             for _ in range(config.min_idle_pods - len(warm_of[scope_id]) - in_flight):
                 if len(self._warm_deploys) >= MAX_WARM_DEPLOYS:
                     return started
                 ttl = math.ceil(float(config.pod_spec.get("ready_timeout") or 300)) + LOCK_MARGIN
                 token = f"{WARM_TOKEN_PREFIX}{uuid.uuid4().hex}"
-                placeholder = await self._state.add_placeholder(scope_id, token, ttl)
-                if placeholder is None:
-                    break  # at max_pods
-                self._spawn_warm_deploy(scope_id, config.pod_spec, placeholder)
+                outcome = await self._state.try_placeholder(scope_id, token, ttl)
+                if outcome.budget == "global":
+                    return started  # the installation's pod budget: no scope may grow now
+                if outcome.budget == "rule":
+                    spent_rules.add(config.budget_rule)
+                if outcome.member is None:
+                    break  # at max_pods or its rule's budget
+                self._spawn_warm_deploy(scope_id, config.pod_spec, outcome.member)
                 started += 1
         return started
 
@@ -288,6 +295,10 @@ class ResourceSweeper:
                     with contextlib.suppress(Exception):
                         await self._k8s.delete(status.pod_id, status.namespace)
                     counts["deleted"] += 1
+        # last: the pools now match Kubernetes, and the budgets are made to match the pools
+        added, dropped = await self._state.repair_budgets()
+        if added or dropped:
+            log.warning("pod budgets drifted: %d units added, %d dropped", added, dropped)
         return counts
 
     async def _recheck(self, status: PodStatus) -> PodStatus | None:

@@ -39,6 +39,7 @@ class Snapshot:
 
     templates: dict[str, TemplateItem] = field(default_factory=dict)
     rules: dict[RuleKey, str] = field(default_factory=dict)
+    pod_budgets: dict[RuleKey, int | None] = field(default_factory=dict)  # each rule's own
 
     def resolve(self, group_id: str, bot_id: str) -> TemplateItem | None:
         """The template a scope runs on, or None (no rule, or its template is disabled)."""
@@ -67,12 +68,20 @@ def _template_to_row(item: TemplateItem) -> dict[str, Any]:
 # --- reads -------------------------------------------------------------------------------------
 
 
-def match(conn: Connection, group_id: str, bot_id: str) -> TemplateItem | None:
+@dataclass(frozen=True)
+class Match:
+    """What a scope resolves to: the template, and the rule that chose it."""
+
+    template: TemplateItem
+    rule: RoutingRuleItem
+
+
+def match(conn: Connection, group_id: str, bot_id: str) -> Match | None:
     """Resolve one scope with one query: the up-to-4 candidate rules joined with templates."""
     t, r = service_config_template, routing_rule
     rows = (
         conn.execute(
-            select(r.c.group_id, r.c.bot_id, t)
+            select(r.c.group_id, r.c.bot_id, r.c.pod_budget, t)
             .select_from(r.join(t, r.c.template_id == t.c.template_id, isouter=True))
             .where(r.c.group_id.in_((group_id, WILDCARD)), r.c.bot_id.in_((bot_id, WILDCARD)))
         )
@@ -83,7 +92,15 @@ def match(conn: Connection, group_id: str, bot_id: str) -> TemplateItem | None:
     if row is None or row["template_id"] is None:  # no rule, or it names a missing template
         return None
     template = _template_from_row({k: row[k] for k in t.c.keys()})  # noqa: SIM118
-    return template if template.enabled else None
+    if not template.enabled:
+        return None
+    rule = RoutingRuleItem(
+        group_id=row["group_id"],
+        bot_id=row["bot_id"],
+        template_id=template.template_id,
+        pod_budget=row["pod_budget"],
+    )
+    return Match(template, rule)
 
 
 def load_snapshot(conn: Connection) -> Snapshot:
@@ -91,10 +108,12 @@ def load_snapshot(conn: Connection) -> Snapshot:
     for row in conn.execute(select(service_config_template)).mappings():
         item = _template_from_row(row)
         snap.templates[item.template_id] = item
-    for g, b, tid in conn.execute(
-        select(routing_rule.c.group_id, routing_rule.c.bot_id, routing_rule.c.template_id)
+    r = routing_rule
+    for g, b, tid, budget in conn.execute(
+        select(r.c.group_id, r.c.bot_id, r.c.template_id, r.c.pod_budget)
     ):
         snap.rules[(g, b)] = tid
+        snap.pod_budgets[(g, b)] = budget
     return snap
 
 
@@ -120,14 +139,15 @@ def rules_using(conn: Connection, template_id: str) -> int:
 
 
 def get_rule(conn: Connection, group_id: str, bot_id: str) -> RoutingRuleItem | None:
+    r = routing_rule
     row = conn.execute(
-        select(routing_rule.c.group_id, routing_rule.c.bot_id, routing_rule.c.template_id).where(
-            and_(routing_rule.c.group_id == group_id, routing_rule.c.bot_id == bot_id)
+        select(r.c.group_id, r.c.bot_id, r.c.template_id, r.c.pod_budget).where(
+            and_(r.c.group_id == group_id, r.c.bot_id == bot_id)
         )
     ).first()
     if row is None:
         return None
-    return RoutingRuleItem(group_id=row[0], bot_id=row[1], template_id=row[2])
+    return RoutingRuleItem(group_id=row[0], bot_id=row[1], template_id=row[2], pod_budget=row[3])
 
 
 def count_rows(conn: Connection) -> tuple[int, int]:
@@ -161,13 +181,16 @@ def put_rule(conn: Connection, item: RoutingRuleItem, *, exists: bool) -> None:
         conn.execute(
             update(r)
             .where(and_(r.c.group_id == item.group_id, r.c.bot_id == item.bot_id))
-            .values(template_id=item.template_id, updated_at=func.now())
+            .values(template_id=item.template_id, pod_budget=item.pod_budget, updated_at=func.now())
         )
     else:
         _insert(
             conn,
             insert(r).values(
-                group_id=item.group_id, bot_id=item.bot_id, template_id=item.template_id
+                group_id=item.group_id,
+                bot_id=item.bot_id,
+                template_id=item.template_id,
+                pod_budget=item.pod_budget,
             ),
             f"routing rule ({item.group_id!r}, {item.bot_id!r}) already exists",
         )

@@ -44,6 +44,7 @@ from agent_runtime.session_manager.models import (
 from agent_runtime.session_manager.state import SessionState
 from agent_runtime.single_flight import SingleFlight
 from agent_runtime.spec_fields import classify_change, clear_env_values
+from agent_runtime.util import rule_id_of
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,10 @@ class Plan:
     write: Any  # Callable[[Connection], None]
     scopes: list[ScopeChange]
     drop_all_caches: bool
+    # a routing_rule plan: the rule (group_id, bot_id) and its item after the write (None:
+    # deleted), for its pod budget in the resource manager
+    rule_key: tuple[str, str] | None = None
+    rule_after: RoutingRuleItem | None = None
 
 
 class ConfigStore:
@@ -93,6 +98,7 @@ class ConfigStore:
         clusters: frozenset[str] = frozenset(),
         namespaces: frozenset[str] | None = None,
         default_namespace: str = "default",
+        wildcard_rule_pod_budget: int = 100,
     ) -> None:
         """``clusters``: the names a template's ``kubeconfig`` may hold; ``namespaces``: where a
         template may deploy (None: anywhere; the wiring passes the settings' allow-list)."""
@@ -102,6 +108,7 @@ class ConfigStore:
         self._clusters = clusters
         self._namespaces = namespaces
         self._default_namespace = default_namespace
+        self._wildcard_budget = wildcard_rule_pod_budget
         # scope → the DB load running for it: a cold burst of one scope reads the DB once
         self._loading: SingleFlight[str, ScopeConfig] = SingleFlight()
 
@@ -116,20 +123,31 @@ class ConfigStore:
                 config = ScopeConfig.from_hash(scope_id, cached)
             except (KeyError, ValueError):
                 log.warning("resolve cache of scope %s is malformed; reloading", scope_id)
-        if config is None:
-            config = await self._loading.run(
-                scope_id, lambda: self._load(scope_id, group_id, bot_id)
-            )
+            else:
+                if config.rule_id is not None:
+                    logs.add_secret_values(clear_env_values(config.pod_spec))  # masked in logs
+                    return config
+                # written without the scope → rule link (config_sync's version change, an
+                # older replica): the DB says which rule, and so which pod budget
+        config = await self._loading.run(scope_id, lambda: self._load(scope_id, group_id, bot_id))
         logs.add_secret_values(clear_env_values(config.pod_spec))  # masked in log lines
         return config
 
     async def _load(self, scope_id: str, group_id: str, bot_id: str) -> ScopeConfig:
         """One DB read for the scope, then the cache filled (unless a config change came)."""
         generation = await self._state.config_generation()
-        template = await self._db.read(lambda conn: repo.match(conn, group_id, bot_id))
-        if template is None:
+        found = await self._db.read(lambda conn: repo.match(conn, group_id, bot_id))
+        if found is None:
             raise ConfigNotFound(f"no enabled template for group_id={group_id!r} bot_id={bot_id!r}")
-        config = ScopeConfig.of(scope_id, group_id, bot_id, template)
+        rule = found.rule
+        config = ScopeConfig.of(
+            scope_id,
+            group_id,
+            bot_id,
+            found.template,
+            rule_id=rule_id_of(rule.group_id, rule.bot_id),
+            rule_pod_budget=rule.effective_pod_budget(self._wildcard_budget),
+        )
         await self._state.fill_scope_config(
             scope_id, group_id, bot_id, config.to_hash(), generation
         )
@@ -223,6 +241,10 @@ class ConfigStore:
         await self._state.bump_config_generation()
         if plan.drop_all_caches:
             await self._state.drop_all_scope_configs()
+        if plan.rule_key is not None:  # the rule's pod budget, for scopes that do not route
+            after = plan.rule_after  # None: deleted, its limit goes
+            limit = after.effective_pod_budget(self._wildcard_budget) if after else 0
+            await self._resources.set_rule_pod_budget(rule_id_of(*plan.rule_key), limit)
         for change in plan.scopes:
             await self._apply(change)
         return len(plan.scopes)
@@ -328,6 +350,7 @@ def _plan_rule(op: str, parsed: Any, snap: Snapshot, known: dict[str, tuple[str,
     key = (parsed.group_id, parsed.bot_id)
     rule_id = f"{parsed.group_id}/{parsed.bot_id}"
     current = snap.rules.get(key)
+    current_budget = snap.pod_budgets.get(key)
     after = Snapshot(templates=snap.templates, rules=dict(snap.rules))
     if op == "delete":
         if current is None:
@@ -346,12 +369,19 @@ def _plan_rule(op: str, parsed: Any, snap: Snapshot, known: dict[str, tuple[str,
         exists = current is not None
         write = lambda conn: repo.put_rule(conn, parsed, exists=exists)  # noqa: E731
     scopes = _scope_changes(known, snap, after, always=set())
+    rule_after = None if op == "delete" else parsed
+    same = current == after.rules.get(key) and (
+        rule_after is None or current_budget == rule_after.pod_budget
+    )
     change_class = max(
         (_scope_class(c) for c in scopes),
         key=_CLASS_RANK.__getitem__,
-        default="none" if current == after.rules.get(key) else "policy",
+        default="none" if same else "policy",
     )
-    return Plan("routing_rule", op, rule_id, change_class, write, scopes, True)
+    return Plan(
+        "routing_rule", op, rule_id, change_class, write, scopes, True,
+        rule_key=key, rule_after=rule_after,
+    )  # fmt: skip
 
 
 def _scope_class(change: ScopeChange) -> str:

@@ -45,6 +45,8 @@ _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 POD_NAME_MAX = 63 - 17
 MAX_CONCURRENCY = 100_000
 MAX_TTL = 30 * 24 * 3600
+MAX_POD_BUDGET = 1_000_000
+WILDCARD = "*"
 
 
 def _dns_label(value: str) -> str:
@@ -283,13 +285,28 @@ class TemplateItem(BaseModel):
 
 
 class RoutingRuleItem(BaseModel):
-    """``(group_id, bot_id) → template_id``; ``*`` is a wildcard on either side."""
+    """``(group_id, bot_id) → template_id``; ``*`` is a wildcard on either side.
+
+    ``pod_budget``: how many pods (deploys in flight included) the scopes this rule resolves
+    may have together; null = the default (``AGENT_RUNTIME_WILDCARD_RULE_POD_BUDGET`` for a
+    rule with a ``*``, unbounded for an exact one: its scope's max_pods bounds it)."""
 
     model_config = _STRICT
 
     group_id: Id
     bot_id: Id
     template_id: Id
+    pod_budget: Annotated[int, Field(ge=1, le=MAX_POD_BUDGET)] | None = None
+
+    @property
+    def wildcard(self) -> bool:
+        return WILDCARD in (self.group_id, self.bot_id)
+
+    def effective_pod_budget(self, wildcard_default: int) -> int:
+        """The budget that applies (0 = unbounded)."""
+        if self.pod_budget is not None:
+            return self.pod_budget
+        return wildcard_default if self.wildcard else 0
 
 
 class TemplateKey(BaseModel):
@@ -538,9 +555,23 @@ class ScopeConfig:
     min_idle_pods: int
     deploy_ver: str
     pod_spec: dict[str, Any]
+    # the scope → rule link: the rule it resolved through (md5 of its group_id NUL bot_id) and
+    # that rule's pod budget (0 = unbounded); None = not known (a cache written by config_sync
+    # or by a version without budgets: resolve reads the DB again)
+    rule_id: str | None = None
+    rule_pod_budget: int = 0
 
     @classmethod
-    def of(cls, scope_id: str, group_id: str, bot_id: str, template: TemplateItem) -> ScopeConfig:
+    def of(
+        cls,
+        scope_id: str,
+        group_id: str,
+        bot_id: str,
+        template: TemplateItem,
+        *,
+        rule_id: str | None = None,
+        rule_pod_budget: int = 0,
+    ) -> ScopeConfig:
         return cls(
             scope_id=scope_id,
             group_id=group_id,
@@ -554,10 +585,17 @@ class ScopeConfig:
             min_idle_pods=template.min_idle_pods,
             deploy_ver=template.deploy_ver(),
             pod_spec=template.pod_spec(),
+            rule_id=rule_id,
+            rule_pod_budget=rule_pod_budget,
         )
 
     def to_hash(self) -> dict[str, str]:
-        return {
+        rule = (
+            {"rule_id": self.rule_id, "rule_pod_budget": str(self.rule_pod_budget)}
+            if self.rule_id is not None
+            else {}
+        )
+        return rule | {
             "group_id": self.group_id,
             "bot_id": self.bot_id,
             "template_id": self.template_id,
@@ -586,6 +624,8 @@ class ScopeConfig:
             min_idle_pods=int(h["min_idle_pods"]),
             deploy_ver=h["deploy_ver"],
             pod_spec=json.loads(h["pod_spec_json"]),
+            rule_id=h.get("rule_id"),
+            rule_pod_budget=int(h.get("rule_pod_budget") or 0),
         )
 
     def pool_config(self) -> dict[str, int]:

@@ -40,6 +40,7 @@ from agent_runtime.resource_manager.facade import (
     DeployFailed,
     DeployInProgress,
     MaxPodsReached,
+    PodBudgetReached,
     ResourceManagerFacade,
 )
 from agent_runtime.session_manager.config_store import ConfigStore
@@ -280,6 +281,8 @@ class _Route:
                 config.pool_config(),
                 f"{self.request_id}:{self.token[:8]}:{attempt}",
                 on_ready=self._make_candidate,
+                rule_id=config.rule_id or "",
+                rule_pod_budget=config.rule_pod_budget,
             )
         except DeployInProgress:
             return False
@@ -290,6 +293,11 @@ class _Route:
                 "route %s: deploy for scope %s failed: %s", self.request_id, self.scope_id, exc
             )
             raise NoPodAvailable(NO_POD_DEPLOY_FAILED) from None
+        except PodBudgetReached as exc:
+            # at once: nothing is on its way (no grace as for max_pods); the gateway hears only
+            # that a budget is reached, the log says which
+            log.info("scope %s: %s (rule %s)", self.scope_id, exc, config.rule_id)
+            raise NoPodAvailable("no pod can be had now: a pod budget is reached") from None
         registered = await self.o._state.register_pod(
             self.scope_id, pod["pod_id"], pod["pod_sse_url"], pod.get("deploy_ver", "")
         )

@@ -1,16 +1,19 @@
--- Shared by acquire.lua and placeholder.lua (prepended when the scripts are loaded).
--- A placeholder is "{token}@{deadline}" in resource:scope:{sid}:deploying: a deployer that
--- crashed leaves one behind, and it stops counting against max_pods at its deadline.
+-- Shared by acquire.lua and placeholder.lua (prepended when the scripts are loaded, after
+-- _budget.lua). A placeholder is "{token}@{deadline}" in resource:scope:{sid}:deploying: a
+-- deployer that crashed leaves one behind, and it stops counting against max_pods (and the
+-- pod budgets) at its deadline.
 
--- Drop expired placeholders (the caller's own too: an expired one no longer reserves a slot);
--- return the unexpired member already holding `token` (a re-sent call), or nil.
-local function sweep_placeholders(key, token, now)
+-- Drop expired placeholders (the caller's own too: an expired one no longer reserves a slot)
+-- with their budget units; return the unexpired member already holding `token` (a re-sent
+-- call), or nil.
+local function sweep_placeholders(key, token, now, sid, global, rule_key)
   local mine = nil
   for _, member in ipairs(redis.call('SMEMBERS', key)) do
     local at = string.find(member, '@[^@]*$')
     local deadline = at and tonumber(string.sub(member, at + 1)) or 0
     if deadline < now then
       redis.call('SREM', key, member)
+      budget_remove(global, rule_key, sid .. ':' .. member)
     elseif string.sub(member, 1, at - 1) == token then
       mine = member
     end
@@ -18,8 +21,18 @@ local function sweep_placeholders(key, token, now)
   return mine
 end
 
-local function add_placeholder(key, token, now, lifetime)
+-- 'global' or 'rule' when a new unit would exceed that budget (limit 0: no rule budget)
+local function budget_refusal(global, global_limit, rule_key, rule_limit, now)
+  if budget_count(global, now) >= global_limit then return 'global' end
+  if rule_key and rule_limit > 0 and budget_count(rule_key, now) >= rule_limit then
+    return 'rule'
+  end
+  return nil
+end
+
+local function add_placeholder(key, token, now, lifetime, sid, global, rule_key, index, rule)
   local member = token .. '@' .. tostring(now + lifetime)
   redis.call('SADD', key, member)
+  budget_add(global, rule_key, index, rule, sid .. ':' .. member, now + lifetime)
   return member
 end

@@ -1,16 +1,26 @@
--- acquire (uses _placeholders.lua): hand out a warm pod of the scope's current version, or reserve a deploy slot.
+-- acquire (uses _budget.lua, _placeholders.lua): hand out a warm pod of the scope's current
+-- version, or reserve a deploy slot within max_pods and the pod budgets.
 --
--- KEYS[1] resource:scope:{sid}:config     HASH  (deploy_ver, max_pods)
+-- KEYS[1] resource:scope:{sid}:config     HASH  (deploy_ver, max_pods, budget_rule)
 -- KEYS[2] resource:scope:{sid}:idle       SET   warm pool
 -- KEYS[3] resource:scope:{sid}:pods       ZSET  every pod of the scope
 -- KEYS[4] resource:scope:{sid}:deploying  SET   placeholders "{token}@{deadline}"
 -- KEYS[5] idem:{request_id}               STRING cached acquire result (JSON, with its scope_id)
+-- KEYS[6] budget:pods                     ZSET  every budget unit (see _budget.lua)
+-- KEYS[7] budget:rules                    SET   rule ids that have a units ZSET
+-- KEYS[8] budget:rule_limits              HASH  rule id -> pod budget
 -- ARGV[1] pod key prefix, e.g. "resource_manager:resource:pod:" (derives {prefix}{pod}:info
---         and {prefix}{pod}:idle_since for the warm pods: the only derived keys)
+--         and {prefix}{pod}:idle_since for the warm pods)
 -- ARGV[2] placeholder token (unique per attempt; the same token on a re-sent call)
 -- ARGV[3] placeholder lifetime in seconds (ready_timeout + margin)
 -- ARGV[4] idem TTL in seconds
 -- ARGV[5] scope_id: a cached result replays only for the scope it was acquired for
+-- ARGV[6] rule budget prefix "resource_manager:budget:rule:" (derives {prefix}{rule}:pods of
+--         the scope's old and new rule: the other derived keys)
+-- ARGV[7] rule id the scope resolves through now ("" = none): the scope's link is set to it
+--         and its units move along when it changes
+-- ARGV[8] that rule's pod budget (0 = unbounded), refreshed into KEYS[8]
+-- ARGV[9] the installation's pod budget
 --
 -- returns {"cached", json}                 this request already got a pod (replay)
 --         {"reused"}                       the request_id got a pod of another scope: nothing
@@ -18,10 +28,12 @@
 --         {"reuse", pod_id, pod_sse_url, deploy_ver}   a warm pod left the pool, now in use
 --         {"no_config"}                    the scope has no pool config yet
 --         {"max_reached"}                  ZCARD pods + SCARD deploying >= max_pods
+--         {"budget_reached", "global"|"rule"}  a new pod would exceed that pod budget
 --         {"need_deploy", member}          a placeholder was added (or already was: replay)
 --
--- invariant: ZCARD pods + SCARD deploying <= max_pods after every call; expired placeholders
--- (a crashed deployer) are dropped before counting, so a crash never lowers the cap for good.
+-- invariant: ZCARD pods + SCARD deploying <= max_pods, and a new placeholder only while each
+-- budget's live units < its limit; expired placeholders (a crashed deployer) are dropped
+-- before counting, so a crash never lowers the cap or a budget for good.
 local cached = redis.call('GET', KEYS[5])
 if cached then
   -- a result without a scope_id (written before results were bound) replays as it did
@@ -32,8 +44,24 @@ if cached then
 end
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'no_config'} end
 
+local sid, prefix, rule = ARGV[5], ARGV[6], ARGV[7]
+local rule_limit, global_limit = tonumber(ARGV[8]), tonumber(ARGV[9])
 local now = tonumber(redis.call('TIME')[1])
-local mine = sweep_placeholders(KEYS[4], ARGV[2], now)
+local linked = redis.call('HGET', KEYS[1], 'budget_rule') or ''
+local mine = sweep_placeholders(KEYS[4], ARGV[2], now, sid, KEYS[6],
+  rule_budget_key(prefix, linked))
+local rule_key = rule_budget_key(prefix, rule)
+if linked ~= rule then
+  budget_move(sid, KEYS[3], KEYS[4], rule_budget_key(prefix, linked), rule_key, KEYS[7], rule)
+  redis.call('HSET', KEYS[1], 'budget_rule', rule)
+end
+if rule ~= '' then
+  if rule_limit > 0 then
+    redis.call('HSET', KEYS[8], rule, rule_limit)
+  else
+    redis.call('HDEL', KEYS[8], rule)
+  end
+end
 if mine then return {'need_deploy', mine} end
 
 -- a config without deploy_ver matches no pod (HGET of a missing field is false on both sides)
@@ -61,4 +89,7 @@ local max_pods = tonumber(redis.call('HGET', KEYS[1], 'max_pods') or '0')
 if redis.call('ZCARD', KEYS[3]) + redis.call('SCARD', KEYS[4]) >= max_pods then
   return {'max_reached'}
 end
-return {'need_deploy', add_placeholder(KEYS[4], ARGV[2], now, tonumber(ARGV[3]))}
+local refused = budget_refusal(KEYS[6], global_limit, rule_key, rule_limit, now)
+if refused then return {'budget_reached', refused} end
+return {'need_deploy', add_placeholder(KEYS[4], ARGV[2], now, tonumber(ARGV[3]), sid, KEYS[6],
+  rule_key, KEYS[7], rule)}

@@ -1,12 +1,15 @@
--- purge: forget a pod: every resource_manager key of it, and its place in its scope's pool.
+-- purge (uses _budget.lua): forget a pod: every resource_manager key of it, its place in its
+-- scope's pool, and its budget units (the budget unit given back).
 --
 -- KEYS[1] resource:pod:{pod}:info          HASH (scope_id)
 -- KEYS[2] resource:pod:{pod}:idle_since    STRING
 -- KEYS[3] resource:pod:{pod}:health_fails  STRING
 -- KEYS[4] resource:pods:all                SET
+-- KEYS[5] budget:pods                      ZSET every budget unit
 -- ARGV[1] pod_id
 -- ARGV[2] scope key prefix, e.g. "resource_manager:resource:scope:" (derives
---         {prefix}{sid}:pods and {prefix}{sid}:idle from the pod's scope_id)
+--         {prefix}{sid}:pods, {prefix}{sid}:idle and {prefix}{sid}:config from the pod's scope_id)
+-- ARGV[3] rule budget prefix (derives {prefix}{budget_rule}:pods of the scope's linked rule)
 --
 -- returns the pod's scope_id, or false if the pod was unknown (already purged)
 --
@@ -14,7 +17,10 @@
 local scope = redis.call('HGET', KEYS[1], 'scope_id')
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
 redis.call('SREM', KEYS[4], ARGV[1])
+redis.call('ZREM', KEYS[5], ARGV[1])
 if not scope then return false end
+local rule = redis.call('HGET', ARGV[2] .. scope .. ':config', 'budget_rule')
+budget_remove(KEYS[5], rule_budget_key(ARGV[3], rule), ARGV[1])
 redis.call('ZREM', ARGV[2] .. scope .. ':pods', ARGV[1])
 redis.call('SREM', ARGV[2] .. scope .. ':idle', ARGV[1])
 return scope

@@ -1,4 +1,5 @@
--- register: a deployed pod joins the scope's pool and gives back its placeholder.
+-- register (uses _budget.lua): a deployed pod joins the scope's pool and gives back its
+-- placeholder; its budget unit becomes the pod's.
 --
 -- KEYS[1] resource:pod:{pod}:info           HASH
 -- KEYS[2] resource:scope:{sid}:pods         ZSET  score = registration time (Redis, µs)
@@ -6,16 +7,21 @@
 -- KEYS[4] resource:scope:{sid}:deploying    SET
 -- KEYS[5] resource:scope:{sid}:idle         SET
 -- KEYS[6] resource:pod:{pod}:idle_since     STRING
+-- KEYS[7] resource:scope:{sid}:config       HASH  (budget_rule: the rule whose budget counts it)
+-- KEYS[8] budget:pods                       ZSET  every budget unit
+-- KEYS[9] budget:rules                      SET   rule ids that have a units ZSET
 -- ARGV[1] pod_id      ARGV[2] placeholder member ("" if none)
 -- ARGV[3] scope_id    ARGV[4] pod_sse_url   ARGV[5] pod_ip   ARGV[6] namespace
 -- ARGV[7] deploy_ver  ARGV[8] "1" = warm (straight into the idle pool), "0" = in use
+-- ARGV[9] rule budget prefix (derives {prefix}{budget_rule}:pods)
 --
 -- returns 1 if the placeholder was held (still unexpired when the pod was first registered),
 -- 0 if it had expired or none was given (the pod is registered anyway: it exists in Kubernetes
 -- and an untracked pod would leak). A re-sent call returns the same answer: the placeholder's
 -- deadline is compared with the pod's first created_ts, not with whether it is still there.
 --
--- invariant: a registered pod is in info + scope pods + pods:all together; replay-safe
+-- invariant: a registered pod is in info + scope pods + pods:all + its budgets together (a pod
+-- that exists is counted even past a budget: the budgets only refuse new deploys); replay-safe
 -- (created_ts, score, phase, idle and idle_since keep their first values: only the first
 -- registration puts a warm pod into the pool, so a re-sent call never puts back a pod that an
 -- acquire or reclaim has taken out of it meanwhile).
@@ -31,9 +37,13 @@ if first then
 end
 redis.call('ZADD', KEYS[2], 'NX', now, ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[1])
+local rule = redis.call('HGET', KEYS[7], 'budget_rule') or ''
+local rule_key = rule_budget_key(ARGV[9], rule)
+budget_add(KEYS[8], rule_key, KEYS[9], rule, ARGV[1], '+inf')
 local held = 0
 if ARGV[2] ~= '' then
   local removed = redis.call('SREM', KEYS[4], ARGV[2])
+  budget_remove(KEYS[8], rule_key, ARGV[3] .. ':' .. ARGV[2])
   local at = string.find(ARGV[2], '@[^@]*$')
   local deadline = at and tonumber(string.sub(ARGV[2], at + 1)) or 0
   -- whole seconds, as the sweep: a placeholder still holds during its deadline second

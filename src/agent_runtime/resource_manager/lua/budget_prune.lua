@@ -1,0 +1,37 @@
+-- budget_prune (uses _budget.lua): reconcile's repair, the other direction: drop units of one
+-- budget that stand for nothing (a pod no longer registered, a placeholder given back or
+-- expired, a unit of a scope now linked to another rule), each checked here, atomically.
+--
+-- KEYS[1] the budget: budget:pods, or budget:rule:{rule_id}:pods
+-- KEYS[2] resource:pods:all   SET
+-- KEYS[3] budget:rules        SET  rule ids that have a units ZSET
+-- ARGV[1] rule id of KEYS[1] ("" for the global budget)
+-- ARGV[2] scope key prefix (derives {prefix}{sid}:config, :pods, :deploying)
+-- ARGV[3] pod key prefix (derives {prefix}{pod}:info for the pod's scope)
+-- ARGV[4 ..] units read from KEYS[1] (at most a few hundred a call)
+--
+-- returns how many units were dropped; a rule whose ZSET is left empty leaves the index
+local rule = ARGV[1]
+local now = tonumber(redis.call('TIME')[1])
+local function linked(sid)
+  return rule == '' or redis.call('HGET', ARGV[2] .. sid .. ':config', 'budget_rule') == rule
+end
+local dropped = 0
+for i = 4, #ARGV do
+  local unit = ARGV[i]
+  local colon = string.find(unit, ':', 1, true)
+  local valid
+  if colon then
+    local sid, member = string.sub(unit, 1, colon - 1), string.sub(unit, colon + 1)
+    valid = placeholder_deadline(member) >= now
+      and redis.call('SISMEMBER', ARGV[2] .. sid .. ':deploying', member) == 1 and linked(sid)
+  else
+    local sid = redis.call('HGET', ARGV[3] .. unit .. ':info', 'scope_id')
+    valid = redis.call('SISMEMBER', KEYS[2], unit) == 1
+      and (rule == '' or (sid and redis.call('ZSCORE', ARGV[2] .. sid .. ':pods', unit)
+        and linked(sid)))
+  end
+  if not valid then dropped = dropped + redis.call('ZREM', KEYS[1], unit) end
+end
+if rule ~= '' and redis.call('ZCARD', KEYS[1]) == 0 then redis.call('SREM', KEYS[3], rule) end
+return dropped
