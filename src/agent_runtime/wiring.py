@@ -242,11 +242,14 @@ def wire(settings: Settings, backends: Backends, metrics: Metrics | None = None)
         default_namespace=settings.default_namespace,
     )
     config_store = ConfigStore(db=db, state=session_state, resources=resources)
-    session_sweeper = SessionSweeper(state=session_state, resources=resources)
+    session_sweeper = SessionSweeper(
+        state=session_state, resources=resources, scope_idle_ttl=settings.scope_idle_ttl
+    )
     jobs = JobRunner(
         redis=redis,
         jobs=[
             Job("sm_sweep", settings.sweep_interval, session_sweeper.sweep_once),
+            Job("scope_expiry", settings.scope_expiry_interval, session_sweeper.expire_scopes_once),
             Job("rm_autoscale", settings.autoscale_interval, sweeper.autoscale_once),
             Job("rm_reclaim", settings.reclaim_interval, sweeper.reclaim_once),
             Job("rm_watch", settings.watch_interval, sweeper.watch_once),
