@@ -12,9 +12,12 @@
 --
 -- fill : only while config_gen still equals ARGV[6] (read before the resolve's DB query): a
 --        resolve racing a config_sync never writes back what it read before the DB write.
--- apply: only if the entry's own generation is not newer than ARGV[6]: propagations of two
---        config_syncs may overlap (the lock is not held for the walk); the later one wins
---        for every scope it touches, whatever order their calls land in.
+-- apply: only while ARGV[6] is still the newest generation (and the entry's own is not
+--        newer): propagations of two config_syncs may overlap (the lock is not held for the
+--        walk); a refused write is re-resolved from the DB at the newer generation, so the
+--        later state wins for every scope, whatever order the calls land in. (Checked here,
+--        not before the call: a later sync reads the indexes after its bump, so a scope this
+--        write moves into its reach is either moved before that read or refused.)
 --
 -- returns 1 written, 0 refused (stale). Replay-safe.
 local p, sid, group, bot, tid = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
@@ -22,9 +25,10 @@ local gen, mode, cache = tonumber(ARGV[6]), ARGV[7], ARGV[8]
 
 local old = redis.call('HGET', KEYS[2], sid)
 local before = old and cjson.decode(old) or nil
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
 if mode == 'fill' then
-  if tonumber(redis.call('GET', KEYS[1]) or '0') ~= gen then return 0 end
-elseif before and tonumber(before[4] or 0) > gen then
+  if current ~= gen then return 0 end
+elseif current > gen or (before and tonumber(before[4] or 0) > gen) then
   return 0
 end
 
