@@ -25,6 +25,8 @@ from agent_runtime.session_manager.models import ConfigSyncRequest
 from agent_runtime.session_manager.state import SessionState
 from agent_runtime.session_manager.sweeper import SessionSweeper
 from agent_runtime.util import scope_id_of
+from agent_runtime.wiring import Services
+from helpers import envelope, running_app, sync_body
 
 TTL = 0.3  # the idle TTL of these tests (s)
 
@@ -327,3 +329,62 @@ async def test_a_stale_propagation_write_is_refused_by_both_sides(redis: Redis) 
     assert await redis.hget(rms.scope_config_key("s1"), "max_pods") == "2"
     assert await rm.write_pool_config("s1", {**pool, "max_pods": 4})  # acquire's: no generation
     assert await redis.hget(rms.scope_config_key("s1"), "max_pods") == "4"
+
+
+async def test_over_http_a_scope_whose_last_pod_is_reclaimed_expires_and_routes_again(
+    redis: Redis, db: Database
+) -> None:
+    """The whole life: route, end the session, the pod goes warm and is reclaimed, the jobs
+    expire the scope; the next route rebuilds it from the DB and deploys again."""
+    api = "/api/session"
+    async with running_app(redis, db, scope_idle_ttl=TTL) as client:
+        svc: Services = client.app.state.services  # type: ignore[attr-defined]
+        for kind, item in (
+            ("template", {"template_id": "t1", "image": "img:1", "pod_ttl": 1}),
+            ("routing_rule", {"group_id": "*", "bot_id": "*", "template_id": "t1"}),
+        ):
+            resp = await client.post(f"{api}/config_sync", json=sync_body(kind, "sync", item))
+            assert resp.status_code == 200, resp.text
+        sid = scope_id_of("g", "b")
+
+        async def route(session_id: str) -> dict[str, Any]:
+            body = envelope(session_id=session_id, bot_id="b", extra={"group_id": "g"})
+            resp = await client.post(f"{api}/route", json=body)
+            assert resp.status_code == 200, resp.text
+            data: dict[str, Any] = resp.json()["data"]
+            return data
+
+        pod = (await route("s1"))["pod_id"]
+        resp = await client.post(f"{api}/touch", json=envelope({"eos": True}, session_id="s1"))
+        assert resp.json()["data"]["released"] is True
+        info = sms.pod_info_key(sid, pod)  # past the sweeper's grace for a new pod
+        registered_at = float(await redis.hget(info, "registered_at") or 0)
+        await redis.hset(info, "registered_at", f"{registered_at - 60:.6f}")
+
+        async def reclaimed() -> bool:
+            await svc.session_sweeper.sweep_once()
+            await svc.session_sweeper.wait_for_notices()
+            await svc.sweeper.reclaim_once()
+            return not await redis.exists(rms.scope_pods_key(sid))
+
+        for _ in range(60):
+            if await reclaimed():
+                break
+            await asyncio.sleep(0.2)
+        else:
+            raise AssertionError("the warm pod was never reclaimed")
+        assert await redis.hexists(sms.SCOPE_REGISTRY_KEY, sid)
+
+        for _ in range(60):
+            assert await svc.jobs.run_once("scope_expiry")
+            if not await redis.hexists(sms.SCOPE_REGISTRY_KEY, sid):
+                break
+            await asyncio.sleep(TTL / 2)
+        else:
+            raise AssertionError("the empty scope never expired")
+        assert not await redis.exists(sms.scope_config_key(sid), rms.scope_config_key(sid))
+
+        again = await route("s2")
+        assert again["placement"] == "placed" and again["pod_id"] != pod
+        assert await redis.hexists(sms.SCOPE_REGISTRY_KEY, sid)
+        assert await redis.hget(rms.scope_config_key(sid), "pod_ttl") == "1"
