@@ -161,8 +161,12 @@ class ConfigStore:
                 raise ConfigSyncBusy("another config_sync is running; retry shortly")
             snapshot = await self._db.read(repo.load_snapshot)
             plan = _plan(request.kind, request.op, parsed, snapshot)
-            plan = _with_scopes(plan, await self._state.registry_entries(await self._reach(plan)))
-            await self._check_sunset(plan)
+            if plan.kind == "routing_rule" or plan.change_class == "deploy":
+                # the sunset check (and a rule's change class) needs the scopes before the
+                # write; a template's policy change reads them only after the lock
+                reach = await self._reach(plan)
+                plan = _with_scopes(plan, await self._state.registry_entries(reach))
+                await self._check_sunset(plan)
             await self._db.write(plan.write)
             # from here on a resolve that read the DB before the write cannot fill its cache
             generation = await self._state.bump_config_generation()
@@ -220,13 +224,13 @@ class ConfigStore:
         """Bring Redis and the resource manager to the new configuration (idempotent), a few
         scopes at a time; a scope a later config_sync reached first is re-resolved."""
         fresh = _Fresh(generation, plan.after)
-        gate = asyncio.Semaphore(PROPAGATION_CONCURRENCY)
+        pending = iter(plan.scopes)
 
-        async def one(change: ScopeChange) -> None:
-            async with gate:
+        async def worker() -> None:  # a few workers, not a task per scope (10k tasks stall)
+            for change in pending:
                 await self._apply(change, fresh)
 
-        await asyncio.gather(*(one(c) for c in plan.scopes))
+        await asyncio.gather(*(worker() for _ in range(PROPAGATION_CONCURRENCY)))
         return len(plan.scopes)
 
     async def _apply(self, change: ScopeChange, fresh: _Fresh) -> None:
