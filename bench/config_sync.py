@@ -140,8 +140,12 @@ async def during(svc: Services, sid: str, sessions: list[str], n: int) -> dict[s
     await asyncio.sleep(0.5)
     baseline = list(latencies)
     latencies.clear()
+    generation = await svc.session_state.config_generation()
     wide = asyncio.create_task(timed_sync(svc, template_id="wide", scope_concurrency=3))
-    await asyncio.sleep(0.05)
+    # the second sync starts once the wide one has written the DB (config_gen bumped): its
+    # walk is running
+    while await svc.session_state.config_generation() == generation and not wide.done():  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
     second = await timed_sync(svc, retry_for=60.0, template_id="narrow", scope_concurrency=4)
     wide_out = await wide
     stop = True
