@@ -105,6 +105,7 @@ async def test_an_empty_scope_leaves_redis_after_the_ttl_and_comes_back_from_the
         sms.scope_config_key(sid),
         sms.scope_pod_seq_key(sid),
         rms.scope_config_key(sid),
+        rms.scope_config_gen_key(sid),
         sms.template_index_key("t1"),
         sms.group_index_key("g"),
         sms.bot_index_key("b"),
@@ -327,6 +328,7 @@ async def test_a_stale_propagation_write_is_refused_by_both_sides(redis: Redis) 
     assert await rm.write_pool_config("s1", pool, generation=gen + 1)
     assert not await rm.write_pool_config("s1", {**pool, "max_pods": 5}, generation=gen)
     assert await redis.hget(rms.scope_config_key("s1"), "max_pods") == "2"
+    assert set(await redis.hkeys(rms.scope_config_key("s1"))) == set(pool)  # contract fields
     assert await rm.write_pool_config("s1", {**pool, "max_pods": 4})  # acquire's: no generation
     assert await redis.hget(rms.scope_config_key("s1"), "max_pods") == "4"
 

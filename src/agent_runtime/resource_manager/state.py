@@ -56,6 +56,12 @@ def scope_followers_key(scope_id: str) -> str:
     return f"{SCOPE_PREFIX}{scope_id}:deploy_followers"
 
 
+def scope_config_gen_key(scope_id: str) -> str:
+    """The config_sync generation that last wrote the scope's pool config (not in the
+    contract: the config hash keeps exactly the contract's fields)."""
+    return f"{SCOPE_PREFIX}{scope_id}:config_gen"
+
+
 def pod_info_key(pod_id: str) -> str:
     return f"{POD_PREFIX}{pod_id}:info"
 
@@ -175,7 +181,7 @@ class ResourceState:
             fields["pod_spec_json"] = json.dumps(pod_spec, sort_keys=True, separators=(",", ":"))
         flat = [x for kv in fields.items() for x in kv]
         written = await self._pool_config_script(
-            keys=[scope_config_key(scope_id), SCOPES_KEY],
+            keys=[scope_config_key(scope_id), SCOPES_KEY, scope_config_gen_key(scope_id)],
             args=[scope_id, "" if generation is None else generation, *flat],
         )
         return bool(written)
@@ -192,6 +198,7 @@ class ResourceState:
                 scope_followers_key(scope_id),
                 deploy_lock_key(scope_id),
                 SCOPES_KEY,
+                scope_config_gen_key(scope_id),
             ],
             args=[scope_id],
         )

@@ -2,18 +2,18 @@
 -- deploy_ver and pod_spec_json together) and index the scope, unless a newer config_sync
 -- already wrote it: overlapping propagations converge to the later one.
 --
--- KEYS[1] resource:scope:{sid}:config   HASH (..., config_gen)
--- KEYS[2] resource:scopes               SET the scope index
+-- KEYS[1] resource:scope:{sid}:config      HASH (the contract's fields only)
+-- KEYS[2] resource:scopes                  SET the scope index
+-- KEYS[3] resource:scope:{sid}:config_gen  STRING the config_sync generation that wrote it
 -- ARGV[1] scope_id   ARGV[2] config generation ("" = none: acquire's first write, which any
 --         config_sync's write replaces)   ARGV[3..] field, value ...
 --
--- returns 1 written, 0 refused (the stored config_gen is newer)
+-- returns 1 written, 0 refused (the stored generation is newer)
 local gen = tonumber(ARGV[2])
 if gen then
-  local stored = tonumber(redis.call('HGET', KEYS[1], 'config_gen') or '0')
-  if stored > gen then return 0 end
+  if tonumber(redis.call('GET', KEYS[3]) or '0') > gen then return 0 end
+  redis.call('SET', KEYS[3], ARGV[2])
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 3))
-if gen then redis.call('HSET', KEYS[1], 'config_gen', ARGV[2]) end
 redis.call('SADD', KEYS[2], ARGV[1])
 return 1

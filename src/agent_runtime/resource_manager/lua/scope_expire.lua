@@ -10,6 +10,7 @@
 -- KEYS[5] resource:scope:{sid}:deploy_followers ZSET request_id -> deadline
 -- KEYS[6] lock:rm:deploy:{sid}          STRING
 -- KEYS[7] resource:scopes               SET the scope index
+-- KEYS[8] resource:scope:{sid}:config_gen STRING
 -- ARGV[1] scope_id
 --
 -- returns 1 gone (expired now, or there was nothing), 0 kept (still in use)
@@ -23,6 +24,6 @@ for _, member in ipairs(redis.call('SMEMBERS', KEYS[4])) do
   local deadline = tonumber(string.match(member, '@([^@]*)$') or '')
   if not deadline or deadline >= now then return 0 end
 end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[8])
 redis.call('SREM', KEYS[7], ARGV[1])
 return 1
