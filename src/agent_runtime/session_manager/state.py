@@ -112,7 +112,10 @@ SCOPE_REGISTRY_KEY = f"{P}scope_registry"
 CONFIG_GEN_KEY = f"{P}config_gen"
 SCOPE_CONFIG_PATTERN = f"{P}scope:*:config"
 SCOPE_IDLE_KEY = f"{P}scope_idle"
-SCOPE_BATCH = 200  # registry entries per scope_idle_mark call / HMGET (~1–2 µs each in Redis)
+SCOPE_BATCH = 200  # registry entries per HMGET
+# registry entries per scope_idle_mark call: ~3.5 µs each inside Redis (4 reads + a ZADD/ZREM),
+# measured 0.7 ms mean / 1.4 ms max at 200 on the 2-core box: 100 keeps a call near 0.35 ms
+MARK_PAGE = 100
 
 
 def template_index_key(template_id: str) -> str:
@@ -557,7 +560,7 @@ class SessionState:
     async def scope_count(self) -> int:
         return int(await self.redis.hlen(SCOPE_REGISTRY_KEY))
 
-    async def mark_idle_scopes(self, cursor: str, page: int = SCOPE_BATCH) -> tuple[str, int]:
+    async def mark_idle_scopes(self, cursor: str, page: int = MARK_PAGE) -> tuple[str, int]:
         """One HSCAN page of the registry: empty scopes join ``scope_idle``, used ones leave
         it (scope_idle_mark.lua). (next cursor, "0" at the end; scopes marked empty)."""
         reply = await self._scope_idle_mark(

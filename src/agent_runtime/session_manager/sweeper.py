@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 EXPIRY_BATCH = 50  # evictions per script call (~10 µs each inside Redis: ~0.5 ms a call)
 MAX_EXPIRY_BATCHES = 200  # per tick: a backlog is worked off over several ticks
 IDLE_GRACE = 2.0  # seconds: a pod registered this recently is getting its first session
-SCOPE_MARK_PAGES = 100  # registry pages (200 scopes) marked per tick: 20k scopes a tick
+SCOPE_MARK_PAGES = 200  # registry pages (~100 scopes) marked per tick: ~20k scopes a tick
 SCOPE_EXPIRE_BATCH = 500  # scopes expired per tick at most (two script calls each)
 YIELD_EVERY = 50  # scope expiries between loop yields
 
