@@ -233,6 +233,15 @@ class Settings(BaseSettings):
     )
 
     # -- bounded growth: scope expiry, config_sync propagation --
+    scope_idle_ttl: float = Field(
+        600.0,
+        gt=0,
+        description="a scope with no session, pod, waiter or deploy in flight leaves Redis "
+        "after this long (s); its next route rebuilds it from the DB",
+    )
+    scope_expiry_interval: float = Field(
+        10.0, gt=0, description="scope expiry tick (s): marks empty scopes, expires due ones"
+    )
 
     # -- answers: replay binding, messages --
 

@@ -284,11 +284,14 @@ def wire(settings: Settings, backends: Backends, metrics: Metrics | None = None)
         default_namespace=settings.default_namespace,
         wildcard_rule_pod_budget=settings.wildcard_rule_pod_budget,
     )
-    session_sweeper = SessionSweeper(state=session_state, resources=resources)
+    session_sweeper = SessionSweeper(
+        state=session_state, resources=resources, scope_idle_ttl=settings.scope_idle_ttl
+    )
     jobs = JobRunner(
         redis=backends.job_locks or redis,
         jobs=[
             Job("sm_sweep", settings.sweep_interval, session_sweeper.sweep_once),
+            Job("scope_expiry", settings.scope_expiry_interval, session_sweeper.expire_scopes_once),
             Job("rm_autoscale", settings.autoscale_interval, sweeper.autoscale_once),
             Job("rm_reclaim", settings.reclaim_interval, sweeper.reclaim_once),
             Job("rm_watch", settings.watch_interval, sweeper.watch_once),

@@ -78,11 +78,26 @@ class ResourceManagerFacade:
         return await self._orchestrator.idle_consider(pod_id, scope_id)
 
     async def update_pool_config(
-        self, scope_id: str, pool_config: dict[str, int], pod_spec: dict[str, Any] | None = None
+        self,
+        scope_id: str,
+        pool_config: dict[str, int],
+        pod_spec: dict[str, Any] | None = None,
+        *,
+        generation: int | None = None,
     ) -> dict[str, bool]:
         """Set the scope's pool parameters; with a pod spec also its ``deploy_ver`` (computed
-        here with ``spec_fields.deploy_ver``, so the two sides never disagree)."""
-        return await self._orchestrator.update_pool_config(scope_id, pool_config, pod_spec)
+        here with ``spec_fields.deploy_ver``, so the two sides never disagree). With the
+        config_sync's ``generation``: ``updated`` False when a later config_sync already
+        wrote this scope's config (overlapping propagations converge to the later one)."""
+        return await self._orchestrator.update_pool_config(
+            scope_id, pool_config, pod_spec, generation=generation
+        )
+
+    async def expire_scope(self, scope_id: str) -> bool:
+        """The scope's pool state leaves Redis if nothing of it is left (no pod, warm or in
+        use, no deploy in flight, no follower): True when it is gone. Asked by the session
+        side's scope expiry before it drops its own side of the scope."""
+        return await self._orchestrator.expire_scope(scope_id)
 
     async def cleanup(self, namespace: str | None = None, label_selector: str | None = None) -> int:
         """Delete AgentServer pods; raises ``K8sApiError`` when Kubernetes refuses (e.g. 403)."""

@@ -443,15 +443,25 @@ class ResourceOrchestrator:
         await self._state.set_rule_pod_budget(rule_id, limit)
 
     async def update_pool_config(
-        self, scope_id: str, pool_config: dict[str, int], pod_spec: dict[str, Any] | None = None
+        self,
+        scope_id: str,
+        pool_config: dict[str, int],
+        pod_spec: dict[str, Any] | None = None,
+        *,
+        generation: int | None = None,
     ) -> dict[str, bool]:
         missing = [f for f in POOL_CONFIG_FIELDS if f not in pool_config]
         if missing:
             raise ValueError(f"pool_config lacks {', '.join(missing)}")
         config = {f: int(pool_config[f]) for f in POOL_CONFIG_FIELDS}
         version = spec_fields.deploy_ver(pod_spec) if pod_spec is not None else None
-        await self._state.write_pool_config(scope_id, config, deploy_ver=version, pod_spec=pod_spec)
-        return {"updated": True}
+        updated = await self._state.write_pool_config(
+            scope_id, config, deploy_ver=version, pod_spec=pod_spec, generation=generation
+        )
+        return {"updated": updated}
+
+    async def expire_scope(self, scope_id: str) -> bool:
+        return await self._state.expire_scope(scope_id)
 
     async def cleanup(self, namespace: str | None = None, label_selector: str | None = None) -> int:
         """Delete AgentServer pods matching the selector (the component label always ANDed

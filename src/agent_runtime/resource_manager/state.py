@@ -72,6 +72,12 @@ def budget_rule_pods_key(rule_id: str) -> str:
     return f"{BUDGET_RULE_PREFIX}{rule_id}:pods"
 
 
+def scope_config_gen_key(scope_id: str) -> str:
+    """The config_sync generation that last wrote the scope's pool config (not in the
+    contract: the config hash keeps exactly the contract's fields)."""
+    return f"{SCOPE_PREFIX}{scope_id}:config_gen"
+
+
 def pod_info_key(pod_id: str) -> str:
     return f"{POD_PREFIX}{pod_id}:info"
 
@@ -194,6 +200,8 @@ class ResourceState:
         self._follower_gate = script("deploy_follower_gate")
         self._pod_fields = script("pod_fields")
         self._read_many_script = script("read_many")
+        self._pool_config_script = script("pool_config")
+        self._scope_expire = script("scope_expire")
 
     # --- pool config ---------------------------------------------------------------------------
 
@@ -204,18 +212,41 @@ class ResourceState:
         *,
         deploy_ver: str | None = None,
         pod_spec: dict[str, Any] | None = None,
-    ) -> None:
+        generation: int | None = None,
+    ) -> bool:
         """One HSET: pool parameters, and with a pod spec also its version (atomic together);
-        the scope joins the index in the same MULTI."""
+        the scope joins the index in the same script (pool_config.lua). With a
+        ``generation`` (config_sync's), refused (False) when a newer config_sync already
+        wrote the config: overlapping propagations converge to the later one."""
         fields: dict[str, str] = {k: str(int(v)) for k, v in pool_config.items()}
         if pod_spec is not None:
             assert deploy_ver is not None
             fields["deploy_ver"] = deploy_ver
             fields["pod_spec_json"] = json.dumps(pod_spec, sort_keys=True, separators=(",", ":"))
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(scope_config_key(scope_id), mapping=cast(dict[Any, Any], fields))
-            pipe.sadd(SCOPES_KEY, scope_id)
-            await pipe.execute()
+        flat = [x for kv in fields.items() for x in kv]
+        written = await self._pool_config_script(
+            keys=[scope_config_key(scope_id), SCOPES_KEY, scope_config_gen_key(scope_id)],
+            args=[scope_id, "" if generation is None else generation, *flat],
+        )
+        return bool(written)
+
+    async def expire_scope(self, scope_id: str) -> bool:
+        """The scope's pool keys leave Redis if nothing of it is left (scope_expire.lua);
+        True when gone (now or already)."""
+        gone = await self._scope_expire(
+            keys=[
+                scope_config_key(scope_id),
+                scope_pods_key(scope_id),
+                scope_idle_key(scope_id),
+                scope_deploying_key(scope_id),
+                scope_followers_key(scope_id),
+                deploy_lock_key(scope_id),
+                SCOPES_KEY,
+                scope_config_gen_key(scope_id),
+            ],
+            args=[scope_id],
+        )
+        return bool(gone)
 
     async def pool_config(self, scope_id: str) -> PoolConfig | None:
         return _pool_config(

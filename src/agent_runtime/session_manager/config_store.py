@@ -8,10 +8,20 @@ a failed write happens before any cache or pool change, so it changes nothing ei
 Propagation is idempotent and driven by the target state, not by the diff: a sync retried
 after a Redis failure mid-propagation brings every affected scope to the template it should
 run, even though the DB write already happened and the retry sees no change.
+
+Propagation is proportional to the scopes the item can reach (the scope indexes: by
+template, by group and by bot; a ``(*, *)`` rule reaches every scope) and runs after the
+lock is released: the lock covers plan → checks → DB write → ``config_gen`` bump only. Two
+propagations may then overlap; each scope write carries the generation its content was
+resolved at and is refused once a later config_sync has bumped ``config_gen`` (scope_put.lua,
+pool_config.lua): the refused scope is re-resolved from a fresh snapshot of the DB at the
+current generation and written again, so the last config_sync's state wins everywhere.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,11 +54,13 @@ from agent_runtime.session_manager.models import (
 from agent_runtime.session_manager.state import SessionState
 from agent_runtime.single_flight import SingleFlight
 from agent_runtime.spec_fields import classify_change, clear_env_values
-from agent_runtime.util import rule_id_of
+from agent_runtime.util import rule_id_of, scope_id_of
 
 log = logging.getLogger(__name__)
 
 _CLASS_RANK = {"none": 0, "policy": 1, "deploy": 2}
+PROPAGATION_CONCURRENCY = 8  # scopes written at once by one propagation (a few calls each)
+MAX_REPLANS = 20  # fresh snapshots one scope's write may need while later syncs keep coming
 
 LOCAL_DEFAULT_TEMPLATE = TemplateItem(template_id="default", image="agentserver:local")
 LOCAL_DEFAULT_RULE = RoutingRuleItem(group_id="*", bot_id="*", template_id="default")
@@ -63,6 +75,7 @@ class ScopeChange:
     bot_id: str
     before: TemplateItem | None
     after: TemplateItem | None
+    template_id: str | None = None  # what the scope's best rule names after (None: no rule)
 
     @property
     def version_changes(self) -> bool:
@@ -81,10 +94,11 @@ class Plan:
     change_class: str
     write: Any  # Callable[[Connection], None]
     scopes: list[ScopeChange]
-    drop_all_caches: bool
-    # a routing_rule plan: the rule (group_id, bot_id) and its item after the write (None:
-    # deleted), for its pod budget in the resource manager
-    rule_key: tuple[str, str] | None = None
+    before: Snapshot
+    after: Snapshot
+    reach: Any  # (group_id, bot_id) -> bool: the scopes the item serves (a retry heals them)
+    rule_key: tuple[str, str] | None = None  # a routing-rule plan's (group_id, bot_id)
+    # a routing-rule plan's item after the write (None: deleted), for its pod budget
     rule_after: RoutingRuleItem | None = None
 
 
@@ -149,7 +163,7 @@ class ConfigStore:
             rule_pod_budget=rule.effective_pod_budget(self._wildcard_budget),
         )
         await self._state.fill_scope_config(
-            scope_id, group_id, bot_id, config.to_hash(), generation
+            scope_id, group_id, bot_id, config.to_hash(), generation, found.template.template_id
         )
         return config
 
@@ -180,10 +194,30 @@ class ConfigStore:
         async with self._state.config_sync_lock() as taken:
             if not taken:
                 raise ConfigSyncBusy("another config_sync is running; retry shortly")
-            plan = await self._plan(request.kind, request.op, parsed)
-            await self._check_sunset(plan)
+            snapshot = await self._db.read(repo.load_snapshot)
+            plan = _plan(request.kind, request.op, parsed, snapshot, check=self.check_bounds)
+            if plan.kind == "routing_rule" or plan.change_class == "deploy":
+                # the sunset check (and a rule's change class) needs the scopes before the
+                # write; a template's policy change reads them only after the lock
+                reach = await self._reach(plan)
+                plan = _with_scopes(plan, await self._state.registry_entries(reach))
+                await self._check_sunset(plan)
             await self._db.write(plan.write)
-            affected = await self._propagate(plan)
+            # from here on a resolve that read the DB before the write cannot fill its cache
+            generation = await self._state.bump_config_generation()
+        # the lock is released: the walk below holds nothing another config_sync needs.
+        # Scopes registered between the plan and the bump are found by reading again.
+        reach = await self._reach(plan)
+        plan = _with_scopes(plan, await self._state.registry_entries(reach))
+        if plan.kind == "routing_rule":
+            # contract: "a routing-rule change drops every cached scope resolution" (SCAN
+            # slices, outside the lock; the scopes that change are written below)
+            await self._state.drop_all_scope_configs()
+        if plan.rule_key is not None:  # the rule's pod budget, for scopes that do not route
+            after = plan.rule_after  # None: deleted, its limit goes
+            limit = after.effective_pod_budget(self._wildcard_budget) if after else 0
+            await self._resources.set_rule_pod_budget(rule_id_of(*plan.rule_key), limit)
+        affected = await self._propagate(plan, generation)
         return {
             "kind": plan.kind,
             "op": plan.op,
@@ -212,12 +246,21 @@ class ConfigStore:
                 "AGENT_RUNTIME_NAMESPACES adds to the default namespace)"
             )
 
-    async def _plan(self, kind: str, op: str, parsed: Any) -> Plan:
-        snapshot = await self._db.read(repo.load_snapshot)
-        known = await self._state.known_scopes()
-        if kind == "template":
-            return _plan_template(op, parsed, snapshot, known, check=self.check_bounds)
-        return _plan_rule(op, parsed, snapshot, known)
+    async def _reach(self, plan: Plan) -> set[str]:
+        """The scopes the changed item can reach, from the indexes (never the whole registry
+        unless the item is the ``(*, *)`` rule, which does reach every scope)."""
+        if plan.kind == "template":
+            if plan.op == "delete":
+                return set()  # a template in use by a rule cannot be deleted
+            return await self._state.scopes_in_template(plan.id)
+        group_id, bot_id = _rule_key(plan)
+        if group_id != repo.WILDCARD and bot_id != repo.WILDCARD:
+            return {scope_id_of(group_id, bot_id)}
+        if group_id != repo.WILDCARD:
+            return await self._state.scopes_in_group(group_id)
+        if bot_id != repo.WILDCARD:
+            return await self._state.scopes_of_bot(bot_id)
+        return set(await self._state.known_scopes())
 
     async def _check_sunset(self, plan: Plan) -> None:
         """A version change is refused while the scope still has pods of an older version."""
@@ -236,40 +279,82 @@ class ConfigStore:
                     "deploy change; retry when they are reclaimed"
                 )
 
-    async def _propagate(self, plan: Plan) -> int:
-        """Bring Redis and the resource manager to the new configuration (idempotent)."""
-        await self._state.bump_config_generation()
-        if plan.drop_all_caches:
-            await self._state.drop_all_scope_configs()
-        if plan.rule_key is not None:  # the rule's pod budget, for scopes that do not route
-            after = plan.rule_after  # None: deleted, its limit goes
-            limit = after.effective_pod_budget(self._wildcard_budget) if after else 0
-            await self._resources.set_rule_pod_budget(rule_id_of(*plan.rule_key), limit)
-        for change in plan.scopes:
-            await self._apply(change)
+    async def _propagate(self, plan: Plan, generation: int) -> int:
+        """Bring Redis and the resource manager to the new configuration (idempotent), a few
+        scopes at a time; a scope a later config_sync reached first is re-resolved."""
+        fresh = _Fresh(generation, plan.after)
+        pending = iter(plan.scopes)
+
+        async def worker() -> None:  # a few workers, not a task per scope (10k tasks stall)
+            for change in pending:
+                await self._apply(change, fresh)
+
+        await asyncio.gather(*(worker() for _ in range(PROPAGATION_CONCURRENCY)))
         return len(plan.scopes)
 
-    async def _apply(self, change: ScopeChange) -> None:
-        template = change.after
+    async def _apply(self, change: ScopeChange, fresh: _Fresh) -> None:
+        generation, snapshot = fresh.generation, fresh.snapshot
+        for _ in range(MAX_REPLANS):
+            if generation != fresh.generation:
+                generation, snapshot = fresh.generation, fresh.snapshot
+            template = snapshot.resolve(change.group_id, change.bot_id)
+            template_id = repo.best_rule(snapshot.rules, change.group_id, change.bot_id)
+            if await self._write_scope(change, template, template_id, generation):
+                return
+            # a later config_sync bumped config_gen: resolve again from the DB as it is now
+            await fresh.refresh(self._state, self._db)
+        raise ConfigSyncBusy(f"scope {change.scope_id}: config keeps changing; retry")
+
+    async def _write_scope(
+        self,
+        change: ScopeChange,
+        template: TemplateItem | None,
+        template_id: str | None,
+        generation: int,
+    ) -> bool:
+        sid = change.scope_id
         if template is None:
-            await self._state.drop_scope_configs([change.scope_id])
-            return
-        version = template.deploy_ver()
-        candidates = await self._state.candidate_pods(change.scope_id)
-        versions = await self._state.pod_versions(change.scope_id, candidates)
-        await self._state.remove_candidates(
-            change.scope_id, [p for p, v in versions.items() if v is not None and v != version]
-        )
-        config = ScopeConfig.of(change.scope_id, change.group_id, change.bot_id, template)
-        if change.version_changes:
-            await self._state.write_scope_config(
-                change.scope_id, change.group_id, change.bot_id, config.to_hash()
+            return await self._state.apply_scope(
+                sid, change.group_id, change.bot_id, template_id, generation, None
             )
-        else:
-            await self._state.drop_scope_configs([change.scope_id])
-        await self._resources.update_pool_config(
-            change.scope_id, config.pool_config(), pod_spec=config.pod_spec
+        version = template.deploy_ver()
+        candidates = await self._state.candidate_pods(sid)
+        versions = await self._state.pod_versions(sid, candidates)
+        config = ScopeConfig.of(sid, change.group_id, change.bot_id, template)
+        # a deploy change writes the cache (register_pod checks deploy_ver against it); any
+        # other change drops it and the next route resolves from the DB
+        moves = change.before is not None and change.before.deploy_ver() != version
+        if not await self._state.apply_scope(
+            sid, change.group_id, change.bot_id, template_id, generation,
+            config.to_hash() if moves else None,
+        ):  # fmt: skip
+            return False
+        await self._state.remove_candidates(
+            sid, [p for p, v in versions.items() if v is not None and v != version]
         )
+        await self._resources.update_pool_config(
+            sid, config.pool_config(), pod_spec=config.pod_spec, generation=generation
+        )
+        return True
+
+
+class _Fresh:
+    """The newest (generation, snapshot) a propagation knows: shared by its scope writes,
+    re-read once when a later config_sync is seen (the generation read before the DB)."""
+
+    def __init__(self, generation: int, snapshot: Snapshot) -> None:
+        self.generation = generation
+        self.snapshot = snapshot
+        self._lock = asyncio.Lock()
+
+    async def refresh(self, state: SessionState, db: Database) -> None:
+        seen = self.generation
+        async with self._lock:
+            if self.generation != seen:
+                return  # another scope write of this propagation refreshed it already
+            generation = await state.config_generation()
+            snapshot = await db.read(repo.load_snapshot)
+            self.generation, self.snapshot = generation, snapshot
 
 
 # --- planning (pure) ---------------------------------------------------------------------------
@@ -289,26 +374,45 @@ def _parse(request: ConfigSyncRequest) -> Any:
     return ids if request.op == "delete" else request.item
 
 
-def _scope_changes(
-    known: dict[str, tuple[str, str]], before: Snapshot, after: Snapshot, *, always: set[str]
-) -> list[ScopeChange]:
-    """Known scopes whose template changes, plus those resolving to a template in ``always``."""
+def _plan(
+    kind: str, op: str, parsed: Any, snapshot: Snapshot, *, check: Callable[[dict[str, Any]], None]
+) -> Plan:
+    if kind == "template":
+        return _plan_template(op, parsed, snapshot, check=check)
+    return _plan_rule(op, parsed, snapshot)
+
+
+def _rule_key(plan: Plan) -> tuple[str, str]:
+    assert plan.rule_key is not None
+    return plan.rule_key
+
+
+def _with_scopes(plan: Plan, known: dict[str, tuple[str, str]]) -> Plan:
+    """The plan with its scope changes: of the scopes the item can reach, those whose
+    template changes, plus those the item itself serves (``reach``: a retry heals them)."""
     changes = []
-    for scope_id, (group_id, bot_id) in known.items():
-        old, new = before.resolve(group_id, bot_id), after.resolve(group_id, bot_id)
-        rule_tid = repo.best_rule(after.rules, group_id, bot_id)
-        if old != new or rule_tid in always:
-            changes.append(ScopeChange(scope_id, group_id, bot_id, old, new))
-    return changes
+    for scope_id, (group_id, bot_id) in sorted(known.items()):
+        old, new = plan.before.resolve(group_id, bot_id), plan.after.resolve(group_id, bot_id)
+        if old != new or plan.reach(group_id, bot_id):
+            tid = repo.best_rule(plan.after.rules, group_id, bot_id)
+            changes.append(ScopeChange(scope_id, group_id, bot_id, old, new, tid))
+    change_class = plan.change_class
+    if plan.kind == "routing_rule":
+        rule_key = _rule_key(plan)
+        after = plan.rule_after
+        same = plan.before.rules.get(rule_key) == plan.after.rules.get(rule_key) and (
+            after is None or plan.before.pod_budgets.get(rule_key) == after.pod_budget
+        )
+        change_class = max(
+            (_scope_class(c) for c in changes),
+            key=_CLASS_RANK.__getitem__,
+            default="none" if same else "policy",
+        )
+    return dataclasses.replace(plan, scopes=changes, change_class=change_class)
 
 
 def _plan_template(
-    op: str,
-    parsed: Any,
-    snap: Snapshot,
-    known: dict[str, tuple[str, str]],
-    *,
-    check: Callable[[dict[str, Any]], None],
+    op: str, parsed: Any, snap: Snapshot, *, check: Callable[[dict[str, Any]], None]
 ) -> Plan:
     template_id = parsed["template_id"] if op == "update" else parsed.template_id
     current = snap.templates.get(template_id)
@@ -325,7 +429,8 @@ def _plan_template(
         del after.templates[template_id]
         return Plan(
             "template", op, template_id, "none",
-            lambda conn: repo.delete_template(conn, template_id), [], False,
+            lambda conn: repo.delete_template(conn, template_id), [], snap, after,
+            lambda g, b: False,
         )  # fmt: skip
     if op == "create" and current is not None:
         raise Conflict(f"template {template_id!r} already exists")
@@ -341,16 +446,15 @@ def _plan_template(
     exists = current is not None
     return Plan(
         "template", op, template_id, change_class,
-        lambda conn: repo.put_template(conn, new, exists=exists),
-        _scope_changes(known, snap, after, always={template_id}), False,
+        lambda conn: repo.put_template(conn, new, exists=exists), [], snap, after,
+        lambda g, b: repo.best_rule(after.rules, g, b) == template_id,
     )  # fmt: skip
 
 
-def _plan_rule(op: str, parsed: Any, snap: Snapshot, known: dict[str, tuple[str, str]]) -> Plan:
+def _plan_rule(op: str, parsed: Any, snap: Snapshot) -> Plan:
     key = (parsed.group_id, parsed.bot_id)
     rule_id = f"{parsed.group_id}/{parsed.bot_id}"
     current = snap.rules.get(key)
-    current_budget = snap.pod_budgets.get(key)
     after = Snapshot(templates=snap.templates, rules=dict(snap.rules))
     if op == "delete":
         if current is None:
@@ -368,20 +472,15 @@ def _plan_rule(op: str, parsed: Any, snap: Snapshot, known: dict[str, tuple[str,
         after.rules[key] = parsed.template_id
         exists = current is not None
         write = lambda conn: repo.put_rule(conn, parsed, exists=exists)  # noqa: E731
-    scopes = _scope_changes(known, snap, after, always=set())
+
     rule_after = None if op == "delete" else parsed
-    same = current == after.rules.get(key) and (
-        rule_after is None or current_budget == rule_after.pod_budget
-    )
-    change_class = max(
-        (_scope_class(c) for c in scopes),
-        key=_CLASS_RANK.__getitem__,
-        default="none" if same else "policy",
-    )
     return Plan(
-        "routing_rule", op, rule_id, change_class, write, scopes, True,
-        rule_key=key, rule_after=rule_after,
-    )  # fmt: skip
+        "routing_rule", op, rule_id, "none", write, [], snap, after, _nothing, key, rule_after
+    )
+
+
+def _nothing(group_id: str, bot_id: str) -> bool:
+    return False
 
 
 def _scope_class(change: ScopeChange) -> str:

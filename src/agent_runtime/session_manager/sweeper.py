@@ -10,6 +10,7 @@ expiry sends it again.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from agent_runtime.jobs import BackgroundTasks
@@ -21,13 +22,24 @@ log = logging.getLogger(__name__)
 EXPIRY_BATCH = 50  # evictions per script call (~10 µs each inside Redis: ~0.5 ms a call)
 MAX_EXPIRY_BATCHES = 200  # per tick: a backlog is worked off over several ticks
 IDLE_GRACE = 2.0  # seconds: a pod registered this recently is getting its first session
+SCOPE_MARK_PAGES = 200  # registry pages (~100 scopes) marked per tick: ~20k scopes a tick
+SCOPE_EXPIRE_BATCH = 500  # scopes expired per tick at most (two script calls each)
+YIELD_EVERY = 50  # scope expiries between loop yields
 
 
 class SessionSweeper:
-    def __init__(self, *, state: SessionState, resources: ResourceManagerFacade) -> None:
+    def __init__(
+        self,
+        *,
+        state: SessionState,
+        resources: ResourceManagerFacade,
+        scope_idle_ttl: float = 600.0,
+    ) -> None:
         self._state = state
         self._resources = resources
         self._notices = BackgroundTasks()
+        self._scope_idle_ttl = scope_idle_ttl
+        self._mark_cursor = "0"
 
     async def sweep_once(self) -> dict[str, int]:
         return {"expired": await self.expire_once(), "idle": await self.notify_idle_once()}
@@ -48,6 +60,34 @@ class SessionSweeper:
         for scope_id, pod_id in notified:
             self._notice(scope_id, pod_id)
         return len(notified)
+
+    async def expire_scopes_once(self) -> dict[str, int]:
+        """The ``scope_expiry`` job. Marks: the registry walked an HSCAN page per script call
+        (empty scopes join ``scope_idle``, used ones leave it), resumed where the last tick
+        stopped. Expires: each scope empty for the idle TTL, the resource side first (its
+        facade: nothing of the pool left → its config and index entry go), then the session
+        side (scope_expire.lua: still empty → cache, pod_seq, registry entry, index entries
+        go). A resource side still in use (a warm pod, a deploy) keeps both: the session
+        side's registry entry is how config_sync finds the pool config."""
+        marked = 0
+        for _ in range(SCOPE_MARK_PAGES):
+            self._mark_cursor, empty = await self._state.mark_idle_scopes(self._mark_cursor)
+            marked += empty
+            if self._mark_cursor == "0":
+                break
+        expired = kept = 0
+        due = await self._state.idle_scopes_due(self._scope_idle_ttl, SCOPE_EXPIRE_BATCH)
+        for i, scope_id in enumerate(due):
+            if i and i % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
+            if not await self._resources.expire_scope(scope_id):
+                await self._state.forget_idle_mark(scope_id)  # in use there: look again later
+                kept += 1
+            elif await self._state.expire_scope(scope_id, self._scope_idle_ttl):
+                expired += 1
+            else:
+                kept += 1
+        return {"marked": marked, "expired": expired, "kept": kept}
 
     def _notice(self, scope_id: str, pod_id: str) -> None:
         async def send() -> None:
