@@ -281,7 +281,6 @@ class Settings(BaseSettings):
             ) from None
         return value
 
-    _split_gateway = field_validator("gateway_tokens", "admin_tokens", mode="before")(_split_tokens)
     _split_gateway = field_validator(
         "gateway_tokens", "admin_tokens", "clusters_allow_exec", "namespaces", mode="before"
     )(_split_tokens)
