@@ -48,7 +48,7 @@ from redis.asyncio import Redis
 
 OUR_PREFIXES = ("session_manager:", "resource_manager:", "agent_runtime:")
 SM, RM = "session_manager:", "resource_manager:resource:"
-JOBS = ("sm_sweep", "rm_autoscale", "rm_reclaim", "rm_watch", "rm_reconcile")
+JOBS = ("sm_sweep", "scope_expiry", "rm_autoscale", "rm_reclaim", "rm_watch", "rm_reconcile")
 JOB_INTERVAL = 1.0  # every job's tick in this run: "two ticks" below means 2 s
 SHUTDOWN_TIMEOUT = 8.0
 SCOPE_FULL_TIMEOUT = 2.0
@@ -544,8 +544,8 @@ async def deployment(args: argparse.Namespace, workdir: Path) -> AsyncIterator[R
                 "AGENT_RUNTIME_SCOPE_FULL_TIMEOUT": str(SCOPE_FULL_TIMEOUT),
                 "AGENT_RUNTIME_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT),
                 "AGENT_RUNTIME_JOBS_ENABLED": "true",
-                **{f"AGENT_RUNTIME_{j}_INTERVAL": str(JOB_INTERVAL)
-                   for j in ("SWEEP", "AUTOSCALE", "RECLAIM", "WATCH", "RECONCILE")},
+                **{f"AGENT_RUNTIME_{j}_INTERVAL": str(JOB_INTERVAL) for j in (
+                    "SWEEP", "SCOPE_EXPIRY", "AUTOSCALE", "RECLAIM", "WATCH", "RECONCILE")},
             })  # fmt: skip
             replicas = []
             for i in range(args.replicas):

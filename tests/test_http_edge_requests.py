@@ -207,15 +207,34 @@ def _route_body(session_id: str) -> dict[str, Any]:
     return envelope(session_id=session_id, bot_id=BOT, extra={"group_id": GROUP})
 
 
+_NOT_REQUESTS = frozenset({"route_lease", "pod_fields", "read_many", "pod_usage"})
+
+
 async def _redis_script_calls(client: httpx.AsyncClient) -> float:
+    """Script calls on /metrics, but the held requests' lease renewals (``route_lease``: a
+    request held while its answer is written keeps renewing; a shed request has no lease) and
+    the read-only scripts /metrics itself runs for its pod gauges at every scrape."""
     text = (await client.get("/metrics")).text
     return sum(
         sample.value
         for family in text_string_to_metric_families(text)
         if family.name == "agent_runtime_redis_script_seconds"
         for sample in family.samples
-        if sample.name.endswith("_count")
+        if sample.name.endswith("_count") and sample.labels.get("script") not in _NOT_REQUESTS
     )
+
+
+async def _settled_script_calls(client: httpx.AsyncClient) -> float:
+    """The script call count once the held requests' own follow-ups (done after their answer
+    was computed) have landed: two reads 0.3 s apart agree."""
+    last = await _redis_script_calls(client)
+    for _ in range(100):
+        await asyncio.sleep(0.3)
+        now = await _redis_script_calls(client)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError("script calls never settled")
 
 
 async def _gauge(client: httpx.AsyncClient, name: str) -> float:
@@ -234,13 +253,15 @@ async def _eventually(check: Any, within: float = 20.0) -> None:
         await asyncio.sleep(0.02)
 
 
-class _SlowBody:
-    """A request whose body is held back until ``release``: it is in flight (admitted) the
-    whole time, as a slow client is."""
+class _SlowReader:
+    """A request whose answer is held back until ``release`` (a client that reads its answer
+    slowly): it is in flight (admitted) the whole time. Its body arrives at once: a slow
+    *body* holds no place (it is read before the place is taken)."""
 
     def __init__(self, app: Any, body: bytes) -> None:
         self.app, self.body = app, body
         self.gate = asyncio.Event()
+        self.answering = asyncio.Event()  # its handler is done: only the answer is held back
         self.sent: list[Message] = []
         self.task = asyncio.create_task(self._run())
 
@@ -251,12 +272,13 @@ class _SlowBody:
             nonlocal first
             if first:
                 first = False
-                await self.gate.wait()
                 return {"type": "http.request", "body": self.body, "more_body": False}
             await asyncio.sleep(3600)
             raise AssertionError("unreachable")
 
         async def send(message: Message) -> None:
+            self.answering.set()
+            await self.gate.wait()
             self.sent.append(message)
 
         scope: dict[str, Any] = {
@@ -289,15 +311,16 @@ async def test_past_the_in_flight_bound_requests_are_shed_at_once_without_redis_
         await _configure(client, scope_concurrency=50)
         app = client.app  # type: ignore[attr-defined]
         # `limit` slow clients hold every place
-        slow = [_SlowBody(app, json.dumps(_route_body(f"slow-{i}")).encode()) for i in range(limit)]
+        slow = [_SlowReader(app, json.dumps(_route_body(f"s-{i}")).encode()) for i in range(limit)]
         await _eventually(lambda: _gauge_is(client, "agent_runtime_http_in_flight", limit))
-        calls_before = await _redis_script_calls(client)
+        await asyncio.wait_for(asyncio.gather(*(r.answering.wait() for r in slow)), 20)
+        calls_before = await _settled_script_calls(client)
         shed = await asyncio.gather(
             *(client.post(ROUTE, json=_route_body(f"shed-{i}")) for i in range(20))
         )
         for resp in shed:
             body = _assert_retry(resp)
-            assert body["request_id"] is None  # the body was never read
+            assert body["request_id"] is None  # the prebuilt answer: nothing was parsed
         # healthz, metrics and openapi are never shed
         assert (await client.get("/healthz")).status_code == 200
         assert (await client.get("/openapi.json")).status_code == 200
@@ -320,8 +343,7 @@ async def test_past_the_in_flight_bound_requests_are_shed_at_once_without_redis_
         assert counts[(ROUTE, "503", "OVERLOADED")] == 20
     sid_sessions = [k async for k in redis.scan_iter("session_manager:session:*")]
     assert sorted(sid_sessions) == sorted(
-        [f"session_manager:session:slow-{i}" for i in range(limit)]
-        + ["session_manager:session:after"]
+        [f"session_manager:session:s-{i}" for i in range(limit)] + ["session_manager:session:after"]
     )
 
 
@@ -419,9 +441,10 @@ async def test_a_request_waiting_for_a_place_is_shed_after_its_wait_and_leaves_n
     ) as client:
         await _configure(client, scope_concurrency=50)
         app = client.app  # type: ignore[attr-defined]
-        holder = _SlowBody(app, json.dumps(_route_body("holder")).encode())
+        holder = _SlowReader(app, json.dumps(_route_body("holder")).encode())
         await _eventually(lambda: _gauge_is(client, "agent_runtime_http_in_flight", 1))
-        calls_before = await _redis_script_calls(client)
+        await asyncio.wait_for(holder.answering.wait(), 20)
+        calls_before = await _settled_script_calls(client)
         answers = await asyncio.gather(
             *(client.post(ROUTE, json=_route_body(f"late-{i}")) for i in range(5))
         )
@@ -438,7 +461,7 @@ async def test_a_waiter_is_handed_the_place_the_moment_it_frees(redis: Redis, db
     async with running_app(redis, db, max_in_flight=1, admission_burst_wait=30) as client:
         await _configure(client, scope_concurrency=50)
         app = client.app  # type: ignore[attr-defined]
-        second = _SlowBody(app, json.dumps(_route_body("second")).encode())
+        second = _SlowReader(app, json.dumps(_route_body("second")).encode())
         await _eventually(lambda: _gauge_is(client, "agent_runtime_http_in_flight", 1))
         waiter = asyncio.create_task(client.post(ROUTE, json=_route_body("waiter")))
         await _eventually(lambda: _gauge_is(client, "agent_runtime_http_admission_waiting", 1))
@@ -447,3 +470,50 @@ async def test_a_waiter_is_handed_the_place_the_moment_it_frees(redis: Redis, db
         assert resp.status_code == 200, resp.text
         await asyncio.wait_for(second.task, 20)
         assert await _gauge(client, "agent_runtime_http_in_flight") == 0
+
+
+async def test_clients_that_drip_their_bodies_hold_no_place(redis: Redis, db: Database) -> None:
+    """A body that arrives slowly is read before the place is taken: `limit` clients stuck
+    mid-body leave every place to the others (a drip of 50 bodies took a replica's 32 places
+    and made every route wait ~1 s behind them)."""
+    limit = 2
+    async with running_app(redis, db, max_in_flight=limit, admission_queue=0) as client:
+        await _configure(client, scope_concurrency=50)
+        app = client.app  # type: ignore[attr-defined]
+        stuck = asyncio.Event()
+
+        async def drip_forever() -> None:
+            body = json.dumps(_route_body("drip")).encode()
+            parts = [{"type": "http.request", "body": body[:10], "more_body": True}]
+
+            async def receive() -> Message:
+                if parts:
+                    return parts.pop()
+                stuck.set()
+                await asyncio.sleep(3600)
+                raise AssertionError("unreachable")
+
+            async def send(message: Message) -> None:
+                raise AssertionError(f"a stuck body got an answer: {message}")
+
+            scope = {
+                "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                "method": "POST", "scheme": "http", "path": ROUTE, "raw_path": ROUTE.encode(),
+                "query_string": b"", "root_path": "", "state": {},
+                "headers": [(b"host", b"test"), (b"content-length", str(len(body)).encode())],
+                "client": ("127.0.0.1", 5002), "server": ("127.0.0.1", 8091),
+            }  # fmt: skip
+            await app(scope, receive, send)
+
+        drips = [asyncio.create_task(drip_forever()) for _ in range(3 * limit)]
+        try:
+            await asyncio.wait_for(stuck.wait(), 20)
+            assert await _gauge(client, "agent_runtime_http_in_flight") == 0
+            answers = await asyncio.gather(
+                *(client.post(ROUTE, json=_route_body(f"fast-{i}")) for i in range(limit))
+            )
+            assert [r.status_code for r in answers] == [200] * limit, [r.text for r in answers]
+        finally:
+            for task in drips:
+                task.cancel()
+            await asyncio.gather(*drips, return_exceptions=True)

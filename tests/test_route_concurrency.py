@@ -814,11 +814,12 @@ async def test_each_job_tick_runs_on_one_replica_only(redis: Redis, db: Database
         "reclaim_interval": 0.05,
         "watch_interval": 0.05,
         "reconcile_interval": 0.05,
+        "scope_expiry_interval": 0.05,
     }
     async with two_replicas(redis, db, jobs_enabled=True, **intervals) as reps:
         runners = {"a": reps.services(reps.a).jobs, "b": reps.services(reps.b).jobs}
         names = list(runners["a"].jobs)
-        assert len(names) == 5
+        assert len(names) == len(intervals)
         ticking: dict[str, str | None] = dict.fromkeys(names)
         overlaps: list[str] = []
 

@@ -58,6 +58,7 @@ def test_serve_refuses_a_malformed_redis_url_in_one_line(url: str, tmp_path: Pat
         "AGENT_RUNTIME_REDIS_URL": url,
         "AGENT_RUNTIME_DATABASE_URL": GOOD_DB,
         "AGENT_RUNTIME_ADMIN_TOKENS": "x",
+        "AGENT_RUNTIME_GATEWAY_TOKENS": "g",
     }
     assert_one_line_refusal(run("serve", env=env, cwd=tmp_path), "AGENT_RUNTIME_REDIS_URL")
 
@@ -72,6 +73,7 @@ def test_serve_and_db_commands_refuse_a_malformed_database_url_in_one_line(
         "AGENT_RUNTIME_REDIS_URL": GOOD_REDIS,
         "AGENT_RUNTIME_DATABASE_URL": url,
         "AGENT_RUNTIME_ADMIN_TOKENS": "x",
+        "AGENT_RUNTIME_GATEWAY_TOKENS": "g",
     }
     assert_one_line_refusal(run("serve", env=env, cwd=tmp_path), "AGENT_RUNTIME_DATABASE_URL")
     for action in ("upgrade", "status"):

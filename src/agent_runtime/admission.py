@@ -10,8 +10,12 @@ work) and the admitted requests keep the replica at capacity. A short burst over
 not overload: it waits for places (a bounded stack, newest first) and is served; only a backlog
 that has lasted ``burst_wait`` makes newcomers wait milliseconds before they are shed.
 
-What counts: a request under ``/api/session/`` from the moment it arrives until its answer
-is sent. A request *parked* (a route in its scope's wait queue, a follower waiting for a
+What counts: a request under ``/api/session/`` from the moment its body has arrived until its
+answer is sent. The body is read before the place is taken (bounded: the body limit here, the
+protocol's body deadline in time): a client that drips its body holds a socket, never a place,
+so a few slow clients cannot take every place from the fast ones.
+
+A request *parked* (a route in its scope's wait queue, a follower waiting for a
 leader's deploy, a leader waiting for Kubernetes) holds no Redis connection for most of its
 wait, so it gives its place back while parked (``parked()``) and takes it again, without the
 check, when it resumes: waiters never starve fast-path admission, and a woken waiter is never
@@ -27,11 +31,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections import deque
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agent_runtime.errors import ErrorCode
 
@@ -177,12 +182,20 @@ def parked() -> Iterator[None]:
 class AdmissionMiddleware:
     """Pure ASGI, inside the metrics middleware (a shed request is counted 503 OVERLOADED):
     a request under ``prefix`` over the bound is answered at once with a prebuilt envelope,
-    before its body is read and before any handler, Redis or DB work."""
+    before any handler, Redis or DB work. Its body is read first (``_read_ahead``), holding no
+    place."""
 
     def __init__(
-        self, app: ASGIApp, *, admission: Admission, prefix: str, reserve_paths: frozenset[str]
+        self,
+        app: ASGIApp,
+        *,
+        admission: Admission,
+        prefix: str,
+        reserve_paths: frozenset[str],
+        body_limit: int,
     ) -> None:
         self.app = app
+        self.body_limit = body_limit
         self.admission = admission
         self.prefix = prefix
         self.reserve_paths = reserve_paths
@@ -212,14 +225,35 @@ class AdmissionMiddleware:
         if scope["type"] != "http" or not path.startswith(self.prefix):
             await self.app(scope, receive, send)
             return
+        ahead = await _read_ahead(receive, self.body_limit)
         ticket = await self.admission.enter(reserve=path in self.reserve_paths)
         if ticket is None:
             await send(self._start)
             await send(self._body)
             return
+
+        async def replay() -> Message:
+            return ahead.popleft() if ahead else await receive()
+
         token = _ticket.set(ticket)
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, replay, send)
         finally:
             _ticket.reset(token)
             self.admission.leave(ticket)
+
+
+async def _read_ahead(receive: Receive, limit: int) -> deque[Message]:
+    """The request's messages up to the end of its body (or a disconnect), at most ``limit``
+    bytes + one message: the rest, if any, is read by the app as usual (and refused there by
+    the body guard). Its time is bounded by the HTTP protocol's body deadline."""
+    messages: deque[Message] = deque()
+    size = 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            return messages
+        size += len(message.get("body", b""))
+        if not message.get("more_body", False) or size > limit:
+            return messages

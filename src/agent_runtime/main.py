@@ -117,6 +117,7 @@ def create_app(
         admission=admitted,
         prefix=API_PREFIX + "/",
         reserve_paths=frozenset({API_PREFIX + "/touch"}),  # a touch frees what a route took
+        body_limit=envelope.MAX_BODY_BYTES,
     )
     metrics.watch_admission(lambda: (admitted.active, admitted.parked_now, admitted.waiting))
     app.add_middleware(MetricsMiddleware, metrics=metrics, known_paths=known)
