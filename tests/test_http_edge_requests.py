@@ -22,6 +22,29 @@ ROUTE = "/api/session/route"
 TOUCH = "/api/session/touch"
 
 
+def _post_scope(path: str, length: int) -> dict[str, Any]:
+    """The ASGI scope of a JSON POST of ``length`` bytes, as uvicorn hands it to the app."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"test"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(length).encode()),
+        ],
+        "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 8091),
+        "state": {},
+    }
+
+
 async def requests_total(client: httpx.AsyncClient) -> dict[tuple[str, str, str], float]:
     """agent_runtime_http_requests_total by (endpoint, status, code)."""
     text = (await client.get("/metrics")).text
@@ -60,26 +83,7 @@ async def _send_half_a_body_then_disconnect(client: httpx.AsyncClient, path: str
     async def send(message: Message) -> None:
         sent.append(message)
 
-    scope: dict[str, Any] = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [
-            (b"host", b"test"),
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ],
-        "client": ("127.0.0.1", 5000),
-        "server": ("127.0.0.1", 8091),
-        "state": {},
-    }
-    await asyncio.wait_for(app(scope, receive, send), 10)
+    await asyncio.wait_for(app(_post_scope(path, len(body)), receive, send), 10)
     return sent
 
 
@@ -281,22 +285,7 @@ class _SlowReader:
             await self.gate.wait()
             self.sent.append(message)
 
-        scope: dict[str, Any] = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": ROUTE,
-            "raw_path": ROUTE.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": [(b"host", b"test"), (b"content-length", str(len(self.body)).encode())],
-            "client": ("127.0.0.1", 5001),
-            "server": ("127.0.0.1", 8091),
-            "state": {},
-        }
-        await self.app(scope, receive, send)
+        await self.app(_post_scope(ROUTE, len(self.body)), receive, send)
 
     @property
     def status(self) -> int:
@@ -496,14 +485,7 @@ async def test_clients_that_drip_their_bodies_hold_no_place(redis: Redis, db: Da
             async def send(message: Message) -> None:
                 raise AssertionError(f"a stuck body got an answer: {message}")
 
-            scope = {
-                "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-                "method": "POST", "scheme": "http", "path": ROUTE, "raw_path": ROUTE.encode(),
-                "query_string": b"", "root_path": "", "state": {},
-                "headers": [(b"host", b"test"), (b"content-length", str(len(body)).encode())],
-                "client": ("127.0.0.1", 5002), "server": ("127.0.0.1", 8091),
-            }  # fmt: skip
-            await app(scope, receive, send)
+            await app(_post_scope(ROUTE, len(body)), receive, send)
 
         drips = [asyncio.create_task(drip_forever()) for _ in range(3 * limit)]
         try:
