@@ -58,13 +58,16 @@ class AgentServer:
         app.router.add_get("/{tail:.*}", self._handle_sse)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT)
         await runner.setup()
+        # known before the first bind: a stop() that comes while the ports are being bound (the
+        # pod deleted, the simulator stopping) closes whatever was bound so far
+        self._runner = runner
         try:
             for port in self.ports:
                 await web.TCPSite(runner, self.ip, port).start()
         except BaseException:
             await runner.cleanup()
+            self._runner = None
             raise
-        self._runner = runner
 
     async def stop(self) -> None:
         """Close the listeners; open /health hangs and SSE streams end at once."""

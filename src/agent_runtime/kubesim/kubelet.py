@@ -188,13 +188,14 @@ class Kubelet:
             health=lambda: self._health_mode(key, runtime),
             sse_interval=self.sse_interval,
         )
+        runtime.server = server  # before it binds: a halt during start() still stops it
         try:
             await server.start()
         except OSError as exc:
+            runtime.server = None
             message = f"listen on {ip}: {exc}"
             self._update(key, runtime, lambda p: pods.crash_loop(p, 1, message))
             return
-        runtime.server = server
         ready = self._ready(key, runtime)
         self._update(key, runtime, lambda p: pods.running(p, ready))
         while True:  # the readiness probe
