@@ -331,7 +331,8 @@ async def check_no_over_admission(run: Run) -> str:
     expect(peaks["scope"] <= sc and peaks["pod"] <= pc, f"over the limits: {peaks}")
     expect(peaks["waiters"] <= 2 * sc, f"queue over 2 × scope_concurrency: {peaks}")
     expect(codes["OK"] == sc, f"the scope did not fill exactly: {codes}")
-    allowed = {"OK", "SCOPE_QUEUE_FULL", "SCOPE_FULL_TIMEOUT"}
+    # a thousand at once is past any replica's in-flight bound: the excess may be shed (OVERLOADED)
+    allowed = {"OK", "SCOPE_QUEUE_FULL", "SCOPE_FULL_TIMEOUT", "OVERLOADED"}
     expect(set(codes) <= allowed, f"unexpected outcomes: {codes}")
     expect(int(await run.redis.scard(f"{SM}scope:{sid}:sessions")) == sc, "sessions drifted")
     await run.nothing_held(sid, 8)

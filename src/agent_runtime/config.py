@@ -190,11 +190,13 @@ class Settings(BaseSettings):
         "more are answered 503 OVERLOADED at once; 0: no waiting",
     )
     admission_burst_wait: float = Field(
-        5.0,
+        0.1,
         gt=0,
-        description="how long a backlog over max_in_flight may last as a burst: its requests "
-        "wait for a place up to this long; a backlog older than this is overload: newcomers "
-        "wait at most 5 ms and older waiters are shed",
+        le=60,
+        description="how long a backlog over max_in_flight may stand as a burst: its requests "
+        "wait for a place up to this long; a backlog that has stood this long with no place "
+        "going spare is overload: from then on only a waiter of at most 5 ms is served, the "
+        "rest are shed at once, until a place goes spare again",
     )
 
     # -- templates: clusters, namespaces, secrets --
