@@ -360,6 +360,7 @@ class Settings(BaseSettings):
     def sqlalchemy_url(self) -> str:
         """The DB URL this process uses: the configured one, or the local SQLite file."""
         if self.mode is Mode.SERVER or self.database_url:
-            assert self.database_url is not None
+            if not self.database_url:  # server mode never falls back to SQLite
+                raise ConfigError("AGENT_RUNTIME_DATABASE_URL is required in server mode")
             return self.database_url
         return f"sqlite:///{self.sqlite_path}"
