@@ -80,7 +80,7 @@ readme_cmd() {
 cmd1=$(readme_cmd 1) cmd2=$(readme_cmd 2)
 [ -n "$cmd1" ] && [ -n "$cmd2" ] || die "README.md has no '# 1.' / '# 2.' commands under '## The two commands'"
 if [ -z "$packages" ]; then
-  packages=$(printf '%s\n' "$readme" | grep -o -m1 'apt-get install[^`]*' | sed 's/apt-get install//; s/ -[a-z-]*//g' || true)
+  packages=$(printf '%s\n' "$readme" | grep -o -m1 'apt-get install[^`]*' | sed 's/apt-get install//; s/ -[a-z-]*//g' | xargs || true)
   if [ -z "$packages" ]; then
     say "README.md names no Debian packages (no 'apt-get install' line): installing python3 only"
     packages=python3
@@ -102,9 +102,16 @@ cleanup() {
   local rc=$?
   set +e
   if [ -n "$inner_pid" ] && kill -0 "$inner_pid" 2>/dev/null; then
-    say "stopping the run (pid $inner_pid): its namespace and everything in it go with it"
-    kill -TERM "$inner_pid"; wait "$inner_pid" 2>/dev/null
+    # unshare --fork ignores SIGTERM while it waits; --kill-child makes its death SIGKILL the
+    # PID namespace's init, and with it everything in the namespace
+    say "stopping the run (unshare, pid $inner_pid)"
+    kill -KILL "$inner_pid"; wait "$inner_pid" 2>/dev/null
   fi
+  local pids
+  for _ in $(seq 20); do  # anything still in the namespace is ours: by PID, then it is gone
+    pids=$(ip netns pids "$ns" 2>/dev/null) && [ -n "$pids" ] || break
+    kill -KILL $pids 2>/dev/null; sleep 0.5
+  done
   nft delete table ip agent_rt_fresh 2>/dev/null
   ip link delete "$veth_host" 2>/dev/null
   ip netns delete "$ns" 2>/dev/null
@@ -139,9 +146,11 @@ in_ns() { ip netns exec "$ns" "$@"; }
 
 # --- the pristine base root --------------------------------------------------------------
 t0=$SECONDS
+base_how=reused
 if [ "$reuse" = 1 ] && [ -f "$base/.fresh-debian-base" ]; then
   say "reusing $base"
 else
+  base_how=built
   rm -rf --one-file-system "$base"
   say "debootstrap bookworm (minbase) from $mirror into $base"
   in_ns debootstrap --variant=minbase bookworm "$base" "$mirror" > "$logs/debootstrap.log" 2>&1 \
@@ -262,7 +271,7 @@ say "running both commands inside (output: $logs)"
 t0=$SECONDS
 # The mount namespace is private: /proc, /sys, /dev/shm and /dev/pts mounted here vanish with
 # it. A fresh /dev/shm keeps PostgreSQL's shared memory off the host's.
-in_ns unshare --pid --fork --kill-child --mount --uts --mount-proc="$root/proc" bash -c '
+ip netns exec "$ns" unshare --pid --fork --kill-child --mount --uts --mount-proc="$root/proc" bash -c '
   root=$1; shift
   mount -t sysfs sysfs "$root/sys"
   mount -t tmpfs -o mode=1777 shm "$root/dev/shm"
@@ -279,7 +288,7 @@ cp "$root"/fresh-check/*.log "$root/fresh-check/result.txt" "$logs/" 2>/dev/null
 # --- report ----------------------------------------------------------------------------------
 echo
 echo "fresh Debian 12 check of ${commit:0:12} ($ref), packages: $packages"
-echo "  base root     ${build_s}s ($([ "$reuse" = 1 ] && echo reused-or-built || echo built))"
+echo "  base root     $base_how ${build_s}s"
 ok=1
 for step in prerequisites clone command1 command2; do
   line=$(sed -n "s/^$step=//p" "$logs/result.txt" 2>/dev/null)
