@@ -14,7 +14,7 @@
 # started are stopped by PID, the namespace's mounts go with it, the host is left as found.
 #
 # Needs: root, debootstrap, iproute2 (ip netns, veth), nftables (NAT out of the namespace),
-# util-linux (unshare), and HTTP(S) access to deb.debian.org and pypi.org. Takes ~20 min.
+# util-linux (unshare), and access to a Debian mirror and to PyPI. Takes ~20 min.
 #
 #   sudo scripts/fresh_debian_check.sh [--dir DIR] [--reuse] [--keep] [--repo PATH] [--ref REF]
 #        [--packages "P ..."] [--mirror URL] [-- PYTEST_ARGS...]
@@ -25,6 +25,8 @@
 #   --keep           keep DIR/root after the run (inspect it with chroot)
 #   --repo / --ref   what to clone (default: this checkout, HEAD); a branch name or HEAD
 #   --packages       install these Debian packages instead of the README's list
+#   --mirror URL     Debian mirror (default: the host's apt source for bookworm; its
+#                    security archive is the host's too, else URL's sibling debian-security)
 #   PYTEST_ARGS      go to test.sh (e.g. -- -k healthz for a quick check of this script)
 #
 # Environment specifics: the host's CA bundle is copied in as PIP_CERT (pip then works behind
@@ -37,7 +39,7 @@ dir=/tmp/agent-runtime-fresh-debian
 reuse=0 keep=0 packages=""
 repo=$(cd "$(dirname "$0")/.." && pwd)
 ref=HEAD
-mirror=http://deb.debian.org/debian
+mirror=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dir) dir=$2; shift 2 ;;
@@ -55,12 +57,22 @@ done
 pytest_args=("$@")
 
 say() { printf 'fresh-debian: %s\n' "$*" >&2; }
+apt_uri() { # suite -> the host's first apt URI serving it (deb822 or one-line sources)
+  cat /etc/apt/sources.list.d/*.sources 2>/dev/null | awk -v s="$1" '
+    /^URIs:/ { u = $2 } /^Suites:/ { for (i = 2; i <= NF; i++) if ($i == s) { print u; exit } }'
+  cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null \
+    | awk -v s="$1" '$1 == "deb" && $3 == s { print $2; exit }'
+}
 die() { say "$*"; exit 2; }
 [ "$(id -u)" = 0 ] || die "needs root (debootstrap, chroot, ip netns)"
 for tool in debootstrap ip nft unshare git; do
   command -v "$tool" >/dev/null || die "$tool is missing (apt-get install debootstrap iproute2 nftables git)"
 done
 
+[ -n "$mirror" ] || mirror=$(apt_uri bookworm | head -n 1)
+[ -n "$mirror" ] || die "no bookworm mirror in the host's apt sources: give --mirror URL"
+security=$(apt_uri bookworm-security | head -n 1)
+security=${security:-${mirror%/debian}/debian-security}
 dir=$(mkdir -p "$dir" && cd "$dir" && pwd)
 base=$dir/base root=$dir/root
 run_id=$(date +%Y%m%d-%H%M%S)
@@ -158,7 +170,7 @@ else
   cat > "$base/etc/apt/sources.list" <<EOF
 deb $mirror bookworm main
 deb $mirror bookworm-updates main
-deb ${mirror%/debian}/debian-security bookworm-security main
+deb $security bookworm-security main
 EOF
   echo freshdebian > "$base/etc/hostname"
   printf '127.0.0.1\tlocalhost\n127.0.1.1\tfreshdebian\n::1\tlocalhost ip6-localhost ip6-loopback\n' \
