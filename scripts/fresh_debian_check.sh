@@ -62,6 +62,7 @@ apt_uri() { # suite -> the host's first apt URI serving it (deb822 or one-line s
     /^URIs:/ { u = $2 } /^Suites:/ { for (i = 2; i <= NF; i++) if ($i == s) { print u; exit } }'
   cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null \
     | awk -v s="$1" '$1 == "deb" && $3 == s { print $2; exit }'
+  return 0  # a missing sources file is no error
 }
 die() { say "$*"; exit 2; }
 [ "$(id -u)" = 0 ] || die "needs root (debootstrap, chroot, ip netns)"
