@@ -71,8 +71,9 @@ if ! psql -h 127.0.0.1 -U root -d test -c "SELECT 1" >/dev/null 2>&1; then
     as_root sed -i '1i host all all 127.0.0.1/32 trust' "$hba"
     as_root pg_ctlcluster --skip-systemctl-redirect "$version" main reload
   fi
-  as_root su postgres -c "psql -tAc \"SELECT 1 FROM pg_roles WHERE rolname='root'\" | grep -q 1 || psql -c 'CREATE ROLE root SUPERUSER LOGIN'"
-  as_root su postgres -c "psql -tAc \"SELECT 1 FROM pg_database WHERE datname='test'\" | grep -q 1 || createdb -O root test"
+  # cd /: postgres may not enter the caller's folder (a clone under /root), psql says so
+  as_root su postgres -c "cd / && { psql -tAc \"SELECT 1 FROM pg_roles WHERE rolname='root'\" | grep -q 1 || psql -c 'CREATE ROLE root SUPERUSER LOGIN'; }"
+  as_root su postgres -c "cd / && { psql -tAc \"SELECT 1 FROM pg_database WHERE datname='test'\" | grep -q 1 || createdb -O root test; }"
 fi
 # --- kubectl (offline `kubectl kustomize` for tests/test_deploy.py; no cluster needed) --------
 # Debian's kubernetes-client is kubectl 1.20 with kustomize v2.0.3, too old for deploy/k8s
