@@ -554,7 +554,11 @@ async def deployment(args: argparse.Namespace, workdir: Path) -> AsyncIterator[R
                            AGENT_RUNTIME_INSTANCE_ID=f"e2e-replica-{i}",
                            AGENT_RUNTIME_HOST="127.0.0.1")  # fmt: skip
                 replicas.append(Replica(i, args.first_port + i, env, workdir / f"replica-{i}.log"))
-            limits = httpx.Limits(max_connections=1200, max_keepalive_connections=200)
+            # idle connections expire before the server's keep-alive timeout (5 s): one reused
+            # just as the server closed it was a ReadError (a gateway must do the same)
+            limits = httpx.Limits(
+                max_connections=1200, max_keepalive_connections=200, keepalive_expiry=2.0
+            )
             async with httpx.AsyncClient(limits=limits, timeout=30) as http:
                 try:
                     for replica in replicas:
