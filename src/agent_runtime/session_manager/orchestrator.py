@@ -6,8 +6,10 @@ round trip. Everything else is the slow path: fill the resolve cache (``need_con
 pod from the resource manager (``need_acquire``: the script reserved a slot of the pod to
 come, so queued waiters cannot take it), or wait for a slot (``scope_full``) in a bounded
 queue, woken by the scope's ``free`` signal. A slow route renews what it holds (pending
-replay marker, reservation, seat) on a short lease. Hazard: all of it must be given back on
-every exit, including cancellation and a client that disconnects; placing gives it back in
+replay marker, reservation, seat) on a short lease. Every wait of a route — the queue, an
+acquire (its own deploy, the follower room, one shared with other routes) — ends the moment
+the replica starts to stop, with 503 BACKEND_UNAVAILABLE. Hazard: all of it must be given back
+on every exit, including cancellation and a client that disconnects; placing gives it back in
 the same script.
 """
 
@@ -20,7 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -39,6 +41,7 @@ from agent_runtime.notify import Listener, Notifier
 from agent_runtime.resource_manager.facade import (
     DeployFailed,
     DeployInProgress,
+    DeployTimedOut,
     MaxPodsReached,
     PodBudgetReached,
     ResourceManagerFacade,
@@ -50,6 +53,8 @@ from agent_runtime.util import scope_id_of
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 POLL = 0.5  # safety net under the free signal
 # max_pods reported while the scope had fewer candidates: the cap may be held by a pod another
 # call has just got and is about to make a candidate (it signals `free` when it does); such a
@@ -60,6 +65,7 @@ PLACED = ("refresh", "placed", "rebound")
 # what the gateway is told; the reasons (Kubernetes' own text) go to the log
 NO_POD_AT_CAP = "no pod available: the scope is at its pod limit"
 NO_POD_DEPLOY_FAILED = "no pod available: a new pod could not be started"
+NO_POD_IN_TIME = "no pod available: waited {waited:.0f} s for the scope's new pod"
 
 
 class SessionOrchestrator:
@@ -85,15 +91,40 @@ class SessionOrchestrator:
         # scope → the acquire its concurrent routes on this replica share (see _Route.acquire)
         self._acquiring: SingleFlight[str, bool] = SingleFlight()
         self.draining = False
+        self._stopped = asyncio.Event()
 
     def drain(self) -> None:
-        """The replica is stopping: new routes are refused, waiting ones answered (503, the
-        gateway retries on another replica). Touch keeps working until the server closes."""
+        """The replica is stopping: new routes are refused, waiting ones answered at once (503,
+        the gateway retries on another replica). Touch keeps working until the server closes."""
         self.draining = True
+        self._stopped.set()
 
     def _refuse_if_draining(self) -> None:
         if self.draining:
             raise BackendUnavailable("this replica is shutting down", retry_after=1)
+
+    async def _unless_draining(self, work: Awaitable[T]) -> T:
+        """``work``'s result, or 503 BACKEND_UNAVAILABLE the moment the replica starts to stop:
+        a waiting route is answered at once (its caller gives back its seat and reservation),
+        never cut off by the shutdown later (an HTTP 500 without a body). What ``work`` waited
+        for goes on without it (a shared acquire, a deploy: their pod serves other routes)."""
+        self._refuse_if_draining()
+        task = asyncio.ensure_future(work)
+        stopped = asyncio.ensure_future(self._stopped.wait())
+        try:
+            await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            stopped.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait([task], timeout=1.0)
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: it ended on its own meanwhile; we answer 503
+            self._refuse_if_draining()
+        return task.result()
 
     # --- route ---------------------------------------------------------------------------------
 
@@ -202,6 +233,7 @@ class _Route:
         self.seated = False  # holds a queue seat (route_place's need_acquire takes it back)
         self.deadline: float | None = None
         self.cap_since: float | None = None  # when acquire first said max_pods
+        self.asked_at: float | None = None  # when it first asked for a pod (its deadline's start)
         self.listening: contextlib.AsyncExitStack | None = None
         self.listener: Listener | None = None
         self.closed = False
@@ -261,8 +293,16 @@ class _Route:
         trips competing with the leader's for the loop), and every sharer then places through
         route_place, the judge; those the pod cannot hold get need_acquire again. Shielded:
         the route that started it going away does not cancel it for the others."""
+        if self.asked_at is None:
+            self.asked_at = asyncio.get_running_loop().time()
         try:
-            return await self.o._acquiring.run(self.scope_id, lambda: self._acquire(attempt))
+            return await self.o._unless_draining(
+                self.o._acquiring.run(self.scope_id, lambda: self._acquire(attempt))
+            )
+        except DeployTimedOut as exc:
+            # once, from its first ask: a route never waits the deploy time twice
+            log.info("route %s: no pod: %s", self.request_id, exc)
+            raise NoPodAvailable(NO_POD_IN_TIME.format(waited=exc.waited)) from None
         except MaxPodsReached as exc:
             now = asyncio.get_running_loop().time()
             if self.cap_since is None:
@@ -283,6 +323,7 @@ class _Route:
                 on_ready=self._make_candidate,
                 rule_id=config.rule_id or "",
                 rule_pod_budget=config.rule_pod_budget,
+                asked_at=self.asked_at,
             )
         except DeployInProgress:
             return False
@@ -358,8 +399,8 @@ class _Route:
             # to nobody, so look again first (from now on every signal reaches the listener)
             return
         with admission.parked():  # queued: its place at the edge goes to the fast path
-            await self.listener.wait(min(POLL, remaining))
-        self.o._refuse_if_draining()  # answered now (seat given back), not cut off later
+            # answered at the stop signal (seat given back), not cut off later
+            await self.o._unless_draining(self.listener.wait(min(POLL, remaining)))
         if disconnected is not None and await disconnected():
             raise ClientDisconnected(f"{self.request_id}: the caller disconnected")
 
