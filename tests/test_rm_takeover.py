@@ -321,6 +321,39 @@ async def test_reconcile_adopts_a_dead_leader_s_pod_when_no_route_comes(redis: R
         await assert_nothing_held(redis)
 
 
+async def test_reconcile_leaves_a_dead_leader_s_starting_pod_to_a_takeover(
+    redis: Redis,
+) -> None:
+    """Pending is not dead: while the dead leader's record names its pod, reconcile does not
+    delete it as an orphan (a route's takeover would find it gone); once it is Ready,
+    reconcile adopts it under the deploy's lease."""
+    k8s = FakeK8sPodClient()
+    k8s.never_ready = True
+    async with dying_and_healthy(redis, k8s) as (a, dying, b):
+        leading = asyncio.create_task(a.acquire("r-a"))
+        orphan = await started_leading(dying, redis)
+
+        async def lapsed() -> bool:
+            return not await redis.exists(LOCK) and not await live_placeholders(redis)
+
+        await eventually(lapsed, "the dead leader's lease lapsed")
+        sweeper = ResourceSweeper(
+            state=b.state,
+            k8s=k8s,
+            orchestrator=b.orchestrator,
+            sessions=SessionManagerFacade(state=SessionState(b.client)),
+            default_namespace="default",
+        )
+        counts = await sweeper.reconcile_once()
+        assert counts["adopted"] == counts["deleted"] == 0
+        assert orphan in k8s.pods and await redis.hget(RECORD, "pod_id") == orphan
+        k8s.never_ready = False  # it comes up
+        assert (await sweeper.reconcile_once())["adopted"] == 1
+        assert await redis.sismember(rm("idle"), orphan)
+        await finished(leading)
+        await assert_nothing_held(redis)
+
+
 # --- a caller's own deadline -------------------------------------------------------------------
 
 

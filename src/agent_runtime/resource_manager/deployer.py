@@ -173,8 +173,8 @@ class Deployer:
         (deleted): a new one is deployed. Dead or not Ready in time: deleted, DeployFailed."""
         where = f"pod {orphan.namespace}/{orphan.pod_id}"
         status = await self._k8s.get_pod(orphan.pod_id, orphan.namespace)
-        if status is None or status.deploy_ver != version:
-            if status is not None:
+        if status is None or status.phase == "Terminating" or status.deploy_ver != version:
+            if status is not None and status.phase != "Terminating":
                 with contextlib.suppress(Exception):
                     await self._k8s.delete(orphan.pod_id, orphan.namespace)
             log.info("scope %s: inherited %s is gone or old; deploying anew", scope_id, where)
@@ -190,6 +190,11 @@ class Deployer:
             self._takeovers.labels("deployed").inc()
             return None
         except DeployFailed:
+            now = await self._k8s.get_pod(orphan.pod_id, orphan.namespace)
+            if now is None or now.phase == "Terminating":
+                # deleted by someone else meanwhile: no failure of its image
+                self._takeovers.labels("deployed").inc()
+                return None
             self._takeovers.labels("failed").inc()
             with contextlib.suppress(Exception):
                 await self._k8s.delete(orphan.pod_id, orphan.namespace)

@@ -537,6 +537,11 @@ class ResourceState:
         )
         return bool(released)
 
+    async def deploy_record(self, scope_id: str) -> str | None:
+        """The pod the scope's deploy leader recorded (not a failure notice), None without."""
+        pod_id, failed = await self.redis.hmget(deploy_pod_key(scope_id), "pod_id", "failed")
+        return None if failed else cast(str | None, pod_id)
+
     async def deploy_leader(self, scope_id: str) -> str | None:
         """The live deploy leader's token, None without one."""
         return cast(str | None, await self.redis.get(deploy_lock_key(scope_id)))

@@ -302,6 +302,11 @@ class ResourceSweeper:
                 if fresh is None:
                     continue  # gone or being deleted since the LIST
                 status = fresh
+                handled = await self._dead_leaders_pod(status)
+                if handled is not None:  # under its deploy's lease: adopted, deleted, or left
+                    if handled in counts:
+                        counts[handled] += 1
+                    continue
                 # a dead one is deleted, never adopted: nobody else would (watch only sees
                 # pods Redis knows, and retries a failed delete of its own through here)
                 if not status.dead and (
@@ -317,6 +322,34 @@ class ResourceSweeper:
         if added or dropped:
             log.warning("pod budgets drifted: %d units added, %d dropped", added, dropped)
         return counts
+
+    async def _dead_leaders_pod(self, status: PodStatus) -> str | None:
+        """A pod whose deploy leader died before registering it (its scope's deploy record
+        names it) is adopted or deleted only under that deploy's lease, so that a route taking
+        the deploy over never registers it too; one still starting is left to such a takeover,
+        or to a later pass once Ready (its record lapses with its ready_timeout, and then it is
+        an orphan like any other). None: not such a pod (a dead one is deleted as any other)."""
+        if status.dead or not status.scope_id:
+            return None
+        if await self._state.deploy_record(status.scope_id) != status.pod_id:
+            return None
+        if not status.ready:
+            return "left"
+        token = f"reconcile/{uuid.uuid4().hex}@{await self._state.now()!r}"
+        lease = self._orchestrator.deploy_lease
+        took = await self._state.take_deploy_lease(status.scope_id, token, lease)
+        if not took.leader:
+            return "left"  # a route took the deploy over: the pod is its leader's
+        try:
+            if took.orphan is None or took.orphan.pod_id != status.pod_id:
+                return "left"
+            if await self._adopt(status):
+                return "adopted"
+            with contextlib.suppress(Exception):
+                await self._k8s.delete(status.pod_id, status.namespace)
+            return "deleted"
+        finally:
+            await self._state.end_deploy_lease(status.scope_id, token, "none", lease)
 
     async def _recheck(self, status: PodStatus) -> PodStatus | None:
         """The pod as Kubernetes sees it now (the LIST may be stale by a whole pass); None when
