@@ -35,7 +35,7 @@ from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceSta
 from agent_runtime.resource_manager.sweeper import ResourceSweeper
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
-from helpers import other_client
+from helpers import GatedK8s, other_client
 
 SCOPE = "scope-t"
 LEASE = 1.0
@@ -185,6 +185,22 @@ async def assert_nothing_held(redis: Redis) -> None:
     assert await redis.hget(RECORD, "pod_id") is None, "pod record left"
 
 
+async def lapsed(redis: Redis) -> bool:
+    """The dead leader's lock and placeholder are past their lease."""
+    return not await redis.exists(LOCK) and not await live_placeholders(redis)
+
+
+def sweeper_of(replica: Replica, k8s: FakeK8sPodClient) -> ResourceSweeper:
+    """The jobs of a replica (ticked by hand)."""
+    return ResourceSweeper(
+        state=replica.state,
+        k8s=k8s,
+        orchestrator=replica.orchestrator,
+        sessions=SessionManagerFacade(state=SessionState(replica.client)),
+        default_namespace="default",
+    )
+
+
 async def started_leading(dying: Dying, redis: Redis) -> str:
     """The dying leader's pod, once it has died (its pod recorded)."""
     await asyncio.wait_for(dying.died.wait(), 15)
@@ -296,17 +312,8 @@ async def test_reconcile_adopts_a_dead_leader_s_pod_when_no_route_comes(redis: R
         leading = asyncio.create_task(a.acquire("r-a"))
         orphan = await started_leading(dying, redis)
 
-        async def lapsed() -> bool:
-            return not await redis.exists(LOCK) and not await live_placeholders(redis)
-
-        await eventually(lapsed, "the dead leader's lease lapsed")
-        sweeper = ResourceSweeper(
-            state=b.state,
-            k8s=k8s,
-            orchestrator=b.orchestrator,
-            sessions=SessionManagerFacade(state=SessionState(b.client)),
-            default_namespace="default",
-        )
+        await eventually(lambda: lapsed(redis), "the dead leader's lease lapsed")
+        sweeper = sweeper_of(b, k8s)
         counts = await sweeper.reconcile_once()
         assert counts["adopted"] == 1
         assert await redis.sismember(rm("idle"), orphan), "adopted into the warm pool"
@@ -333,17 +340,8 @@ async def test_reconcile_leaves_a_dead_leader_s_starting_pod_to_a_takeover(
         leading = asyncio.create_task(a.acquire("r-a"))
         orphan = await started_leading(dying, redis)
 
-        async def lapsed() -> bool:
-            return not await redis.exists(LOCK) and not await live_placeholders(redis)
-
-        await eventually(lapsed, "the dead leader's lease lapsed")
-        sweeper = ResourceSweeper(
-            state=b.state,
-            k8s=k8s,
-            orchestrator=b.orchestrator,
-            sessions=SessionManagerFacade(state=SessionState(b.client)),
-            default_namespace="default",
-        )
+        await eventually(lambda: lapsed(redis), "the dead leader's lease lapsed")
+        sweeper = sweeper_of(b, k8s)
         counts = await sweeper.reconcile_once()
         assert counts["adopted"] == counts["deleted"] == 0
         assert orphan in k8s.pods and await redis.hget(RECORD, "pod_id") == orphan
@@ -355,18 +353,6 @@ async def test_reconcile_leaves_a_dead_leader_s_starting_pod_to_a_takeover(
 
 
 # --- a caller's own deadline -------------------------------------------------------------------
-
-
-class GatedK8s(FakeK8sPodClient):
-    """Deploys wait for ``gate`` before they start."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = asyncio.Event()
-
-    async def deploy(self, **kwargs: Any) -> PodDeployInfo:
-        await self.gate.wait()
-        return await super().deploy(**kwargs)
 
 
 async def test_a_follower_waits_its_own_deadline_once_and_says_how_long(redis: Redis) -> None:

@@ -15,8 +15,7 @@ import pytest
 from redis.asyncio import Redis
 
 from agent_runtime.db.engine import Database
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, PodDeployInfo
-from helpers import real_mariadb_and_fake
+from helpers import GatedK8s, real_mariadb_and_fake
 from test_route_concurrency import (
     assert_error,
     assert_nothing_held,
@@ -29,19 +28,6 @@ from test_route_concurrency import (
     sm_scope,
     two_replicas,
 )
-
-
-class GatedK8s(FakeK8sPodClient):
-    """Deploys wait for ``gate`` before they start: the deploy is still running whenever the
-    test looks."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = asyncio.Event()
-
-    async def deploy(self, **kwargs: Any) -> PodDeployInfo:
-        await self.gate.wait()
-        return await super().deploy(**kwargs)
 
 
 async def reservations(redis: Redis) -> int:
