@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from agent_runtime.db.engine import Database
@@ -109,6 +110,38 @@ async def test_a_route_waits_for_its_pod_once_and_says_how_long(redis: Redis, db
         k8s.gate.set()
         await eventually(lambda: _eq(redis.scard(rm_scope("deploying")), 0), within=10)
         await assert_nothing_held(redis)
+
+
+@real_mariadb_and_fake
+async def test_routes_sharing_an_acquire_give_back_their_places_while_they_wait(
+    redis: Redis, db: Database
+) -> None:
+    """The stop-signal guard runs in the route's own task: a route that shares another's
+    acquire still parks its in-flight place while it waits (only the starter's counts), and
+    the drain still answers all of them."""
+    k8s = GatedK8s()
+    async with two_replicas(redis, db, k8s=k8s, scope_full_timeout=30.0, max_in_flight=8) as reps:
+        await configure(reps.a, scope_concurrency=4, pod_concurrency=4)
+        calls = [asyncio.create_task(route(reps.a, f"s-{i}", f"r-s-{i}")) for i in range(3)]
+        await eventually(lambda: _ge(reservations(redis), 3), what="three routes acquiring")
+        await eventually(lambda: _gauge_is(reps.a, "agent_runtime_http_parked", 2))
+        assert await _gauge(reps.a, "agent_runtime_http_in_flight") == 1
+        reps.services(reps.a).drain()
+        for answer in await asyncio.gather(*(asyncio.wait_for(c, 10) for c in calls)):
+            assert_error(answer, "BACKEND_UNAVAILABLE")
+        k8s.gate.set()
+        await eventually(lambda: _eq(redis.scard(rm_scope("deploying")), 0), within=10)
+
+
+async def _gauge(client: httpx.AsyncClient, name: str) -> float:
+    for family in text_string_to_metric_families((await client.get("/metrics")).text):
+        if family.name == name:
+            return float(family.samples[0].value)
+    raise AssertionError(f"{name} not on /metrics")
+
+
+async def _gauge_is(client: httpx.AsyncClient, name: str, value: float) -> bool:
+    return await _gauge(client, name) == value
 
 
 async def _ge(value: Any, n: int) -> bool:

@@ -21,8 +21,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -52,8 +52,6 @@ from agent_runtime.single_flight import SingleFlight
 from agent_runtime.util import scope_id_of
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 POLL = 0.5  # safety net under the free signal
 # max_pods reported while the scope had fewer candidates: the cap may be held by a pod another
@@ -91,40 +89,39 @@ class SessionOrchestrator:
         # scope → the acquire its concurrent routes on this replica share (see _Route.acquire)
         self._acquiring: SingleFlight[str, bool] = SingleFlight()
         self.draining = False
-        self._stopped = asyncio.Event()
+        self._waits: set[asyncio.Timeout] = set()  # the waits drain() ends
 
     def drain(self) -> None:
         """The replica is stopping: new routes are refused, waiting ones answered at once (503,
         the gateway retries on another replica). Touch keeps working until the server closes."""
         self.draining = True
-        self._stopped.set()
+        for wait in list(self._waits):
+            with contextlib.suppress(RuntimeError):  # one that is ending anyway
+                wait.reschedule(0)  # due now: its task is interrupted at the next loop pass
 
     def _refuse_if_draining(self) -> None:
         if self.draining:
             raise BackendUnavailable("this replica is shutting down", retry_after=1)
 
-    async def _unless_draining(self, work: Awaitable[T]) -> T:
-        """``work``'s result, or 503 BACKEND_UNAVAILABLE the moment the replica starts to stop:
-        a waiting route is answered at once (its caller gives back its seat and reservation),
-        never cut off by the shutdown later (an HTTP 500 without a body). What ``work`` waited
-        for goes on without it (a shared acquire, a deploy: their pod serves other routes)."""
+    @contextlib.asynccontextmanager
+    async def _until_drained(self) -> AsyncIterator[None]:
+        """The block's wait ends the moment the replica starts to stop, with 503
+        BACKEND_UNAVAILABLE: a waiting route is answered at once (its caller gives back its
+        seat and reservation), never cut off by the shutdown later (an HTTP 500 without a
+        body). The block runs in the route's own task (its admission place parks as before);
+        what it waited for goes on without it (a shared acquire and its deploy are shielded:
+        their pod serves other routes)."""
         self._refuse_if_draining()
-        task = asyncio.ensure_future(work)
-        stopped = asyncio.ensure_future(self._stopped.wait())
         try:
-            await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            task.cancel()
-            raise
-        finally:
-            stopped.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.wait([task], timeout=1.0)
-            if task.done() and not task.cancelled():
-                task.exception()  # retrieved: it ended on its own meanwhile; we answer 503
+            async with asyncio.timeout(None) as wait:
+                self._waits.add(wait)
+                try:
+                    yield
+                finally:
+                    self._waits.discard(wait)
+        except TimeoutError:
             self._refuse_if_draining()
-        return task.result()
+            raise
 
     # --- route ---------------------------------------------------------------------------------
 
@@ -296,9 +293,8 @@ class _Route:
         if self.asked_at is None:
             self.asked_at = asyncio.get_running_loop().time()
         try:
-            return await self.o._unless_draining(
-                self.o._acquiring.run(self.scope_id, lambda: self._acquire(attempt))
-            )
+            async with self.o._until_drained():
+                return await self.o._acquiring.run(self.scope_id, lambda: self._acquire(attempt))
         except DeployTimedOut as exc:
             # once, from its first ask: a route never waits the deploy time twice
             log.info("route %s: no pod: %s", self.request_id, exc)
@@ -399,8 +395,8 @@ class _Route:
             # to nobody, so look again first (from now on every signal reaches the listener)
             return
         with admission.parked():  # queued: its place at the edge goes to the fast path
-            # answered at the stop signal (seat given back), not cut off later
-            await self.o._unless_draining(self.listener.wait(min(POLL, remaining)))
+            async with self.o._until_drained():  # answered at the stop signal, seat given back
+                await self.listener.wait(min(POLL, remaining))
         if disconnected is not None and await disconnected():
             raise ClientDisconnected(f"{self.request_id}: the caller disconnected")
 

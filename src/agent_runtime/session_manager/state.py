@@ -6,7 +6,7 @@ contract because nothing outside reads them: ``scope_registry`` (every scope kno
 even when their cache was dropped), the scope indexes ``scope_index:template:{tid}``,
 ``scope_index:group:{group_id}`` and ``scope_index:bot:{bot_id}`` (SETs of sids, kept in the
 same script as the registry entry: a config change walks only the scopes its item can reach),
-``scope_idle`` (ZSET sid → when first seen empty: the scope expiry's candidates) and
+``scope_idle`` (ZSET sid → when first seen empty: the scope expiry's candidates),
 ``leased_scopes`` (scopes that took a queue seat or a reservation: the prune's index) and
 ``config_gen`` (bumped by every config change; a resolve fills the cache only if the
 generation it read before its DB query is still current, so a resolve racing a config_sync
