@@ -49,7 +49,7 @@ SCRIPT_BATCH = 200  # keys per pod_fields / read_many call (~2–3 µs each insi
 # reconcile's budget repair: a scope costs ~3 commands + 2 per pod and placeholder, a unit ~4
 FILL_BATCH = 25  # scopes per budget_fill call
 PRUNE_BATCH = 100  # units per budget_prune call
-LEASE_PRUNE_BATCH = 100  # scopes per lease_prune call (~8 commands each: ~0.4 ms inside Redis)
+LEASE_PRUNE_BATCH = 20  # scopes per lease_prune call: ~8 commands, 15–30 µs a scope in Redis
 
 
 def scope_config_key(scope_id: str) -> str:

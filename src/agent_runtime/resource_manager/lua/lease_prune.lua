@@ -12,7 +12,7 @@
 --         :deploying, :deploy_followers and :deploy_pod)
 -- ARGV[2] rule budget prefix (derives {prefix}{budget_rule}:pods of the scope's linked rule)
 -- ARGV[3] deploy lock prefix "resource_manager:lock:rm:deploy:" (derives {prefix}{sid})
--- ARGV[4 ..] scope ids (at most ~100 a call: ~8 commands each)
+-- ARGV[4 ..] scope ids (20 a call: ~8 commands each, ~0.3–0.5 ms in all)
 --
 -- returns {follower seats dropped, placeholders dropped}
 --

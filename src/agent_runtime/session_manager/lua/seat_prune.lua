@@ -5,7 +5,7 @@
 --
 -- KEYS[1] leased_scopes   SET scopes that took a seat or a reservation
 -- ARGV[1] key prefix "session_manager:" (derives scope:{sid}:waiters and scope:{sid}:reserved)
--- ARGV[2 ..] scope ids (at most ~100 a call: ~5 commands each)
+-- ARGV[2 ..] scope ids (25 a call: ~5 commands each, ~0.25–0.4 ms in all)
 --
 -- returns {seats dropped, reservations dropped}
 --
