@@ -115,6 +115,8 @@ class SessionOrchestrator:
         try:
             async with asyncio.timeout(None) as wait:
                 self._waits.add(wait)
+                if self.draining:  # the signal came between the check and the add
+                    wait.reschedule(0)
                 try:
                     yield
                 finally:
