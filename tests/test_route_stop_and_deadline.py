@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 from agent_runtime.db.engine import Database
 from helpers import GatedK8s, real_mariadb_and_fake
 from test_route_concurrency import (
+    SID,
     assert_error,
     assert_nothing_held,
     configure,
@@ -50,6 +51,8 @@ async def test_every_waiting_route_is_answered_503_at_its_replica_s_stop_signal(
 
         start(reps.b, "b-own-deploy")  # leads: waits on its own deploy
         await eventually(lambda: redis.exists(rm_deploy_lock()), what="a deploy leader")
+        view = await reps.a.get(f"/api/session/admin/scopes/{SID}")  # who leads, for operators
+        assert view.json()["data"]["pool"]["deploy_leader"].startswith("replica-b/"), view.text
         start(reps.b, "b-shared")  # shares b's acquire (single flight)
         await eventually(lambda: _ge(reservations(redis), 2), what="b's second route")
         start(reps.a, "a-follower")  # a's acquire follows b's deploy: the follower room

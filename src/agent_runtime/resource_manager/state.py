@@ -754,15 +754,17 @@ class ResourceState:
 
     async def scope_pool(self, scope_id: str) -> dict[str, Any]:
         """Admin view of a scope's pool: parameters, pods with their phase, warm pods,
-        placeholders (deploys in flight), the follower room and the deploy lock."""
+        live placeholders (deploys in flight), the follower room and the deploy lock (its
+        token names the replica that leads the deploy)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hgetall(scope_config_key(scope_id))
             pipe.zrange(scope_pods_key(scope_id), 0, -1)
             pipe.smembers(scope_idle_key(scope_id))
             pipe.smembers(scope_deploying_key(scope_id))
             pipe.zcard(scope_followers_key(scope_id))
-            pipe.exists(deploy_lock_key(scope_id))
-            config, pods, idle, deploying, followers, locked = await pipe.execute()
+            pipe.get(deploy_lock_key(scope_id))
+            pipe.time()
+            config, pods, idle, deploying, followers, leader, (now, _) = await pipe.execute()
         async with self.redis.pipeline(transaction=False) as pipe:
             for pod_id in pods:
                 pipe.hmget(pod_info_key(pod_id), "phase", "deploy_ver", "pod_ip")
@@ -774,9 +776,10 @@ class ResourceState:
                 for p, i in zip(pods, infos, strict=True)
             ],
             "idle": sorted(idle),
-            "deploys_in_flight": len(deploying),
+            "deploys_in_flight": sum(placeholder_deadline(m) >= int(now) for m in deploying),
             "followers": int(followers),
-            "deploy_lock_held": bool(locked),
+            "deploy_lock_held": leader is not None,
+            "deploy_leader": leader,
         }
 
     async def all_pods(self) -> list[str]:
