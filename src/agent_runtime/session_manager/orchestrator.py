@@ -298,9 +298,11 @@ class _Route:
             async with self.o._until_drained():
                 return await self.o._acquiring.run(self.scope_id, lambda: self._acquire(attempt))
         except DeployTimedOut as exc:
-            # once, from its first ask: a route never waits the deploy time twice
+            # once, from its first ask: a route never waits the deploy time twice; the time
+            # said is its own (a route that joined a shared acquire late waited less)
             log.info("route %s: no pod: %s", self.request_id, exc)
-            raise NoPodAvailable(NO_POD_IN_TIME.format(waited=exc.waited)) from None
+            waited = asyncio.get_running_loop().time() - self.asked_at
+            raise NoPodAvailable(NO_POD_IN_TIME.format(waited=waited)) from None
         except MaxPodsReached as exc:
             now = asyncio.get_running_loop().time()
             if self.cap_since is None:
