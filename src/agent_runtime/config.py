@@ -129,6 +129,15 @@ class Settings(BaseSettings):
     scope_metrics: bool = Field(
         False, description="per-scope series on /metrics (cardinality: one series per scope)"
     )
+    deploy_lease: float = Field(
+        5.0,
+        ge=1.0,
+        le=60.0,
+        description="seconds a deploy's claim (the scope's deploy lock, its placeholder, a "
+        "follower's seat) lives unless its replica renews it (every third of it): a replica "
+        "that dies mid-deploy frees them this long after, and a follower takes the deploy over "
+        "(set the same on every replica)",
+    )
     redis_timeout: float = Field(
         2.0, gt=0, description="Redis connect and command timeout (s); keeps failures fast"
     )

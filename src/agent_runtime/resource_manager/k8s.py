@@ -41,6 +41,7 @@ from agent_runtime.resource_manager.models import (
     DeployFailed,
     K8sApiError,
     PodDeployInfo,
+    PodGone,
     PodStatus,
     normalize_phase,
 )
@@ -53,6 +54,7 @@ HEALTH_PATH = "/health"
 PROBE_TIMEOUT = 3.0  # seconds for one GET /health (contract §5 half-dead rule)
 REQUEST_TIMEOUT = 30.0  # cap of one API call; a deploy's own deadline may cut it shorter
 DISCARD_TIMEOUT = 5.0  # best-effort delete after a failed deploy
+AWAIT_READY_MIN = 1.0  # seconds await_ready looks for at least (one GET)
 CREATE_NAME_TRIES = 3  # 409 AlreadyExists → a new name, this many names in all
 BACKOFF_BASE = 0.2
 BACKOFF_CAP = 5.0
@@ -71,6 +73,9 @@ _LOST_REPLY = (TimeoutError, aiohttp.ClientError)
 
 T = TypeVar("T")
 
+# called by a deploy once its create landed, with the pod's name and namespace
+OnCreated = Callable[[str, str], Awaitable[None]]
+
 
 class K8sPodClient(Protocol):
     """What the resource manager needs from Kubernetes. Real and fake share it exactly."""
@@ -81,14 +86,28 @@ class K8sPodClient(Protocol):
     async def close(self) -> None: ...
 
     async def deploy(
-        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any]
+        self,
+        *,
+        scope_id: str,
+        deploy_ver: str,
+        pod_spec: dict[str, Any],
+        on_created: OnCreated | None = None,
     ) -> PodDeployInfo:
         """Create one AgentServer pod and wait until it is Ready with an IP.
 
         Labels per contract §5; name ``{pod_name}-{10}-{5}`` (409 → a new name, 3 tries);
         polls every ``ready_poll_interval`` up to ``ready_timeout``. Timeout, a terminal
         phase, a dead waiting reason or disappearance → the pod is deleted, ``DeployFailed``.
+        ``on_created(name, namespace)`` runs once the create landed, before the wait: if it
+        raises, the pod is deleted and its error raised.
         """
+
+    async def await_ready(
+        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, within: float
+    ) -> PodDeployInfo:
+        """Wait for an existing pod (one a dead deploy leader created) to be Ready with an IP,
+        polling as a deploy does, for at most ``within`` seconds. Gone → ``PodGone``; dead or
+        not Ready in time → ``DeployFailed`` (the pod is left for the caller to delete)."""
 
     async def delete(self, pod_id: str, namespace: str) -> bool:
         """Delete a pod; False if it did not exist (404)."""
@@ -625,21 +644,16 @@ class RealK8sPodClient:
     # deploy
 
     async def deploy(
-        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any]
+        self,
+        *,
+        scope_id: str,
+        deploy_ver: str,
+        pod_spec: dict[str, Any],
+        on_created: OnCreated | None = None,
     ) -> PodDeployInfo:
         ready_timeout, poll = _deploy_timing(pod_spec)
         deadline = _Deadline(ready_timeout)  # create and readiness together
-        cluster = pod_spec.get("kubeconfig")
-        if cluster is not None and cluster not in self._clusters:
-            # a row written before clusters were names (a path), or a cluster since removed:
-            # nothing is opened or read, and the answer does not echo the template's value
-            log.warning("deploy refused: the template names an unknown cluster %.80r", cluster)
-            raise DeployFailed("the template names a cluster this service does not configure")
-        try:
-            api = await self._api(cluster)
-        except K8sApiError as exc:
-            log.warning("deploy to cluster %s: %s", cluster or "(default)", exc)
-            raise DeployFailed("the kubernetes client of the template's cluster is down") from exc
+        api = await self._deploy_api(pod_spec)
         job = _DeployJob(
             api=api,
             namespace=pod_spec.get("namespace") or self._default_namespace,
@@ -650,12 +664,39 @@ class RealK8sPodClient:
         )
         try:
             name = await self._create(job)
+            if on_created is not None:
+                await on_created(name, job.namespace)
             pod_ip = await self._wait_ready(job, name, poll)
         except BaseException:  # DeployFailed, and also cancellation: never leave a pod behind
             for maybe_created in job.sent:
                 await self._discard(api, maybe_created, job.namespace)
             raise
         return PodDeployInfo(name, job.namespace, pod_ip, sse_url(pod_ip, pod_spec))
+
+    async def await_ready(
+        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, within: float
+    ) -> PodDeployInfo:
+        _, poll = _deploy_timing(pod_spec)
+        api = await self._deploy_api(pod_spec)  # the pod's cluster: where its deploy went
+        # one GET at least, however little of the pod's own deadline is left
+        deadline = _Deadline(max(within, AWAIT_READY_MIN))
+        job = _DeployJob(api, namespace, "", "", pod_spec, deadline)
+        pod_ip = await self._wait_ready(job, pod_id, poll)
+        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec))
+
+    async def _deploy_api(self, pod_spec: dict[str, Any]) -> Any:
+        """The API of the template's cluster, or ``DeployFailed`` (an unknown or down one)."""
+        cluster = pod_spec.get("kubeconfig")
+        if cluster is not None and cluster not in self._clusters:
+            # a row written before clusters were names (a path), or a cluster since removed:
+            # nothing is opened or read, and the answer does not echo the template's value
+            log.warning("deploy refused: the template names an unknown cluster %.80r", cluster)
+            raise DeployFailed("the template names a cluster this service does not configure")
+        try:
+            return await self._api(cluster)
+        except K8sApiError as exc:
+            log.warning("deploy to cluster %s: %s", cluster or "(default)", exc)
+            raise DeployFailed("the kubernetes client of the template's cluster is down") from exc
 
     async def _create(self, job: _DeployJob) -> str:
         """Create the pod and return its name.
@@ -753,7 +794,7 @@ class RealK8sPodClient:
                     found = pod_status(await job.api.read_namespaced_pod(name, job.namespace))
             except Exception as exc:
                 if _api_status(exc) == 404:
-                    raise DeployFailed(f"{where} disappeared") from exc
+                    raise PodGone(f"{where} disappeared") from exc
                 if not _retryable(exc):
                     raise DeployFailed(f"{where}: get refused: {_api_error_text(exc)}") from exc
                 last = f"get failed: {_api_error_text(exc)}"
@@ -788,10 +829,12 @@ class FakeK8sPodClient:
     """In-memory Kubernetes for local mode and tests; faults are plain public knobs.
 
     Knobs: ``fail_next_deploys`` (that many deploys raise ``DeployFailed``), ``never_ready``
-    (deploy waits its ``ready_timeout``, deletes the pod, raises), ``ready_delay`` (seconds to
-    Ready), ``unhealthy`` (pod ids whose health probe fails), ``missing_namespaces`` (list → [],
-    deploy refused) and ``forbidden_namespaces`` (every call → 403). Actions: ``set_phase``,
-    ``kill``, ``remove`` (vanishes behind our back), ``add_pod`` (a pod we did not create).
+    (deploy waits its ``ready_timeout``, deletes the pod, raises), ``ready_delay`` (seconds from
+    create to Ready: a deployed pod comes up by itself, as a kubelet brings it up, whether its
+    deployer still waits or not), ``unhealthy`` (pod ids whose health probe fails),
+    ``missing_namespaces`` (list → [], deploy refused) and ``forbidden_namespaces`` (every
+    call → 403). Actions: ``set_phase``, ``kill``, ``remove`` (vanishes behind our back),
+    ``add_pod`` (a pod we did not create).
     Records: ``deploy_calls``, ``deleted`` (pod ids, in order), ``pods``.
 
     Pod IPs are loopback: 127.0.1.1 … 127.0.1.254, then 127.0.2.x and so on.
@@ -811,6 +854,7 @@ class FakeK8sPodClient:
         self.started = False
         self._ips_given = 0
         self._pod_of_ip: dict[str, str] = {}  # probes find their pod in O(1) (10k-pod benches)
+        self._starting: dict[str, float] = {}  # deployed pods not yet Running → created (loop)
 
     async def start(self) -> None:
         self.started = True
@@ -884,8 +928,27 @@ class FakeK8sPodClient:
 
     # K8sPodClient
 
+    def _kubelet(self) -> None:
+        """Deployed pods whose ready_delay has passed are Running and Ready (never with
+        ``never_ready``); one killed or set meanwhile keeps what it was set to."""
+        if not self._starting or self.never_ready:
+            return
+        now = asyncio.get_running_loop().time()
+        for pod_id, created in list(self._starting.items()):
+            pod = self.pods.get(pod_id)
+            if pod is None or pod.phase != "Pending":
+                del self._starting[pod_id]
+            elif now - created >= self.ready_delay:
+                del self._starting[pod_id]
+                self.set_phase(pod_id, "Running")
+
     async def deploy(
-        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any]
+        self,
+        *,
+        scope_id: str,
+        deploy_ver: str,
+        pod_spec: dict[str, Any],
+        on_created: OnCreated | None = None,
     ) -> PodDeployInfo:
         self.deploy_calls += 1
         namespace = pod_spec.get("namespace") or self.default_namespace
@@ -903,33 +966,49 @@ class FakeK8sPodClient:
         self.pods[pod_id] = PodStatus(
             pod_id, namespace, "Pending", False, None, body["metadata"]["labels"]
         )
+        self._starting[pod_id] = asyncio.get_running_loop().time()
         try:
-            pod_ip = await self._wait_ready(pod_id, pod_spec)
+            if on_created is not None:
+                await on_created(pod_id, namespace)
+            pod_ip = await self._wait_ready(pod_id, _deploy_timing(pod_spec))
         except BaseException:  # as the real client: a failed or cancelled deploy leaves no pod
             if self.pods.pop(pod_id, None) is not None:
                 self.deleted.append(pod_id)
             raise
         return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec))
 
-    async def _wait_ready(self, pod_id: str, pod_spec: dict[str, Any]) -> str:
+    async def await_ready(
+        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, within: float
+    ) -> PodDeployInfo:
+        self._check_namespace(namespace)
+        pod = self.pods.get(pod_id)
+        if pod is None or pod.namespace != namespace:
+            raise PodGone(f"pod {pod_id} disappeared")
+        _, poll = _deploy_timing(pod_spec)
+        pod_ip = await self._wait_ready(pod_id, (max(within, 0.0), poll))
+        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec))
+
+    async def _wait_ready(self, pod_id: str, timing: tuple[float, float]) -> str:
         """Like the real poll loop: a pod killed or removed meanwhile fails at the next poll."""
-        timeout, poll = _deploy_timing(pod_spec)
+        timeout, poll = timing
         loop = asyncio.get_running_loop()
         started = loop.time()
         while True:
+            self._kubelet()
             pod = self.pods.get(pod_id)
             if pod is None:
-                raise DeployFailed(f"pod {pod_id} disappeared")
+                raise PodGone(f"pod {pod_id} disappeared")
             if pod.dead:
                 raise DeployFailed(f"pod {pod_id} is {pod.phase}")
-            ready_at = math.inf if self.never_ready else self.ready_delay
+            if pod.ready and pod.pod_ip:
+                return pod.pod_ip
             elapsed = loop.time() - started
-            if elapsed >= ready_at:
-                self.set_phase(pod_id, "Running")
-                return self.pods[pod_id].pod_ip or ""
             if elapsed >= timeout:
                 raise DeployFailed(f"pod {pod_id} not Ready within {timeout:g}s (last: Pending)")
-            await asyncio.sleep(min(poll, min(ready_at, timeout) - elapsed))
+            created = self._starting.get(pod_id)
+            due = math.inf if created is None or self.never_ready else self.ready_delay
+            until_due = (created or 0.0) + due - loop.time()
+            await asyncio.sleep(max(min(poll, timeout - elapsed, until_due), 0.0))
 
     async def delete(self, pod_id: str, namespace: str) -> bool:
         self._check_namespace(namespace)
@@ -942,6 +1021,7 @@ class FakeK8sPodClient:
 
     async def get_pod(self, pod_id: str, namespace: str) -> PodStatus | None:
         self._check_namespace(namespace)
+        self._kubelet()
         pod = self.pods.get(pod_id)
         return pod if pod is not None and pod.namespace == namespace else None
 
@@ -949,6 +1029,7 @@ class FakeK8sPodClient:
         self._check_namespace(namespace)
         if namespace in self.missing_namespaces:
             return []
+        self._kubelet()
         terms = parse_label_selector(label_selector)
         pods = list(self.pods.values())
         found: list[PodStatus] = []
@@ -1006,11 +1087,23 @@ class MeteredK8sPodClient:
             self._observe(verb, status, time.perf_counter() - started)
 
     async def deploy(
-        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any]
+        self,
+        *,
+        scope_id: str,
+        deploy_ver: str,
+        pod_spec: dict[str, Any],
+        on_created: OnCreated | None = None,
     ) -> PodDeployInfo:
-        return await self._timed(
-            "deploy", self.inner.deploy(scope_id=scope_id, deploy_ver=deploy_ver, pod_spec=pod_spec)
+        call = self.inner.deploy(
+            scope_id=scope_id, deploy_ver=deploy_ver, pod_spec=pod_spec, on_created=on_created
         )
+        return await self._timed("deploy", call)
+
+    async def await_ready(
+        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, within: float
+    ) -> PodDeployInfo:
+        call = self.inner.await_ready(pod_id, namespace, pod_spec, within=within)
+        return await self._timed("await_ready", call)
 
     async def delete(self, pod_id: str, namespace: str) -> bool:
         return await self._timed("delete", self.inner.delete(pod_id, namespace))

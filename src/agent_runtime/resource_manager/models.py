@@ -124,6 +124,24 @@ class DeployFailed(ResourceError):
     """A deploy did not give a Ready pod (timeout, image pull, crash loop, API refusal)."""
 
 
+class PodGone(DeployFailed):
+    """The pod waited for does not exist (any more): nothing is left to delete."""
+
+
+class DeployTimedOut(ResourceError):
+    """The caller's own deadline passed before a pod could be had (a deploy of the scope may
+    still be on its way: its pod then serves later routes). ``waited``: seconds it waited."""
+
+    def __init__(self, message: str, *, waited: float) -> None:
+        super().__init__(message)
+        self.waited = waited
+
+
+class LeaseLost(ResourceError):
+    """A deploy's lease lapsed and another leader took it over (with the pod, if one was
+    created): the deploy stops claiming, its caller follows the new leader."""
+
+
 class K8sApiError(ResourceError):
     """Kubernetes refused an operator call; ``status`` is the HTTP status it answered."""
 

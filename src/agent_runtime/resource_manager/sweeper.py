@@ -1,4 +1,4 @@
-"""The resource manager's four background jobs: autoscale, reclaim, watch, reconcile.
+"""The resource manager's four background jobs: autoscale, reclaim (+ prune), watch, reconcile.
 
 Each is one ``*_once`` tick run by ``jobs.JobRunner`` under its leader lock. Invariant for
 all of them: a pod with a live session is never deleted, except when Kubernetes says it is
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import uuid
 from collections import defaultdict
 from typing import Any
@@ -77,7 +76,7 @@ class ResourceSweeper:
             if config.pod_spec is not None and config.min_idle_pods > 0
         }
         warm_of = await self._current_idle(configs)
-        deploying = await self._state.deploying_of(list(configs))
+        deploying = await self._state.live_deploying_of(list(configs))
         spent_rules: set[str] = set()  # rules whose pod budget refused this tick
         for scope_id, config in configs.items():
             assert config.pod_spec is not None
@@ -87,8 +86,9 @@ class ResourceSweeper:
             for _ in range(config.min_idle_pods - len(warm_of[scope_id]) - in_flight):
                 if len(self._warm_deploys) >= MAX_WARM_DEPLOYS:
                     return started
-                ttl = math.ceil(float(config.pod_spec.get("ready_timeout") or 300)) + LOCK_MARGIN
                 token = f"{WARM_TOKEN_PREFIX}{uuid.uuid4().hex}"
+                # the deploy renews it (a lease): a replica that dies frees it within seconds
+                ttl = self._orchestrator.placeholder_ttl
                 outcome = await self._state.try_placeholder(scope_id, token, ttl)
                 if outcome.budget == "global":
                     return started  # the installation's pod budget: no scope may grow now
@@ -155,6 +155,22 @@ class ResourceSweeper:
                 if await self._reclaim(scope_id, pod_id):
                     reclaimed += 1
         return reclaimed
+
+    async def reclaim_and_prune_once(self) -> int:
+        """The ``rm_reclaim`` tick: reclaim, then prune what dead replicas left behind."""
+        reclaimed = await self.reclaim_once()
+        await self.prune_once()
+        return reclaimed
+
+    async def prune_once(self) -> int:
+        """Follower seats and placeholders whose lease ran out (their replica died) leave
+        every scope that took one (``lease_prune``); how many were dropped."""
+        seats, placeholders = await self._state.prune_leases()
+        if seats or placeholders:
+            log.info(
+                "pruned %d follower seats and %d placeholders past their lease", seats, placeholders
+            )
+        return seats + placeholders
 
     async def _reclaim(self, scope_id: str, pod_id: str) -> bool:
         # out of the pool first (only if still there), so no acquire can get a pod being deleted
@@ -268,7 +284,8 @@ class ResourceSweeper:
                     await self._forget(pod_id)
                     counts["purged"] += 1
         counts["released"] = await self._release_unused()
-        deploying = await self._state.deploying_of(await self._state.scopes_with_config())
+        # placeholders past their lease are a dead deployer's: its pod is adopted or deleted
+        deploying = await self._state.live_deploying_of(await self._state.scopes_with_config())
         known_now = set(await self._state.all_pods())
         known_at_start = {p for pods in known_before.values() for p in pods}
         for listed in listings.values():
@@ -285,6 +302,11 @@ class ResourceSweeper:
                 if fresh is None:
                     continue  # gone or being deleted since the LIST
                 status = fresh
+                handled = await self._dead_leaders_pod(status)
+                if handled is not None:  # under its deploy's lease: adopted, deleted, or left
+                    if handled in counts:
+                        counts[handled] += 1
+                    continue
                 # a dead one is deleted, never adopted: nobody else would (watch only sees
                 # pods Redis knows, and retries a failed delete of its own through here)
                 if not status.dead and (
@@ -300,6 +322,34 @@ class ResourceSweeper:
         if added or dropped:
             log.warning("pod budgets drifted: %d units added, %d dropped", added, dropped)
         return counts
+
+    async def _dead_leaders_pod(self, status: PodStatus) -> str | None:
+        """A pod whose deploy leader died before registering it (its scope's deploy record
+        names it) is adopted or deleted only under that deploy's lease, so that a route taking
+        the deploy over never registers it too; one still starting is left to such a takeover,
+        or to a later pass once Ready (its record lapses with its ready_timeout, and then it is
+        an orphan like any other). None: not such a pod (a dead one is deleted as any other)."""
+        if status.dead or not status.scope_id:
+            return None
+        if await self._state.deploy_record(status.scope_id) != status.pod_id:
+            return None
+        if not status.ready:
+            return "left"
+        token = f"reconcile/{uuid.uuid4().hex}@{await self._state.now()!r}"
+        lease = self._orchestrator.deploy_lease
+        took = await self._state.take_deploy_lease(status.scope_id, token, lease)
+        if not took.leader:
+            return "left"  # a route took the deploy over: the pod is its leader's
+        try:
+            if took.orphan is None or took.orphan.pod_id != status.pod_id:
+                return "left"
+            if await self._adopt(status):
+                return "adopted"
+            with contextlib.suppress(Exception):
+                await self._k8s.delete(status.pod_id, status.namespace)
+            return "deleted"
+        finally:
+            await self._state.end_deploy_lease(status.scope_id, token, "none", lease)
 
     async def _recheck(self, status: PodStatus) -> PodStatus | None:
         """The pod as Kubernetes sees it now (the LIST may be stale by a whole pass); None when
