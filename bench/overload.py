@@ -1,7 +1,8 @@
 """overload: warm claims (a route that places a new session on a registered pod, then its eos
 touch) first closed-loop to find one replica's capacity, then OPEN-loop (a fixed arrival rate,
 whatever the answers) at 2 x that capacity, jobs running. Numbers: capacity (claims/s),
-goodput at 2 x (claims served whole per second, and as a share of capacity), p50/p99 of the
+goodput at 2 x (claims served whole per second, and as a share of capacity: the mean of a
+closed-loop measure before and one after the open loop), p50/p99 of the
 served routes, the shed rate (503 OVERLOADED), other errors, the job ticks during the run.
 
 Issue 13: without a bound, 300 claims/s against a replica good for ~250 collapsed it for the
@@ -19,6 +20,7 @@ import contextlib
 import os
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from bench.common import (
@@ -53,6 +55,8 @@ class Claims:
         self.served = 0  # claims whose route and eos touch both succeeded
 
         self.intended_ms: list[float] = []  # served routes, from their arrival time
+        self.client_lag_ms: list[float] = []  # the open loop's own wake-up lateness
+        self.trace: list[tuple[float, float, bool]] = []  # (sent, ms, served) per route
 
     async def _connection(self) -> RawConnection:
         while self.idle:
@@ -76,6 +80,7 @@ class Claims:
             t0 = time.perf_counter()
             answer = await conn.post(f"{API}/route", body)
             took = (time.perf_counter() - t0) * 1000
+            self.trace.append((t0, took, bool(answer.get("ok"))))
             if not answer.get("ok"):
                 code = str(answer.get("error_code"))
                 self.outcomes[f"route_{code}"] += 1
@@ -138,12 +143,15 @@ async def open_loop(url: str, rate: float, seconds: float) -> tuple[float, Claim
     workers = [asyncio.create_task(worker()) for _ in range(OPEN_CONNECTIONS)]
     started = time.perf_counter()
     sent = 0
+    tick = 0.002
     while (now := time.perf_counter()) - started < seconds:
         due = int((now - started) * rate)
         while sent < due:
             sent += 1
             arrivals.put_nowait(started + sent / rate)
-        await asyncio.sleep(0.002)
+        await asyncio.sleep(tick)
+        # how late this client's own loop woke: latency it adds to every measurement
+        claims.client_lag_ms.append((time.perf_counter() - now - tick) * 1000)
     claims.outcomes["left_unsent"] = arrivals.qsize()
     while not arrivals.empty():
         arrivals.get_nowait()
@@ -198,16 +206,25 @@ async def run(ctx: Context) -> dict[str, Any]:
         goodput, over = await open_loop(server.url, rate, over_seconds)
         async with client(server.url) as http:
             loop_lag = (await http.post("/_bench/loop_lag")).json()
+        if dump := os.environ.get("BENCH_OVERLOAD_TRACE"):  # every route: when, how long, served
+            lines = "\n".join(f"{t:.4f} {ms:.2f} {int(ok)}" for t, ms, ok in over.trace)
+            await asyncio.to_thread(Path(dump).write_text, lines)
         after = await server.metrics()
+        # capacity again, once the overload is over: on a shared machine one 8 s measure
+        # strays by +-20 %, and goodput is judged against the mean of the two
+        await asyncio.sleep(1.0)  # the overload's shed connections and waiters settle
+        capacity_after, _ = await closed_loop(server.url, cap_seconds)
+        reference = (capacity + capacity_after) / 2
         ticks_before, ticks_after = _jobs(before), _jobs(after)
         routes = sorted(over.route_ms)
         shed = over.outcomes.get("route_OVERLOADED", 0)
         return {
             "capacity_claims_per_s": round(capacity, 1),
+            "capacity_after_claims_per_s": round(capacity_after, 1),
             "capacity_route_p99_ms": round(pct(sorted(cap_claims.route_ms), 0.99), 2),
             "offered_claims_per_s": round(rate, 1),
             "goodput_claims_per_s": round(goodput, 1),
-            "goodput_share_of_capacity": round(goodput / capacity, 3) if capacity else None,
+            "goodput_share_of_capacity": round(goodput / reference, 3) if reference else None,
             "served_route_p50_ms": round(pct(routes, 0.50), 2),
             "served_route_p99_ms": round(pct(routes, 0.99), 2),
             "served_route_p99_from_arrival_ms": round(pct(over.intended_ms, 0.99), 2),
@@ -218,6 +235,11 @@ async def run(ctx: Context) -> dict[str, Any]:
             "job_ticks_ok": {j: ticks_after[j] - ticks_before[j] for j in JOBS},
             "job_failures": _failures(after) - _failures(before),
             "server_loop_lag": loop_lag,
+            "client_loop_lag": {
+                "p50_ms": round(pct(sorted(over.client_lag_ms), 0.50), 2),
+                "p99_ms": round(pct(sorted(over.client_lag_ms), 0.99), 2),
+                "max_ms": round(max(over.client_lag_ms, default=0.0), 2),
+            },
             "seconds": {"capacity": cap_seconds, "overload": over_seconds},
             "pinned": {"server": sorted(server_cpus or []), "client": sorted(client_cpus or [])},
         }

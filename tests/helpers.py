@@ -183,6 +183,9 @@ def make_settings(**overrides: Any) -> Settings:
         "local_seed": False,
         "instance_id": "test-1",
         "jobs_enabled": False,  # tests tick jobs by hand unless they say otherwise
+        # a fixed in-flight bound: in-process apps share one loop with the test and its client,
+        # so the loop's lateness is the test's own (the governor has tests of its own)
+        "admission_lag_target": 0,
     }
     base.update(overrides)
     return Settings(_env_file=None, **base)  # type: ignore[call-arg]

@@ -4,8 +4,14 @@ test_http_edge_requests.py cover the edge through the app)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 
-from agent_runtime.admission import Admission
+from redis.asyncio import Redis
+
+from agent_runtime.admission import Admission, LagGovernor
+from agent_runtime.db.engine import Database
+from helpers import running_app
 
 
 async def test_newest_waiter_first_and_a_standing_backlog_sheds_the_old_ones() -> None:
@@ -79,7 +85,8 @@ async def test_touch_passes_waiting_routes_and_has_its_own_room() -> None:
 
 async def test_overload_ends_when_a_place_goes_spare_not_when_shedding_empties_the_stack() -> None:
     """The old rule took a stack emptied by shedding for a drained burst, so every shed wave
-    gave the next arrivals the long burst wait again (served p99 0.5-3 s at 2 x capacity)."""
+    gave the next arrivals the long burst wait again (served p99 0.5-3 s at 2 x capacity); a
+    spare place alone does not end it either, a burst wait without a shed must follow."""
     loop = asyncio.get_running_loop()
     adm = Admission(1, queue=10, burst_wait=1.0)
     holder = await adm.enter(reserve=False)
@@ -97,9 +104,12 @@ async def test_overload_ends_when_a_place_goes_spare_not_when_shedding_empties_t
     assert adm.waiting == 0  # shedding emptied the stack ...
     second = await wait_once()  # ... yet the backlog stands: overload, shed in milliseconds
     assert second[0] is False and second[1] < 1.0
-    adm.leave(holder)  # nobody waits for this place: it goes spare, the backlog is gone
+    adm.leave(holder)  # nobody waits for this place: it goes spare, the backlog is gone ...
     again = await adm.enter(reserve=False)  # a spare place: taken at once
     assert again is not None
+    fourth = await wait_once()  # ... but overload lasts burst_wait past the last shed
+    assert fourth[0] is False and fourth[1] < 1.0
+    await asyncio.sleep(1.1)  # a whole burst wait without a shed: overload is over
     third = asyncio.create_task(wait_once())  # a new backlog: a burst again, the long wait
     await asyncio.sleep(0.1)
     assert not third.done()
@@ -130,3 +140,72 @@ async def test_under_overload_a_waiting_touch_is_served_however_long_it_waited()
     assert last is not None
     adm.leave(last)
     assert adm.active == 0 and adm.waiting == 0
+
+
+# --- the lag governor: the working bound follows the loop's lateness ---------------------------
+
+
+def test_a_late_loop_shrinks_the_bound_to_its_floor_and_an_idle_one_never_grows_it() -> None:
+    adm = Admission(32, queue=10, burst_wait=0.1)
+    gov = LagGovernor(adm, target=0.003)
+    now = 0.0
+    for _ in range(200):  # 10 s of a loop 20 ms late
+        now += LagGovernor.TICK
+        gov.observe(0.02, now)
+    assert adm.limit == gov.floor == LagGovernor.MIN_PLACES
+    for _ in range(200):  # on time again, but nobody needs the places: the bound stays
+        now += LagGovernor.TICK
+        gov.observe(0.0, now)
+    assert adm.limit == LagGovernor.MIN_PLACES
+
+
+def test_the_bound_grows_back_one_place_a_step_while_it_is_reached_and_never_past_the_max() -> None:
+    adm = Admission(8, queue=10, burst_wait=0.1)
+    gov = LagGovernor(adm, target=0.003)
+    adm.limit = 4
+    now, grown = 0.0, [adm.limit]
+    for _ in range(100):
+        now += LagGovernor.TICK
+        adm.saturated = True  # every place taken between two samples
+        gov.observe(0.0, now)
+        grown.append(adm.limit)
+    assert grown[-1] == adm.max_limit == 8
+    steps = [b - a for a, b in itertools.pairwise(grown) if b != a]
+    assert steps == [1, 1, 1, 1]  # additive, one place at a time ...
+    first = grown.index(5)
+    assert grown.index(6) - first >= LagGovernor.STEP / LagGovernor.TICK - 1  # ... a step apart
+
+
+def test_a_single_late_sample_is_smoothed_and_moves_at_most_once_a_step() -> None:
+    adm = Admission(32, queue=10, burst_wait=0.1)
+    gov = LagGovernor(adm, target=0.003)
+    gov.observe(0.005, 1.0)  # smoothed to 1.25 ms: under the target
+    assert adm.limit == 32
+    for i in range(4):  # 40 ms of a very late loop: one move (a step is 50 ms)
+        gov.observe(0.05, 1.0 + 0.01 * (i + 1))
+    assert adm.limit == 28
+
+
+async def test_the_governor_runs_in_the_app_and_the_working_bound_is_a_metric(
+    redis: Redis, db: Database
+) -> None:
+    async with running_app(redis, db, admission_lag_target=0.003, max_in_flight=32) as client:
+        app = client.app  # type: ignore[attr-defined]
+        for _ in range(30):  # hold the loop 30 ms at a time: it runs late
+            time.sleep(0.03)  # noqa: ASYNC251 (blocking the loop is the point)
+            await asyncio.sleep(0.011)
+        limit = app.state.admission.limit
+        assert LagGovernor.MIN_PLACES <= limit < 32
+        metrics = (await client.get("/metrics")).text
+        assert f"agent_runtime_http_in_flight_limit {float(limit)}" in metrics
+    assert app.state.admission_governor.done()  # stopped with the app
+
+
+async def test_without_a_lag_target_the_bound_is_fixed(redis: Redis, db: Database) -> None:
+    async with running_app(redis, db, admission_lag_target=0, max_in_flight=32) as client:
+        app = client.app  # type: ignore[attr-defined]
+        for _ in range(10):
+            time.sleep(0.03)  # noqa: ASYNC251 (blocking the loop is the point)
+            await asyncio.sleep(0.011)
+        assert app.state.admission.limit == 32
+        assert getattr(app.state, "admission_governor", None) is None

@@ -12,10 +12,22 @@ Burst or overload (adaptive LIFO with a CoDel-style detector): a request over th
 for a place on a bounded stack, newest first. A backlog that clears within ``burst_wait`` is a
 burst: every waiter is served. A backlog that has stood for ``burst_wait`` without a single
 place going spare is overload: from then on a waiter is served only while it is fresh
-(``OVERLOAD_WAIT``), older ones are shed at once, and the state ends only when a place goes
-spare again — not when shedding empties the stack (that was the old rule's flaw: every shed
-wave looked like a drained burst, so the next arrivals were given the long burst wait again and
-the served p99 at 2 x capacity was 0.5–3 s). LIFO keeps what is served fresh under overload.
+(``OVERLOAD_WAIT``) and older ones are shed at once. Overload ends ``burst_wait`` after the last
+shed, once a place has gone spare — not when shedding empties the stack (the old rule's flaw:
+every shed wave looked like a drained burst, so the next arrivals were given the long burst
+wait again; the served p99 at 2 x capacity was 0.5–3 s), nor at the first spare place (under
+overload the stack is kept short, so a place goes spare now and then by chance: each such
+moment re-opened a 0.1 s burst window whose arrivals all became tasks, only to be shed). LIFO
+keeps what is served fresh under overload.
+
+How many places: ``max_in_flight`` at most; ``LagGovernor`` (when ``admission_lag_target`` is
+set) lowers the working bound while the event loop runs late and raises it again when it does
+not. Why: on one core the in-app time of a request is about places / throughput (Little's
+law), and every place is one more task in each loop round, so 32 places on a replica doing
+~900 requests/s meant ~37 ms in the app and a served p50 of 44 ms, p99 78-185 ms under
+overload (16 places: 25 / 51 ms; 8: 15 / 28 ms, with the same goodput). A fixed bound small
+enough for a slow core starves a replica whose requests wait on a distant Redis instead of on
+its CPU; the loop's lateness tells the two apart (waiting on Redis makes no lag).
 
 What counts: a request under ``/api/session/`` from the moment its body has arrived until its
 answer is sent. The body is read before the place is taken (bounded: the body limit here, the
@@ -67,16 +79,18 @@ class _Ticket:
 class Admission:
     """The places of one app: ``limit`` requests at work, then a bounded waiting stack.
 
-    Overload is "a backlog has stood ``burst_wait`` seconds and no place has gone spare
-    since it formed" (``_backlog_since``); see the module docstring for why shedding does not
-    end it. Under overload a newcomer waits at most ``OVERLOAD_WAIT``, and a freed place goes
-    to the newest waiter that is still fresh, shedding the stale ones it passes and those at
-    the bottom (they are older still); with ``queue`` waiters already there a newcomer is shed
-    at once.
+    Overload is "a backlog has stood ``burst_wait`` seconds: waiters all along, no place gone
+    spare" (``_backlog_since``), and it lasts until ``burst_wait`` after the last shed
+    (``_overload_until``); see the module docstring for why. Under overload a newcomer waits
+    at most ``OVERLOAD_WAIT``, and a freed place goes to the newest waiter that is still
+    fresh, shedding the stale ones it passes and those at the bottom (they are older still);
+    with ``queue`` waiters already there a newcomer is shed at once.
     """
 
     def __init__(self, limit: int, *, queue: int = 0, burst_wait: float = 0.0) -> None:
+        self.max_limit = limit  # the setting; ``limit`` is the working bound (LagGovernor)
         self.limit = limit
+        self.saturated = False  # every place was taken at some point since the governor looked
         self.queue = queue
         self.burst_wait = burst_wait
         self.active = 0
@@ -85,11 +99,18 @@ class Admission:
         self.waiting = 0
         self._stack: deque[_Waiter] = deque()  # routes and the rest: oldest left, newest right
         self._touches: deque[_Waiter] = deque()  # served before routes
-        self._backlog_since: float | None = None  # loop time a backlog formed; None: a place
-        # went spare since
+        self._backlog_since: float | None = None  # loop time the standing backlog formed; None:
+        # nobody waits, or a place went spare since
+        self._overload_until = float("-inf")  # loop time: burst_wait after the last shed
 
     def _overloaded(self, now: float) -> bool:
+        if now < self._overload_until:
+            return True
         return self._backlog_since is not None and now - self._backlog_since > self.burst_wait
+
+    def _count_shed(self) -> None:
+        self.shed += 1
+        self._overload_until = asyncio.get_running_loop().time() + self.burst_wait
 
     def shed_early(self) -> bool:
         """Whether a route arriving now is to be shed by the HTTP protocol itself, before it
@@ -104,10 +125,11 @@ class Admission:
         """
         if self.active < self.limit:
             return False
+        self.saturated = True
         if self.waiting >= self.queue or (
             self.waiting >= EARLY_SHED_DEPTH and self._overloaded(asyncio.get_running_loop().time())
         ):
-            self.shed += 1
+            self._count_shed()
             return True
         return False
 
@@ -115,13 +137,15 @@ class Admission:
         """A place, or None: shed (``reserve``: the touch's extra room, and it passes waiting
         routes)."""
         bound = 2 * self.limit if reserve else self.limit
+        if self.active >= self.limit:
+            self.saturated = True
         if self.active < bound and (reserve or not self.waiting):
             if self.active < self.limit:
                 self._backlog_since = None  # a place was spare: whatever stood has cleared
             self.active += 1
             return _Ticket(self, asyncio.current_task())
         if self.waiting >= self.queue:
-            self.shed += 1
+            self._count_shed()
             return None
         loop = asyncio.get_running_loop()
         now = loop.time()
@@ -147,12 +171,14 @@ class Admission:
                 self._gone()
             raise
         if not admitted:  # its wait ran out, or _release shed it (stale under overload)
-            self.shed += 1
+            self._count_shed()
             return None
         return _Ticket(self, asyncio.current_task())  # handed over: ``active`` already counts it
 
     def _gone(self) -> None:
         self.waiting -= 1
+        if not self.waiting:  # no queue stands now (if it was shed empty, _overload_until holds)
+            self._backlog_since = None
         if len(self._stack) > 2 * max(self.queue, 8):  # drop the dead entries (LIFO leaves them)
             self._stack = deque((f, t) for f, t in self._stack if not f.done())
             self._touches = deque((f, t) for f, t in self._touches if not f.done())
@@ -209,6 +235,53 @@ class Admission:
             self.parked_now -= 1
             ticket.held = True
             self.active += 1  # resumes without the check: its wait is not wasted
+
+
+class LagGovernor:
+    """Keeps the event loop's lateness near ``target`` by moving ``admission.limit`` between
+    ``MIN_PLACES`` and ``admission.max_limit``: a sampling timer every ``TICK`` measures how
+    late it fires (smoothed); over the target the bound shrinks by a tenth, under half of it
+    (and only while the bound was actually reached) it grows by one place, each at most once
+    every ``STEP`` seconds (AIMD: quick to relieve the loop, slow to load it again).
+
+    Lateness that is not ours (a loaded machine, the OS preempting us) also lowers the bound;
+    the floor keeps the replica serving, and the cost is more shedding, never a collapse.
+    """
+
+    TICK = 0.01
+    STEP = 0.05
+    MIN_PLACES = 4
+    SMOOTHING = 0.25  # weight of the newest sample in the moving average
+
+    def __init__(self, admission: Admission, target: float) -> None:
+        self.admission = admission
+        self.target = target
+        self.floor = min(self.MIN_PLACES, admission.max_limit)
+        self.lag = 0.0  # smoothed lateness (seconds)
+        self._moved_at = float("-inf")  # loop time the bound last moved
+
+    def observe(self, lag: float, now: float) -> None:
+        """One sample (``lag`` seconds late at loop time ``now``); moves the bound."""
+        self.lag += self.SMOOTHING * (lag - self.lag)
+        if now - self._moved_at < self.STEP:
+            return
+        adm = self.admission
+        if self.lag > self.target and adm.limit > self.floor:
+            adm.limit = max(self.floor, int(adm.limit * 0.9))
+            self._moved_at = now
+        elif self.lag < self.target / 2 and adm.limit < adm.max_limit and adm.saturated:
+            adm.limit += 1
+            adm.saturated = False
+            self._moved_at = now
+
+    async def run(self) -> None:
+        """Sample until cancelled (the app's lifespan owns the task)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.TICK
+            await asyncio.sleep(self.TICK)
+            now = loop.time()
+            self.observe(max(0.0, now - due), now)
 
 
 _SHED_BODY = json.dumps(

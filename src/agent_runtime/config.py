@@ -207,6 +207,14 @@ class Settings(BaseSettings):
         "going spare is overload: from then on only a waiter of at most 5 ms is served, the "
         "rest are shed at once, until a place goes spare again",
     )
+    admission_lag_target: float = Field(
+        0.003,
+        ge=0,
+        le=1,
+        description="event-loop lateness (s) the in-flight bound is steered to: while the "
+        "loop runs later than this the working bound shrinks (down to 4), while it runs on "
+        "time it grows back to max_in_flight; 0: a fixed bound of max_in_flight",
+    )
 
     # -- templates: clusters, namespaces, secrets --
     clusters: ClusterMap = Field(

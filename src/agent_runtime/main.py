@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from agent_runtime import envelope
 from agent_runtime.admin import router as admin_router
-from agent_runtime.admission import Admission, AdmissionMiddleware, EdgeShed
+from agent_runtime.admission import Admission, AdmissionMiddleware, EdgeShed, LagGovernor
 from agent_runtime.config import API_PREFIX, Mode, Settings, is_loopback
 from agent_runtime.jobs import Job
 from agent_runtime.metrics import CONTENT_TYPE_LATEST, Metrics, MetricsMiddleware
@@ -49,6 +49,11 @@ def create_app(
             except Exception as exc:  # pods jobs degrade; config and routing of warm pods go on
                 log.error("kubernetes client failed to start: %s", exc)
             app.state.services = svc  # before start(): a failed start is still stopped below
+            if settings.admission_lag_target > 0:
+                governor = LagGovernor(app.state.admission, settings.admission_lag_target)
+                app.state.admission_governor = asyncio.create_task(
+                    governor.run(), name="admission-governor"
+                )
             await svc.start()
             svc.ready = True
             log.info("ready: mode=%s instance=%s", settings.mode, settings.instance_id)
@@ -64,6 +69,10 @@ def create_app(
                 )
             yield
         finally:
+            governing: asyncio.Task[None] | None = getattr(app.state, "admission_governor", None)
+            if governing is not None:
+                governing.cancel()
+                await asyncio.gather(governing, return_exceptions=True)
             svc_now: Services | None = getattr(app.state, "services", None)
             if svc_now is not None:
                 svc_now.ready = False
@@ -129,7 +138,9 @@ def create_app(
     app.state.edge_shed = EdgeShed(
         admitted, prefix=API_PREFIX + "/", reserve_paths=reserve_paths, on_shed=count_shed
     )
-    metrics.watch_admission(lambda: (admitted.active, admitted.parked_now, admitted.waiting))
+    metrics.watch_admission(
+        lambda: (admitted.active, admitted.parked_now, admitted.waiting, admitted.limit)
+    )
     app.add_middleware(MetricsMiddleware, metrics=metrics, known_paths=known)
 
     @app.get("/metrics", response_class=Response, responses=envelope.METRICS_RESPONSES)

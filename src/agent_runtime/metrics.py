@@ -178,9 +178,9 @@ class Metrics:
         """Report the jobs ``jobs()`` returns at every scrape (empty before startup)."""
         self.registry.register(_JobCollector(jobs))
 
-    def watch_admission(self, counts: Callable[[], tuple[int, int, int]]) -> None:
+    def watch_admission(self, counts: Callable[[], tuple[int, int, int, int]]) -> None:
         """The edge's in-flight bound at every scrape: ``counts()`` is (admitted, parked,
-        waiting for a place)."""
+        waiting for a place, the working bound)."""
         self.registry.register(_AdmissionCollector(counts))
 
     def render(self) -> bytes:
@@ -217,11 +217,17 @@ class _JobCollector(Collector):
 
 
 class _AdmissionCollector(Collector):
-    def __init__(self, counts: Callable[[], tuple[int, int, int]]) -> None:
+    def __init__(self, counts: Callable[[], tuple[int, int, int, int]]) -> None:
         self._counts = counts
 
     def collect(self) -> Iterator[Metric]:
-        active, parked, waiting = self._counts()
+        active, parked, waiting, limit = self._counts()
+        yield GaugeMetricFamily(
+            "agent_runtime_http_in_flight_limit",
+            "the working in-flight bound: AGENT_RUNTIME_MAX_IN_FLIGHT, lowered while the event "
+            "loop runs late (AGENT_RUNTIME_ADMISSION_LAG_TARGET)",
+            value=limit,
+        )
         yield GaugeMetricFamily(
             "agent_runtime_http_in_flight",
             "API requests at work now (counted against AGENT_RUNTIME_MAX_IN_FLIGHT)",
