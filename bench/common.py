@@ -605,6 +605,7 @@ class RawConnection:
         self.port = int(port)
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
+        self.last_used = time.monotonic()  # when its last answer came (or it opened)
 
     async def open(self) -> RawConnection:
         self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
@@ -627,7 +628,9 @@ class RawConnection:
         for line in head.split(b"\r\n"):
             if line.lower().startswith(b"content-length:"):
                 length = int(line.split(b":", 1)[1])
-        return dict(json.loads(await self.reader.readexactly(length)))
+        answer = dict(json.loads(await self.reader.readexactly(length)))
+        self.last_used = time.monotonic()
+        return answer
 
     async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self.send(self.prepare(path, body))

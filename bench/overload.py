@@ -38,6 +38,7 @@ NAME = "overload"
 GROUP, SCOPES = "g-overload", 20
 CAPACITY_WORKERS = 16  # closed loop: enough claims in flight to saturate one replica
 OPEN_CONNECTIONS = 256  # open loop: a gateway's keep-alive pool; arrivals queue client-side
+IDLE_EXPIRY = 2.0  # seconds an idle connection is kept: under the server's keep-alive timeout
 JOBS = ("sm_sweep", "rm_autoscale", "rm_reclaim", "rm_watch", "rm_reconcile")
 
 
@@ -61,9 +62,12 @@ class Claims:
     async def _connection(self) -> RawConnection:
         while self.idle:
             conn = self.idle.pop()
-            if conn.reader is not None and not conn.reader.at_eof():
+            fresh = time.monotonic() - conn.last_used < IDLE_EXPIRY
+            if fresh and conn.reader is not None and not conn.reader.at_eof():
                 return conn
-            await conn.close()  # closed by the server while idle (keep-alive timeout)
+            # idle past our expiry, or closed by the server: a connection reused just as the
+            # server's keep-alive timeout (5 s) closes it is reset (a gateway expires them too)
+            await conn.close()
             self.opened -= 1
         self.opened += 1
         return await RawConnection(self.url).open()
