@@ -37,7 +37,7 @@ from agent_runtime.resource_manager.state import (
     scope_idle_key,
     scope_pods_key,
 )
-from helpers import other_client
+from helpers import IDENTITY, other_client
 
 SCOPE = "scope-a"
 
@@ -87,7 +87,7 @@ async def make_instance(redis: Redis, k8s: FakeK8sPodClient) -> Instance:
     notifier = Notifier(redis, patterns=[REGISTERED_PATTERN])
     await notifier.start()
     orchestrator = ResourceOrchestrator(
-        state=state, k8s=k8s, notifier=notifier, default_namespace="default"
+        state=state, k8s=k8s, notifier=notifier, default_namespace="default", identity=IDENTITY
     )
     return Instance(state, orchestrator, ResourceManagerFacade(orchestrator=orchestrator), notifier)
 

@@ -1046,11 +1046,9 @@ class SlowFailingK8s(FakeK8sPodClient):
         super().__init__()
         self.latency = latency
 
-    async def deploy(
-        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any]
-    ) -> PodDeployInfo:
+    async def deploy(self, **kwargs: Any) -> PodDeployInfo:
         await asyncio.sleep(self.latency)
-        return await super().deploy(scope_id=scope_id, deploy_ver=deploy_ver, pod_spec=pod_spec)
+        return await super().deploy(**kwargs)
 
 
 @real_mariadb_and_fake

@@ -24,6 +24,7 @@ import re
 import secrets
 import string
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -32,6 +33,7 @@ import aiohttp
 
 from agent_runtime import label_selector
 from agent_runtime.resource_manager.clusters import ClusterConfig
+from agent_runtime.resource_manager.identity import IDENTITY_ANNOTATION, PodIdentity
 from agent_runtime.resource_manager.models import (
     APP_LABEL,
     COMPONENT_LABEL,
@@ -64,6 +66,7 @@ DEFAULT_READY_TIMEOUT = 300.0
 DEFAULT_READY_POLL_INTERVAL = 2.0
 LIST_PAGE_SIZE = 500  # pods per LIST request (``limit``), as client-go's pager
 LIST_PARSE_SLICE = 0.001  # seconds of parsing a LIST page before yielding to the loop
+MERGE_PATCH = "application/merge-patch+json"
 
 _NAME_ALPHABET = string.ascii_lowercase + string.digits
 # Transport failures: the request may or may not have reached the API server.
@@ -81,13 +84,15 @@ class K8sPodClient(Protocol):
     async def close(self) -> None: ...
 
     async def deploy(
-        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any]
+        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any], identity: PodIdentity
     ) -> PodDeployInfo:
-        """Create one AgentServer pod and wait until it is Ready with an IP.
+        """Create one AgentServer pod, sign it and wait until it is Ready with an IP.
 
-        Labels per contract §5; name ``{pod_name}-{10}-{5}`` (409 → a new name, 3 tries);
-        polls every ``ready_poll_interval`` up to ``ready_timeout``. Timeout, a terminal
-        phase, a dead waiting reason or disappearance → the pod is deleted, ``DeployFailed``.
+        Labels per contract §5; name ``{pod_name}-{10}-{5}`` (409 → a new name, 3 tries); the
+        identity annotations of ``identity`` in the manifest, the incarnation one patched on
+        with the uid the create answered; polls every ``ready_poll_interval`` up to
+        ``ready_timeout``. Timeout, a terminal phase, a dead waiting reason, disappearance or
+        another incarnation under the name → the pod is deleted, ``DeployFailed``.
         """
 
     async def delete(self, pod_id: str, namespace: str) -> bool:
@@ -145,9 +150,14 @@ def _resources(pod_spec: dict[str, Any]) -> dict[str, dict[str, str]]:
 
 
 def build_pod_body(
-    pod_id: str, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any]
+    pod_id: str,
+    scope_id: str,
+    deploy_ver: str,
+    pod_spec: dict[str, Any],
+    annotations: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The Pod manifest (camelCase JSON) for ``create_namespaced_pod``; namespace is in the path."""
+    """The Pod manifest (camelCase JSON) for ``create_namespaced_pod``; namespace is in the path.
+    ``annotations``: the pod identity's (``PodIdentity.create_annotations``)."""
     if not pod_spec.get("image"):
         raise DeployFailed("pod_spec has no image")
     sse_port = int(pod_spec.get("sse_port") or DEFAULT_PORT)
@@ -186,7 +196,11 @@ def build_pod_body(
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": pod_id, "labels": pod_labels(pod_id, scope_id, deploy_ver)},
+        "metadata": {
+            "name": pod_id,
+            "labels": pod_labels(pod_id, scope_id, deploy_ver),
+            "annotations": dict(annotations or {}),
+        },
         "spec": spec,
     }
 
@@ -202,6 +216,7 @@ def pod_status_from_json(pod: dict[str, Any]) -> PodStatus:
     ]
     waiting = [((cs or {}).get("state") or {}).get("waiting") or {} for cs in containers]
     conditions = status.get("conditions") or []
+    specs = (pod.get("spec") or {}).get("containers") or [{}]
     return PodStatus(
         pod_id=meta.get("name") or "",
         namespace=meta.get("namespace") or "",
@@ -213,6 +228,9 @@ def pod_status_from_json(pod: dict[str, Any]) -> PodStatus:
         ready=any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions),
         pod_ip=status.get("podIP") or None,
         labels=dict(meta.get("labels") or {}),
+        uid=meta.get("uid") or "",
+        annotations=dict(meta.get("annotations") or {}),
+        image=(specs[0] or {}).get("image") or "",
     )
 
 
@@ -220,7 +238,7 @@ def pod_status(v1pod: Any) -> PodStatus:
     """A kubernetes_asyncio ``V1Pod`` (get, deploy polling) as a ``PodStatus``: the fields the
     rules read, in their JSON shape, through ``pod_status_from_json`` (a projection, not
     ``to_dict``: ~10 µs a pod instead of ~150; tests check both read every case alike)."""
-    meta, status = v1pod.metadata, v1pod.status
+    meta, status, spec = v1pod.metadata, v1pod.status, v1pod.spec
 
     def container(cs: Any) -> dict[str, Any]:
         waiting = cs.state.waiting if cs.state is not None else None
@@ -232,8 +250,13 @@ def pod_status(v1pod: Any) -> PodStatus:
                 "name": meta.name,
                 "namespace": meta.namespace,
                 "labels": meta.labels,
+                "annotations": meta.annotations,
+                "uid": meta.uid,
                 "deletionTimestamp": meta.deletion_timestamp,
             },
+            "spec": None
+            if spec is None or not spec.containers
+            else {"containers": [{"image": spec.containers[0].image}]},
             "status": None
             if status is None
             else {
@@ -423,7 +446,17 @@ class _DeployJob:
     deploy_ver: str
     pod_spec: dict[str, Any]
     deadline: _Deadline
+    identity: PodIdentity
     sent: set[str] = dataclasses.field(default_factory=set)
+
+    def body(self) -> dict[str, Any]:
+        """A new name's manifest, signed for that name."""
+        name = new_pod_name(self.pod_spec.get("pod_name"))
+        notes = self.identity.create_annotations(
+            pod_id=name, namespace=self.namespace, scope_id=self.scope_id,
+            deploy_ver=self.deploy_ver, pod_spec=self.pod_spec,
+        )  # fmt: skip
+        return build_pod_body(name, self.scope_id, self.deploy_ver, self.pod_spec, notes)
 
 
 class RealK8sPodClient:
@@ -625,7 +658,7 @@ class RealK8sPodClient:
     # deploy
 
     async def deploy(
-        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any]
+        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any], identity: PodIdentity
     ) -> PodDeployInfo:
         ready_timeout, poll = _deploy_timing(pod_spec)
         deadline = _Deadline(ready_timeout)  # create and readiness together
@@ -647,18 +680,20 @@ class RealK8sPodClient:
             deploy_ver=deploy_ver,
             pod_spec=pod_spec,
             deadline=deadline,
+            identity=identity,
         )
         try:
-            name = await self._create(job)
-            pod_ip = await self._wait_ready(job, name, poll)
+            name, uid, signature = await self._create(job)
+            await self._sign(job, name, uid, signature)
+            pod_ip = await self._wait_ready(job, name, uid, poll)
         except BaseException:  # DeployFailed, and also cancellation: never leave a pod behind
             for maybe_created in job.sent:
                 await self._discard(api, maybe_created, job.namespace)
             raise
         return PodDeployInfo(name, job.namespace, pod_ip, sse_url(pod_ip, pod_spec))
 
-    async def _create(self, job: _DeployJob) -> str:
-        """Create the pod and return its name.
+    async def _create(self, job: _DeployJob) -> tuple[str, str, str]:
+        """Create the pod; its name, the uid the API server gave it and its identity MAC.
 
         409 → a new name (3 names in all). 429 / 5xx / a lost reply → the same name again
         after a backoff, so a create that did land shows up as our own pod (GET, or the next
@@ -676,25 +711,27 @@ class RealK8sPodClient:
                     raise DeployFailed(
                         f"pod name taken {CREATE_NAME_TRIES} times in {job.namespace}"
                     )
-                pod_name = new_pod_name(job.pod_spec.get("pod_name"))
-                body = build_pod_body(pod_name, job.scope_id, job.deploy_ver, job.pod_spec)
+                body = job.body()
                 maybe_landed = False
             name = body["metadata"]["name"]
+            signature = body["metadata"]["annotations"][IDENTITY_ANNOTATION]
             what = f"create pod {job.namespace}/{name}"
             if job.deadline.remaining() <= 0:
                 raise DeployFailed(f"{what}: no time left")
             job.sent.add(name)
             try:
                 async with asyncio.timeout(job.deadline.call_timeout()):
-                    await job.api.create_namespaced_pod(job.namespace, body)
-                return name
+                    created = await job.api.create_namespaced_pod(job.namespace, body)
+                return name, self._uid_of(created, what), signature
+            except DeployFailed:
+                raise
             except Exception as exc:
                 error = exc
             status = _api_status(error)
             if status == 409:
-                owner = await self._is_ours(job, name)
+                owner, uid = await self._is_ours(job, name, signature)
                 if owner is True:
-                    return name
+                    return name, uid, signature
                 if owner is None and maybe_landed:  # likely ours: keep it, ask again
                     await self._backoff(attempt, error, job.deadline, what)
                     attempt += 1
@@ -707,28 +744,71 @@ class RealK8sPodClient:
                 raise DeployFailed(f"{what} refused: {_api_error_text(error)}") from error
             if status != 429:  # a 429 is refused before anything is applied
                 maybe_landed = True
-                if await self._is_ours(job, name):
-                    return name
+                owner, uid = await self._is_ours(job, name, signature)
+                if owner:
+                    return name, uid, signature
             await self._backoff(attempt, error, job.deadline, what)
             attempt += 1
 
     @staticmethod
-    async def _is_ours(job: _DeployJob, name: str) -> bool | None:
-        """Whether ``name`` exists with our scope and deploy-ver labels (a create that landed):
-        True, False (another pod, or none: 404), or None when the GET failed too (unknown).
+    def _uid_of(created: Any, what: str) -> str:
+        uid = pod_status(created).uid
+        if not uid:  # nothing to bind the signature to; the name is deleted by the caller
+            raise DeployFailed(f"{what}: the reply carries no metadata.uid")
+        return uid
+
+    @staticmethod
+    async def _is_ours(job: _DeployJob, name: str, signature: str) -> tuple[bool | None, str]:
+        """Whether ``name`` exists with our labels and the identity MAC we sent (a create that
+        landed), and its uid: True, False (another pod, or none: 404), or None when the GET
+        failed too (unknown).
 
         Unknown never counts as ours; the name stays in ``job.sent``, so a failed deploy
         still deletes it.
         """
         if job.deadline.remaining() <= 0:
-            return None
+            return None, ""
         try:
             async with asyncio.timeout(job.deadline.call_timeout()):
                 found = pod_status(await job.api.read_namespaced_pod(name, job.namespace))
         except Exception as exc:
             log.debug("get pod %s/%s after a failed create: %s", job.namespace, name, exc)
-            return False if _api_status(exc) == 404 else None
-        return found.scope_id == job.scope_id and found.deploy_ver == job.deploy_ver
+            return (False if _api_status(exc) == 404 else None), ""
+        ours = (
+            found.scope_id == job.scope_id
+            and found.deploy_ver == job.deploy_ver
+            and found.annotations.get(IDENTITY_ANNOTATION) == signature
+            and bool(found.uid)
+        )
+        return ours, found.uid
+
+    async def _sign(self, job: _DeployJob, name: str, uid: str, signature: str) -> None:
+        """Patch the incarnation MAC onto the pod (a JSON merge patch: re-sent as is after a
+        lost reply). The patch names the uid: should the name hold another incarnation by
+        now, the API server refuses (the uid is immutable) instead of us signing that one."""
+        notes = job.identity.incarnation_annotations(uid=uid, identity=signature)
+        patch = {"metadata": {"uid": uid, "annotations": notes}}
+        what = f"sign pod {job.namespace}/{name}"
+        attempt = 0
+        while True:
+            if job.deadline.remaining() <= 0:
+                raise DeployFailed(f"{what}: no time left")
+            try:
+                async with asyncio.timeout(job.deadline.call_timeout()):
+                    await job.api.patch_namespaced_pod(
+                        name, job.namespace, patch, _content_type=MERGE_PATCH
+                    )
+                return
+            except Exception as exc:
+                error = exc
+            status = _api_status(error)
+            if status == 404:
+                raise DeployFailed(f"pod {job.namespace}/{name} disappeared") from error
+            if not _retryable(error):
+                hint = " (the service account needs `patch` on pods)" if status == 403 else ""
+                raise DeployFailed(f"{what} refused: {_api_error_text(error)}{hint}") from error
+            await self._backoff(attempt, error, job.deadline, what)
+            attempt += 1
 
     @staticmethod
     async def _backoff(attempt: int, error: BaseException, deadline: _Deadline, what: str) -> None:
@@ -743,8 +823,9 @@ class RealK8sPodClient:
         await asyncio.sleep(delay)
 
     @staticmethod
-    async def _wait_ready(job: _DeployJob, name: str, poll: float) -> str:
-        """Poll until Ready with an IP; dead or gone fails at once, a GET hiccup waits."""
+    async def _wait_ready(job: _DeployJob, name: str, uid: str, poll: float) -> str:
+        """Poll until Ready with an IP; dead, gone or replaced (another uid under the name)
+        fails at once, a GET hiccup waits."""
         where = f"pod {job.namespace}/{name}"
         last = "unknown"
         while True:
@@ -758,6 +839,8 @@ class RealK8sPodClient:
                     raise DeployFailed(f"{where}: get refused: {_api_error_text(exc)}") from exc
                 last = f"get failed: {_api_error_text(exc)}"
             else:
+                if found.uid != uid:
+                    raise DeployFailed(f"{where} was replaced by another pod of that name")
                 if found.dead:
                     raise DeployFailed(f"{where} is {found.phase}")
                 if found.ready and found.pod_ip:
@@ -791,8 +874,10 @@ class FakeK8sPodClient:
     (deploy waits its ``ready_timeout``, deletes the pod, raises), ``ready_delay`` (seconds to
     Ready), ``unhealthy`` (pod ids whose health probe fails), ``missing_namespaces`` (list → [],
     deploy refused) and ``forbidden_namespaces`` (every call → 403). Actions: ``set_phase``,
-    ``kill``, ``remove`` (vanishes behind our back), ``add_pod`` (a pod we did not create).
-    Records: ``deploy_calls``, ``deleted`` (pod ids, in order), ``pods``.
+    ``kill``, ``remove`` (vanishes behind our back), ``add_pod`` (a pod this client did not
+    deploy: signed with ``identity`` when one is given, as a lost one of ours; else foreign).
+    Records: ``deploy_calls``, ``deleted`` (pod ids, in order), ``pods``. A deploy signs its
+    pod with the identity it is given, both annotations at once (no create/patch window).
 
     Pod IPs are loopback: 127.0.1.1 … 127.0.1.254, then 127.0.2.x and so on.
     """
@@ -858,19 +943,50 @@ class FakeK8sPodClient:
         phase: str = "Running",
         ready: bool | None = None,
         labels: dict[str, str] | None = None,
+        identity: PodIdentity | None = None,
+        pod_spec: dict[str, Any] | None = None,
+        annotations: dict[str, str] | None = None,
+        image: str = "agentserver:found",
     ) -> PodStatus:
-        """A pod we did not deploy (e.g. found after a Redis wipe); ``labels`` override ours."""
+        """A pod we did not deploy (e.g. found after a Redis wipe); ``labels`` override ours.
+        With ``identity`` it carries both signatures (its SSE port and path from ``pod_spec``),
+        as a pod of ours would; ``annotations`` are added last (a test's tampering)."""
         pod_id = pod_id or new_pod_name(None)
+        namespace = namespace or self.default_namespace
+        uid = str(uuid.uuid4())
+        notes = {} if identity is None else self._signed(
+            identity, pod_id, namespace, scope_id, deploy_ver, pod_spec or {}, uid
+        )  # fmt: skip
         pod = PodStatus(
             pod_id=pod_id,
-            namespace=namespace or self.default_namespace,
+            namespace=namespace,
             phase=phase,
             ready=phase == "Running" if ready is None else ready,
             pod_ip=None if phase == "Pending" else self._next_ip(pod_id),
             labels={**pod_labels(pod_id, scope_id, deploy_ver), **(labels or {})},
+            uid=uid,
+            annotations={**notes, **(annotations or {})},
+            image=image,
         )
         self.pods[pod_id] = pod
         return pod
+
+    @staticmethod
+    def _signed(
+        identity: PodIdentity,
+        pod_id: str,
+        namespace: str,
+        scope_id: str,
+        deploy_ver: str,
+        pod_spec: dict[str, Any],
+        uid: str,
+    ) -> dict[str, str]:
+        notes = identity.create_annotations(
+            pod_id=pod_id, namespace=namespace, scope_id=scope_id, deploy_ver=deploy_ver,
+            pod_spec=pod_spec,
+        )  # fmt: skip
+        notes.update(identity.incarnation_annotations(uid=uid, identity=notes[IDENTITY_ANNOTATION]))
+        return notes
 
     def _next_ip(self, pod_id: str) -> str:
         n, self._ips_given = self._ips_given, self._ips_given + 1
@@ -885,7 +1001,7 @@ class FakeK8sPodClient:
     # K8sPodClient
 
     async def deploy(
-        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any]
+        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any], identity: PodIdentity
     ) -> PodDeployInfo:
         self.deploy_calls += 1
         namespace = pod_spec.get("namespace") or self.default_namespace
@@ -896,13 +1012,14 @@ class FakeK8sPodClient:
             raise DeployFailed(f"create pod in {namespace} refused: 403 Forbidden")
         if namespace in self.missing_namespaces:
             raise DeployFailed(f"create pod in {namespace} refused: 404 namespace not found")
-        body = build_pod_body(
-            new_pod_name(pod_spec.get("pod_name")), scope_id, deploy_ver, pod_spec
-        )
-        pod_id = body["metadata"]["name"]
+        pod_id = new_pod_name(pod_spec.get("pod_name"))
+        uid = str(uuid.uuid4())
+        notes = self._signed(identity, pod_id, namespace, scope_id, deploy_ver, pod_spec, uid)
+        body = build_pod_body(pod_id, scope_id, deploy_ver, pod_spec, notes)
         self.pods[pod_id] = PodStatus(
-            pod_id, namespace, "Pending", False, None, body["metadata"]["labels"]
-        )
+            pod_id, namespace, "Pending", False, None, body["metadata"]["labels"],
+            uid=uid, annotations=notes, image=pod_spec["image"],
+        )  # fmt: skip
         try:
             pod_ip = await self._wait_ready(pod_id, pod_spec)
         except BaseException:  # as the real client: a failed or cancelled deploy leaves no pod
@@ -1006,10 +1123,13 @@ class MeteredK8sPodClient:
             self._observe(verb, status, time.perf_counter() - started)
 
     async def deploy(
-        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any]
+        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any], identity: PodIdentity
     ) -> PodDeployInfo:
         return await self._timed(
-            "deploy", self.inner.deploy(scope_id=scope_id, deploy_ver=deploy_ver, pod_spec=pod_spec)
+            "deploy",
+            self.inner.deploy(
+                scope_id=scope_id, deploy_ver=deploy_ver, pod_spec=pod_spec, identity=identity
+            ),
         )
 
     async def delete(self, pod_id: str, namespace: str) -> bool:

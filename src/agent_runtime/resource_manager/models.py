@@ -11,6 +11,8 @@ APP_LABEL = "app"
 SCOPE_LABEL = "agent-runtime/scope"
 DEPLOY_VER_LABEL = "agent-runtime/deploy-ver"
 COMPONENT_SELECTOR = f"{COMPONENT_LABEL}={COMPONENT_VALUE}"
+# what cleanup may delete: AgentServers that carry our scope label (an existence term)
+OWN_PODS_SELECTOR = f"{COMPONENT_SELECTOR},{SCOPE_LABEL}"
 
 # Waiting reasons after which a container will not come up by itself.
 DEAD_WAITING_REASONS = frozenset(
@@ -53,6 +55,10 @@ class PodStatus:
     ready: bool
     pod_ip: str | None
     labels: dict[str, str] = field(default_factory=dict)
+    # what ``identity.verify`` reads: the object's incarnation and our signed annotations
+    uid: str = ""
+    annotations: dict[str, str] = field(default_factory=dict)
+    image: str = ""  # the first container's (reported for a foreign pod)
 
     @property
     def dead(self) -> bool:

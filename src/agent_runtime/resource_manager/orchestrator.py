@@ -27,9 +27,10 @@ from agent_runtime import admission, logs, spec_fields
 from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
+from agent_runtime.resource_manager.identity import PodIdentity
 from agent_runtime.resource_manager.k8s import K8sPodClient, parse_label_selector
 from agent_runtime.resource_manager.models import (
-    COMPONENT_SELECTOR,
+    OWN_PODS_SELECTOR,
     POOL_TOKEN_PREFIXES,
     DeployBounds,
     DeployFailed,
@@ -90,9 +91,10 @@ class ResourceOrchestrator:
         default_namespace: str,
         bounds: DeployBounds | None = None,
         metrics: Metrics | None = None,
+        identity: PodIdentity,
     ) -> None:
         """``bounds``: where a deploy may go (the wiring passes the settings'; None: anywhere,
-        for tests that build an orchestrator by hand)."""
+        for tests that build an orchestrator by hand); ``identity`` signs every pod."""
         metrics = metrics or Metrics()
         self._acquired = metrics.acquires
         self._deploys_done = metrics.deploys
@@ -103,6 +105,7 @@ class ResourceOrchestrator:
         self._notifier = notifier
         self._default_namespace = default_namespace
         self._bounds = bounds
+        self._identity = identity
         self._deploys = BackgroundTasks()
 
     # --- acquire -------------------------------------------------------------------------------
@@ -320,8 +323,9 @@ class ResourceOrchestrator:
                 raise DeployFailed(refusal)
             with admission.parked():  # a cold route waits on Kubernetes, not on Redis
                 info = await self._k8s.deploy(
-                    scope_id=scope_id, deploy_ver=version, pod_spec=pod_spec
-                )
+                    scope_id=scope_id, deploy_ver=version, pod_spec=pod_spec,
+                    identity=self._identity,
+                )  # fmt: skip
         except BaseException as exc:
             cancelled = isinstance(exc, asyncio.CancelledError)
             self._deploys_done.labels(kind, "cancelled" if cancelled else "failed").inc()
@@ -464,13 +468,14 @@ class ResourceOrchestrator:
         return await self._state.expire_scope(scope_id)
 
     async def cleanup(self, namespace: str | None = None, label_selector: str | None = None) -> int:
-        """Delete AgentServer pods matching the selector (the component label always ANDed
-        in). Redis is not touched: watch and reconcile notice the deleted pods."""
+        """Delete AgentServer pods matching the selector (the component label and the
+        existence of our scope label always ANDed in: another tool's AgentServer is never
+        ours to delete). Redis is not touched: watch and reconcile notice the deleted pods."""
         ns = namespace or self._default_namespace
         # ValueError for a selector we do not accept; what Kubernetes gets is its canonical
         # form, so the API server never refuses (502) what we validated (400)
         terms = parse_label_selector(label_selector or "")
-        selector = ",".join([COMPONENT_SELECTOR, *(term.render() for term in terms)])
+        selector = ",".join([OWN_PODS_SELECTOR, *(term.render() for term in terms)])
         pods = await self._k8s.list_pods(ns, selector)
         gate = asyncio.Semaphore(CLEANUP_CONCURRENCY)
 

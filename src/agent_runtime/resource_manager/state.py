@@ -38,6 +38,9 @@ BUDGET_RULE_PREFIX = f"{P}budget:rule:"
 BUDGET_RULES_KEY = f"{P}budget:rules"  # SET: rule ids that have a units ZSET (for reconcile)
 BUDGET_LIMITS_KEY = f"{P}budget:rule_limits"  # HASH: rule id -> its pod budget (>= 1)
 DEFAULT_POD_BUDGET = 1000
+# Reconcile's report of pods with our labels that are not provably ours (foreign_report.lua)
+FOREIGN_PODS_KEY = f"{P}resource:foreign_pods"
+FOREIGN_COUNT_KEY = f"{P}resource:foreign_pods:count"
 IDEM_TTL = 60
 # The jobs' reads come in slices, a round trip each, so no slice holds the loop for long
 # and no call holds Redis (single-threaded: a route waits behind it) for more than ~0.5 ms.
@@ -133,6 +136,19 @@ class PlaceholderOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class AdoptOutcome:
+    """What the ``adopt`` script decided."""
+
+    action: str  # adopted | known | old_version | max_reached | budget_reached
+    detail: str | None = None  # adopted: configured | unconfigured; budget_reached: which
+
+    @property
+    def kept(self) -> bool:
+        """The pod is registered now (adopted, or already was)."""
+        return self.action in ("adopted", "known")
+
+
+@dataclass(frozen=True, slots=True)
 class PoolConfig:
     min_idle_pods: int
     max_pods: int
@@ -202,6 +218,8 @@ class ResourceState:
         self._read_many_script = script("read_many")
         self._pool_config_script = script("pool_config")
         self._scope_expire = script("scope_expire")
+        self._adopt = script("adopt", placeholders)
+        self._foreign_report = script("foreign_report")
 
     # --- pool config ---------------------------------------------------------------------------
 
@@ -463,6 +481,39 @@ class ResourceState:
         )
         return bool(held)
 
+    async def adopt(
+        self,
+        *,
+        scope_id: str,
+        pod_id: str,
+        pod_sse_url: str,
+        pod_ip: str,
+        namespace: str,
+        deploy_ver: str,
+    ) -> AdoptOutcome:
+        """A verified pod of ours that Redis does not know into its scope's warm pool
+        (adopt.lua: within max_pods and the budgets when the scope has a config, as it is
+        when it has none)."""
+        reply = await self._adopt(
+            keys=[
+                pod_info_key(pod_id),
+                scope_pods_key(scope_id),
+                PODS_ALL_KEY,
+                scope_deploying_key(scope_id),
+                scope_idle_key(scope_id),
+                pod_idle_since_key(pod_id),
+                scope_config_key(scope_id),
+                BUDGET_PODS_KEY,
+                BUDGET_RULES_KEY,
+                BUDGET_LIMITS_KEY,
+            ],
+            args=[
+                pod_id, scope_id, pod_sse_url, pod_ip, namespace, deploy_ver,
+                BUDGET_RULE_PREFIX, self.pod_budget,
+            ],
+        )  # fmt: skip
+        return AdoptOutcome(reply[0], reply[1] if len(reply) > 1 else None)
+
     async def release(self, scope_id: str, pod_id: str) -> bool:
         became_idle = await self._release(
             keys=[
@@ -633,6 +684,35 @@ class ResourceState:
     async def cache_result(self, scope_id: str, request_id: str, result: dict[str, str]) -> None:
         value = json.dumps({**result, "scope_id": scope_id})
         await self.redis.set(idem_key(request_id), value, ex=IDEM_TTL)
+
+    async def idle_since(self, pod_ids: list[str]) -> dict[str, float]:
+        """When each warm pod joined the warm pool (Redis seconds); a pod that is not warm is
+        left out. MGETs of BATCH keys."""
+        since: dict[str, float] = {}
+        for i in range(0, len(pod_ids), BATCH):
+            chunk = pod_ids[i : i + BATCH]
+            values = await self.redis.mget([pod_idle_since_key(p) for p in chunk])
+            since.update((p, float(v)) for p, v in zip(chunk, values, strict=True) if v)
+        return since
+
+    # --- foreign pods (reconcile's report) -----------------------------------------------------
+
+    async def report_foreign(self, count: int, pods: dict[str, dict[str, Any]]) -> None:
+        """Replace the report: ``count`` foreign pods seen, ``pods`` (a bounded number of them)
+        by "{namespace}/{pod}"."""
+        flat = [x for field, pod in pods.items() for x in (field, json.dumps(pod, sort_keys=True))]
+        await self._foreign_report(keys=[FOREIGN_PODS_KEY, FOREIGN_COUNT_KEY], args=[count, *flat])
+
+    async def foreign_pods(self) -> tuple[int, list[dict[str, Any]]]:
+        """The last report: how many were seen, and those it holds (sorted by namespace/pod)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.get(FOREIGN_COUNT_KEY)
+            pipe.hgetall(FOREIGN_PODS_KEY)
+            count, pods = await pipe.execute()
+        return int(count or 0), [json.loads(pods[k]) for k in sorted(pods)]
+
+    async def foreign_pod_count(self) -> int:
+        return int(await self.redis.get(FOREIGN_COUNT_KEY) or 0)
 
     async def count_health_failure(self, pod_id: str) -> int:
         """One more failed probe; 0 if the pod has been forgotten meanwhile.
