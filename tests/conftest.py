@@ -23,7 +23,7 @@ from sqlalchemy import create_engine
 import helpers
 from agent_runtime.db import schema
 from agent_runtime.db.engine import Database
-from agent_runtime.db.tables import routing_rule, service_config_template
+from agent_runtime.db.tables import installation_secret, routing_rule, service_config_template
 from helpers import (
     CLAIM_KEY,
     REDIS_URL,
@@ -100,6 +100,7 @@ async def db(migrated_url: str) -> AsyncIterator[Database]:
         def wipe(conn: Any) -> None:
             conn.execute(routing_rule.delete())
             conn.execute(service_config_template.delete())
+            conn.execute(installation_secret.delete())
 
         await database.write(wipe)
         await database.close()
