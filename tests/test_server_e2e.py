@@ -41,6 +41,7 @@ import pytest
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
+from agent_runtime.resource_manager.identity import PodIdentity
 from helpers import (
     CLAIM_KEY,
     claim_real_redis,
@@ -78,7 +79,12 @@ ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 GATEWAY = {"authorization": f"Bearer {GATEWAY_TOKEN}"}
 
 SCOPE_FULL_TIMEOUT = 3.0
+# set, so that a test can sign a pod as the service does (scenario L); scripts/e2e_acceptance.py
+# gives an external deployment the same SETTINGS
+E2E_POD_SECRET = "e2e-pod-identity-secret-0001"
+E2E_IDENTITY = PodIdentity(E2E_POD_SECRET)
 SETTINGS = {
+    "AGENT_RUNTIME_POD_IDENTITY_SECRET": E2E_POD_SECRET,
     "AGENT_RUNTIME_ADMIN_TOKENS": ADMIN_TOKEN,
     "AGENT_RUNTIME_GATEWAY_TOKENS": GATEWAY_TOKEN,
     "AGENT_RUNTIME_DEFAULT_NAMESPACE": "default",
@@ -456,6 +462,42 @@ class Scenario:
         assert resp.status_code == 200, resp.text
         pod: dict[str, Any] = resp.json()
         return pod
+
+    async def create_pod(self, name: str, deploy_ver: str, *, image: str, signed: bool) -> None:
+        """A pod created behind the service's back with the scope's labels; ``signed``: with
+        the annotations the service would give it (create, then the uid-bound patch)."""
+        labels = {"jiuwenclaw-component": "agentserver", "app": name}
+        labels |= {SCOPE_LABEL: self.scope, VERSION_LABEL: deploy_ver}
+        port = {"name": "sse", "containerPort": self.stack.sse_port, "protocol": "TCP"}
+        spec = {"sse_port": self.stack.sse_port, "sse_path": "/sse"}
+        notes = (
+            E2E_IDENTITY.create_annotations(
+                pod_id=name, namespace="default", scope_id=self.scope, deploy_ver=deploy_ver,
+                pod_spec=spec,
+            )
+            if signed
+            else {}
+        )  # fmt: skip
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "labels": labels, "annotations": notes},
+            "spec": {"containers": [{"name": "agentserver", "image": image, "ports": [port]}]},
+        }
+        resp = await self.sim.post("/api/v1/namespaces/default/pods", json=body)
+        assert resp.status_code == 201, resp.text
+        if signed:
+            uid = resp.json()["metadata"]["uid"]
+            incarnation = E2E_IDENTITY.incarnation_annotations(
+                uid=uid, identity=notes["agent-runtime/identity"]
+            )
+            patch = {"metadata": {"uid": uid, "annotations": incarnation}}
+            resp = await self.sim.patch(
+                f"/api/v1/namespaces/default/pods/{name}",
+                json=patch,
+                headers={"Content-Type": "application/merge-patch+json"},
+            )
+            assert resp.status_code == 200, resp.text
 
     async def kill(self, pod_id: str, mode: str) -> None:
         resp = await self.sim.post(f"/_sim/pods/default/{pod_id}/kill", json={"mode": mode})
@@ -1141,25 +1183,26 @@ async def test_l_reconcile_adopts_what_redis_lost_and_deletes_orphans(w: Scenari
     assert await w.live_pods() == {busy, spare}
     assert (await w.routed("s1"))["placement"] == "refresh"
 
-    # an orphan of ours in Kubernetes, of a version that is not current: deleted
+    # an orphan of ours in Kubernetes (signed as the service signs, the stack's secret), of a
+    # version that is not current: deleted. A pod with the same labels that is not provably
+    # ours (no identity, another image): left alone, and reported.
     orphan = f"e2e-l-{uuid.uuid4().hex[:10]}-orphn"
-    labels = {"jiuwenclaw-component": "agentserver", "app": orphan}
-    labels |= {SCOPE_LABEL: w.scope, VERSION_LABEL: "0000000000000000"}
-    port = {"name": "sse", "containerPort": w.stack.sse_port, "protocol": "TCP"}
-    body = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": orphan, "labels": labels},
-        "spec": {"containers": [{"name": "agentserver", "image": "old", "ports": [port]}]},
-    }
-    resp = await w.sim.post("/api/v1/namespaces/default/pods", json=body)
-    assert resp.status_code == 201, resp.text
+    await w.create_pod(orphan, "0000000000000000", image="old", signed=True)
+    foreign = f"e2e-l-{uuid.uuid4().hex[:10]}-frgn0"
+    await w.create_pod(foreign, "0000000000000000", image="attacker/agent", signed=False)
 
     async def orphan_deleted() -> bool:
         return orphan not in await w.sim_pods()
 
     await w.eventually(orphan_deleted, "reconcile deletes the orphan")
     assert not await w.redis.sismember(RM_PODS_ALL, orphan)
+
+    async def reported() -> bool:
+        resp = await w.http.get("/api/session/admin/foreign_pods", headers=ADMIN)
+        return foreign in {p["pod_id"] for p in resp.json()["data"]["pods"]}
+
+    await w.eventually(reported, "the foreign pod in the admin view")
+    assert foreign in await w.live_pods() and not await w.redis.sismember(RM_PODS_ALL, foreign)
 
     # and the other way round: a pod Redis knows that Kubernetes lost is purged
     await w.kill(spare, "vanish")
