@@ -27,7 +27,8 @@ from agent_runtime.resource_manager.identity import INCARNATION_ANNOTATION
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient, RealK8sPodClient
 from agent_runtime.util import scope_id_of
 from agent_runtime.wiring import Services
-from helpers import CLAIM_KEY, envelope, fake_only, running_app, sync_body
+from helpers import envelope, fake_only, running_app, sync_body
+from test_faults import wipe
 from test_local_mode import free_port
 
 ROUTE = "/api/session/route"
@@ -96,16 +97,6 @@ def metric(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
-
-
-async def wipe(redis: Redis) -> None:
-    """Redis loses everything (FLUSHDB of our own db: the real one keeps its claim marker)."""
-    owner = await redis.get(CLAIM_KEY)
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.flushdb()
-        if owner is not None:
-            pipe.set(CLAIM_KEY, owner)
-        await pipe.execute()
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], what: str, within: float = 10) -> None:

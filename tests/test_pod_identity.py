@@ -83,6 +83,7 @@ def test_our_pod_verifies_and_carries_its_signed_sse_endpoint() -> None:
         {"annotations": {SSE_PORT_ANNOTATION: "not-a-port"}},
         {"annotations": {IDENTITY_ANNOTATION: "v1:" + "0" * 64}},
         {"annotations": {IDENTITY_ANNOTATION: ""}},
+        {"annotations": {IDENTITY_ANNOTATION: "v1:\u00fcber", SSE_PATH_ANNOTATION: "/\u00e9"}},
         {"drop": IDENTITY_ANNOTATION},
         {"drop": SSE_PATH_ANNOTATION},
     ],

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import os
 import socket
-import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -29,18 +28,9 @@ import pytest
 from redis.asyncio import Redis
 
 from agent_runtime.util import scope_id_of
-from helpers import CLAIM_KEY, envelope, make_sql_backend, sync_body
-from test_local_mode import LocalServer, _wait_healthy, free_port
-from test_server_e2e import (
-    SIM_ARGS,
-    START_TIMEOUT,
-    Child,
-    _claim_redis,
-    agent_runtime,
-    child_env,
-    release_redis,
-    wait_for_sim,
-)
+from helpers import CLAIM_KEY, envelope, sync_body
+from test_local_mode import free_port
+from test_server_e2e import Stack, serving
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -66,50 +56,13 @@ PODS_ALL = "resource_manager:resource:pods:all"
 SCOPE_LABEL = "agent-runtime/scope"
 
 
-@dataclass
-class Stack:
-    base_url: str
-    sim_url: str
-    redis_url: str
-    server: Child
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    workdir = tmp_path_factory.mktemp("e2e-data-loss")
     with contextlib.ExitStack() as undo:
-        redis_url = asyncio.run(_claim_redis())
-        undo.callback(release_redis, redis_url)
-        sql = make_sql_backend("mariadb", workdir)
-        undo.callback(sql.cleanup)
-        env = child_env({"AGENT_RUNTIME_DATABASE_URL": sql.url})
-        upgrade = subprocess.run(
-            agent_runtime("db", "upgrade"), env=env, capture_output=True, text=True,
-            timeout=START_TIMEOUT, check=False,
-        )  # fmt: skip
-        assert upgrade.returncode == 0, upgrade.stdout + upgrade.stderr
-        kubeconfig = workdir / "kubeconfig"
-        sim_args = agent_runtime("kubesim", "--kubeconfig-out", str(kubeconfig), *SIM_ARGS)
-        sim = Child("kubesim", sim_args, env, workdir / "kubesim.log")
-        undo.callback(sim.stop)
-        sim_url = wait_for_sim(sim)
-        port, instance_id = free_port(), f"e2e-loss-{uuid.uuid4().hex[:6]}"
-        settings = {
-            **SETTINGS,
-            "AGENT_RUNTIME_REDIS_URL": redis_url,
-            "AGENT_RUNTIME_DATABASE_URL": sql.url,
-            "AGENT_RUNTIME_KUBECONFIG": str(kubeconfig),
-            "AGENT_RUNTIME_INSTANCE_ID": instance_id,
-        }
-        serve = agent_runtime("serve", "--mode", "server", "--port", str(port))
-        server = Child("agent-runtime serve", serve, child_env(settings), workdir / "server.log")
-        undo.callback(server.stop)
-        base_url = f"http://127.0.0.1:{port}"
-        _wait_healthy(
-            LocalServer(server.proc, base_url, server.log_path, instance_id), START_TIMEOUT
-        )
-        yield Stack(base_url, sim_url, redis_url, server)
-        stopped = server.stop(), server.killed
+        running = serving(tmp_path_factory.mktemp("e2e-data-loss"), "mariadb", SETTINGS, undo)
+        yield running
+        assert running.server is not None
+        stopped = running.server.stop(), running.server.killed
     assert stopped == (0, False), f"SIGTERM: (exit status, killed) {stopped}"
 
 

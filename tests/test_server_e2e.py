@@ -267,6 +267,48 @@ class AttachServerLog:
         return report
 
 
+def serving(
+    workdir: Path, backend: str, settings: dict[str, str], undo: contextlib.ExitStack
+) -> Stack:
+    """The claimed real-Redis db, a database of ``backend`` brought up by ``db upgrade``, the
+    simulator and ``serve --mode server`` with ``settings``, up and healthy; ``undo`` stops
+    and releases them (in reverse: server, simulator, SQL, Redis)."""
+    redis_url = asyncio.run(_claim_redis())
+    undo.callback(release_redis, redis_url)
+    sql = make_sql_backend(backend, workdir)
+    undo.callback(sql.cleanup)
+    env = child_env({"AGENT_RUNTIME_DATABASE_URL": sql.url})
+    upgrade = subprocess.run(
+        agent_runtime("db", "upgrade"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT,
+        check=False,
+    )
+    assert upgrade.returncode == 0, upgrade.stdout + upgrade.stderr
+    kubeconfig = workdir / "kubeconfig"
+    sim_args = agent_runtime("kubesim", "--kubeconfig-out", str(kubeconfig), *SIM_ARGS)
+    sim = Child("kubesim", sim_args, env, workdir / "kubesim.log")
+    undo.callback(sim.stop)
+    sim_url = wait_for_sim(sim)
+
+    port, instance_id = free_port(), f"e2e-{backend}-{uuid.uuid4().hex[:6]}"
+    env = {
+        **settings,
+        "AGENT_RUNTIME_REDIS_URL": redis_url,
+        "AGENT_RUNTIME_DATABASE_URL": sql.url,
+        "AGENT_RUNTIME_KUBECONFIG": str(kubeconfig),
+        "AGENT_RUNTIME_INSTANCE_ID": instance_id,
+    }
+    serve = agent_runtime("serve", "--mode", "server", "--port", str(port))
+    server = Child("agent-runtime serve", serve, child_env(env), workdir / "server.log")
+    undo.callback(server.stop)
+    base_url = f"http://127.0.0.1:{port}"
+    _wait_healthy(LocalServer(server.proc, base_url, server.log_path, instance_id), START_TIMEOUT)
+    return Stack(base_url, sim_url, redis_url, instance_id, free_port(), server)
+
+
 @pytest.fixture(scope="module", params=["mariadb", "postgresql"])
 def stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -276,47 +318,14 @@ def stack(
         yield external_stack(backend)
         return
     workdir = tmp_path_factory.mktemp(f"e2e-{backend}")
-    with contextlib.ExitStack() as undo:  # in reverse: server, simulator, plugin, SQL, Redis
-        redis_url = asyncio.run(_claim_redis())
-        undo.callback(release_redis, redis_url)
-        sql = make_sql_backend(backend, workdir)
-        undo.callback(sql.cleanup)
+    with contextlib.ExitStack() as undo:
         plugin = AttachServerLog()
         request.config.pluginmanager.register(plugin, f"e2e-server-log-{backend}")
         undo.callback(request.config.pluginmanager.unregister, plugin)
-
-        env = child_env({"AGENT_RUNTIME_DATABASE_URL": sql.url})
-        upgrade = subprocess.run(
-            agent_runtime("db", "upgrade"),
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=START_TIMEOUT,
-            check=False,
-        )
-        assert upgrade.returncode == 0, upgrade.stdout + upgrade.stderr
-        kubeconfig = workdir / "kubeconfig"
-        sim_args = agent_runtime("kubesim", "--kubeconfig-out", str(kubeconfig), *SIM_ARGS)
-        sim = Child("kubesim", sim_args, env, workdir / "kubesim.log")
-        undo.callback(sim.stop)
-        sim_url = wait_for_sim(sim)
-
-        port, instance_id = free_port(), f"e2e-{backend}-{uuid.uuid4().hex[:6]}"
-        settings = {
-            **SETTINGS,
-            "AGENT_RUNTIME_REDIS_URL": redis_url,
-            "AGENT_RUNTIME_DATABASE_URL": sql.url,
-            "AGENT_RUNTIME_KUBECONFIG": str(kubeconfig),
-            "AGENT_RUNTIME_INSTANCE_ID": instance_id,
-        }
-        serve = agent_runtime("serve", "--mode", "server", "--port", str(port))
-        server = Child("agent-runtime serve", serve, child_env(settings), workdir / "server.log")
-        undo.callback(server.stop)
-        base_url = f"http://127.0.0.1:{port}"
-        _wait_healthy(
-            LocalServer(server.proc, base_url, server.log_path, instance_id), START_TIMEOUT
-        )
-        yield Stack(base_url, sim_url, redis_url, instance_id, free_port(), server)
+        running = serving(workdir, backend, SETTINGS, undo)
+        yield running
+        assert running.server is not None
+        server = running.server
         stopped = server.stop(), server.killed
     if stopped != (0, False):
         pytest.fail(f"SIGTERM: (exit status, killed) {stopped}; its log:\n{server.log()}")

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import hmac
 import json
 import logging
 import math
@@ -777,7 +778,9 @@ class RealK8sPodClient:
         ours = (
             found.scope_id == job.scope_id
             and found.deploy_ver == job.deploy_ver
-            and found.annotations.get(IDENTITY_ANNOTATION) == signature
+            and hmac.compare_digest(
+                found.annotations.get(IDENTITY_ANNOTATION, "").encode(), signature.encode()
+            )
             and bool(found.uid)
         )
         return ours, found.uid

@@ -601,13 +601,8 @@ class ResourceState:
     async def idle_pods_of(self, scope_ids: list[str]) -> dict[str, dict[str, float]]:
         """``idle_pods`` of many scopes: pipelined SMEMBERS, then MGETs of the warm ones."""
         members = await self._members_of(scope_ids, scope_idle_key)
-        pods = [p for scope_pods in members.values() for p in scope_pods]
-        since: dict[str, float] = {}
-        for i in range(0, len(pods), BATCH):
-            chunk = pods[i : i + BATCH]
-            values = await self.redis.mget([pod_idle_since_key(p) for p in chunk])
-            since.update((p, float(v or 0)) for p, v in zip(chunk, values, strict=True))
-        return {s: {p: since[p] for p in scope_pods} for s, scope_pods in members.items()}
+        since = await self.idle_since([p for scope_pods in members.values() for p in scope_pods])
+        return {s: {p: since.get(p, 0.0) for p in scope_pods} for s, scope_pods in members.items()}
 
     async def deploying(self, scope_id: str) -> list[str]:
         return cast(list[str], list(await self.redis.smembers(scope_deploying_key(scope_id))))
