@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes_asyncio.client import V1Container, V1ObjectMeta, V1Pod, V1PodSpec
 from pydantic import ValidationError
 from redis.asyncio import Redis
 from sqlalchemy import create_engine, inspect
@@ -34,12 +35,17 @@ from agent_runtime.resource_manager.identity import (
     Ownership,
     PodIdentity,
 )
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, RealK8sPodClient, pod_status
+from agent_runtime.resource_manager.k8s import (
+    FakeK8sPodClient,
+    RealK8sPodClient,
+    pod_status,
+    pod_status_from_json,
+)
 from agent_runtime.resource_manager.models import DEPLOY_VER_LABEL, SCOPE_LABEL, DeployFailed
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.wiring import load_pod_identity
 from helpers import IDENTITY, make_settings, make_sql_backend
-from test_k8s import Opened, ScriptedCoreApi, api_error, spec
+from test_k8s import Opened, ScriptedCoreApi, api_error, as_json, spec
 
 SCOPE = "0123456789abcdef0123456789abcdef"
 VER = "feedfacecafebeef"
@@ -434,3 +440,25 @@ def test_migration_0003_adds_the_installation_secret_table(
     finally:
         engine.dispose()
         backend.cleanup()
+
+
+def test_both_readings_of_a_pod_carry_what_verify_needs() -> None:
+    """The V1Pod path (get, deploy polling) and the raw JSON path (LIST) read the uid, the
+    annotations and the image alike, so a pod verifies the same whichever way it was read."""
+    pod = our_pod()
+    v1 = V1Pod(
+        metadata=V1ObjectMeta(
+            name=pod.pod_id, namespace=pod.namespace, labels=pod.labels, uid=pod.uid,
+            annotations=pod.annotations,
+        ),
+        spec=V1PodSpec(containers=[V1Container(name="agentserver", image="agentserver:1")]),
+    )  # fmt: skip
+    from_object = pod_status(v1)
+    from_json = pod_status_from_json(as_json(v1))
+    assert from_object == from_json
+    assert (from_json.uid, from_json.annotations, from_json.image) == (
+        pod.uid,
+        pod.annotations,
+        "agentserver:1",
+    )
+    assert IDENTITY.verify(from_json).ownership is Ownership.OURS
