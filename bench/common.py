@@ -250,8 +250,12 @@ class Server:
         asyncio_debug: float = 0.0,
         callback_audit: float = 0.0,
         profile: Path | None = None,
+        cpus: set[int] | None = None,
     ) -> None:
+        """``cpus``: pin the server process to these CPUs (``sched_setaffinity``), so that a
+        load generator pinned elsewhere does not take its cycles."""
         self.ctx = ctx
+        self.cpus = cpus
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -296,6 +300,8 @@ class Server:
             self.proc = subprocess.Popen(
                 self.args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
             )
+        if self.cpus:
+            os.sched_setaffinity(self.proc.pid, self.cpus)
         self.ctx.servers.append(self)
 
     async def start(self, within: float = 60.0) -> Server:

@@ -6,14 +6,17 @@ served routes, the shed rate (503 OVERLOADED), other errors, the job ticks durin
 
 Issue 13: without a bound, 300 claims/s against a replica good for ~250 collapsed it for the
 whole run. With ``AGENT_RUNTIME_MAX_IN_FLIGHT`` the excess is shed at the edge and the rest is
-served at capacity. Client and server share the machine's two cores: the open-loop client
-costs CPU of its own (prebuilt requests on raw keep-alive connections keep it small).
+served at capacity. On a machine with two CPUs or more the server is pinned to CPU 0 and this
+process (the client) to CPU 1 for the whole bench, capacity included, so the client's own work
+never takes the server's cycles (Redis floats: it takes what is left); capacity is then "one
+replica on one core".
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections import Counter
 from typing import Any
@@ -52,8 +55,12 @@ class Claims:
         self.intended_ms: list[float] = []  # served routes, from their arrival time
 
     async def _connection(self) -> RawConnection:
-        if self.idle:
-            return self.idle.pop()
+        while self.idle:
+            conn = self.idle.pop()
+            if conn.reader is not None and not conn.reader.at_eof():
+                return conn
+            await conn.close()  # closed by the server while idle (keep-alive timeout)
+            self.opened -= 1
         self.opened += 1
         return await RawConnection(self.url).open()
 
@@ -160,8 +167,20 @@ def _failures(metrics: dict[str, float]) -> float:
     return sum(metrics.get(f'agent_runtime_job_failures_total{{job="{job}"}}', 0.0) for job in JOBS)
 
 
+def _pinning() -> tuple[set[int] | None, set[int] | None]:
+    """(server CPUs, client CPUs): disjoint when the machine has two CPUs for us."""
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        return None, None
+    return {mine[0]}, {mine[1]}
+
+
 async def run(ctx: Context) -> dict[str, Any]:
-    server = await Server(ctx, "overload", jobs=True).start()
+    server_cpus, client_cpus = _pinning()
+    before_affinity = os.sched_getaffinity(0)
+    server = await Server(ctx, "overload", jobs=True, cpus=server_cpus).start()
+    if client_cpus:
+        os.sched_setaffinity(0, client_cpus)
     try:
         async with client(server.url) as http:
             await configure(
@@ -173,8 +192,12 @@ async def run(ctx: Context) -> dict[str, Any]:
         await closed_loop(server.url, ctx.warmup_seconds)
         capacity, cap_claims = await closed_loop(server.url, cap_seconds)
         before = await server.metrics()
+        async with client(server.url) as http:
+            await http.post("/_bench/loop_lag")  # starts (or resets) the loop's lag sampler
         rate = 2 * capacity
         goodput, over = await open_loop(server.url, rate, over_seconds)
+        async with client(server.url) as http:
+            loop_lag = (await http.post("/_bench/loop_lag")).json()
         after = await server.metrics()
         ticks_before, ticks_after = _jobs(before), _jobs(after)
         routes = sorted(over.route_ms)
@@ -194,7 +217,10 @@ async def run(ctx: Context) -> dict[str, Any]:
             "client_connections": over.opened,
             "job_ticks_ok": {j: ticks_after[j] - ticks_before[j] for j in JOBS},
             "job_failures": _failures(after) - _failures(before),
+            "server_loop_lag": loop_lag,
             "seconds": {"capacity": cap_seconds, "overload": over_seconds},
+            "pinned": {"server": sorted(server_cpus or []), "client": sorted(client_cpus or [])},
         }
     finally:
+        os.sched_setaffinity(0, before_affinity)
         server.stop()

@@ -361,7 +361,7 @@ async def ticks(svc: Services, *, profile: bool = False) -> dict[str, Any]:
     jobs: dict[str, Callable[[], Awaitable[Any]]] = {
         "sm_sweep": svc.session_sweeper.sweep_once,
         "rm_autoscale": svc.sweeper.autoscale_once,
-        "rm_reclaim": svc.sweeper.reclaim_once,
+        "rm_reclaim": svc.sweeper.reclaim_and_prune_once,
         "rm_watch": svc.sweeper.watch_once,
         "rm_reconcile": svc.sweeper.reconcile_once,
     }

@@ -76,6 +76,34 @@ class _SlowCallbacks(logging.Handler):
             SLOW.append((float(took.group(1)), name, message[:300]))
 
 
+class _LoopLag:
+    """A timer every ``TICK`` seconds; how late each one fired (ms), kept until taken."""
+
+    TICK = 0.005
+    KEEP = 100_000
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self.task: asyncio.Task[None] | None = None
+
+    async def _sample(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.TICK
+            await asyncio.sleep(self.TICK)
+            if len(self.lags) < self.KEEP:
+                self.lags.append((loop.time() - due) * 1000)
+
+    def take(self) -> dict[str, float]:
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self._sample())
+        lags, self.lags = sorted(self.lags), []
+        if not lags:
+            return {"samples": 0}
+        at = lambda q: round(lags[min(len(lags) - 1, int(q * len(lags)))], 2)  # noqa: E731
+        return {"samples": len(lags), "p50_ms": at(0.5), "p99_ms": at(0.99), "max_ms": at(1.0)}
+
+
 AUDIT: list[dict[str, Any]] = []  # --callback-audit: slow callbacks with CPU and switches
 GC_TOTAL = [0.0]  # seconds spent in the garbage collector (audit mode)
 GC_STATS: dict[str, dict[str, float]] = {}  # generation -> count, total_ms, max_ms
@@ -219,6 +247,14 @@ def build_app(args: argparse.Namespace) -> tuple[FastAPI, Any]:
                 "placement": "noop",
             },
         )
+
+    lag = _LoopLag()
+
+    @router.post("/_bench/loop_lag")
+    async def loop_lag() -> JSONResponse:
+        """Lateness of a 5 ms timer since the last call (first call: starts sampling): how
+        long a socket's data can wait for the loop, which no request timer sees."""
+        return JSONResponse(lag.take())
 
     @router.get("/_bench/stats")
     async def stats() -> JSONResponse:
@@ -381,7 +417,7 @@ def main() -> None:
     if http == "edge":  # as `agent-runtime serve` runs it
         from agent_runtime.http_server import fit_descriptors, uvicorn_options
 
-        protocol = uvicorn_options(settings, fit_descriptors(settings)[0])
+        protocol = uvicorn_options(settings, fit_descriptors(settings)[0], app.state.edge_shed)
     else:
         protocol = {"http": http}
     config = uvicorn.Config(

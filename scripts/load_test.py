@@ -699,8 +699,10 @@ class Finished:
 
 
 async def main_async(args: argparse.Namespace, csv_file: TextIO | None) -> Finished:
-    limits = httpx.Limits(
-        max_connections=args.concurrency, max_keepalive_connections=args.concurrency
+    limits = httpx.Limits(  # idle expiry under the server's keep-alive timeout (5 s)
+        max_connections=args.concurrency,
+        max_keepalive_connections=args.concurrency,
+        keepalive_expiry=2.0,
     )
     timeout = httpx.Timeout(args.timeout, connect=min(args.timeout, 5.0))
     async with httpx.AsyncClient(

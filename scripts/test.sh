@@ -10,8 +10,9 @@ if [ "${AGENT_RUNTIME_SKIP_SERVICES:-}" != "1" ]; then
 fi
 
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+# A venv made while python3-venv was missing has a python but no pip: make it anew.
+if [ ! -x .venv/bin/python ] || [ ! -x .venv/bin/pip ]; then
+  "$PY" -m venv --clear .venv
 fi
 stamp=.venv/.installed-$(cat requirements.lock pyproject.toml | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ]; then

@@ -24,7 +24,7 @@ from agent_runtime.config import Mode, Settings
 from agent_runtime.db.engine import Database, normalize_url
 from agent_runtime.main import create_app
 from agent_runtime.resource_manager.identity import PodIdentity
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s import FakeK8sPodClient, PodDeployInfo
 from agent_runtime.wiring import Backends
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -357,6 +357,19 @@ async def _pipe(
         if writer.can_write_eof() and not writer.is_closing():
             with contextlib.suppress(OSError):
                 writer.write_eof()  # half-close: the other direction may still be talking
+
+
+class GatedK8s(FakeK8sPodClient):
+    """Deploys wait for ``gate`` before they start: a test sees a deploy in flight for as
+    long as it needs to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def deploy(self, **kwargs: Any) -> PodDeployInfo:
+        await self.gate.wait()
+        return await super().deploy(**kwargs)
 
 
 def other_client(redis: Redis) -> Redis:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -13,7 +14,7 @@ from redis.asyncio import Redis
 
 from agent_runtime.db.engine import Database
 from agent_runtime.jobs import JOB_LOCK_PREFIX
-from helpers import other_client, running_app
+from helpers import make_settings, other_client, running_app
 
 JOBS = ("rm_autoscale", "rm_reclaim", "rm_watch", "rm_reconcile")
 
@@ -124,3 +125,21 @@ async def test_the_real_redis_policy_is_read(redis: Redis) -> None:
     policy = await warn_on_eviction(redis)  # never fails startup, whatever the server says
     if "server" not in redis.connection_pool.connection_kwargs:  # the real server
         assert policy == (await redis.config_get("maxmemory-policy"))["maxmemory-policy"]
+
+
+async def test_local_mode_with_the_embedded_fakeredis_says_nothing_about_eviction(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """fakeredis has no CONFIG: the "could not be read; make sure it is noeviction" line read
+    like a problem to fix on a fresh local start, where there is nothing to fix."""
+    from agent_runtime.wiring import build_backends, check_backends
+
+    caplog.set_level(logging.INFO)
+    settings = make_settings(sqlite_path=tmp_path / "local.db")
+    backends = build_backends(settings)
+    try:
+        await check_backends(settings, backends)
+    finally:
+        await backends.redis.aclose()
+        await backends.db.close()
+    assert not [r for r in caplog.records if "maxmemory" in r.getMessage()]

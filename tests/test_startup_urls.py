@@ -95,3 +95,15 @@ def test_well_formed_redis_urls_are_accepted(url: str) -> None:
 )
 def test_well_formed_database_urls_are_accepted(url: str) -> None:
     assert Settings(_env_file=None, database_url=url).database_url == url  # type: ignore[call-arg]
+
+
+@pytest.mark.timeout(120)
+def test_db_commands_in_server_mode_without_a_database_url_refuse_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """Server mode never falls back to SQLite: ``db upgrade|status`` without a URL is a
+    one-line refusal (it was an AssertionError traceback, exit 1)."""
+    for action in ("upgrade", "status"):
+        proc = run("db", action, env={"AGENT_RUNTIME_MODE": "server"}, cwd=tmp_path)
+        assert_one_line_refusal(proc, "AGENT_RUNTIME_DATABASE_URL")
+    assert list(tmp_path.iterdir()) == [], "nothing created (no SQLite fallback)"

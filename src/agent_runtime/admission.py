@@ -6,9 +6,16 @@ to its reply, the pool ran dry ("No connection available" → 503 BACKEND_UNAVAI
 touches failed so sessions stayed, scopes filled, routes queued for ``scope_full_timeout`` and
 job ticks (which share the pool) failed: a collapse that outlived the overload. With the bound
 the excess is answered (503 ``OVERLOADED`` + ``Retry-After``, a fixed answer, no Redis or DB
-work) and the admitted requests keep the replica at capacity. A short burst over the bound is
-not overload: it waits for places (a bounded stack, newest first) and is served; only a backlog
-that has lasted ``burst_wait`` makes newcomers wait milliseconds before they are shed.
+work) and the admitted requests keep the replica at capacity.
+
+Burst or overload (adaptive LIFO with a CoDel-style detector): a request over the bound waits
+for a place on a bounded stack, newest first. A backlog that clears within ``burst_wait`` is a
+burst: every waiter is served. A backlog that has stood for ``burst_wait`` without a single
+place going spare is overload: from then on a waiter is served only while it is fresh
+(``OVERLOAD_WAIT``), older ones are shed at once, and the state ends only when a place goes
+spare again — not when shedding empties the stack (that was the old rule's flaw: every shed
+wave looked like a drained burst, so the next arrivals were given the long burst wait again and
+the served p99 at 2 x capacity was 0.5–3 s). LIFO keeps what is served fresh under overload.
 
 What counts: a request under ``/api/session/`` from the moment its body has arrived until its
 answer is sent. The body is read before the place is taken (bounded: the body limit here, the
@@ -32,7 +39,7 @@ import asyncio
 import contextlib
 import json
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -41,7 +48,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from agent_runtime.errors import ErrorCode
 
 RETRY_AFTER = 1  # seconds: a shed request is retried (ideally on another replica) soon
-OVERLOAD_WAIT = 0.005  # seconds a newcomer may wait for a place under overload
+OVERLOAD_WAIT = 0.005  # seconds a waiter may have waited and still be served under overload
+# Under overload the edge sheds a route before its request becomes an ASGI task once this many
+# waiters already stand ready for the next freed places: a few, so that no place idles between
+# arrivals, and few enough that the excess never pays for a task (see ``shed_early``).
+EARLY_SHED_DEPTH = 4
+
+_Waiter = tuple[asyncio.Future[bool], float]  # (its place, when it came)
 
 
 @dataclass
@@ -54,12 +67,12 @@ class _Ticket:
 class Admission:
     """The places of one app: ``limit`` requests at work, then a bounded waiting stack.
 
-    A request over the bound waits for a place, newest first (LIFO): in a short burst every
-    waiter is served within ``burst_wait``; under sustained overload the newest arrivals are
-    served at once (low latency for what is served) and the oldest are shed. When the stack
-    has not been empty for ``burst_wait`` the replica is overloaded, not bursting: a newcomer
-    then waits at most ``OVERLOAD_WAIT`` and older waiters are shed when a place frees; with
-    ``queue`` waiters already there a newcomer is shed at once.
+    Overload is "a backlog has stood ``burst_wait`` seconds and no place has gone spare
+    since it formed" (``_backlog_since``); see the module docstring for why shedding does not
+    end it. Under overload a newcomer waits at most ``OVERLOAD_WAIT``, and a freed place goes
+    to the newest waiter that is still fresh, shedding the stale ones it passes and those at
+    the bottom (they are older still); with ``queue`` waiters already there a newcomer is shed
+    at once.
     """
 
     def __init__(self, limit: int, *, queue: int = 0, burst_wait: float = 0.0) -> None:
@@ -70,15 +83,41 @@ class Admission:
         self.shed = 0  # requests answered OVERLOADED since start
         self.parked_now = 0
         self.waiting = 0
-        self._stack: list[tuple[asyncio.Future[bool], float]] = []  # (place, when it came)
-        self._touches: list[tuple[asyncio.Future[bool], float]] = []  # served before routes
-        self._empty_at = 0.0  # loop time the stack was last empty
+        self._stack: deque[_Waiter] = deque()  # routes and the rest: oldest left, newest right
+        self._touches: deque[_Waiter] = deque()  # served before routes
+        self._backlog_since: float | None = None  # loop time a backlog formed; None: a place
+        # went spare since
+
+    def _overloaded(self, now: float) -> bool:
+        return self._backlog_since is not None and now - self._backlog_since > self.burst_wait
+
+    def shed_early(self) -> bool:
+        """Whether a route arriving now is to be shed by the HTTP protocol itself, before it
+        costs a task, the middleware stack and a place on the stack (counted as shed).
+
+        Why: at 2 x capacity the excess is as many requests as the served ones; shed through
+        the ASGI stack each cost ~0.18 ms of the loop (a fifth of a served route), so goodput
+        fell to ~75 % of capacity and the loop's own queue put every served route behind the
+        shed ones. True when the middleware would shed it for sure (every place taken and the
+        stack full), or under overload once ``EARLY_SHED_DEPTH`` waiters stand ready: LIFO
+        would serve the newcomer and shed one of those instead, the same count for more work.
+        """
+        if self.active < self.limit:
+            return False
+        if self.waiting >= self.queue or (
+            self.waiting >= EARLY_SHED_DEPTH and self._overloaded(asyncio.get_running_loop().time())
+        ):
+            self.shed += 1
+            return True
+        return False
 
     async def enter(self, *, reserve: bool) -> _Ticket | None:
         """A place, or None: shed (``reserve``: the touch's extra room, and it passes waiting
         routes)."""
         bound = 2 * self.limit if reserve else self.limit
         if self.active < bound and (reserve or not self.waiting):
+            if self.active < self.limit:
+                self._backlog_since = None  # a place was spare: whatever stood has cleared
             self.active += 1
             return _Ticket(self, asyncio.current_task())
         if self.waiting >= self.queue:
@@ -86,9 +125,9 @@ class Admission:
             return None
         loop = asyncio.get_running_loop()
         now = loop.time()
-        if not self.waiting:
-            self._empty_at = now
-        overloaded = now - self._empty_at > self.burst_wait
+        if self._backlog_since is None:
+            self._backlog_since = now
+        overloaded = self._overloaded(now) and not reserve  # a touch waits its whole burst wait
         wait = min(OVERLOAD_WAIT, self.burst_wait) if overloaded else self.burst_wait
         place: asyncio.Future[bool] = loop.create_future()
         (self._touches if reserve else self._stack).append((place, now))
@@ -107,37 +146,46 @@ class Admission:
                 place.cancel()
                 self._gone()
             raise
-        if not admitted:  # its wait ran out, or _release shed it (too old under overload)
+        if not admitted:  # its wait ran out, or _release shed it (stale under overload)
             self.shed += 1
             return None
         return _Ticket(self, asyncio.current_task())  # handed over: ``active`` already counts it
 
     def _gone(self) -> None:
         self.waiting -= 1
-        if not self.waiting:
-            self._empty_at = asyncio.get_running_loop().time()
         if len(self._stack) > 2 * max(self.queue, 8):  # drop the dead entries (LIFO leaves them)
-            self._stack = [(f, t) for f, t in self._stack if not f.done()]
-            self._touches = [(f, t) for f, t in self._touches if not f.done()]
+            self._stack = deque((f, t) for f, t in self._stack if not f.done())
+            self._touches = deque((f, t) for f, t in self._touches if not f.done())
+
+    def _shed(self, place: asyncio.Future[bool]) -> None:
+        place.set_result(False)
+        self._gone()
 
     def _release(self) -> None:
-        """A place comes free: to the newest live waiter, else back to the pool. Under
-        overload a waiter older than ``OVERLOAD_WAIT`` is shed instead (and so is every one
-        under it: they are older still), so what is served has not waited."""
+        """A place comes free: to the newest live waiter (touches first), else it goes spare.
+        Under overload a stale waiter is shed instead of served, and so is every stale one at
+        the bottom: what is served has not waited."""
         now = asyncio.get_running_loop().time()
-        overloaded = self.waiting and now - self._empty_at > self.burst_wait
-        while self._touches or self._stack:
-            place, came = (self._touches or self._stack).pop()
-            if place.done():
-                continue
-            if overloaded and now - came > OVERLOAD_WAIT:
-                place.set_result(False)
+        overloaded = self._overloaded(now)
+        for waiters in (self._touches, self._stack):
+            stale_sheds = overloaded and waiters is self._stack  # a touch frees what routes took
+            if stale_sheds:  # the bottom is the oldest: shed what went stale there
+                while waiters and (waiters[0][0].done() or now - waiters[0][1] > OVERLOAD_WAIT):
+                    place, _ = waiters.popleft()
+                    if not place.done():
+                        self._shed(place)
+            while waiters:
+                place, came = waiters.pop()
+                if place.done():
+                    continue
+                if stale_sheds and now - came > OVERLOAD_WAIT:
+                    self._shed(place)
+                    continue
+                place.set_result(True)
                 self._gone()
-                continue
-            place.set_result(True)
-            self._gone()
-            return
+                return
         self.active -= 1
+        self._backlog_since = None  # nobody waited for this place: no backlog stands
 
     def leave(self, ticket: _Ticket) -> None:
         if ticket.held:
@@ -161,6 +209,62 @@ class Admission:
             self.parked_now -= 1
             ticket.held = True
             self.active += 1  # resumes without the check: its wait is not wasted
+
+
+_SHED_BODY = json.dumps(
+    {
+        "ok": False,
+        "request_id": None,
+        "error_code": ErrorCode.OVERLOADED.value,
+        "error_message": "this replica is at its in-flight bound; retry shortly",
+        "retry_after": RETRY_AFTER,
+    }
+).encode()
+_SHED_HEADERS = (
+    ("content-type", "application/json"),
+    ("content-length", str(len(_SHED_BODY))),
+    ("retry-after", str(RETRY_AFTER)),
+    ("x-error-code", ErrorCode.OVERLOADED.value),
+)
+
+
+def _shed_response(*, keep_alive: bool) -> bytes:
+    """The whole HTTP/1.1 answer of a shed request, for the protocol to write itself."""
+    lines = ["HTTP/1.1 503 Service Unavailable", *(f"{k}: {v}" for k, v in _SHED_HEADERS)]
+    if not keep_alive:
+        lines.append("connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + _SHED_BODY
+
+
+class EdgeShed:
+    """The protocol's door into admission (``http_server.EarlyAnswer``): the prebuilt 503 for a
+    route that ``Admission.shed_early`` sheds, written by the protocol without an ASGI task.
+    Touch (``reserve_paths``) is never shed here: it frees what routes took."""
+
+    def __init__(
+        self,
+        admission: Admission,
+        *,
+        prefix: str,
+        reserve_paths: frozenset[str],
+        on_shed: Callable[[str], None],
+    ) -> None:
+        self.admission = admission
+        self._prefix = prefix.encode()
+        self._reserve = frozenset(p.encode() for p in reserve_paths)
+        self._on_shed = on_shed  # counts it (requests_total by path, 503, OVERLOADED)
+        self._keep_alive = _shed_response(keep_alive=True)
+        self._close = _shed_response(keep_alive=False)
+
+    def answer_now(self, url: bytes, *, keep_alive: bool) -> bytes | None:
+        """The bytes to answer this request with at once, or None: it goes to the app."""
+        if not url.startswith(self._prefix):
+            return None
+        path = url.partition(b"?")[0]
+        if path in self._reserve or not self.admission.shed_early():
+            return None
+        self._on_shed(path.decode("latin-1"))
+        return self._keep_alive if keep_alive else self._close
 
 
 # the current request's place (set by the middleware; two apps in one process each see theirs)
@@ -199,26 +303,12 @@ class AdmissionMiddleware:
         self.admission = admission
         self.prefix = prefix
         self.reserve_paths = reserve_paths
-        body = json.dumps(
-            {
-                "ok": False,
-                "request_id": None,
-                "error_code": ErrorCode.OVERLOADED.value,
-                "error_message": "this replica is at its in-flight bound; retry shortly",
-                "retry_after": RETRY_AFTER,
-            }
-        ).encode()
         self._start = {
             "type": "http.response.start",
             "status": 503,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"retry-after", str(RETRY_AFTER).encode()),
-                (b"x-error-code", ErrorCode.OVERLOADED.value.encode()),
-            ],
+            "headers": [(k.encode(), v.encode()) for k, v in _SHED_HEADERS],
         }
-        self._body = {"type": "http.response.body", "body": body}
+        self._body = {"type": "http.response.body", "body": _SHED_BODY}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")

@@ -104,7 +104,7 @@ def _serve(args: argparse.Namespace) -> None:
         log_config=None,  # ours (logs.configure): one format for every line
         access_log=False,
         # bounded heads, head/body deadlines, keep-alive timeout, connection cap
-        **http_server.uvicorn_options(settings, max_connections),
+        **http_server.uvicorn_options(settings, max_connections, app.state.edge_shed),
     )
     DrainingServer(config).run()
 

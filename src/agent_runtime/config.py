@@ -131,6 +131,15 @@ class Settings(BaseSettings):
     scope_metrics: bool = Field(
         False, description="per-scope series on /metrics (cardinality: one series per scope)"
     )
+    deploy_lease: float = Field(
+        5.0,
+        ge=1.0,
+        le=60.0,
+        description="seconds a deploy's claim (the scope's deploy lock, its placeholder, a "
+        "follower's seat) lives unless its replica renews it (every third of it): a replica "
+        "that dies mid-deploy frees them this long after, and a follower takes the deploy over "
+        "(set the same on every replica)",
+    )
     redis_timeout: float = Field(
         2.0, gt=0, description="Redis connect and command timeout (s); keeps failures fast"
     )
@@ -192,11 +201,13 @@ class Settings(BaseSettings):
         "more are answered 503 OVERLOADED at once; 0: no waiting",
     )
     admission_burst_wait: float = Field(
-        5.0,
+        0.1,
         gt=0,
-        description="how long a backlog over max_in_flight may last as a burst: its requests "
-        "wait for a place up to this long; a backlog older than this is overload: newcomers "
-        "wait at most 5 ms and older waiters are shed",
+        le=60,
+        description="how long a backlog over max_in_flight may stand as a burst: its requests "
+        "wait for a place up to this long; a backlog that has stood this long with no place "
+        "going spare is overload: from then on only a waiter of at most 5 ms is served, the "
+        "rest are shed at once, until a place goes spare again",
     )
 
     # -- templates: clusters, namespaces, secrets --
@@ -392,6 +403,7 @@ class Settings(BaseSettings):
     def sqlalchemy_url(self) -> str:
         """The DB URL this process uses: the configured one, or the local SQLite file."""
         if self.mode is Mode.SERVER or self.database_url:
-            assert self.database_url is not None
+            if not self.database_url:  # server mode never falls back to SQLite
+                raise ConfigError("AGENT_RUNTIME_DATABASE_URL is required in server mode")
             return self.database_url
         return f"sqlite:///{self.sqlite_path}"

@@ -564,6 +564,14 @@ BACKEND_ERRORS: tuple[type[Exception], ...] = (
     redis_errors.ConnectionError,
     redis_errors.TimeoutError,
     redis_errors.BusyLoadingError,
+    # up, but refusing writes for now: out of memory (noeviction), a replica (READONLY: a
+    # failover its clients have not followed yet), a primary without its replicas, a
+    # cluster slot in migration or down. Retried shortly, never a 500.
+    redis_errors.OutOfMemoryError,
+    redis_errors.ReadOnlyError,
+    redis_errors.MasterDownError,
+    redis_errors.TryAgainError,
+    redis_errors.ClusterDownError,
     sa_errors.OperationalError,
     sa_errors.InterfaceError,
     sa_errors.TimeoutError,

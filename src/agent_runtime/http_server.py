@@ -37,7 +37,7 @@ import resource
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -56,6 +56,13 @@ log = logging.getLogger(__name__)
 FD_RESERVE = 512  # descriptors kept for Redis (100) and DB pools, Kubernetes, files, the loop
 MIN_CONNECTIONS = 64  # a clamp below this is a refusal: the replica could not serve a gateway
 CAP_WARNING_EVERY = 10.0  # seconds between two "connection cap reached" warnings
+
+
+class EarlyAnswer(Protocol):
+    """Asked once a request's head is in, before the request becomes an ASGI task: the whole
+    answer to write at once (admission's shed under overload: ``admission.EdgeShed``), or None."""
+
+    def answer_now(self, url: bytes, *, keep_alive: bool) -> bytes | None: ...
 
 
 @dataclass(frozen=True)
@@ -138,6 +145,7 @@ class EdgeProtocol(HttpToolsProtocol):
 
     limits: ClassVar[EdgeLimits]
     stats: ClassVar[EdgeStats]
+    early: ClassVar[EarlyAnswer | None] = None
     too_large: ClassVar[bytes]
     timed_out: ClassVar[bytes]
     over_cap: ClassVar[bytes]
@@ -152,6 +160,8 @@ class EdgeProtocol(HttpToolsProtocol):
         self._header_count = 0
         self._head_seen = 0  # bytes of the head the parser has handed over (line + headers)
         self._head_refusal: str | None = None
+        self._early: bytes | None = None  # this request's answer, written at its body's end
+        self._early_close = False
 
     # --- connection
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -233,18 +243,44 @@ class EdgeProtocol(HttpToolsProtocol):
         self._disarm()
         if self._head_refusal is not None:
             return  # never handed to the app; data_received answers 431
-        super().on_headers_complete()
         self._in_body = True
+        if self._answer_early():
+            self._arm(self.limits.body_timeout, self._body_timed_out)
+            return
+        super().on_headers_complete()
         if not self.pipeline:  # queued behind a running request, its body is not read yet
             self._arm(self.limits.body_timeout, self._body_timed_out)
 
+    def _answer_early(self) -> bool:
+        """Take the early answer for this request, if there is one and it may go now: never
+        behind a request still being answered (answers keep their order), never to a client
+        waiting for ``100 Continue`` (it would not send the body we wait for)."""
+        if self.early is None or self.expect_100_continue:
+            return False
+        if self.cycle is not None and not self.cycle.response_complete:
+            return False
+        keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+        self._early = self.early.answer_now(self.url, keep_alive=keep_alive)
+        self._early_close = not keep_alive
+        return self._early is not None
+
     def on_body(self, body: bytes) -> None:
+        if self._early is not None:
+            return  # answered without reading it: dropped as it comes, never buffered
         if self.cycle is not None:
             super().on_body(body)
 
     def on_message_complete(self) -> None:
         self._in_body = False
         self._disarm()
+        if self._early is not None:
+            answer, self._early = self._early, None
+            self.transport.write(answer)
+            if self._early_close:
+                self.transport.close()
+                return
+            self.on_response_complete()  # keep-alive timer, or the next pipelined request
+            return
         if self.cycle is not None:
             super().on_message_complete()
 
@@ -291,11 +327,14 @@ class EdgeProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def protocol_class(limits: EdgeLimits, stats: EdgeStats | None = None) -> type[EdgeProtocol]:
+def protocol_class(
+    limits: EdgeLimits, stats: EdgeStats | None = None, early: EarlyAnswer | None = None
+) -> type[EdgeProtocol]:
     """An ``EdgeProtocol`` bound to these limits, for ``uvicorn.Config(http=...)``."""
     attrs = {
         "limits": limits,
         "stats": stats or EdgeStats(),
+        "early": early,
         "too_large": _answer(
             HeadersTooLarge,
             f"request head over the bounds ({limits.max_header_bytes} bytes, "
@@ -337,10 +376,15 @@ def fit_descriptors(settings: Settings) -> tuple[int, str | None]:
     return cap, note
 
 
-def uvicorn_options(settings: Settings, max_connections: int) -> dict[str, Any]:
-    """The ``uvicorn.Config`` arguments of the edge (serve and the bench server use these)."""
+def uvicorn_options(
+    settings: Settings, max_connections: int, early: EarlyAnswer | None = None
+) -> dict[str, Any]:
+    """The ``uvicorn.Config`` arguments of the edge (serve and the bench server use these);
+    ``early``: the app's admission door (``app.state.edge_shed``)."""
     return {
-        "http": protocol_class(EdgeLimits.of(settings, max_connections=max_connections)),
+        "http": protocol_class(
+            EdgeLimits.of(settings, max_connections=max_connections), early=early
+        ),
         "ws": "none",
         "timeout_keep_alive": settings.http_keepalive_timeout,
     }

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from agent_runtime import envelope
 from agent_runtime.admin import router as admin_router
-from agent_runtime.admission import Admission, AdmissionMiddleware
+from agent_runtime.admission import Admission, AdmissionMiddleware, EdgeShed
 from agent_runtime.config import API_PREFIX, Mode, Settings, is_loopback
 from agent_runtime.jobs import Job
 from agent_runtime.metrics import CONTENT_TYPE_LATEST, Metrics, MetricsMiddleware
@@ -121,12 +121,22 @@ def create_app(
         burst_wait=settings.admission_burst_wait,
     )
     app.state.admission = admitted
+    reserve_paths = frozenset({API_PREFIX + "/touch"})  # a touch frees what a route took
     app.add_middleware(
         AdmissionMiddleware,
         admission=admitted,
         prefix=API_PREFIX + "/",
-        reserve_paths=frozenset({API_PREFIX + "/touch"}),  # a touch frees what a route took
+        reserve_paths=reserve_paths,
         body_limit=envelope.MAX_BODY_BYTES,
+    )
+
+    def count_shed(path: str) -> None:
+        metrics.requests.labels(path if path in known else "other", "503", "OVERLOADED").inc()
+
+    # the HTTP protocol's door (serve passes it to uvicorn): under overload the excess is
+    # answered before it becomes a task (admission.Admission.shed_early)
+    app.state.edge_shed = EdgeShed(
+        admitted, prefix=API_PREFIX + "/", reserve_paths=reserve_paths, on_shed=count_shed
     )
     metrics.watch_admission(lambda: (admitted.active, admitted.parked_now, admitted.waiting))
     app.add_middleware(MetricsMiddleware, metrics=metrics, known_paths=known)

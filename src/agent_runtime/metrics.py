@@ -68,7 +68,7 @@ class Metrics:
         self.acquires = Counter(
             "agent_runtime_pool_acquires",
             "acquire outcomes: warm (reused), deploy (led one), follower, replay, "
-            "max_pods, budget, in_progress, failed",
+            "max_pods, budget, in_progress, timeout (the caller's deadline), failed",
             ["source"],
             registry=self.registry,
         )
@@ -76,6 +76,14 @@ class Metrics:
             "agent_runtime_pool_deploys",
             "pod deploys by kind (cold / warm) and outcome",
             ["kind", "outcome"],
+            registry=self.registry,
+        )
+        self.takeovers = Counter(
+            "agent_runtime_pool_deploy_takeovers",
+            "deploys taken over from a leader whose lease lapsed (its replica died), by what "
+            "became of its pod: adopted, deployed (gone or of an old version: a new one "
+            "deployed), failed (dead or not Ready in time: deleted)",
+            ["outcome"],
             registry=self.registry,
         )
         self.deploy_seconds = Histogram(

@@ -149,7 +149,8 @@ async def check_backends(settings: Settings, backends: Backends) -> None:
         await backends.redis.ping()
     except Exception as exc:
         raise ConfigError(f"redis unreachable: {type(exc).__name__}: {exc}") from None
-    await warn_on_eviction(backends.redis)
+    if settings.redis_url:  # the embedded fakeredis never evicts: nothing to say about it
+        await warn_on_eviction(backends.redis)
     try:
         await backends.db.ping()
     except Exception as exc:
@@ -228,9 +229,12 @@ class Services:
     draining: bool = False  # set on SIGTERM; /healthz turns 503 first
 
     def drain(self) -> None:
-        """Stop signal: /healthz 503 at once, new routes refused, waiting routes answered."""
+        """Stop signal: /healthz 503 at once, new routes refused, waiting routes answered at
+        once (queue, follower room, a shared acquire, a deploy of their own), followers'
+        seats given back."""
         self.draining = True
         self.session_orchestrator.drain()
+        self.orchestrator.drain()
 
     async def update_gauges(self, metrics: Metrics) -> None:
         """Pods by state and live sessions, read from Redis when /metrics is scraped (a few
@@ -293,6 +297,8 @@ def wire(
         ),
         metrics=metrics,
         identity=identity,
+        deploy_lease=settings.deploy_lease,
+        instance_id=settings.instance_id,
     )
     resources = ResourceManagerFacade(orchestrator=orchestrator)
     sessions = SessionManagerFacade(state=session_state)
@@ -325,7 +331,7 @@ def wire(
             Job("sm_sweep", settings.sweep_interval, session_sweeper.sweep_once),
             Job("scope_expiry", settings.scope_expiry_interval, session_sweeper.expire_scopes_once),
             Job("rm_autoscale", settings.autoscale_interval, sweeper.autoscale_once),
-            Job("rm_reclaim", settings.reclaim_interval, sweeper.reclaim_once),
+            Job("rm_reclaim", settings.reclaim_interval, sweeper.reclaim_and_prune_once),
             Job("rm_watch", settings.watch_interval, sweeper.watch_once),
             Job("rm_reconcile", settings.reconcile_interval, sweeper.reconcile_once),
         ],

@@ -12,6 +12,7 @@ from typing import Any
 from agent_runtime.resource_manager.models import (
     DeployFailed,
     DeployInProgress,
+    DeployTimedOut,
     K8sApiError,
     MaxPodsReached,
     PodBudgetReached,
@@ -21,6 +22,7 @@ from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 __all__ = [
     "DeployFailed",
     "DeployInProgress",
+    "DeployTimedOut",
     "K8sApiError",
     "MaxPodsReached",
     "PodBudgetReached",
@@ -42,6 +44,7 @@ class ResourceManagerFacade:
         on_ready: Callable[[dict[str, str]], Awaitable[object]] | None = None,
         rule_id: str = "",
         rule_pod_budget: int = 0,
+        asked_at: float | None = None,
     ) -> dict[str, str]:
         """``{pod_id, pod_sse_url, deploy_ver}`` of a warm pod or of one new deploy (followers
         share it).
@@ -56,7 +59,10 @@ class ResourceManagerFacade:
         Raises ``MaxPodsReached`` (the cap is held by pods that exist), its subclass
         ``DeployInProgress`` (the cap is held by a deploy in flight whose follower room is
         full: its pod registers soon), ``PodBudgetReached`` (a new pod would exceed the
-        installation's or the rule's pod budget, and none is on its way) or ``DeployFailed``.
+        installation's or the rule's pod budget, and none is on its way), ``DeployFailed``, or
+        ``DeployTimedOut``: the caller waits at most ``ready_timeout`` + 10 s from ``asked_at``
+        (event-loop time it first asked; default now), once, however many calls it makes —
+        a deploy of the scope may still be on its way and serve later routes.
         """
         return await self._orchestrator.acquire(
             scope_id,
@@ -66,6 +72,7 @@ class ResourceManagerFacade:
             on_ready=on_ready,
             rule_id=rule_id,
             rule_pod_budget=rule_pod_budget,
+            asked_at=asked_at,
         )
 
     async def set_rule_pod_budget(self, rule_id: str, limit: int) -> None:

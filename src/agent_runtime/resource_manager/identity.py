@@ -132,6 +132,14 @@ class PodIdentity:
         message = self._incarnation_message(uid, identity)
         return {INCARNATION_ANNOTATION: self._mac(self._keys[0], message)}
 
+    def completion(self, status: PodStatus) -> dict[str, str]:
+        """The incarnation annotation that completes an UNFINISHED pod of ours (its deployer
+        died between the create and the patch), for ``status.uid``. Only for a pod whose
+        ownership is proven otherwise — the deploy record of a lease we now hold names this
+        very uid: signing on the first MAC alone would accept a replay."""
+        identity = status.annotations[IDENTITY_ANNOTATION]
+        return self.incarnation_annotations(uid=status.uid, identity=identity)
+
     def verify(self, status: PodStatus) -> Verdict:
         notes = status.annotations
         identity = notes.get(IDENTITY_ANNOTATION)

@@ -44,6 +44,7 @@ from agent_runtime.resource_manager.models import (
     DeployFailed,
     K8sApiError,
     PodDeployInfo,
+    PodGone,
     PodStatus,
     normalize_phase,
 )
@@ -56,6 +57,7 @@ HEALTH_PATH = "/health"
 PROBE_TIMEOUT = 3.0  # seconds for one GET /health (contract §5 half-dead rule)
 REQUEST_TIMEOUT = 30.0  # cap of one API call; a deploy's own deadline may cut it shorter
 DISCARD_TIMEOUT = 5.0  # best-effort delete after a failed deploy
+AWAIT_READY_MIN = 1.0  # seconds await_ready looks for at least (one GET)
 CREATE_NAME_TRIES = 3  # 409 AlreadyExists → a new name, this many names in all
 BACKOFF_BASE = 0.2
 BACKOFF_CAP = 5.0
@@ -75,6 +77,9 @@ _LOST_REPLY = (TimeoutError, aiohttp.ClientError)
 
 T = TypeVar("T")
 
+# called by a deploy once its create landed, with the pod's name, namespace and uid
+OnCreated = Callable[[str, str, str], Awaitable[None]]
+
 
 class K8sPodClient(Protocol):
     """What the resource manager needs from Kubernetes. Real and fake share it exactly."""
@@ -85,16 +90,48 @@ class K8sPodClient(Protocol):
     async def close(self) -> None: ...
 
     async def deploy(
-        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any], identity: PodIdentity
+        self,
+        *,
+        scope_id: str,
+        deploy_ver: str,
+        pod_spec: dict[str, Any],
+        identity: PodIdentity,
+        on_created: OnCreated | None = None,
     ) -> PodDeployInfo:
         """Create one AgentServer pod, sign it and wait until it is Ready with an IP.
 
         Labels per contract §5; name ``{pod_name}-{10}-{5}`` (409 → a new name, 3 tries); the
-        identity annotations of ``identity`` in the manifest, the incarnation one patched on
-        with the uid the create answered; polls every ``ready_poll_interval`` up to
-        ``ready_timeout``. Timeout, a terminal phase, a dead waiting reason, disappearance or
-        another incarnation under the name → the pod is deleted, ``DeployFailed``.
+        identity annotations of ``identity`` in the manifest. ``on_created(name, namespace,
+        uid)`` runs once the create landed: if it raises, the pod is deleted and its error
+        raised. Then the incarnation annotation is patched on with the uid the create
+        answered; polls every ``ready_poll_interval`` up to ``ready_timeout``. Timeout, a
+        terminal phase, a dead waiting reason, disappearance or another incarnation under the
+        name → the pod is deleted, ``DeployFailed``.
         """
+
+    async def await_ready(
+        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, uid: str, within: float
+    ) -> PodDeployInfo:
+        """Wait for an existing pod (one a dead deploy leader created, incarnation ``uid``) to
+        be Ready with an IP, polling as a deploy does, for at most ``within`` seconds. Gone or
+        another incarnation under the name → ``PodGone``; dead or not Ready in time →
+        ``DeployFailed`` (the pod is left for the caller to delete)."""
+
+    async def sign(
+        self,
+        pod_id: str,
+        namespace: str,
+        pod_spec: dict[str, Any],
+        *,
+        uid: str,
+        annotations: dict[str, str],
+        within: float,
+    ) -> None:
+        """Merge-patch ``annotations`` onto the pod incarnation ``uid`` (named in the patch, so
+        that another incarnation under the name is refused, never signed): how a taker
+        completes the identity of a dead leader's pod. Lost replies, 429 and 5xx are tried
+        again for up to ``within`` seconds. Gone or another incarnation → ``PodGone``; any
+        other refusal → ``DeployFailed``."""
 
     async def delete(self, pod_id: str, namespace: str) -> bool:
         """Delete a pod; False if it did not exist (404)."""
@@ -447,11 +484,12 @@ class _DeployJob:
     deploy_ver: str
     pod_spec: dict[str, Any]
     deadline: _Deadline
-    identity: PodIdentity
+    identity: PodIdentity | None  # None: a wait for an existing pod, which creates none
     sent: set[str] = dataclasses.field(default_factory=set)
 
     def body(self) -> dict[str, Any]:
         """A new name's manifest, signed for that name."""
+        assert self.identity is not None
         name = new_pod_name(self.pod_spec.get("pod_name"))
         notes = self.identity.create_annotations(
             pod_id=name, namespace=self.namespace, scope_id=self.scope_id,
@@ -659,21 +697,17 @@ class RealK8sPodClient:
     # deploy
 
     async def deploy(
-        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any], identity: PodIdentity
+        self,
+        *,
+        scope_id: str,
+        deploy_ver: str,
+        pod_spec: dict[str, Any],
+        identity: PodIdentity,
+        on_created: OnCreated | None = None,
     ) -> PodDeployInfo:
         ready_timeout, poll = _deploy_timing(pod_spec)
         deadline = _Deadline(ready_timeout)  # create and readiness together
-        cluster = pod_spec.get("kubeconfig")
-        if cluster is not None and cluster not in self._clusters:
-            # a row written before clusters were names (a path), or a cluster since removed:
-            # nothing is opened or read, and the answer does not echo the template's value
-            log.warning("deploy refused: the template names an unknown cluster %.80r", cluster)
-            raise DeployFailed("the template names a cluster this service does not configure")
-        try:
-            api = await self._api(cluster)
-        except K8sApiError as exc:
-            log.warning("deploy to cluster %s: %s", cluster or "(default)", exc)
-            raise DeployFailed("the kubernetes client of the template's cluster is down") from exc
+        api = await self._deploy_api(pod_spec)
         job = _DeployJob(
             api=api,
             namespace=pod_spec.get("namespace") or self._default_namespace,
@@ -685,6 +719,8 @@ class RealK8sPodClient:
         )
         try:
             name, uid, signature = await self._create(job)
+            if on_created is not None:
+                await on_created(name, job.namespace, uid)
             await self._sign(job, name, uid, signature)
             pod_ip = await self._wait_ready(job, name, uid, poll)
         except BaseException:  # DeployFailed, and also cancellation: never leave a pod behind
@@ -692,6 +728,31 @@ class RealK8sPodClient:
                 await self._discard(api, maybe_created, job.namespace)
             raise
         return PodDeployInfo(name, job.namespace, pod_ip, sse_url(pod_ip, pod_spec))
+
+    async def await_ready(
+        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, uid: str, within: float
+    ) -> PodDeployInfo:
+        _, poll = _deploy_timing(pod_spec)
+        api = await self._deploy_api(pod_spec)  # the pod's cluster: where its deploy went
+        # one GET at least, however little of the pod's own deadline is left
+        deadline = _Deadline(max(within, AWAIT_READY_MIN))
+        job = _DeployJob(api, namespace, "", "", pod_spec, deadline, identity=None)
+        pod_ip = await self._wait_ready(job, pod_id, uid, poll)
+        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec))
+
+    async def _deploy_api(self, pod_spec: dict[str, Any]) -> Any:
+        """The API of the template's cluster, or ``DeployFailed`` (an unknown or down one)."""
+        cluster = pod_spec.get("kubeconfig")
+        if cluster is not None and cluster not in self._clusters:
+            # a row written before clusters were names (a path), or a cluster since removed:
+            # nothing is opened or read, and the answer does not echo the template's value
+            log.warning("deploy refused: the template names an unknown cluster %.80r", cluster)
+            raise DeployFailed("the template names a cluster this service does not configure")
+        try:
+            return await self._api(cluster)
+        except K8sApiError as exc:
+            log.warning("deploy to cluster %s: %s", cluster or "(default)", exc)
+            raise DeployFailed("the kubernetes client of the template's cluster is down") from exc
 
     async def _create(self, job: _DeployJob) -> tuple[str, str, str]:
         """Create the pod; its name, the uid the API server gave it and its identity MAC.
@@ -786,31 +847,60 @@ class RealK8sPodClient:
         return ours, found.uid
 
     async def _sign(self, job: _DeployJob, name: str, uid: str, signature: str) -> None:
-        """Patch the incarnation MAC onto the pod (a JSON merge patch: re-sent as is after a
-        lost reply). The patch names the uid: should the name hold another incarnation by
-        now, the API server refuses (the uid is immutable) instead of us signing that one."""
+        """Patch the incarnation MAC onto the pod we just created."""
+        assert job.identity is not None
         notes = job.identity.incarnation_annotations(uid=uid, identity=signature)
+        await self._patch_incarnation(job.api, job.namespace, name, uid, notes, job.deadline)
+
+    async def sign(
+        self,
+        pod_id: str,
+        namespace: str,
+        pod_spec: dict[str, Any],
+        *,
+        uid: str,
+        annotations: dict[str, str],
+        within: float,
+    ) -> None:
+        api = await self._deploy_api(pod_spec)  # the pod's cluster: where its deploy went
+        deadline = _Deadline(max(within, AWAIT_READY_MIN))
+        await self._patch_incarnation(api, namespace, pod_id, uid, annotations, deadline)
+
+    async def _patch_incarnation(
+        self,
+        api: Any,
+        namespace: str,
+        name: str,
+        uid: str,
+        notes: dict[str, str],
+        deadline: _Deadline,
+    ) -> None:
+        """A JSON merge patch of ``notes`` (re-sent as is after a lost reply). The patch names
+        the uid: should the name hold another incarnation by now, the API server refuses (the
+        uid is immutable) instead of us signing that one."""
         patch = {"metadata": {"uid": uid, "annotations": notes}}
-        what = f"sign pod {job.namespace}/{name}"
+        what = f"sign pod {namespace}/{name}"
         attempt = 0
         while True:
-            if job.deadline.remaining() <= 0:
+            if deadline.remaining() <= 0:
                 raise DeployFailed(f"{what}: no time left")
             try:
-                async with asyncio.timeout(job.deadline.call_timeout()):
-                    await job.api.patch_namespaced_pod(
-                        name, job.namespace, patch, _content_type=MERGE_PATCH
+                async with asyncio.timeout(deadline.call_timeout()):
+                    await api.patch_namespaced_pod(
+                        name, namespace, patch, _content_type=MERGE_PATCH
                     )
                 return
             except Exception as exc:
                 error = exc
             status = _api_status(error)
             if status == 404:
-                raise DeployFailed(f"pod {job.namespace}/{name} disappeared") from error
+                raise PodGone(f"pod {namespace}/{name} disappeared") from error
+            if status in (409, 422):  # the uid named is not the name's: another incarnation
+                raise PodGone(f"{what}: another pod holds the name now") from error
             if not _retryable(error):
                 hint = " (the service account needs `patch` on pods)" if status == 403 else ""
                 raise DeployFailed(f"{what} refused: {_api_error_text(error)}{hint}") from error
-            await self._backoff(attempt, error, job.deadline, what)
+            await self._backoff(attempt, error, deadline, what)
             attempt += 1
 
     @staticmethod
@@ -837,7 +927,7 @@ class RealK8sPodClient:
                     found = pod_status(await job.api.read_namespaced_pod(name, job.namespace))
             except Exception as exc:
                 if _api_status(exc) == 404:
-                    raise DeployFailed(f"{where} disappeared") from exc
+                    raise PodGone(f"{where} disappeared") from exc
                 if not _retryable(exc):
                     raise DeployFailed(f"{where}: get refused: {_api_error_text(exc)}") from exc
                 last = f"get failed: {_api_error_text(exc)}"
@@ -874,13 +964,16 @@ class FakeK8sPodClient:
     """In-memory Kubernetes for local mode and tests; faults are plain public knobs.
 
     Knobs: ``fail_next_deploys`` (that many deploys raise ``DeployFailed``), ``never_ready``
-    (deploy waits its ``ready_timeout``, deletes the pod, raises), ``ready_delay`` (seconds to
-    Ready), ``unhealthy`` (pod ids whose health probe fails), ``missing_namespaces`` (list → [],
-    deploy refused) and ``forbidden_namespaces`` (every call → 403). Actions: ``set_phase``,
-    ``kill``, ``remove`` (vanishes behind our back), ``add_pod`` (a pod this client did not
-    deploy: signed with ``identity`` when one is given, as a lost one of ours; else foreign).
-    Records: ``deploy_calls``, ``deleted`` (pod ids, in order), ``pods``. A deploy signs its
-    pod with the identity it is given, both annotations at once (no create/patch window).
+    (deploy waits its ``ready_timeout``, deletes the pod, raises), ``ready_delay`` (seconds from
+    create to Ready: a deployed pod comes up by itself, as a kubelet brings it up, whether its
+    deployer still waits or not), ``unhealthy`` (pod ids whose health probe fails),
+    ``missing_namespaces`` (list → [], deploy refused) and ``forbidden_namespaces`` (every
+    call → 403). Actions: ``set_phase``, ``kill``, ``remove`` (vanishes behind our back),
+    ``add_pod`` (a pod this client did not deploy: signed with ``identity`` when one is given,
+    as a lost one of ours; else foreign). Records: ``deploy_calls``, ``deleted`` (pod ids, in
+    order), ``pods``. A deploy signs its pod as the real client does: the identity MAC at the
+    create, ``on_created``, then the incarnation MAC (a deployer that dies in ``on_created``
+    leaves a pod with the first only).
 
     Pod IPs are loopback: 127.0.1.1 … 127.0.1.254, then 127.0.2.x and so on.
     """
@@ -899,6 +992,7 @@ class FakeK8sPodClient:
         self.started = False
         self._ips_given = 0
         self._pod_of_ip: dict[str, str] = {}  # probes find their pod in O(1) (10k-pod benches)
+        self._starting: dict[str, float] = {}  # deployed pods not yet Running → created (loop)
 
     async def start(self) -> None:
         self.started = True
@@ -1003,8 +1097,28 @@ class FakeK8sPodClient:
 
     # K8sPodClient
 
+    def _kubelet(self) -> None:
+        """Deployed pods whose ready_delay has passed are Running and Ready (never with
+        ``never_ready``); one killed or set meanwhile keeps what it was set to."""
+        if not self._starting or self.never_ready:
+            return
+        now = asyncio.get_running_loop().time()
+        for pod_id, created in list(self._starting.items()):
+            pod = self.pods.get(pod_id)
+            if pod is None or pod.phase != "Pending":
+                del self._starting[pod_id]
+            elif now - created >= self.ready_delay:
+                del self._starting[pod_id]
+                self.set_phase(pod_id, "Running")
+
     async def deploy(
-        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any], identity: PodIdentity
+        self,
+        *,
+        scope_id: str,
+        deploy_ver: str,
+        pod_spec: dict[str, Any],
+        identity: PodIdentity,
+        on_created: OnCreated | None = None,
     ) -> PodDeployInfo:
         self.deploy_calls += 1
         namespace = pod_spec.get("namespace") or self.default_namespace
@@ -1017,39 +1131,82 @@ class FakeK8sPodClient:
             raise DeployFailed(f"create pod in {namespace} refused: 404 namespace not found")
         pod_id = new_pod_name(pod_spec.get("pod_name"))
         uid = str(uuid.uuid4())
-        notes = self._signed(identity, pod_id, namespace, scope_id, deploy_ver, pod_spec, uid)
+        notes = identity.create_annotations(
+            pod_id=pod_id, namespace=namespace, scope_id=scope_id, deploy_ver=deploy_ver,
+            pod_spec=pod_spec,
+        )  # fmt: skip
         body = build_pod_body(pod_id, scope_id, deploy_ver, pod_spec, notes)
         self.pods[pod_id] = PodStatus(
             pod_id, namespace, "Pending", False, None, body["metadata"]["labels"],
             uid=uid, annotations=notes, image=pod_spec["image"],
         )  # fmt: skip
+        self._starting[pod_id] = asyncio.get_running_loop().time()
         try:
-            pod_ip = await self._wait_ready(pod_id, pod_spec)
+            if on_created is not None:
+                await on_created(pod_id, namespace, uid)
+            incarnation = identity.incarnation_annotations(
+                uid=uid, identity=notes[IDENTITY_ANNOTATION]
+            )
+            await self.sign(
+                pod_id, namespace, pod_spec, uid=uid, annotations=incarnation, within=0.0
+            )
+            pod_ip = await self._wait_ready(pod_id, uid, _deploy_timing(pod_spec))
         except BaseException:  # as the real client: a failed or cancelled deploy leaves no pod
             if self.pods.pop(pod_id, None) is not None:
                 self.deleted.append(pod_id)
             raise
         return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec))
 
-    async def _wait_ready(self, pod_id: str, pod_spec: dict[str, Any]) -> str:
-        """Like the real poll loop: a pod killed or removed meanwhile fails at the next poll."""
-        timeout, poll = _deploy_timing(pod_spec)
+    async def await_ready(
+        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, uid: str, within: float
+    ) -> PodDeployInfo:
+        self._check_namespace(namespace)
+        pod = self.pods.get(pod_id)
+        if pod is None or pod.namespace != namespace:
+            raise PodGone(f"pod {pod_id} disappeared")
+        _, poll = _deploy_timing(pod_spec)
+        pod_ip = await self._wait_ready(pod_id, uid, (max(within, 0.0), poll))
+        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec))
+
+    async def sign(
+        self,
+        pod_id: str,
+        namespace: str,
+        pod_spec: dict[str, Any],
+        *,
+        uid: str,
+        annotations: dict[str, str],
+        within: float,
+    ) -> None:
+        if namespace in self.forbidden_namespaces:
+            raise DeployFailed(f"sign pod {namespace}/{pod_id} refused: 403 Forbidden")
+        pod = self.pods.get(pod_id)
+        if pod is None or pod.namespace != namespace or pod.uid != uid:
+            raise PodGone(f"pod {pod_id} disappeared")
+        self.pods[pod_id] = dataclasses.replace(pod, annotations={**pod.annotations, **annotations})
+
+    async def _wait_ready(self, pod_id: str, uid: str, timing: tuple[float, float]) -> str:
+        """Like the real poll loop: a pod killed, removed or replaced meanwhile fails at the
+        next poll."""
+        timeout, poll = timing
         loop = asyncio.get_running_loop()
         started = loop.time()
         while True:
+            self._kubelet()
             pod = self.pods.get(pod_id)
-            if pod is None:
-                raise DeployFailed(f"pod {pod_id} disappeared")
+            if pod is None or pod.uid != uid:
+                raise PodGone(f"pod {pod_id} disappeared")
             if pod.dead:
                 raise DeployFailed(f"pod {pod_id} is {pod.phase}")
-            ready_at = math.inf if self.never_ready else self.ready_delay
+            if pod.ready and pod.pod_ip:
+                return pod.pod_ip
             elapsed = loop.time() - started
-            if elapsed >= ready_at:
-                self.set_phase(pod_id, "Running")
-                return self.pods[pod_id].pod_ip or ""
             if elapsed >= timeout:
                 raise DeployFailed(f"pod {pod_id} not Ready within {timeout:g}s (last: Pending)")
-            await asyncio.sleep(min(poll, min(ready_at, timeout) - elapsed))
+            created = self._starting.get(pod_id)
+            due = math.inf if created is None or self.never_ready else self.ready_delay
+            until_due = (created or 0.0) + due - loop.time()
+            await asyncio.sleep(max(min(poll, timeout - elapsed, until_due), 0.0))
 
     async def delete(self, pod_id: str, namespace: str) -> bool:
         self._check_namespace(namespace)
@@ -1062,6 +1219,7 @@ class FakeK8sPodClient:
 
     async def get_pod(self, pod_id: str, namespace: str) -> PodStatus | None:
         self._check_namespace(namespace)
+        self._kubelet()
         pod = self.pods.get(pod_id)
         return pod if pod is not None and pod.namespace == namespace else None
 
@@ -1069,6 +1227,7 @@ class FakeK8sPodClient:
         self._check_namespace(namespace)
         if namespace in self.missing_namespaces:
             return []
+        self._kubelet()
         terms = parse_label_selector(label_selector)
         pods = list(self.pods.values())
         found: list[PodStatus] = []
@@ -1126,14 +1285,40 @@ class MeteredK8sPodClient:
             self._observe(verb, status, time.perf_counter() - started)
 
     async def deploy(
-        self, *, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any], identity: PodIdentity
+        self,
+        *,
+        scope_id: str,
+        deploy_ver: str,
+        pod_spec: dict[str, Any],
+        identity: PodIdentity,
+        on_created: OnCreated | None = None,
     ) -> PodDeployInfo:
-        return await self._timed(
-            "deploy",
-            self.inner.deploy(
-                scope_id=scope_id, deploy_ver=deploy_ver, pod_spec=pod_spec, identity=identity
-            ),
+        call = self.inner.deploy(
+            scope_id=scope_id, deploy_ver=deploy_ver, pod_spec=pod_spec, identity=identity,
+            on_created=on_created,
+        )  # fmt: skip
+        return await self._timed("deploy", call)
+
+    async def await_ready(
+        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, uid: str, within: float
+    ) -> PodDeployInfo:
+        call = self.inner.await_ready(pod_id, namespace, pod_spec, uid=uid, within=within)
+        return await self._timed("await_ready", call)
+
+    async def sign(
+        self,
+        pod_id: str,
+        namespace: str,
+        pod_spec: dict[str, Any],
+        *,
+        uid: str,
+        annotations: dict[str, str],
+        within: float,
+    ) -> None:
+        call = self.inner.sign(
+            pod_id, namespace, pod_spec, uid=uid, annotations=annotations, within=within
         )
+        await self._timed("sign", call)
 
     async def delete(self, pod_id: str, namespace: str) -> bool:
         return await self._timed("delete", self.inner.delete(pod_id, namespace))

@@ -32,12 +32,10 @@ class PodDeployInfo:
     pod_sse_url: str
 
 
-# placeholders of the warm pool's own deploys (autoscale) and of adoptions (reconcile): their
-# pods register as idle, so a caller never follows them; it waits and takes the pod from the
-# warm pool
+# placeholders of the warm pool's own deploys (autoscale): their pods register as idle, so a
+# caller never follows them; it waits and takes the pod from the warm pool (reconcile's
+# adoptions take no placeholder: adopt.lua registers in one step)
 WARM_TOKEN_PREFIX = "warm:"
-ADOPT_TOKEN_PREFIX = "adopt:"
-POOL_TOKEN_PREFIXES = (WARM_TOKEN_PREFIX, ADOPT_TOKEN_PREFIX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +126,24 @@ class PodBudgetReached(ResourceError):
 
 class DeployFailed(ResourceError):
     """A deploy did not give a Ready pod (timeout, image pull, crash loop, API refusal)."""
+
+
+class PodGone(DeployFailed):
+    """The pod waited for does not exist (any more): nothing is left to delete."""
+
+
+class DeployTimedOut(ResourceError):
+    """The caller's own deadline passed before a pod could be had (a deploy of the scope may
+    still be on its way: its pod then serves later routes). ``waited``: seconds it waited."""
+
+    def __init__(self, message: str, *, waited: float) -> None:
+        super().__init__(message)
+        self.waited = waited
+
+
+class LeaseLost(ResourceError):
+    """A deploy's lease lapsed and another leader took it over (with the pod, if one was
+    created): the deploy stops claiming, its caller follows the new leader."""
 
 
 class K8sApiError(ResourceError):

@@ -1,55 +1,57 @@
 """Acquire a pod for a scope: a warm one, or exactly one new deploy per scope at a time.
 
-Concurrent cold acquires of one scope (on any replica) race for ``lock:rm:deploy:{sid}``.
-The winner deploys; the others give back their placeholder and wait in the follower room
-(at most ``pod_concurrency - 1`` seats: what the new pod can still hold) for the leader's
-pod, woken by the registration signal. Followers never take over a failed deploy: same
-image, same failure. Hazard: every exit path must give back what it took — the placeholder,
-the follower seat, the lock — and a pod created by a failed deploy is deleted.
+Concurrent cold acquires of one scope (on any replica) race for the scope's deploy lease
+(``lock:rm:deploy:{sid}``, lease.py). The winner deploys; the others give back their
+placeholder and wait in the follower room (at most ``pod_concurrency - 1`` seats: what the new
+pod can still hold) for the leader's pod, woken by the registration signal. A follower that sees
+its leader's lease lapse (the leader's replica died) runs its acquire again: one caller takes
+the lease over, and with it the pod the dead leader had created (adopted once Ready, deleted if
+it fails). Followers never take over a failed deploy: the leader leaves a notice (same image,
+same failure). A caller waits at most its own deadline (``ready_timeout + FOLLOWER_MARGIN``
+from when it first asked), once, however many rounds it takes. Hazard: every exit path must
+give back what it took — the placeholder, the follower seat, the lease — and a pod created by
+a failed deploy is deleted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio.lock import Lock
-from redis.exceptions import LockError
-
-from agent_runtime import admission, logs, spec_fields
+from agent_runtime import admission, spec_fields
 from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
+from agent_runtime.resource_manager.deployer import Deployer, Requester
 from agent_runtime.resource_manager.identity import PodIdentity
 from agent_runtime.resource_manager.k8s import K8sPodClient, parse_label_selector
+from agent_runtime.resource_manager.lease import DeployLease
 from agent_runtime.resource_manager.models import (
     OWN_PODS_SELECTOR,
-    POOL_TOKEN_PREFIXES,
     DeployBounds,
     DeployFailed,
     DeployInProgress,
+    DeployTimedOut,
+    LeaseLost,
     MaxPodsReached,
     PodBudgetReached,
-    PodDeployInfo,
 )
-from agent_runtime.resource_manager.state import (
-    ResourceState,
-    deploy_lock_key,
-    registered_channel,
-)
+from agent_runtime.resource_manager.state import OrphanPod, ResourceState, registered_channel
 
 log = logging.getLogger(__name__)
 
-FOLLOWER_MARGIN = 10  # seconds a follower waits beyond ready_timeout (registration overhead)
-LOCK_MARGIN = 30  # seconds the deploy lock outlives ready_timeout
+FOLLOWER_MARGIN = 10  # seconds a caller waits beyond ready_timeout (registration overhead)
+LOCK_MARGIN = 30  # seconds a recorded pod outlives ready_timeout
 FOLLOWER_POLL = 0.25  # safety net under the registration signal
+DEFAULT_DEPLOY_LEASE = 5.0
+MAX_ROUNDS = 20  # acquire rounds of one call (takeovers, lost leases): bounded even so
 CLEANUP_CONCURRENCY = 10
 POOL_CONFIG_FIELDS = ("min_idle_pods", "max_pods", "pod_ttl", "pod_concurrency")
 
@@ -68,17 +70,31 @@ class _Acquire:
     on_ready: OnReady | None
     rule_id: str = ""  # the rule whose pod budget a new pod counts against ("" = none)
     rule_pod_budget: int = 0  # 0 = unbounded
+    asked_at: float = 0.0  # event-loop time the caller first asked for a pod
 
     @property
     def ready_timeout(self) -> float:
         return float(self.pod_spec.get("ready_timeout") or 300)
 
+    @property
+    def deadline(self) -> float:
+        """Event-loop time after which the caller waits no longer, whatever is on its way."""
+        return self.asked_at + self.ready_timeout + FOLLOWER_MARGIN
 
-@dataclass
-class _Requester:
-    """Whether the caller is still there when its deploy finishes."""
 
-    gone: bool = False
+class _LeaderGone(Exception):
+    """The leader's lease lapsed and it left no result: acquire again (one caller takes over)."""
+
+
+def _started_of(token: str | None) -> float:
+    """When a leader's acquire started (Redis seconds), from its lock token
+    ``{replica}/{uuid}@{start}``: every pod it brings was registered at or after that. inf
+    when unknown."""
+    _, at, started = (token or "").rpartition("@")
+    try:
+        return float(started) if at else math.inf
+    except ValueError:
+        return math.inf
 
 
 class ResourceOrchestrator:
@@ -92,21 +108,45 @@ class ResourceOrchestrator:
         bounds: DeployBounds | None = None,
         metrics: Metrics | None = None,
         identity: PodIdentity,
+        deploy_lease: float = DEFAULT_DEPLOY_LEASE,
+        instance_id: str = "",
     ) -> None:
         """``bounds``: where a deploy may go (the wiring passes the settings'; None: anywhere,
-        for tests that build an orchestrator by hand); ``identity`` signs every pod."""
+        for tests that build an orchestrator by hand); ``identity`` signs every pod (and completes
+        the identity of a dead leader's pod it takes over). ``deploy_lease``: seconds a deploy's
+        claim lives unless renewed (AGENT_RUNTIME_DEPLOY_LEASE). ``instance_id``: named in
+        the deploy lock's token, so an operator sees which replica leads a deploy."""
         metrics = metrics or Metrics()
         self._acquired = metrics.acquires
-        self._deploys_done = metrics.deploys
-        self._deploy_seconds = metrics.deploy_seconds
         self._follower_waits = metrics.follower_waits
         self._state = state
         self._k8s = k8s
         self._notifier = notifier
         self._default_namespace = default_namespace
-        self._bounds = bounds
-        self._identity = identity
+        self._deployer = Deployer(
+            state=state,
+            k8s=k8s,
+            notifier=notifier,
+            default_namespace=default_namespace,
+            bounds=bounds,
+            metrics=metrics,
+            lease=deploy_lease,
+            identity=identity,
+        )
         self._deploys = BackgroundTasks()
+        self.deploy_lease = deploy_lease
+        self._instance_id = instance_id
+        self._stopping = False
+
+    @property
+    def placeholder_ttl(self) -> int:
+        """Seconds a new placeholder lives before its deployer first renews it."""
+        return math.ceil(self.deploy_lease)
+
+    def drain(self) -> None:
+        """The replica is stopping: followers leave their seats at their next look (their
+        routes were answered already); deploys run on, within the stop bound."""
+        self._stopping = True
 
     # --- acquire -------------------------------------------------------------------------------
 
@@ -120,12 +160,22 @@ class ResourceOrchestrator:
         on_ready: OnReady | None = None,
         rule_id: str = "",
         rule_pod_budget: int = 0,
+        asked_at: float | None = None,
     ) -> dict[str, str]:
         source = "failed"
         try:
-            result, source = await self._acquire(
-                scope_id, pod_spec, pool_config, request_id, on_ready, rule_id, rule_pod_budget
+            call = _Acquire(
+                scope_id,
+                pod_spec,
+                pool_config,
+                request_id,
+                0.0,
+                on_ready,
+                rule_id,
+                rule_pod_budget,
+                asyncio.get_running_loop().time() if asked_at is None else asked_at,
             )
+            result, source = await self._acquire(call)
             return result
         except DeployInProgress:
             source = "in_progress"
@@ -136,45 +186,32 @@ class ResourceOrchestrator:
         except PodBudgetReached:
             source = "budget"
             raise
+        except DeployTimedOut:
+            source = "timeout"
+            raise
         finally:
             self._acquired.labels(source).inc()
 
-    async def _acquire(
-        self,
-        scope_id: str,
-        pod_spec: dict[str, Any],
-        pool_config: dict[str, int],
-        request_id: str,
-        on_ready: OnReady | None,
-        rule_id: str,
-        rule_pod_budget: int,
-    ) -> tuple[dict[str, str], str]:
+    async def _acquire(self, call: _Acquire) -> tuple[dict[str, str], str]:
         """The pod and where it came from: replay, warm, deploy or follower."""
+        scope_id, request_id = call.scope_id, call.request_id
         cached = await self._state.cached_result(scope_id, request_id)
         if cached is not None:
             return cached, "replay"
-        call = _Acquire(
-            scope_id,
-            pod_spec,
-            pool_config,
-            request_id,
-            await self._state.now(),
-            on_ready,
-            rule_id,
-            rule_pod_budget,
-        )
-        placeholder_ttl = math.ceil(call.ready_timeout) + LOCK_MARGIN
+        call = dataclasses.replace(call, started_at=await self._state.now())
         wrote_config = False
-        while True:
+        for _ in range(MAX_ROUNDS):
+            if asyncio.get_running_loop().time() >= call.deadline:
+                raise self._expired(call)
             token = f"{request_id}:{uuid.uuid4().hex[:8]}"
             try:
                 outcome = await self._state.acquire(
                     scope_id,
                     request_id,
                     token,
-                    placeholder_ttl,
-                    rule_id=rule_id,
-                    rule_pod_budget=rule_pod_budget,
+                    self.placeholder_ttl,
+                    rule_id=call.rule_id,
+                    rule_pod_budget=call.rule_pod_budget,
                 )
             except BaseException:
                 # the script may have taken a placeholder whose reply never came back (the
@@ -193,238 +230,204 @@ class ResourceOrchestrator:
             if outcome.action == "no_config":
                 if wrote_config:
                     raise DeployFailed(f"scope {scope_id}: pool config vanished during acquire")
-                await self.update_pool_config(scope_id, pool_config, pod_spec)
+                await self.update_pool_config(scope_id, call.pool_config, call.pod_spec)
                 wrote_config = True
                 continue
-            if outcome.action in ("max_reached", "budget_reached"):
-                # no new pod: one on its way may still serve us; else refused (max_pods: the
-                # route waits a moment for a candidate; a budget: it is answered at once)
-                if outcome.action == "max_reached":
-                    refusal: Exception = MaxPodsReached(f"scope {scope_id} is at max_pods")
-                else:
-                    budget = outcome.budget or "global"
-                    refusal = PodBudgetReached(
-                        f"scope {scope_id}: the {budget} pod budget is reached", budget=budget
+            try:
+                if outcome.action in ("max_reached", "budget_reached"):
+                    # no new pod: one on its way may still serve us; else refused (max_pods:
+                    # the route waits a moment for a candidate; a budget: answered at once)
+                    return await self._follow_in_flight(call, self._refusal(call, outcome)), (
+                        "follower"
                     )
-                return await self._follow_in_flight(call, refusal), "follower"
-            assert outcome.placeholder is not None
-            return await self._deploy_or_follow(call, outcome.placeholder)
+                assert outcome.placeholder is not None
+                return await self._deploy_or_follow(call, outcome.placeholder)
+            except (_LeaderGone, LeaseLost) as exc:
+                log.info("scope %s: %s; acquiring again", scope_id, exc)
+        raise DeployFailed(f"scope {scope_id}: no pod after {MAX_ROUNDS} acquire rounds")
+
+    @staticmethod
+    def _refusal(call: _Acquire, outcome: Any) -> Exception:
+        if outcome.action == "max_reached":
+            return MaxPodsReached(f"scope {call.scope_id} is at max_pods")
+        budget = outcome.budget or "global"
+        return PodBudgetReached(
+            f"scope {call.scope_id}: the {budget} pod budget is reached", budget=budget
+        )
+
+    @staticmethod
+    def _expired(call: _Acquire) -> DeployTimedOut:
+        waited = asyncio.get_running_loop().time() - call.asked_at
+        return DeployTimedOut(
+            f"scope {call.scope_id}: no pod within {waited:.1f} s (ready_timeout "
+            f"{call.ready_timeout:g} s + {FOLLOWER_MARGIN} s from the first ask)",
+            waited=waited,
+        )
 
     async def _follow_in_flight(self, call: _Acquire, refusal: Exception) -> dict[str, str]:
         """The scope may not grow: follow a deploy in flight (its pod may have room for us),
         wait for a warm one, or raise ``refusal``."""
-        scope_id = call.scope_id
-        # the leader's start, read now: a leader that registered its pod just before we
-        # started may release its lock before _follow looks
-        leader_started = await self._leader_started_at(scope_id)
-        placeholders = await self._state.deploying(scope_id)
-        cold = [p for p in placeholders if not p.startswith(POOL_TOKEN_PREFIXES)]
-        if leader_started is None and placeholders and not cold:
+        view = await self._state.deploy_view(call.scope_id)
+        if view.leader is None and not view.cold and view.warm:
             # only the warm pool's deploys hold the cap: their pods come as warm pods, to be
             # taken by a later acquire, never handed to a follower
-            raise DeployInProgress(f"scope {scope_id}: a warm pod is being deployed")
-        if leader_started is not None or cold:
-            since = min(call.started_at, leader_started or math.inf)
-            return await self._follow(call, since)
+            raise DeployInProgress(f"scope {call.scope_id}: a warm pod is being deployed")
+        if view.leader is not None or view.cold:
+            # the leader's start, read now: a leader that registered its pod just before we
+            # started may end its lease before _follow looks
+            return await self._follow(call, min(call.started_at, _started_of(view.leader)))
         raise refusal
 
     async def _deploy_or_follow(
         self, call: _Acquire, placeholder: str
     ) -> tuple[dict[str, str], str]:
         scope_id = call.scope_id
-        lock = Lock(
-            self._state.redis,
-            deploy_lock_key(scope_id),
-            timeout=call.ready_timeout + LOCK_MARGIN,
-            thread_local=False,
+        lease = DeployLease(
+            self._state,
+            scope_id,
+            placeholder,
+            seconds=self.deploy_lease,
+            # "{replica}/{uuid}@{start}": who leads, and when its acquire started, for the
+            # followers (_started_of)
+            lock_token=f"{self._instance_id}/{uuid.uuid4().hex}@{call.started_at!r}",
+            record_ttl=math.ceil(call.ready_timeout) + LOCK_MARGIN,
         )
-        # the token carries when this acquire started, for followers (_leader_started_at)
-        token = f"{uuid.uuid4().hex}@{call.started_at!r}"
-        since = call.started_at
         try:
-            leader = await lock.acquire(blocking=False, token=token)
-            for _ in range(3):  # a leader that finished in between is gone: lead ourselves
-                if leader:
-                    break
-                leader_started = await self._leader_started_at(scope_id)
-                if leader_started is not None:
-                    since = min(since, leader_started)
-                    break
-                leader = await lock.acquire(blocking=False, token=token)
+            took = await lease.take()
         except BaseException:
-            # the SET NX may have taken the lock before its reply was lost: give it back if
-            # it holds our token (compare-and-delete), or no cold start until it expires
+            # the take may have set the lock before its reply was lost: give it back if it
+            # holds our token (compare-and-delete), or no cold start until the lease lapses
             with contextlib.suppress(Exception):
-                await self._state.release_lock_of(lock, token)
-            await self._state.drop_placeholder(scope_id, placeholder)
+                await lease.end("none")
+            with contextlib.suppress(Exception):
+                await lease.give_back()
             raise
-        if not leader:
-            await self._state.drop_placeholder(scope_id, placeholder)
+        if not took.leader:
+            await lease.give_back()
+            since = min(call.started_at, _started_of(took.holder))
             return await self._follow(call, since), "follower"
-        requester = _Requester()
-        # Our own task: a caller that disconnects does not abort a deploy half-way (that would
-        # leave a pod nobody tracks, or a lock released while its deploy still runs).
+        requester = Requester()
+        # Our own task: a caller that disconnects (or whose deadline passes) does not abort a
+        # deploy half-way (that would leave a pod nobody tracks, or a lease given back while
+        # its deploy still runs).
         task = self._deploys.spawn(
-            self._lead(call, placeholder, lock, requester), name=f"deploy:{scope_id}"
+            self._lead(call, lease, took.orphan, requester), name=f"deploy:{scope_id}"
         )
         try:
-            return await asyncio.shield(task), "deploy"
+            done, _ = await asyncio.wait({task}, timeout=max(call.deadline - _now(), 0.0))
         except asyncio.CancelledError:
             requester.gone = True  # the pod, once Ready, goes to the warm pool
             raise
+        if task not in done:
+            requester.gone = True
+            raise self._expired(call)
+        return task.result(), "deploy"
 
     async def _lead(
-        self, call: _Acquire, placeholder: str, lock: Lock, requester: _Requester
+        self,
+        call: _Acquire,
+        lease: DeployLease,
+        orphan: OrphanPod | None,
+        requester: Requester,
     ) -> dict[str, str]:
         scope_id = call.scope_id
+        outcome = "failed"  # the followers' notice: same image, same failure
         try:
-            # a leader that finished just before we took the lock may have brought a pod with
-            # room for us (never with pod_concurrency 1: it is full with its own session)
-            shareable = int(call.pool_config.get("pod_concurrency", 1)) > 1
+            # a leader that finished just before we took the lease may have brought a pod with
+            # room for us (never with pod_concurrency 1: it is full with its own session); an
+            # inherited pod is ours to adopt or delete, whatever else exists
+            shareable = int(call.pool_config.get("pod_concurrency", 1)) > 1 and orphan is None
             fresh = await self._registered_since(scope_id, call.started_at) if shareable else None
             if fresh is not None:
-                await self._state.drop_placeholder(scope_id, placeholder)
+                await lease.give_back()
+                outcome = "ok"
                 return fresh
             result = await self.deploy_and_register(
-                scope_id, call.pod_spec, placeholder, warm=False, requester=requester
+                scope_id,
+                call.pod_spec,
+                lease,
+                warm=False,
+                requester=requester,
+                orphan=orphan,
             )
+            outcome = "ok"
             await self._state.cache_result(scope_id, call.request_id, result)
             if call.on_ready is not None and not requester.gone:
-                try:  # still under the lock: nobody decides to deploy before the pod is seen
+                try:  # still under the lease: nobody decides to deploy before the pod is seen
                     await call.on_ready(result)
                 except Exception as exc:  # the caller gets the pod and publishes it itself
                     log.warning("scope %s: on_ready for %s failed: %s", scope_id, result, exc)
             return result
+        except (LeaseLost, asyncio.CancelledError):
+            outcome = "none"  # taken over, or stopped: followers take over, never fail
+            raise
         finally:
-            with contextlib.suppress(LockError, Exception):
-                await lock.release()
+            with contextlib.suppress(Exception):
+                await lease.end(outcome)
 
     async def deploy_and_register(
         self,
         scope_id: str,
         pod_spec: dict[str, Any],
-        placeholder: str,
+        placeholder: str | DeployLease,
         *,
         warm: bool,
-        requester: _Requester | None = None,
+        requester: Requester | None = None,
+        orphan: OrphanPod | None = None,
     ) -> dict[str, str]:
-        """Deploy one pod and register it; the placeholder is given back on every path."""
-        version = spec_fields.deploy_ver(pod_spec)
-        logs.add_secret_values(spec_fields.clear_env_values(pod_spec))  # an error may echo them
-        kind = "warm" if warm else "cold"
-        started = time.perf_counter()
-        try:
-            refusal = self._bounds and self._bounds.refusal(pod_spec, self._default_namespace)
-            if refusal:
-                log.warning(
-                    "scope %s: no deploy: %s (namespace %.80r, cluster %.80r)",
-                    scope_id, refusal, pod_spec.get("namespace"), pod_spec.get("kubeconfig"),
-                )  # fmt: skip
-                raise DeployFailed(refusal)
-            with admission.parked():  # a cold route waits on Kubernetes, not on Redis
-                info = await self._k8s.deploy(
-                    scope_id=scope_id, deploy_ver=version, pod_spec=pod_spec,
-                    identity=self._identity,
-                )  # fmt: skip
-        except BaseException as exc:
-            cancelled = isinstance(exc, asyncio.CancelledError)
-            self._deploys_done.labels(kind, "cancelled" if cancelled else "failed").inc()
-            with contextlib.suppress(Exception):
-                await self._state.drop_placeholder(scope_id, placeholder)
-            if isinstance(exc, DeployFailed | asyncio.CancelledError):
-                raise
-            raise DeployFailed(f"scope {scope_id}: deploy failed: {exc}") from exc
-        self._deploy_seconds.labels(kind).observe(time.perf_counter() - started)
-        warm = warm or (requester is not None and requester.gone)
-        try:
-            await self._state.register(
-                scope_id=scope_id,
-                pod_id=info.pod_id,
-                placeholder=placeholder,
-                pod_sse_url=info.pod_sse_url,
-                pod_ip=info.pod_ip,
-                namespace=info.namespace,
-                deploy_ver=version,
-                warm=warm,
-            )
-        except BaseException:
-            # Ready in Kubernetes but not in Redis: delete it rather than leak it
-            self._deploys_done.labels(kind, "unregistered").inc()
-            await self._discard_pod(scope_id, info, placeholder)
-            raise
-        self._deploys_done.labels(kind, "ok").inc()
-        with contextlib.suppress(Exception):  # followers also poll; the signal only speeds up
-            await self._notifier.publish(registered_channel(scope_id), info.pod_id)
-        log.info(
-            "scope %s: pod %s registered (%s)", scope_id, info.pod_id, "warm" if warm else "in use"
+        """See ``Deployer.deploy_and_register`` (autoscale's warm deploys come here too)."""
+        return await self._deployer.deploy_and_register(
+            scope_id, pod_spec, placeholder, warm=warm, requester=requester, orphan=orphan
         )
-        return {"pod_id": info.pod_id, "pod_sse_url": info.pod_sse_url, "deploy_ver": version}
-
-    async def _discard_pod(self, scope_id: str, info: PodDeployInfo, placeholder: str) -> None:
-        with contextlib.suppress(Exception):
-            await self._k8s.delete(info.pod_id, info.namespace)
-        with contextlib.suppress(Exception):
-            await self._state.drop_placeholder(scope_id, placeholder)
 
     async def _follow(self, call: _Acquire, since: float) -> dict[str, str]:
-        """Wait in the follower room for the leader's pod (registered since ``since``)."""
+        """Wait in the follower room for the leader's pod (registered since ``since``); the
+        seat is a lease too, renewed while we wait. ``_LeaderGone`` when the leader's lease
+        lapsed without a result: the caller acquires again and may take over."""
         scope_id, request_id = call.scope_id, call.request_id
         limit = max(int(call.pool_config.get("pod_concurrency", 1)) - 1, 0)
-        hold = math.ceil(call.ready_timeout) + FOLLOWER_MARGIN
-        loop = asyncio.get_running_loop()
-        entered = loop.time()
-        deadline = entered + hold
+        entered = renewed = _now()
         try:
             # inside the try: a cancellation while the gate's reply is in flight still gives
             # the seat back (ZREM of a seat we never got is harmless)
-            if not await self._state.take_follower_seat(scope_id, request_id, hold, limit):
+            if not await self._take_seat(call, limit):
                 raise DeployInProgress(
                     f"scope {scope_id}: a deploy is running and its room is full"
                 )
             async with self._notifier.listen(registered_channel(scope_id)) as listener:
                 while True:
-                    # the leader may bring a pod registered before we started (its own, its
-                    # lock not yet released; or one it found registered since it started)
-                    leader_started = await self._leader_started_at(scope_id)
-                    if leader_started is not None:
-                        since = min(since, leader_started)
+                    if self._stopping:
+                        raise MaxPodsReached(f"scope {scope_id}: this replica is stopping")
+                    # the leader first, then the pods: a leader registers its pod before it
+                    # gives back its lease, so one that is gone left its pod visible by now
+                    view = await self._state.deploy_view(scope_id)
+                    since = min(since, _started_of(view.leader))
                     fresh = await self._registered_since(scope_id, since)
                     if fresh is not None:
                         return fresh
-                    if not await self._deploy_in_flight(scope_id):
-                        # the leader is done and brought nothing: its deploy failed
-                        fresh = await self._registered_since(scope_id, since)
-                        if fresh is not None:
-                            return fresh
+                    if view.leader is None and view.failed:
                         raise DeployFailed(f"scope {scope_id}: the leader's deploy failed")
-                    remaining = deadline - loop.time()
+                    if view.leader is None and not view.cold:
+                        # no leader, and no caller on its way to the lock: the leader died
+                        raise _LeaderGone(f"scope {scope_id}: the deploy leader's lease lapsed")
+                    remaining = call.deadline - _now()
                     if remaining <= 0:
-                        raise MaxPodsReached(f"scope {scope_id}: no pod within {hold} s")
+                        raise self._expired(call)
+                    if _now() - renewed >= self.deploy_lease / 3:
+                        if not await self._take_seat(call, limit):
+                            raise DeployInProgress(f"scope {scope_id}: the room filled up")
+                        renewed = _now()
                     with admission.parked():  # waits on the leader, holds no connection
                         await listener.wait(min(FOLLOWER_POLL, remaining))
         finally:
-            self._follower_waits.observe(loop.time() - entered)
+            self._follower_waits.observe(_now() - entered)
             with contextlib.suppress(Exception):
                 await self._state.leave_follower_seat(scope_id, request_id)
 
-    async def _leader_started_at(self, scope_id: str) -> float | None:
-        """When the current deploy leader's acquire started (Redis seconds, from its lock
-        token), None without a leader: every pod it brings was registered at or after that."""
-        token = await self._state.redis.get(deploy_lock_key(scope_id))
-        if token is None:
-            return None
-        _, at, started = str(token).rpartition("@")
-        try:
-            return float(started) if at else math.inf
-        except ValueError:
-            return math.inf  # not our token format: nothing known, nothing widened
-
-    async def _deploy_in_flight(self, scope_id: str) -> bool:
-        """A leader holds the lock, or a placeholder is taken (a caller on its way to the lock,
-        or a warm deploy)."""
-        if await self._state.redis.exists(deploy_lock_key(scope_id)):
-            return True
-        return bool(await self._state.deploying(scope_id))
+    async def _take_seat(self, call: _Acquire, limit: int) -> bool:
+        return await self._state.take_follower_seat(
+            call.scope_id, call.request_id, self.placeholder_ttl, limit
+        )
 
     async def _registered_since(self, scope_id: str, since: float) -> dict[str, str] | None:
         """The newest in-use pod of the scope registered since ``since`` (Redis seconds)."""
@@ -488,4 +491,9 @@ class ResourceOrchestrator:
 
     async def close(self) -> None:
         """Let running deploys finish or clean up (they give back their placeholders)."""
+        self._stopping = True
         await self._deploys.wait()
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()

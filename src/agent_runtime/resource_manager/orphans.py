@@ -3,25 +3,32 @@
 Labels prove nothing (anyone who may create pods can copy them), so ownership comes first
 (``identity.py``). A FOREIGN pod is never adopted, never routed to and never deleted: it is
 logged once (WARNING, bounded memory of what was logged), counted, and listed in a report
-the admin view reads (``foreign_report.lua``: the last pass's, replaced as a whole). One of
-ours is adopted in use (the session side still has sessions on it), adopted warm
+the admin view reads (``foreign_report.lua``: the last pass's, replaced as a whole).
+
+A pod that its scope's deploy record names (a leader created it and died before registering
+it: this very incarnation, its uid) is settled only under that deploy's lease, so that a
+route taking the deploy over never registers it too: left while it starts, then signed for
+its incarnation if the leader died before that, and adopted warm (or deleted: no room). Any
+other pod of ours is adopted in use (the session side still has sessions on it), adopted warm
 (``adopt.lua``: within max_pods and the budgets when the scope has a pool config, as it is
 when Redis lost that too), or deleted (dead, not Ready, an old version, no room). An
-UNFINISHED one (our create, never signed for its incarnation) is deleted: it is never routed
-to. Hazard: the LIST may be a whole pass old, so every decision is taken on a fresh GET.
+UNFINISHED one (our create, never signed for its incarnation, and no record of it) is
+deleted: it is never routed to. Hazard: the LIST may be a whole pass old, so every decision
+is taken on a fresh GET.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 from collections import OrderedDict
 from typing import Any
 
 from agent_runtime.metrics import Metrics
 from agent_runtime.resource_manager.identity import Ownership, PodIdentity, Verdict
 from agent_runtime.resource_manager.k8s import K8sPodClient
-from agent_runtime.resource_manager.models import PodStatus
+from agent_runtime.resource_manager.models import DeployFailed, PodGone, PodStatus
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.session_manager.facade import SessionManagerFacade
 
@@ -40,12 +47,14 @@ class Orphans:
         sessions: SessionManagerFacade,
         identity: PodIdentity,
         metrics: Metrics,
+        deploy_lease: float,
     ) -> None:
         self._state = state
         self._k8s = k8s
         self._sessions = sessions
         self._identity = identity
         self._metrics = metrics
+        self._lease = deploy_lease
         self._seen: dict[str, dict[str, Any]] = {}  # this pass's foreign pods
         self._logged: OrderedDict[str, None] = OrderedDict()
 
@@ -64,7 +73,8 @@ class Orphans:
 
     async def settle(self, status: PodStatus) -> str:
         """An orphan's fate on a fresh look: ``adopted``, ``deleted``, ``foreign`` (its fresh
-        view no longer verifies: left alone) or ``gone`` (deleted or being deleted)."""
+        view no longer verifies: left alone), ``left`` (a dead deploy leader's, still starting
+        or taken over meanwhile) or ``gone`` (deleted or being deleted)."""
         fresh = await self._recheck(status)
         if fresh is None:
             return "gone"
@@ -72,6 +82,9 @@ class Orphans:
         if verdict.ownership is Ownership.FOREIGN:
             self._note(fresh, verdict)
             return "foreign"
+        recorded = await self._dead_leaders_pod(fresh, verdict)
+        if recorded is not None:
+            return recorded
         # a dead one is deleted, never adopted: nobody else would (watch only sees pods Redis
         # knows, and retries a failed delete of its own through here); an unfinished one is
         # ours but unproven for this incarnation: never routed to
@@ -94,6 +107,50 @@ class Orphans:
         shown = dict(sorted(self._seen.items())[:REPORT_LIMIT])
         await self._state.report_foreign(len(self._seen), shown)
         return len(self._seen)
+
+    async def _dead_leaders_pod(self, status: PodStatus, verdict: Verdict) -> str | None:
+        """A pod whose deploy leader died before registering it (its scope's deploy record
+        names this incarnation) is adopted or deleted only under that deploy's lease, so that
+        a route taking the deploy over never registers it too; one still starting is left to
+        such a takeover, or to a later pass once Ready (its record lapses with its
+        ready_timeout, and then it is an orphan like any other). None: not such a pod (a dead
+        one is deleted as any other)."""
+        if status.dead or not status.scope_id:
+            return None
+        record = await self._state.deploy_record(status.scope_id)
+        if record is None or (record.pod_id, record.uid) != (status.pod_id, status.uid):
+            return None
+        if not status.ready:
+            return "left"
+        token = f"reconcile/{uuid.uuid4().hex}@{await self._state.now()!r}"
+        took = await self._state.take_deploy_lease(status.scope_id, token, self._lease)
+        if not took.leader:
+            return "left"  # a route took the deploy over: the pod is its leader's
+        try:
+            orphan = took.orphan
+            if orphan is None or (orphan.pod_id, orphan.uid) != (status.pod_id, status.uid):
+                return "left"
+            if verdict.ownership is Ownership.UNFINISHED:
+                # the leader died between its create and the incarnation patch; the record,
+                # ours under this lease, proves the pod: finish what it began
+                try:
+                    await self._k8s.sign(
+                        status.pod_id, status.namespace, {},
+                        uid=status.uid, annotations=self._identity.completion(status),
+                        within=self._lease,
+                    )  # fmt: skip
+                except PodGone:
+                    return "gone"
+                except DeployFailed as exc:  # a later pass tries again (or its record lapses)
+                    log.warning("pod %s: not signed (%s); left", status.pod_id, exc)
+                    return "left"
+            if await self._adopt(status, verdict):
+                return "adopted"
+            with contextlib.suppress(Exception):
+                await self._k8s.delete(status.pod_id, status.namespace)
+            return "deleted"
+        finally:
+            await self._state.end_deploy_lease(status.scope_id, token, "none", self._lease)
 
     # --- foreign pods --------------------------------------------------------------------------
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from redis.asyncio import Redis
-from redis.asyncio.lock import Lock
 
 from agent_runtime import lua
 from agent_runtime.config import RM_KEY_PREFIX as P
 from agent_runtime.errors import RequestIdReused
+from agent_runtime.resource_manager.models import WARM_TOKEN_PREFIX
 
 SCOPE_PREFIX = f"{P}resource:scope:"
 POD_PREFIX = f"{P}resource:pod:"
@@ -30,6 +30,9 @@ PODS_ALL_KEY = f"{P}resource:pods:all"
 # config the index lacks (an upgrade from a version without it, a config written by hand).
 SCOPES_KEY = f"{P}resource:scopes"
 SCOPE_CONFIG_PATTERN = f"{SCOPE_PREFIX}*:config"
+# Not in the contract: scopes that took a follower seat or a placeholder since the prune job
+# last found them empty, where a dead replica's leftovers can be (lease_prune.lua).
+LEASED_SCOPES_KEY = f"{P}resource:leased_scopes"
 # Pod budgets (docs/spec/resource-manager.md "Pod budgets"): ZSETs of units, a registered pod
 # (score +inf) or a placeholder "{sid}:{member}" (score = its deadline), changed only by the
 # scripts that add or remove the pod or placeholder itself.
@@ -49,6 +52,7 @@ SCRIPT_BATCH = 200  # keys per pod_fields / read_many call (~2–3 µs each insi
 # reconcile's budget repair: a scope costs ~3 commands + 2 per pod and placeholder, a unit ~4
 FILL_BATCH = 25  # scopes per budget_fill call
 PRUNE_BATCH = 100  # units per budget_prune call
+LEASE_PRUNE_BATCH = 20  # scopes per lease_prune call: ~8 commands, 15–30 µs a scope in Redis
 
 
 def scope_config_key(scope_id: str) -> str:
@@ -97,6 +101,25 @@ def deploy_lock_key(scope_id: str) -> str:
     return f"{P}lock:rm:deploy:{scope_id}"
 
 
+def deploy_pod_key(scope_id: str) -> str:
+    """The deploy leader's pod, recorded once created (its name and namespace, under the
+    leader's token), or the notice of a failed deploy (not in the contract)."""
+    return f"{SCOPE_PREFIX}{scope_id}:deploy_pod"
+
+
+def placeholder_token(member: str) -> str:
+    """The token of a placeholder member ``{token}@{deadline}``."""
+    return member.rpartition("@")[0]
+
+
+def placeholder_deadline(member: str) -> float:
+    """Redis seconds until which a placeholder counts (0 for a malformed one: expired)."""
+    try:
+        return float(member.rpartition("@")[2])
+    except ValueError:
+        return 0.0
+
+
 def registered_channel(scope_id: str) -> str:
     """Pub/sub: a pod of the scope was registered (payload: pod id). Wakes deploy followers."""
     return f"{SCOPE_PREFIX}{scope_id}:registered"
@@ -124,6 +147,36 @@ class AcquireOutcome:
     deploy_ver: str | None = None
     placeholder: str | None = None
     budget: str | None = None  # budget_reached: "global" or "rule"
+
+
+@dataclass(frozen=True, slots=True)
+class OrphanPod:
+    """A pod a deploy leader created under a lease that lapsed: inherited by the next leader."""
+
+    pod_id: str
+    namespace: str
+    created: float  # Redis seconds
+    uid: str  # the incarnation the leader created ("" from a record that names none)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseTake:
+    """What ``deploy_lease_take`` decided."""
+
+    leader: bool
+    holder: str | None = None  # a follower: the live leader's token
+    orphan: OrphanPod | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeployView:
+    """A scope's deploy as a follower sees it: the leader (its lock token), a failure notice,
+    and whether live placeholders of cold deploys (routes) or warm ones (the pool) exist."""
+
+    leader: str | None
+    failed: bool
+    cold: bool
+    warm: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +267,10 @@ class ResourceState:
         self._budget_fill = script("budget_fill", "_budget")
         self._budget_prune = script("budget_prune", "_budget")
         self._follower_gate = script("deploy_follower_gate")
+        self._lease_take = script("deploy_lease_take")
+        self._lease_renew = script("deploy_lease", placeholders)
+        self._lease_end = script("deploy_lease_end")
+        self._lease_prune = script("lease_prune", placeholders)
         self._pod_fields = script("pod_fields")
         self._read_many_script = script("read_many")
         self._pool_config_script = script("pool_config")
@@ -321,6 +378,7 @@ class ResourceState:
                 BUDGET_PODS_KEY,
                 BUDGET_RULES_KEY,
                 BUDGET_LIMITS_KEY,
+                LEASED_SCOPES_KEY,
             ],
             args=[
                 POD_PREFIX,
@@ -365,6 +423,7 @@ class ResourceState:
                 BUDGET_PODS_KEY,
                 BUDGET_RULES_KEY,
                 BUDGET_LIMITS_KEY,
+                LEASED_SCOPES_KEY,
             ],
             args=[token, placeholder_ttl, scope_id, BUDGET_RULE_PREFIX, self.pod_budget],
         )
@@ -435,12 +494,114 @@ class ResourceState:
             )
         return dropped
 
-    async def release_lock_of(self, lock: Lock, token: str) -> bool:
-        """Compare-and-delete ``lock`` if it holds ``token`` (redis-py's own release script),
-        for an acquire whose reply was lost before the lock object learnt its token."""
-        assert lock.lua_release is not None
-        released = await lock.lua_release(keys=[lock.name], args=[token], client=lock.redis)
+    # --- deploy leases ---------------------------------------------------------------------------
+
+    async def take_deploy_lease(self, scope_id: str, token: str, lease: float) -> LeaseTake:
+        """Lead the scope's deploy for ``lease`` seconds (renewed by ``renew_deploy_lease``),
+        inheriting the pod of a leader whose lease lapsed (deploy_lease_take.lua)."""
+        reply = await self._lease_take(
+            keys=[deploy_lock_key(scope_id), deploy_pod_key(scope_id), PODS_ALL_KEY],
+            args=[token, max(int(lease * 1000), 1)],
+        )
+        if reply[0] == "follower":
+            return LeaseTake(False, holder=reply[1])
+        if len(reply) > 1:
+            orphan = OrphanPod(reply[1], reply[2], float(reply[3]), reply[4])
+            return LeaseTake(True, orphan=orphan)
+        return LeaseTake(True)
+
+    async def renew_deploy_lease(
+        self,
+        scope_id: str,
+        placeholder_token: str,
+        lock_token: str,
+        lease: float,
+        *,
+        pod: tuple[str, str, str] | None = None,
+        record_ttl: int = 0,
+    ) -> str | None:
+        """Renew a deploy's claim (its placeholder and, with ``lock_token``, the scope's deploy
+        lock) for ``lease`` seconds; with ``pod`` (name, namespace, uid) also record the pod it
+        created. The placeholder's new member, or None: the claim is lost (deploy_lease.lua)."""
+        reply = await self._lease_renew(
+            keys=[
+                scope_deploying_key(scope_id),
+                scope_config_key(scope_id),
+                scope_pods_key(scope_id),
+                BUDGET_PODS_KEY,
+                BUDGET_RULES_KEY,
+                deploy_lock_key(scope_id),
+                deploy_pod_key(scope_id),
+                LEASED_SCOPES_KEY,
+            ],
+            args=[
+                placeholder_token,
+                lock_token,
+                lease,
+                scope_id,
+                BUDGET_RULE_PREFIX,
+                *(pod or ("", ""))[:2],
+                record_ttl,
+                pod[2] if pod else "",
+            ],
+        )
+        return str(reply[1]) if reply[0] == "ok" else None
+
+    async def end_deploy_lease(
+        self, scope_id: str, token: str, outcome: str, notice_seconds: float
+    ) -> bool:
+        """Give back the deploy lock and its pod record; ``outcome`` "failed" leaves a notice
+        for the followers for ``notice_seconds`` (deploy_lease_end.lua)."""
+        released = await self._lease_end(
+            keys=[deploy_lock_key(scope_id), deploy_pod_key(scope_id)],
+            args=[token, outcome, max(int(notice_seconds * 1000), 1)],
+        )
         return bool(released)
+
+    async def deploy_record(self, scope_id: str) -> OrphanPod | None:
+        """The pod the scope's deploy leader recorded (not a failure notice), None without."""
+        fields = ("pod_id", "namespace", "created", "uid", "failed")
+        pod_id, namespace, created, uid, failed = cast(
+            list[str | None], await self.redis.hmget(deploy_pod_key(scope_id), *fields)
+        )
+        if failed or not pod_id:
+            return None
+        return OrphanPod(pod_id, namespace or "", float(created or 0), uid or "")
+
+    async def deploy_leader(self, scope_id: str) -> str | None:
+        """The live deploy leader's token, None without one."""
+        return cast(str | None, await self.redis.get(deploy_lock_key(scope_id)))
+
+    async def deploy_view(self, scope_id: str) -> DeployView:
+        """Leader, failure notice and live placeholders of the scope, in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.get(deploy_lock_key(scope_id))
+            pipe.hget(deploy_pod_key(scope_id), "failed")
+            pipe.smembers(scope_deploying_key(scope_id))
+            pipe.time()
+            leader, failed, members, (seconds, _) = await pipe.execute()
+        live = [m for m in members if placeholder_deadline(m) >= int(seconds)]
+        warm = [m for m in live if m.startswith(WARM_TOKEN_PREFIX)]
+        return DeployView(leader, bool(failed), len(warm) < len(live), bool(warm))
+
+    async def prune_leases(self) -> tuple[int, int]:
+        """Drop the follower seats and placeholders whose lease ran out (a replica that died
+        left them) in every scope that took one, LEASE_PRUNE_BATCH scopes a script call
+        (lease_prune.lua); returns (seats, placeholders) dropped."""
+        scopes = [s async for s in self.redis.sscan_iter(LEASED_SCOPES_KEY, count=BATCH)]
+        seats = placeholders = 0
+        for i in range(0, len(scopes), LEASE_PRUNE_BATCH):
+            dropped = await self._lease_prune(
+                keys=[LEASED_SCOPES_KEY, BUDGET_PODS_KEY, PODS_ALL_KEY],
+                args=[
+                    SCOPE_PREFIX,
+                    BUDGET_RULE_PREFIX,
+                    deploy_lock_key(""),
+                    *scopes[i : i + LEASE_PRUNE_BATCH],
+                ],
+            )
+            seats, placeholders = seats + int(dropped[0]), placeholders + int(dropped[1])
+        return seats, placeholders
 
     async def register(
         self,
@@ -543,7 +704,8 @@ class ResourceState:
         self, scope_id: str, member: str, hold_seconds: int, limit: int
     ) -> bool:
         seated = await self._follower_gate(
-            keys=[scope_followers_key(scope_id)], args=[member, hold_seconds, limit]
+            keys=[scope_followers_key(scope_id), LEASED_SCOPES_KEY],
+            args=[member, hold_seconds, limit, scope_id],
         )
         return bool(seated)
 
@@ -611,6 +773,16 @@ class ResourceState:
         """``deploying`` of many scopes, pipelined."""
         return await self._members_of(scope_ids, scope_deploying_key)
 
+    async def live_deploying_of(self, scope_ids: list[str]) -> dict[str, list[str]]:
+        """``deploying_of`` without the placeholders past their deadline (Redis clock): those
+        of a deployer that died, which nothing waits for any more."""
+        members = await self.deploying_of(scope_ids)
+        seconds, _ = await self.redis.time()
+        return {
+            s: [m for m in ms if placeholder_deadline(m) >= int(seconds)]
+            for s, ms in members.items()
+        }
+
     async def _members_of(
         self, scope_ids: list[str], key: Callable[[str], str]
     ) -> dict[str, list[str]]:
@@ -636,15 +808,17 @@ class ResourceState:
 
     async def scope_pool(self, scope_id: str) -> dict[str, Any]:
         """Admin view of a scope's pool: parameters, pods with their phase, warm pods,
-        placeholders (deploys in flight), the follower room and the deploy lock."""
+        live placeholders (deploys in flight), the follower room and the deploy lock (its
+        token names the replica that leads the deploy)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hgetall(scope_config_key(scope_id))
             pipe.zrange(scope_pods_key(scope_id), 0, -1)
             pipe.smembers(scope_idle_key(scope_id))
             pipe.smembers(scope_deploying_key(scope_id))
             pipe.zcard(scope_followers_key(scope_id))
-            pipe.exists(deploy_lock_key(scope_id))
-            config, pods, idle, deploying, followers, locked = await pipe.execute()
+            pipe.get(deploy_lock_key(scope_id))
+            pipe.time()
+            config, pods, idle, deploying, followers, leader, (now, _) = await pipe.execute()
         async with self.redis.pipeline(transaction=False) as pipe:
             for pod_id in pods:
                 pipe.hmget(pod_info_key(pod_id), "phase", "deploy_ver", "pod_ip")
@@ -656,9 +830,10 @@ class ResourceState:
                 for p, i in zip(pods, infos, strict=True)
             ],
             "idle": sorted(idle),
-            "deploys_in_flight": len(deploying),
+            "deploys_in_flight": sum(placeholder_deadline(m) >= int(now) for m in deploying),
             "followers": int(followers),
-            "deploy_lock_held": bool(locked),
+            "deploy_lock_held": leader is not None,
+            "deploy_leader": leader,
         }
 
     async def all_pods(self) -> list[str]:

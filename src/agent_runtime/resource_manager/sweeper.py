@@ -1,4 +1,4 @@
-"""The resource manager's four background jobs: autoscale, reclaim, watch, reconcile.
+"""The resource manager's four background jobs: autoscale, reclaim (+ prune), watch, reconcile.
 
 Each is one ``*_once`` tick run by ``jobs.JobRunner`` under its leader lock. Invariant for
 all of them: a pod with a live session is never deleted, except when Kubernetes says it is
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import uuid
 from collections import defaultdict
 from typing import Any
@@ -27,7 +26,7 @@ from agent_runtime.resource_manager.models import (
     K8sApiError,
     PodStatus,
 )
-from agent_runtime.resource_manager.orchestrator import LOCK_MARGIN, ResourceOrchestrator
+from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.orphans import Orphans
 from agent_runtime.resource_manager.state import PoolConfig, ResourceState
 from agent_runtime.session_manager.facade import SessionManagerFacade
@@ -68,7 +67,12 @@ class ResourceSweeper:
         self._metrics = metrics or Metrics()
         self._adopted_pod_ttl = adopted_pod_ttl
         self._orphans = Orphans(
-            state=state, k8s=k8s, sessions=sessions, identity=identity, metrics=self._metrics
+            state=state,
+            k8s=k8s,
+            sessions=sessions,
+            identity=identity,
+            metrics=self._metrics,
+            deploy_lease=orchestrator.deploy_lease,
         )
         self._warm_deploys = BackgroundTasks()
         self._unused_last_pass: set[str] = set()
@@ -86,7 +90,7 @@ class ResourceSweeper:
             if config.pod_spec is not None and config.min_idle_pods > 0
         }
         warm_of = await self._current_idle(configs)
-        deploying = await self._state.deploying_of(list(configs))
+        deploying = await self._state.live_deploying_of(list(configs))
         spent_rules: set[str] = set()  # rules whose pod budget refused this tick
         for scope_id, config in configs.items():
             assert config.pod_spec is not None
@@ -96,8 +100,9 @@ class ResourceSweeper:
             for _ in range(config.min_idle_pods - len(warm_of[scope_id]) - in_flight):
                 if len(self._warm_deploys) >= MAX_WARM_DEPLOYS:
                     return started
-                ttl = math.ceil(float(config.pod_spec.get("ready_timeout") or 300)) + LOCK_MARGIN
                 token = f"{WARM_TOKEN_PREFIX}{uuid.uuid4().hex}"
+                # the deploy renews it (a lease): a replica that dies frees it within seconds
+                ttl = self._orchestrator.placeholder_ttl
                 outcome = await self._state.try_placeholder(scope_id, token, ttl)
                 if outcome.budget == "global":
                     return started  # the installation's pod budget: no scope may grow now
@@ -164,6 +169,22 @@ class ResourceSweeper:
                 if await self._reclaim(scope_id, pod_id):
                     reclaimed += 1
         return reclaimed
+
+    async def reclaim_and_prune_once(self) -> int:
+        """The ``rm_reclaim`` tick: reclaim, then prune what dead replicas left behind."""
+        reclaimed = await self.reclaim_once()
+        await self.prune_once()
+        return reclaimed
+
+    async def prune_once(self) -> int:
+        """Follower seats and placeholders whose lease ran out (their replica died) leave
+        every scope that took one (``lease_prune``); how many were dropped."""
+        seats, placeholders = await self._state.prune_leases()
+        if seats or placeholders:
+            log.info(
+                "pruned %d follower seats and %d placeholders past their lease", seats, placeholders
+            )
+        return seats + placeholders
 
     async def _reclaim(self, scope_id: str, pod_id: str) -> bool:
         # out of the pool first (only if still there), so no acquire can get a pod being deleted
@@ -255,8 +276,10 @@ class ResourceSweeper:
 
         Read order matters: Redis' pods BEFORE the LIST (a pod registered after it would look
         missing), placeholders and then pods:all AFTER it (a pod listed while still deploying
-        has a placeholder, or is registered by then: never an orphan). An orphan is adopted
-        or deleted only when it is provably ours (``orphans.py``); a foreign one is counted.
+        has a placeholder, or is registered by then: never an orphan). Only live placeholders
+        count: an expired one is a dead deployer's, whose pod is settled here. An orphan is
+        adopted or deleted only when it is provably ours, a dead deploy leader's recorded pod
+        only under that deploy's lease (``orphans.py``); a foreign one is counted.
         """
         counts = {"purged": 0, "released": 0, "adopted": 0, "deleted": 0, "expired": 0}
         indexed = await self._state.index_scopes()
@@ -279,7 +302,8 @@ class ResourceSweeper:
                     counts["purged"] += 1
         counts["released"] = await self._release_unused()
         counts["expired"] = await self._expire_configless()
-        deploying = await self._state.deploying_of(await self._state.scopes_with_config())
+        # placeholders past their lease are a dead deployer's: its pod is adopted or deleted
+        deploying = await self._state.live_deploying_of(await self._state.scopes_with_config())
         known_now = set(await self._state.all_pods())
         known_at_start = {p for pods in known_before.values() for p in pods}
         self._orphans.begin_pass()

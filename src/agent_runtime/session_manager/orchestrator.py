@@ -6,8 +6,10 @@ round trip. Everything else is the slow path: fill the resolve cache (``need_con
 pod from the resource manager (``need_acquire``: the script reserved a slot of the pod to
 come, so queued waiters cannot take it), or wait for a slot (``scope_full``) in a bounded
 queue, woken by the scope's ``free`` signal. A slow route renews what it holds (pending
-replay marker, reservation, seat) on a short lease. Hazard: all of it must be given back on
-every exit, including cancellation and a client that disconnects; placing gives it back in
+replay marker, reservation, seat) on a short lease. Every wait of a route — the queue, an
+acquire (its own deploy, the follower room, one shared with other routes) — ends the moment
+the replica starts to stop, with 503 BACKEND_UNAVAILABLE. Hazard: all of it must be given back
+on every exit, including cancellation and a client that disconnects; placing gives it back in
 the same script.
 """
 
@@ -19,7 +21,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -39,6 +41,7 @@ from agent_runtime.notify import Listener, Notifier
 from agent_runtime.resource_manager.facade import (
     DeployFailed,
     DeployInProgress,
+    DeployTimedOut,
     MaxPodsReached,
     PodBudgetReached,
     ResourceManagerFacade,
@@ -60,6 +63,7 @@ PLACED = ("refresh", "placed", "rebound")
 # what the gateway is told; the reasons (Kubernetes' own text) go to the log
 NO_POD_AT_CAP = "no pod available: the scope is at its pod limit"
 NO_POD_DEPLOY_FAILED = "no pod available: a new pod could not be started"
+NO_POD_IN_TIME = "no pod available: waited {waited:.0f} s for the scope's new pod"
 
 
 class SessionOrchestrator:
@@ -85,15 +89,41 @@ class SessionOrchestrator:
         # scope → the acquire its concurrent routes on this replica share (see _Route.acquire)
         self._acquiring: SingleFlight[str, bool] = SingleFlight()
         self.draining = False
+        self._waits: set[asyncio.Timeout] = set()  # the waits drain() ends
 
     def drain(self) -> None:
-        """The replica is stopping: new routes are refused, waiting ones answered (503, the
-        gateway retries on another replica). Touch keeps working until the server closes."""
+        """The replica is stopping: new routes are refused, waiting ones answered at once (503,
+        the gateway retries on another replica). Touch keeps working until the server closes."""
         self.draining = True
+        for wait in list(self._waits):
+            with contextlib.suppress(RuntimeError):  # one that is ending anyway
+                wait.reschedule(0)  # due now: its task is interrupted at the next loop pass
 
     def _refuse_if_draining(self) -> None:
         if self.draining:
             raise BackendUnavailable("this replica is shutting down", retry_after=1)
+
+    @contextlib.asynccontextmanager
+    async def _until_drained(self) -> AsyncIterator[None]:
+        """The block's wait ends the moment the replica starts to stop, with 503
+        BACKEND_UNAVAILABLE: a waiting route is answered at once (its caller gives back its
+        seat and reservation), never cut off by the shutdown later (an HTTP 500 without a
+        body). The block runs in the route's own task (its admission place parks as before);
+        what it waited for goes on without it (a shared acquire and its deploy are shielded:
+        their pod serves other routes)."""
+        self._refuse_if_draining()
+        try:
+            async with asyncio.timeout(None) as wait:
+                self._waits.add(wait)
+                if self.draining:  # the signal came between the check and the add
+                    wait.reschedule(0)
+                try:
+                    yield
+                finally:
+                    self._waits.discard(wait)
+        except TimeoutError:
+            self._refuse_if_draining()
+            raise
 
     # --- route ---------------------------------------------------------------------------------
 
@@ -202,6 +232,7 @@ class _Route:
         self.seated = False  # holds a queue seat (route_place's need_acquire takes it back)
         self.deadline: float | None = None
         self.cap_since: float | None = None  # when acquire first said max_pods
+        self.asked_at: float | None = None  # when it first asked for a pod (its deadline's start)
         self.listening: contextlib.AsyncExitStack | None = None
         self.listener: Listener | None = None
         self.closed = False
@@ -261,8 +292,17 @@ class _Route:
         trips competing with the leader's for the loop), and every sharer then places through
         route_place, the judge; those the pod cannot hold get need_acquire again. Shielded:
         the route that started it going away does not cancel it for the others."""
+        if self.asked_at is None:
+            self.asked_at = asyncio.get_running_loop().time()
         try:
-            return await self.o._acquiring.run(self.scope_id, lambda: self._acquire(attempt))
+            async with self.o._until_drained():
+                return await self.o._acquiring.run(self.scope_id, lambda: self._acquire(attempt))
+        except DeployTimedOut as exc:
+            # once, from its first ask: a route never waits the deploy time twice; the time
+            # said is its own (a route that joined a shared acquire late waited less)
+            log.info("route %s: no pod: %s", self.request_id, exc)
+            waited = asyncio.get_running_loop().time() - self.asked_at
+            raise NoPodAvailable(NO_POD_IN_TIME.format(waited=waited)) from None
         except MaxPodsReached as exc:
             now = asyncio.get_running_loop().time()
             if self.cap_since is None:
@@ -283,6 +323,7 @@ class _Route:
                 on_ready=self._make_candidate,
                 rule_id=config.rule_id or "",
                 rule_pod_budget=config.rule_pod_budget,
+                asked_at=self.asked_at,
             )
         except DeployInProgress:
             return False
@@ -358,8 +399,8 @@ class _Route:
             # to nobody, so look again first (from now on every signal reaches the listener)
             return
         with admission.parked():  # queued: its place at the edge goes to the fast path
-            await self.listener.wait(min(POLL, remaining))
-        self.o._refuse_if_draining()  # answered now (seat given back), not cut off later
+            async with self.o._until_drained():  # answered at the stop signal, seat given back
+                await self.listener.wait(min(POLL, remaining))
         if disconnected is not None and await disconnected():
             raise ClientDisconnected(f"{self.request_id}: the caller disconnected")
 

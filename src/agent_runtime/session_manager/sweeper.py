@@ -1,11 +1,13 @@
-"""The session side's job (``sm_sweep``, 1 s): expiry pass and empty-pod pass.
+"""The session side's job (``sm_sweep``, 1 s): expiry pass, empty-pod pass and seat prune.
 
 Expiry: sessions whose expiry passed (Redis clock) are evicted in slices of one script each
 (read and evicted atomically: a session extended meanwhile stays) — the only way an abandoned
 session leaves. Empty pods: ``sweep_idle_notify`` takes an empty pod out of the
 candidates and, once per 60 s, the resource manager is told (``idle_consider``) so the pod
 joins the warm pool. That notice is fire-and-forget: a failure is logged and the 60 s notice
-expiry sends it again.
+expiry sends it again. Seat prune: queue seats and reservations whose lease ran out (their
+replica died) leave the scopes that took them (``seat_prune``), so nothing of a dead replica
+stays in Redis where no route of its scope comes again.
 """
 
 from __future__ import annotations
@@ -42,7 +44,18 @@ class SessionSweeper:
         self._mark_cursor = "0"
 
     async def sweep_once(self) -> dict[str, int]:
-        return {"expired": await self.expire_once(), "idle": await self.notify_idle_once()}
+        return {
+            "expired": await self.expire_once(),
+            "idle": await self.notify_idle_once(),
+            "pruned": await self.prune_once(),
+        }
+
+    async def prune_once(self) -> int:
+        """Seats and reservations a dead replica left behind; how many were dropped."""
+        seats, reserved = await self._state.prune_seats()
+        if seats or reserved:
+            log.info("pruned %d queue seats and %d reservations past their lease", seats, reserved)
+        return seats + reserved
 
     async def expire_once(self) -> int:
         evicted = 0

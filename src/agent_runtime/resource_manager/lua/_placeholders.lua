@@ -1,7 +1,8 @@
--- Shared by acquire.lua and placeholder.lua (prepended when the scripts are loaded, after
--- _budget.lua). A placeholder is "{token}@{deadline}" in resource:scope:{sid}:deploying: a
--- deployer that crashed leaves one behind, and it stops counting against max_pods (and the
--- pod budgets) at its deadline.
+-- Shared by acquire.lua, placeholder.lua, deploy_lease.lua and lease_prune.lua (prepended when
+-- the scripts are loaded, after _budget.lua). A placeholder is "{token}@{deadline}" in
+-- resource:scope:{sid}:deploying, its deadline a short lease that its deployer renews
+-- (deploy_lease.lua): a deployer that died leaves one behind, and it stops counting against
+-- max_pods (and the pod budgets) at its deadline, seconds later.
 
 -- Drop expired placeholders (the caller's own too: an expired one no longer reserves a slot)
 -- with their budget units; return the unexpired member already holding `token` (a re-sent
@@ -30,9 +31,12 @@ local function budget_refusal(global, global_limit, rule_key, rule_limit, now)
   return nil
 end
 
-local function add_placeholder(key, token, now, lifetime, sid, global, rule_key, index, rule)
+-- `leased`: resource:leased_scopes, where the prune job finds the scope (lease_prune.lua)
+local function add_placeholder(key, token, now, lifetime, sid, global, rule_key, index, rule,
+    leased)
   local member = token .. '@' .. tostring(now + lifetime)
   redis.call('SADD', key, member)
+  redis.call('SADD', leased, sid)
   budget_add(global, rule_key, index, rule, sid .. ':' .. member, now + lifetime)
   return member
 end

@@ -9,10 +9,11 @@
 -- KEYS[6] budget:pods                     ZSET  every budget unit (see _budget.lua)
 -- KEYS[7] budget:rules                    SET   rule ids that have a units ZSET
 -- KEYS[8] budget:rule_limits              HASH  rule id -> pod budget
+-- KEYS[9] resource:leased_scopes          SET   scopes with placeholders (the prune job's)
 -- ARGV[1] pod key prefix, e.g. "resource_manager:resource:pod:" (derives {prefix}{pod}:info
 --         and {prefix}{pod}:idle_since for the warm pods)
 -- ARGV[2] placeholder token (unique per attempt; the same token on a re-sent call)
--- ARGV[3] placeholder lifetime in seconds (ready_timeout + margin)
+-- ARGV[3] placeholder lifetime in seconds (the deploy lease: its deployer renews it)
 -- ARGV[4] idem TTL in seconds
 -- ARGV[5] scope_id: a cached result replays only for the scope it was acquired for
 -- ARGV[6] rule budget prefix "resource_manager:budget:rule:" (derives {prefix}{rule}:pods of
@@ -92,4 +93,4 @@ end
 local refused = budget_refusal(KEYS[6], global_limit, rule_key, rule_limit, now)
 if refused then return {'budget_reached', refused} end
 return {'need_deploy', add_placeholder(KEYS[4], ARGV[2], now, tonumber(ARGV[3]), sid, KEYS[6],
-  rule_key, KEYS[7], rule)}
+  rule_key, KEYS[7], rule, KEYS[9])}

@@ -8,8 +8,9 @@
 -- KEYS[4] budget:pods                     ZSET every budget unit
 -- KEYS[5] budget:rules                    SET  rule ids that have a units ZSET
 -- KEYS[6] budget:rule_limits              HASH rule id -> pod budget
+-- KEYS[7] resource:leased_scopes          SET  scopes with placeholders (the prune job's)
 -- ARGV[1] placeholder token (the same token on a re-sent call)
--- ARGV[2] placeholder lifetime in seconds
+-- ARGV[2] placeholder lifetime in seconds (a deploy renews it: deploy_lease.lua)
 -- ARGV[3] scope_id
 -- ARGV[4] rule budget prefix (derives {prefix}{budget_rule}:pods of the scope's linked rule)
 -- ARGV[5] the installation's pod budget
@@ -32,4 +33,4 @@ local rule_limit = rule ~= '' and tonumber(redis.call('HGET', KEYS[6], rule) or 
 local refused = budget_refusal(KEYS[4], tonumber(ARGV[5]), rule_key, rule_limit, now)
 if refused then return {'budget_reached', refused} end
 return {'ok', add_placeholder(KEYS[3], ARGV[1], now, tonumber(ARGV[2]), sid, KEYS[4], rule_key,
-  KEYS[5], rule)}
+  KEYS[5], rule, KEYS[7])}

@@ -17,6 +17,8 @@
 --         like sessions, so waiters in the queue cannot take the slots they were promised
 -- KEYS[10] scope:{sid}:waiters                ZSET the wait queue: a newcomer (not ARGV[8]) leaves
 --         one free slot per live waiter; a placed waiter leaves the queue here
+-- KEYS[11] leased_scopes                     SET scopes holding reservations or seats (the prune
+--         job's: seat_prune.lua); the scope joins it with a reservation
 -- ARGV[1] key prefix "session_manager:" (derives pod:{sid}:{pod}:sessions|info|idle_notified,
 --         scope:{sid}:free for the bound or chosen pod)
 -- ARGV[2] session_id   ARGV[3] scope_id
@@ -147,6 +149,7 @@ if not chosen then
   if redis.call('ZCARD', KEYS[4]) < max_pods
       and sessions + reserved < math.min(scope_concurrency, max_pods * pod_concurrency) then
     redis.call('ZADD', KEYS[9], now + lease, rid)
+    redis.call('SADD', KEYS[11], scope)
     if slow then redis.call('ZREM', KEYS[10], rid) end  -- out of the queue: it has a slot
     return pending('need_acquire')
   end

@@ -1,0 +1,237 @@
+"""Bring one pod and register it: a new deploy, or the adoption of a pod that a leader whose
+lease lapsed had created. Shared by a route's deploy (the orchestrator's leader) and the warm
+pool's (autoscale). Hazard: the claim (placeholder, lease) is given back on every path, and a
+pod that is Ready in Kubernetes but not registered is deleted — except one whose lease another
+leader took over: that pod is the other leader's, never deleted here. An inherited pod is ours
+only as the incarnation its leader recorded (its uid), and is registered only once signed for
+it (identity.py): a dead leader may have died between its create and that signature.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from agent_runtime import admission, logs, spec_fields
+from agent_runtime.metrics import Metrics
+from agent_runtime.notify import Notifier
+from agent_runtime.resource_manager.identity import Ownership, PodIdentity
+from agent_runtime.resource_manager.k8s import K8sPodClient
+from agent_runtime.resource_manager.lease import DeployLease
+from agent_runtime.resource_manager.models import (
+    DeployBounds,
+    DeployFailed,
+    LeaseLost,
+    PodDeployInfo,
+    PodGone,
+)
+from agent_runtime.resource_manager.state import OrphanPod, ResourceState, registered_channel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Requester:
+    """Whether the caller is still there when its deploy finishes."""
+
+    gone: bool = False
+
+
+class Deployer:
+    def __init__(
+        self,
+        *,
+        state: ResourceState,
+        k8s: K8sPodClient,
+        notifier: Notifier,
+        default_namespace: str,
+        bounds: DeployBounds | None,
+        metrics: Metrics,
+        lease: float,
+        identity: PodIdentity,
+    ) -> None:
+        self._state = state
+        self._k8s = k8s
+        self._notifier = notifier
+        self._default_namespace = default_namespace
+        self._bounds = bounds
+        self._deploys = metrics.deploys
+        self._seconds = metrics.deploy_seconds
+        self._takeovers = metrics.takeovers
+        self._lease = lease
+        self._identity = identity
+
+    async def deploy_and_register(
+        self,
+        scope_id: str,
+        pod_spec: dict[str, Any],
+        placeholder: str | DeployLease,
+        *,
+        warm: bool,
+        requester: Requester | None = None,
+        orphan: OrphanPod | None = None,
+    ) -> dict[str, str]:
+        """Deploy one pod (or adopt ``orphan``: the pod a leader whose lease lapsed created)
+        and register it; the claim (a placeholder member, or a cold deploy's lease) is renewed
+        meanwhile and given back on every path. ``LeaseLost``: another leader took the claim
+        over, and the pod with it: nothing is registered and nothing deleted."""
+        lease = (
+            placeholder
+            if isinstance(placeholder, DeployLease)
+            else DeployLease(self._state, scope_id, placeholder, seconds=self._lease)
+        )
+        version = spec_fields.deploy_ver(pod_spec)
+        logs.add_secret_values(spec_fields.clear_env_values(pod_spec))  # an error may echo them
+        kind = "warm" if warm else "cold"
+        started = time.perf_counter()
+        try:
+            refusal = self._bounds and self._bounds.refusal(pod_spec, self._default_namespace)
+            if refusal:
+                log.warning(
+                    "scope %s: no deploy: %s (namespace %.80r, cluster %.80r)",
+                    scope_id, refusal, pod_spec.get("namespace"), pod_spec.get("kubeconfig"),
+                )  # fmt: skip
+                raise DeployFailed(refusal)
+            async with lease.kept():
+                with admission.parked():  # a cold route waits on Kubernetes, not on Redis
+                    info = await self._bring_pod(scope_id, version, pod_spec, lease, orphan)
+        except LeaseLost:
+            self._deploys.labels(kind, "lost").inc()
+            raise
+        except BaseException as exc:
+            cancelled = isinstance(exc, asyncio.CancelledError)
+            self._deploys.labels(kind, "cancelled" if cancelled else "failed").inc()
+            with contextlib.suppress(Exception):
+                await lease.give_back()
+            if isinstance(exc, DeployFailed | asyncio.CancelledError):
+                raise
+            raise DeployFailed(f"scope {scope_id}: deploy failed: {exc}") from exc
+        self._seconds.labels(kind).observe(time.perf_counter() - started)
+        warm = warm or (requester is not None and requester.gone)
+        try:
+            await lease.confirm()  # a lease lost while Redis was away: the pod is another's
+        except LeaseLost:
+            self._deploys.labels(kind, "lost").inc()
+            raise
+        except Exception as exc:
+            # Redis away for a whole lease: whether another leader took the pod over cannot be
+            # told, so it is neither registered nor deleted — its record (ours or the new
+            # leader's) hands it to the next leader, or reconcile adopts or deletes it
+            self._deploys.labels(kind, "unconfirmed").inc()
+            with contextlib.suppress(Exception):
+                await lease.give_back()
+            raise DeployFailed(f"scope {scope_id}: pod {info.pod_id} unconfirmed: {exc}") from exc
+        try:
+            await self._state.register(
+                scope_id=scope_id,
+                pod_id=info.pod_id,
+                placeholder=lease.member,
+                pod_sse_url=info.pod_sse_url,
+                pod_ip=info.pod_ip,
+                namespace=info.namespace,
+                deploy_ver=version,
+                warm=warm,
+            )
+        except BaseException:
+            # Ready in Kubernetes but not in Redis: delete it rather than leak it
+            self._deploys.labels(kind, "unregistered").inc()
+            await self._discard_pod(info, lease)
+            raise
+        self._deploys.labels(kind, "ok").inc()
+        with contextlib.suppress(Exception):  # followers also poll; the signal only speeds up
+            await self._notifier.publish(registered_channel(scope_id), info.pod_id)
+        log.info(
+            "scope %s: pod %s registered (%s)", scope_id, info.pod_id, "warm" if warm else "in use"
+        )
+        return {"pod_id": info.pod_id, "pod_sse_url": info.pod_sse_url, "deploy_ver": version}
+
+    async def _bring_pod(
+        self,
+        scope_id: str,
+        version: str,
+        pod_spec: dict[str, Any],
+        lease: DeployLease,
+        orphan: OrphanPod | None,
+    ) -> PodDeployInfo:
+        """The inherited pod once Ready, else a new one (recorded under the lease once
+        created, for whoever takes over should this replica die)."""
+        if orphan is not None:
+            adopted = await self._adopt_orphan(scope_id, version, pod_spec, orphan)
+            if adopted is not None:
+                return adopted
+        return await self._k8s.deploy(
+            scope_id=scope_id,
+            deploy_ver=version,
+            pod_spec=pod_spec,
+            identity=self._identity,
+            on_created=lease.record_pod if lease.cold else None,
+        )
+
+    async def _adopt_orphan(
+        self, scope_id: str, version: str, pod_spec: dict[str, Any], orphan: OrphanPod
+    ) -> PodDeployInfo | None:
+        """Wait for the pod a dead leader created until its own deadline. It is ours as the
+        incarnation our own replica recorded under the lease we now hold (its uid), carrying
+        our identity MAC; signed for that incarnation first if the leader died before it did
+        (registered unsigned, a later Redis data loss would make reconcile delete it in use).
+        None when it is gone, another incarnation or not ours (left alone), or of an old
+        version (deleted): a new one is deployed. Dead, not Ready in time or its signature
+        refused: deleted, DeployFailed."""
+        where = f"pod {orphan.namespace}/{orphan.pod_id}"
+        status = await self._k8s.get_pod(orphan.pod_id, orphan.namespace)
+        if status is None or status.phase == "Terminating":
+            log.info("scope %s: inherited %s is gone; deploying anew", scope_id, where)
+            self._takeovers.labels("deployed").inc()
+            return None
+        verdict = self._identity.verify(status)
+        if status.uid != orphan.uid or verdict.ownership is Ownership.FOREIGN:
+            log.warning(
+                "scope %s: %s is not the pod its leader created (%s); left alone, deploying anew",
+                scope_id, where, verdict.reason or "another incarnation",
+            )  # fmt: skip
+            self._takeovers.labels("deployed").inc()
+            return None
+        if status.deploy_ver != version:
+            with contextlib.suppress(Exception):
+                await self._k8s.delete(orphan.pod_id, orphan.namespace)
+            log.info("scope %s: inherited %s is of an old version; deploying anew", scope_id, where)
+            self._takeovers.labels("deployed").inc()
+            return None
+        ready_timeout = float(pod_spec.get("ready_timeout") or 300)
+        left = orphan.created + ready_timeout - await self._state.now()
+        try:
+            if verdict.ownership is Ownership.UNFINISHED:
+                await self._k8s.sign(
+                    orphan.pod_id, orphan.namespace, pod_spec,
+                    uid=status.uid, annotations=self._identity.completion(status), within=left,
+                )  # fmt: skip
+                log.info("scope %s: inherited %s signed for its incarnation", scope_id, where)
+            info = await self._k8s.await_ready(
+                orphan.pod_id, orphan.namespace, pod_spec, uid=status.uid, within=left
+            )
+        except PodGone:
+            self._takeovers.labels("deployed").inc()
+            return None
+        except DeployFailed:
+            now = await self._k8s.get_pod(orphan.pod_id, orphan.namespace)
+            if now is None or now.phase == "Terminating" or now.uid != status.uid:
+                # deleted (or replaced) by someone else meanwhile: no failure of its image
+                self._takeovers.labels("deployed").inc()
+                return None
+            self._takeovers.labels("failed").inc()
+            with contextlib.suppress(Exception):
+                await self._k8s.delete(orphan.pod_id, orphan.namespace)
+            raise
+        self._takeovers.labels("adopted").inc()
+        log.info("scope %s: %s of a leader whose lease lapsed adopted", scope_id, where)
+        return info
+
+    async def _discard_pod(self, info: PodDeployInfo, lease: DeployLease) -> None:
+        with contextlib.suppress(Exception):
+            await self._k8s.delete(info.pod_id, info.namespace)
+        with contextlib.suppress(Exception):
+            await lease.give_back()

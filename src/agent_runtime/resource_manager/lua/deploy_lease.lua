@@ -1,0 +1,83 @@
+-- deploy_lease (uses _budget.lua, _placeholders.lua): a deploy keeps its claim alive. Its
+-- placeholder's deadline moves to now + lease and, for a cold deploy, the scope's deploy lock
+-- too, in one step; once its pod is created the pod is recorded here, so that a leader taking
+-- over after a lapse (deploy_lease_take.lua) finds it.
+--
+-- KEYS[1] resource:scope:{sid}:deploying   SET    placeholders "{token}@{deadline}"
+-- KEYS[2] resource:scope:{sid}:config      HASH   (max_pods, budget_rule)
+-- KEYS[3] resource:scope:{sid}:pods        ZSET
+-- KEYS[4] budget:pods                      ZSET   every budget unit
+-- KEYS[5] budget:rules                     SET    rule ids that have a units ZSET
+-- KEYS[6] lock:rm:deploy:{sid}             STRING the leader's token, PX the lease
+-- KEYS[7] resource:scope:{sid}:deploy_pod  HASH   the leader's pod (see deploy_lease_take.lua)
+-- KEYS[8] resource:leased_scopes           SET    scopes the prune job looks at
+-- ARGV[1] placeholder token (its member is "{token}@{deadline}")
+-- ARGV[2] lock token ("" for a warm deploy: a placeholder and no lock)
+-- ARGV[3] lease in seconds (the lock's PX; the placeholder's deadline is whole seconds,
+--         rounded up)
+-- ARGV[4] scope_id   ARGV[5] rule budget prefix (derives {prefix}{budget_rule}:pods)
+-- ARGV[6] pod_id to record ("" = none; only with a lock token)   ARGV[7] its namespace
+-- ARGV[8] seconds the record lives (the pod's own deadline: ready_timeout + margin)
+-- ARGV[9] the pod's uid (its incarnation: a pod re-created under the name is not this one)
+--
+-- returns {"ok", member}   renewed; member: the placeholder's new name
+--         {"lost"}         another leader holds the lock (it took over after our lease lapsed:
+--                          a recorded pod is its now), or our placeholder was swept and the
+--                          scope has no room for it again. Our placeholder and its units are
+--                          given back; nothing is recorded; the caller stops claiming.
+--
+-- invariant: only the claim's owner renews it; a claim that lapsed with nobody taking it is
+-- taken again (lock, placeholder) — the placeholder only within max_pods, as it was taken;
+-- the record is written only under our own lock, and keeps its first created time.
+-- Replay-safe: the placeholder is found by its token, so a re-sent call renews it again.
+local clock = redis.call('TIME')
+local now = tonumber(clock[1])
+local ptoken, ltoken, lease, sid = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local linked = redis.call('HGET', KEYS[2], 'budget_rule') or ''
+local rule_key = rule_budget_key(ARGV[5], linked)
+
+local function mine()
+  for _, member in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+    local at = string.find(member, '@[^@]*$')
+    if at and string.sub(member, 1, at - 1) == ptoken then return member end
+  end
+  return nil
+end
+
+local member = mine()
+if ltoken ~= '' then
+  local holder = redis.call('GET', KEYS[6])
+  if holder and holder ~= ltoken then
+    if member then
+      redis.call('SREM', KEYS[1], member)
+      budget_remove(KEYS[4], rule_key, sid .. ':' .. member)
+    end
+    return {'lost'}
+  end
+end
+if member then
+  redis.call('SREM', KEYS[1], member)
+  budget_remove(KEYS[4], rule_key, sid .. ':' .. member)
+else
+  -- swept after it expired: taken again only if the scope still has room for it
+  sweep_placeholders(KEYS[1], ptoken, now, sid, KEYS[4], rule_key)
+  local max_pods = tonumber(redis.call('HGET', KEYS[2], 'max_pods') or '0')
+  if redis.call('ZCARD', KEYS[3]) + redis.call('SCARD', KEYS[1]) >= max_pods then
+    return {'lost'}
+  end
+end
+local renewed = add_placeholder(KEYS[1], ptoken, now, math.ceil(lease), sid, KEYS[4], rule_key,
+  KEYS[5], linked, KEYS[8])
+if ltoken ~= '' then
+  redis.call('SET', KEYS[6], ltoken, 'PX', math.ceil(lease * 1000))
+  if ARGV[6] ~= '' then
+    local rec = redis.call('HMGET', KEYS[7], 'token', 'pod_id')
+    if rec[1] ~= ltoken or rec[2] ~= ARGV[6] then
+      redis.call('DEL', KEYS[7])
+      redis.call('HSET', KEYS[7], 'token', ltoken, 'pod_id', ARGV[6], 'namespace', ARGV[7],
+        'created', clock[1], 'uid', ARGV[9])
+      redis.call('EXPIRE', KEYS[7], tonumber(ARGV[8]))
+    end
+  end
+end
+return {'ok', renewed}
