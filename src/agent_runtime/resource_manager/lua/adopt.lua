@@ -43,13 +43,9 @@ if redis.call('EXISTS', KEYS[7]) == 1 then
   rule = redis.call('HGET', KEYS[7], 'budget_rule') or ''
   rule_key = rule_budget_key(ARGV[7], rule)
   sweep_placeholders(KEYS[4], '', seconds, sid, KEYS[8], rule_key)  -- expired ones go
-  local max_pods = tonumber(redis.call('HGET', KEYS[7], 'max_pods') or '0')
-  if redis.call('ZCARD', KEYS[2]) + redis.call('SCARD', KEYS[4]) >= max_pods then
-    return {'max_reached'}
-  end
-  local rule_limit = rule ~= '' and tonumber(redis.call('HGET', KEYS[10], rule) or '0') or 0
-  local refused = budget_refusal(KEYS[8], tonumber(ARGV[8]), rule_key, rule_limit, seconds)
-  if refused then return {'budget_reached', refused} end
+  local refused = room_refusal(KEYS[7], KEYS[2], KEYS[4], KEYS[8], tonumber(ARGV[8]), rule_key,
+    rule_limit_of(KEYS[10], rule), seconds)
+  if refused then return refused end
 end
 redis.call('HSET', KEYS[1], 'scope_id', sid, 'pod_sse_url', ARGV[3], 'pod_ip', ARGV[4],
   'namespace', ARGV[5], 'phase', 'idle', 'created_ts', now, 'deploy_ver', ARGV[6])

@@ -61,10 +61,7 @@ if member then
 else
   -- swept after it expired: taken again only if the scope still has room for it
   sweep_placeholders(KEYS[1], ptoken, now, sid, KEYS[4], rule_key)
-  local max_pods = tonumber(redis.call('HGET', KEYS[2], 'max_pods') or '0')
-  if redis.call('ZCARD', KEYS[3]) + redis.call('SCARD', KEYS[1]) >= max_pods then
-    return {'lost'}
-  end
+  if at_max_pods(KEYS[2], KEYS[3], KEYS[1]) then return {'lost'} end
 end
 local renewed = add_placeholder(KEYS[1], ptoken, now, math.ceil(lease), sid, KEYS[4], rule_key,
   KEYS[5], linked, KEYS[8])
