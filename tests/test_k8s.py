@@ -35,6 +35,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from agent_runtime.label_selector import Requirement
 from agent_runtime.resource_manager import k8s as k8s_module
+from agent_runtime.resource_manager import pod_reading
 from agent_runtime.resource_manager.clusters import ClusterConfig
 from agent_runtime.resource_manager.k8s import (
     FakeK8sPodClient,
@@ -458,7 +459,7 @@ async def test_read_pod_list_yields_to_the_loop(monkeypatch: pytest.MonkeyPatch)
 
     task = asyncio.create_task(ticker())
     await asyncio.sleep(0)
-    monkeypatch.setattr(k8s_module, "LIST_PARSE_SLICE", 0.0)  # yield after every item
+    monkeypatch.setattr(pod_reading, "LIST_PARSE_SLICE", 0.0)  # yield after every item
     found: list[Any] = []
     try:
         assert await read_pod_list(text, found) == "next"

@@ -23,12 +23,12 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from agent_runtime.notify import Notifier
-from agent_runtime.resource_manager.identity import Ownership
 from agent_runtime.resource_manager.facade import (
     DeployFailed,
     DeployTimedOut,
     ResourceManagerFacade,
 )
+from agent_runtime.resource_manager.identity import Ownership
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient, OnCreated
 from agent_runtime.resource_manager.models import PodDeployInfo
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator

@@ -1,10 +1,12 @@
-"""The Kubernetes adapter: ``RealK8sPodClient`` (kubernetes_asyncio) and ``FakeK8sPodClient``.
+"""The Kubernetes adapter: the ``K8sPodClient`` protocol, ``RealK8sPodClient``
+(kubernetes_asyncio) and ``MeteredK8sPodClient``; ``FakeK8sPodClient`` lives in
+``k8s_fake.py``, the pure pieces in ``pod_manifest.py`` (``new_pod_name``, ``build_pod_body``,
+``sse_url``) and ``pod_reading.py`` (``pod_status_from_json`` — the one reading of a pod's
+phase, readiness and IP — ``read_pod_list``, ``label_selector_matches``). All of them are
+importable from here, as before.
 
-Both implement ``K8sPodClient`` exactly; the resource manager never sees a kubernetes_asyncio
-object. The pure pieces (``new_pod_name``, ``build_pod_body``, ``pod_status_from_json`` — the
-one reading of a pod's phase, readiness and IP — ``read_pod_list``, ``label_selector_matches``)
-are module functions so they can be tested without a cluster. A LIST is paged and parsed a
-slice at a time: 10k pods through the generated models held the loop for 6–10 s.
+Real and fake implement ``K8sPodClient`` exactly; the resource manager never sees a
+kubernetes_asyncio object. A LIST is paged and parsed a slice at a time.
 
 Hazard: ``load_incluster_config`` is a plain function, ``load_kube_config`` a coroutine;
 awaiting the first is a TypeError in-cluster.
@@ -21,57 +23,94 @@ import json
 import logging
 import math
 import random
-import re
-import secrets
-import string
 import time
-import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
-from agent_runtime import label_selector
 from agent_runtime.resource_manager.clusters import ClusterConfig
 from agent_runtime.resource_manager.identity import IDENTITY_ANNOTATION, PodIdentity
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.models import (
-    APP_LABEL,
-    COMPONENT_LABEL,
-    COMPONENT_VALUE,
-    DEPLOY_VER_LABEL,
-    SCOPE_LABEL,
     DeployFailed,
     K8sApiError,
     PodDeployInfo,
     PodGone,
     PodStatus,
-    normalize_phase,
 )
+from agent_runtime.resource_manager.pod_manifest import (
+    CONTAINER_NAME,
+    DEFAULT_POD_NAME,
+    DEFAULT_PORT,
+    DEFAULT_READY_POLL_INTERVAL,
+    DEFAULT_READY_TIMEOUT,
+    DEFAULT_SSE_PATH,
+    HEALTH_PATH,
+    NFS_VOLUME,
+    PROBE_TIMEOUT,
+    build_pod_body,
+    deploy_timing,
+    new_pod_name,
+    pod_labels,
+    sse_url,
+)
+from agent_runtime.resource_manager.pod_reading import (
+    LIST_PAGE_SIZE,
+    LIST_PARSE_SLICE,
+    iter_json_object,
+    label_selector_matches,
+    labels_match,
+    parse_label_selector,
+    pod_status,
+    pod_status_from_json,
+    read_pod_list,
+)
+
+# what callers and tests import from here (the split modules' names included)
+__all__ = [
+    "CONTAINER_NAME",
+    "DEFAULT_POD_NAME",
+    "DEFAULT_PORT",
+    "DEFAULT_READY_POLL_INTERVAL",
+    "DEFAULT_READY_TIMEOUT",
+    "DEFAULT_SSE_PATH",
+    "HEALTH_PATH",
+    "LIST_PAGE_SIZE",
+    "LIST_PARSE_SLICE",
+    "NFS_VOLUME",
+    "PROBE_TIMEOUT",
+    "FakeK8sPodClient",
+    "K8sPodClient",
+    "MeteredK8sPodClient",
+    "OnCreated",
+    "PodDeployInfo",
+    "RealK8sPodClient",
+    "build_pod_body",
+    "deploy_timing",
+    "iter_json_object",
+    "label_selector_matches",
+    "labels_match",
+    "new_pod_name",
+    "parse_label_selector",
+    "pod_labels",
+    "pod_status",
+    "pod_status_from_json",
+    "read_pod_list",
+    "sse_url",
+]
 
 log = logging.getLogger(__name__)
 
-CONTAINER_NAME = "agentserver"
-NFS_VOLUME = "nfs"
-HEALTH_PATH = "/health"
-PROBE_TIMEOUT = 3.0  # seconds for one GET /health (contract §5 half-dead rule)
 REQUEST_TIMEOUT = 30.0  # cap of one API call; a deploy's own deadline may cut it shorter
 DISCARD_TIMEOUT = 5.0  # best-effort delete after a failed deploy
 AWAIT_READY_MIN = 1.0  # seconds await_ready looks for at least (one GET)
 CREATE_NAME_TRIES = 3  # 409 AlreadyExists → a new name, this many names in all
 BACKOFF_BASE = 0.2
 BACKOFF_CAP = 5.0
-# A pod_spec normally comes complete from a template; these fill a partial one (tests, tools).
-DEFAULT_POD_NAME = "agent"
-DEFAULT_PORT = 8080
-DEFAULT_SSE_PATH = "/sse"
-DEFAULT_READY_TIMEOUT = 300.0
-DEFAULT_READY_POLL_INTERVAL = 2.0
-LIST_PAGE_SIZE = 500  # pods per LIST request (``limit``), as client-go's pager
-LIST_PARSE_SLICE = 0.001  # seconds of parsing a LIST page before yielding to the loop
 MERGE_PATCH = "application/merge-patch+json"
 
-_NAME_ALPHABET = string.ascii_lowercase + string.digits
 # Transport failures: the request may or may not have reached the API server.
 _LOST_REPLY = (TimeoutError, aiohttp.ClientError)
 
@@ -144,269 +183,6 @@ class K8sPodClient(Protocol):
 
     async def probe_health(self, pod_ip: str, port: int) -> bool:
         """``GET http://{pod_ip}:{port}/health`` within 3 s; only a 200 is healthy."""
-
-
-# --- pure helpers ----------------------------------------------------------------------------
-
-
-def _random_chars(n: int) -> str:
-    return "".join(secrets.choice(_NAME_ALPHABET) for _ in range(n))
-
-
-def new_pod_name(pod_name: str | None) -> str:
-    """``{pod_name}-{10}-{5}``: random, so a pod name never leaks a business id."""
-    return f"{pod_name or DEFAULT_POD_NAME}-{_random_chars(10)}-{_random_chars(5)}"
-
-
-def pod_labels(pod_id: str, scope_id: str, deploy_ver: str) -> dict[str, str]:
-    """The labels watch, reconcile and cleanup select on (contract §5)."""
-    return {
-        COMPONENT_LABEL: COMPONENT_VALUE,
-        APP_LABEL: pod_id,
-        SCOPE_LABEL: scope_id,
-        DEPLOY_VER_LABEL: deploy_ver,
-    }
-
-
-def sse_url(pod_ip: str, pod_spec: dict[str, Any]) -> str:
-    port = pod_spec.get("sse_port") or DEFAULT_PORT
-    return f"http://{pod_ip}:{port}{pod_spec.get('sse_path') or DEFAULT_SSE_PATH}"
-
-
-def _resources(pod_spec: dict[str, Any]) -> dict[str, dict[str, str]]:
-    """Requests and limits with only the quantities the template sets (K8s defaults the rest)."""
-    out: dict[str, dict[str, str]] = {}
-    for kind, field_kind in (("requests", "request"), ("limits", "limit")):
-        quantities = {
-            res: pod_spec[f"{res}_{field_kind}"]
-            for res in ("cpu", "memory")
-            if pod_spec.get(f"{res}_{field_kind}")
-        }
-        if quantities:
-            out[kind] = quantities
-    return out
-
-
-def build_pod_body(
-    pod_id: str,
-    scope_id: str,
-    deploy_ver: str,
-    pod_spec: dict[str, Any],
-    annotations: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    """The Pod manifest (camelCase JSON) for ``create_namespaced_pod``; namespace is in the path.
-    ``annotations``: the pod identity's (``PodIdentity.create_annotations``)."""
-    if not pod_spec.get("image"):
-        raise DeployFailed("pod_spec has no image")
-    sse_port = int(pod_spec.get("sse_port") or DEFAULT_PORT)
-    container_port = int(pod_spec.get("container_port") or sse_port)
-    ports: list[dict[str, Any]] = [{"name": "sse", "containerPort": sse_port, "protocol": "TCP"}]
-    if container_port != sse_port:
-        ports.append({"name": "http", "containerPort": container_port, "protocol": "TCP"})
-    container: dict[str, Any] = {
-        "name": CONTAINER_NAME,
-        "image": pod_spec["image"],
-        "ports": ports,
-        # a string is a value; an object is a ``{"valueFrom": {"secretKeyRef": …}}`` reference
-        "env": [
-            {"name": k, "value": v} if isinstance(v, str) else {"name": k, **v}
-            for k, v in sorted((pod_spec.get("env") or {}).items())
-        ],
-        # A short period so Ready shows soon after start; the timeout matches our own probe.
-        "readinessProbe": {
-            "httpGet": {"path": HEALTH_PATH, "port": sse_port},
-            "periodSeconds": 2,
-            "timeoutSeconds": int(PROBE_TIMEOUT),
-        },
-    }
-    resources = _resources(pod_spec)
-    if resources:
-        container["resources"] = resources
-    spec: dict[str, Any] = {"restartPolicy": "Always", "containers": [container]}
-    if pod_spec.get("nfs_server") and pod_spec.get("nfs_path") and pod_spec.get("nfs_mount_path"):
-        container["volumeMounts"] = [{"name": NFS_VOLUME, "mountPath": pod_spec["nfs_mount_path"]}]
-        spec["volumes"] = [
-            {
-                "name": NFS_VOLUME,
-                "nfs": {"server": pod_spec["nfs_server"], "path": pod_spec["nfs_path"]},
-            }
-        ]
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": pod_id,
-            "labels": pod_labels(pod_id, scope_id, deploy_ver),
-            "annotations": dict(annotations or {}),
-        },
-        "spec": spec,
-    }
-
-
-def pod_status_from_json(pod: dict[str, Any]) -> PodStatus:
-    """A Pod as the API sends it (camelCase JSON) as a ``PodStatus``: the one place the phase,
-    ready and IP rules are read (phase normalised per contract §5)."""
-    meta = pod.get("metadata") or {}
-    status = pod.get("status") or {}
-    containers = [
-        *(status.get("initContainerStatuses") or []),
-        *(status.get("containerStatuses") or []),
-    ]
-    waiting = [((cs or {}).get("state") or {}).get("waiting") or {} for cs in containers]
-    conditions = status.get("conditions") or []
-    specs = (pod.get("spec") or {}).get("containers") or [{}]
-    return PodStatus(
-        pod_id=meta.get("name") or "",
-        namespace=meta.get("namespace") or "",
-        phase=normalize_phase(
-            status.get("phase"),
-            deleting=meta.get("deletionTimestamp") is not None,
-            waiting_reasons=[w["reason"] for w in waiting if w.get("reason")],
-        ),
-        ready=any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions),
-        pod_ip=status.get("podIP") or None,
-        labels=dict(meta.get("labels") or {}),
-        uid=meta.get("uid") or "",
-        annotations=dict(meta.get("annotations") or {}),
-        image=(specs[0] or {}).get("image") or "",
-    )
-
-
-def pod_status(v1pod: Any) -> PodStatus:
-    """A kubernetes_asyncio ``V1Pod`` (get, deploy polling) as a ``PodStatus``: the fields the
-    rules read, in their JSON shape, through ``pod_status_from_json`` (a projection, not
-    ``to_dict``: ~10 µs a pod instead of ~150; tests check both read every case alike)."""
-    meta, status, spec = v1pod.metadata, v1pod.status, v1pod.spec
-
-    def container(cs: Any) -> dict[str, Any]:
-        waiting = cs.state.waiting if cs.state is not None else None
-        return {"state": {"waiting": {"reason": waiting.reason} if waiting is not None else None}}
-
-    return pod_status_from_json(
-        {
-            "metadata": {
-                "name": meta.name,
-                "namespace": meta.namespace,
-                "labels": meta.labels,
-                "annotations": meta.annotations,
-                "uid": meta.uid,
-                "deletionTimestamp": meta.deletion_timestamp,
-            },
-            "spec": None
-            if spec is None or not spec.containers
-            else {"containers": [{"image": spec.containers[0].image}]},
-            "status": None
-            if status is None
-            else {
-                "phase": status.phase,
-                "podIP": status.pod_ip,
-                "conditions": [
-                    {"type": c.type, "status": c.status} for c in status.conditions or []
-                ],
-                "initContainerStatuses": [
-                    container(cs) for cs in status.init_container_statuses or []
-                ],
-                "containerStatuses": [container(cs) for cs in status.container_statuses or []],
-            },
-        }
-    )
-
-
-_JSON_SPACE = re.compile(r"[ \t\n\r]*")
-_JSON = json.JSONDecoder()
-
-
-def iter_json_object(text: str, stream: str = "items") -> Iterator[tuple[str, Any]]:
-    """The members of the JSON object ``text``, decoded one at a time: ``(key, value)``, and for
-    the array member ``stream`` one ``(f"{stream}[]", element)`` per element instead.
-
-    ``json.loads`` of a whole LIST page is one synchronous chunk (tens of ms for 500 pods); a
-    caller walking it can yield to the loop between items. Malformed JSON → ``ValueError``.
-    """
-
-    def skip(i: int) -> int:
-        match = _JSON_SPACE.match(text, i)
-        return match.end() if match else i
-
-    def expect(i: int, char: str) -> int:
-        if text[i : i + 1] != char:
-            raise ValueError(f"expected {char!r} at {i} of a JSON object")
-        return skip(i + 1)
-
-    i = expect(skip(0), "{")
-    if text[i : i + 1] == "}":
-        i = skip(i + 1)
-    else:
-        while True:
-            key, i = _JSON.raw_decode(text, i)
-            if not isinstance(key, str):
-                raise ValueError(f"a JSON object key is a string, not {key!r}")
-            i = expect(skip(i), ":")
-            if key == stream and text[i : i + 1] == "[":
-                i = skip(i + 1)
-                if text[i : i + 1] == "]":
-                    i += 1
-                else:
-                    while True:
-                        element, i = _JSON.raw_decode(text, i)
-                        yield f"{stream}[]", element
-                        i = skip(i)
-                        if text[i : i + 1] != ",":
-                            break
-                        i = skip(i + 1)
-                    i = expect(i, "]")
-            else:
-                value, i = _JSON.raw_decode(text, i)
-                yield key, value
-            i = skip(i)
-            if text[i : i + 1] != ",":
-                break
-            i = skip(i + 1)
-        i = expect(i, "}")
-    if i != len(text):
-        raise ValueError(f"extra data at {i} after a JSON object")
-
-
-async def read_pod_list(text: str, into: list[PodStatus]) -> str | None:
-    """One PodList page (JSON text) into ``into``; returns its continue token (None: the last
-    page). Yields to the loop every ``LIST_PARSE_SLICE`` s, so a page never blocks it for long."""
-    token: str | None = None
-    clock = time.perf_counter
-    await asyncio.sleep(0)  # reading and decoding the page was a slice already
-    slice_started = clock()
-    for key, value in iter_json_object(text):
-        if key == "items[]":
-            if not isinstance(value, dict):
-                raise ValueError(f"a PodList item is an object, not {type(value).__name__}")
-            into.append(pod_status_from_json(value))
-        elif key == "metadata" and isinstance(value, dict):
-            token = value.get("continue") or None
-        if clock() - slice_started >= LIST_PARSE_SLICE:
-            await asyncio.sleep(0)
-            slice_started = clock()
-    return token
-
-
-def parse_label_selector(selector: str) -> list[label_selector.Requirement]:
-    """The requirements of a label selector (``agent_runtime.label_selector``: the grammar we
-    accept; ``ValueError`` for anything else)."""
-    return label_selector.parse(selector)
-
-
-def label_selector_matches(selector: str, labels: dict[str, str]) -> bool:
-    """Whether ``labels`` satisfy every term of ``selector`` (an empty selector matches all)."""
-    return labels_match(parse_label_selector(selector), labels)
-
-
-def labels_match(terms: list[label_selector.Requirement], labels: dict[str, str]) -> bool:
-    """``label_selector_matches`` with the selector parsed once (a LIST of many pods)."""
-    return label_selector.matches(terms, labels)
-
-
-def _deploy_timing(pod_spec: dict[str, Any]) -> tuple[float, float]:
-    timeout = float(pod_spec.get("ready_timeout") or DEFAULT_READY_TIMEOUT)
-    poll = float(pod_spec.get("ready_poll_interval") or DEFAULT_READY_POLL_INTERVAL)
-    return timeout, min(poll, timeout)
 
 
 # --- real client -----------------------------------------------------------------------------
@@ -705,7 +481,7 @@ class RealK8sPodClient:
         identity: PodIdentity,
         on_created: OnCreated | None = None,
     ) -> PodDeployInfo:
-        ready_timeout, poll = _deploy_timing(pod_spec)
+        ready_timeout, poll = deploy_timing(pod_spec)
         deadline = _Deadline(ready_timeout)  # create and readiness together
         api = await self._deploy_api(pod_spec)
         job = _DeployJob(
@@ -732,7 +508,7 @@ class RealK8sPodClient:
     async def await_ready(
         self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, uid: str, within: float
     ) -> PodDeployInfo:
-        _, poll = _deploy_timing(pod_spec)
+        _, poll = deploy_timing(pod_spec)
         api = await self._deploy_api(pod_spec)  # the pod's cluster: where its deploy went
         # one GET at least, however little of the pod's own deadline is left
         deadline = _Deadline(max(within, AWAIT_READY_MIN))
@@ -955,297 +731,6 @@ class RealK8sPodClient:
         except Exception as exc:
             if _api_status(exc) != 404:
                 log.warning("delete of failed pod %s/%s: %s", namespace, name, exc)
-
-
-# --- fake client -----------------------------------------------------------------------------
-
-
-class FakeK8sPodClient:
-    """In-memory Kubernetes for local mode and tests; faults are plain public knobs.
-
-    Knobs: ``fail_next_deploys`` (that many deploys raise ``DeployFailed``), ``never_ready``
-    (deploy waits its ``ready_timeout``, deletes the pod, raises), ``ready_delay`` (seconds from
-    create to Ready: a deployed pod comes up by itself, as a kubelet brings it up, whether its
-    deployer still waits or not), ``unhealthy`` (pod ids whose health probe fails),
-    ``missing_namespaces`` (list → [], deploy refused) and ``forbidden_namespaces`` (every
-    call → 403). Actions: ``set_phase``, ``kill``, ``remove`` (vanishes behind our back),
-    ``add_pod`` (a pod this client did not deploy: signed with ``identity`` when one is given,
-    as a lost one of ours; else foreign). Records: ``deploy_calls``, ``deleted`` (pod ids, in
-    order), ``pods``. A deploy signs its pod as the real client does: the identity MAC at the
-    create, ``on_created``, then the incarnation MAC (a deployer that dies in ``on_created``
-    leaves a pod with the first only).
-
-    Pod IPs are loopback: 127.0.1.1 … 127.0.1.254, then 127.0.2.x and so on.
-    """
-
-    def __init__(self, *, default_namespace: str = "default", ready_delay: float = 0.0) -> None:
-        self.default_namespace = default_namespace
-        self.ready_delay = ready_delay
-        self.never_ready = False
-        self.fail_next_deploys = 0
-        self.unhealthy: set[str] = set()
-        self.missing_namespaces: set[str] = set()
-        self.forbidden_namespaces: set[str] = set()
-        self.pods: dict[str, PodStatus] = {}
-        self.deleted: list[str] = []
-        self.deploy_calls = 0
-        self.started = False
-        self._ips_given = 0
-        self._pod_of_ip: dict[str, str] = {}  # probes find their pod in O(1) (10k-pod benches)
-        self._starting: dict[str, float] = {}  # deployed pods not yet Running → created (loop)
-
-    async def start(self) -> None:
-        self.started = True
-
-    async def close(self) -> None:
-        self.started = False
-
-    # faults and test helpers
-
-    def set_phase(
-        self,
-        pod_id: str,
-        phase: str,
-        waiting_reason: str | None = None,
-        *,
-        ready: bool | None = None,
-    ) -> None:
-        """Move a pod to ``phase`` (a waiting reason wins, as in ``pod_status``); Ready follows
-        Running unless ``ready`` says otherwise."""
-        pod = self.pods[pod_id]
-        reasons = (waiting_reason,) if waiting_reason else ()
-        phase = normalize_phase(phase, deleting=False, waiting_reasons=reasons)
-        running = phase == "Running"
-        self.pods[pod_id] = dataclasses.replace(
-            pod,
-            phase=phase,
-            ready=running if ready is None else ready,
-            pod_ip=pod.pod_ip or (self._next_ip(pod_id) if running else None),
-        )
-
-    def kill(self, pod_id: str) -> None:
-        self.set_phase(pod_id, "Failed")
-
-    def remove(self, pod_id: str) -> None:
-        """The pod vanishes as if someone else deleted it (not recorded in ``deleted``)."""
-        self.pods.pop(pod_id, None)
-
-    def add_pod(
-        self,
-        *,
-        scope_id: str,
-        deploy_ver: str,
-        pod_id: str | None = None,
-        namespace: str | None = None,
-        phase: str = "Running",
-        ready: bool | None = None,
-        labels: dict[str, str] | None = None,
-        identity: PodIdentity | None = None,
-        pod_spec: dict[str, Any] | None = None,
-        annotations: dict[str, str] | None = None,
-        image: str = "agentserver:found",
-    ) -> PodStatus:
-        """A pod we did not deploy (e.g. found after a Redis wipe); ``labels`` override ours.
-        With ``identity`` it carries both signatures (its SSE port and path from ``pod_spec``),
-        as a pod of ours would; ``annotations`` are added last (a test's tampering)."""
-        pod_id = pod_id or new_pod_name(None)
-        namespace = namespace or self.default_namespace
-        uid = str(uuid.uuid4())
-        notes = {} if identity is None else self._signed(
-            identity, pod_id, namespace, scope_id, deploy_ver, pod_spec or {}, uid
-        )  # fmt: skip
-        pod = PodStatus(
-            pod_id=pod_id,
-            namespace=namespace,
-            phase=phase,
-            ready=phase == "Running" if ready is None else ready,
-            pod_ip=None if phase == "Pending" else self._next_ip(pod_id),
-            labels={**pod_labels(pod_id, scope_id, deploy_ver), **(labels or {})},
-            uid=uid,
-            annotations={**notes, **(annotations or {})},
-            image=image,
-        )
-        self.pods[pod_id] = pod
-        return pod
-
-    @staticmethod
-    def _signed(
-        identity: PodIdentity,
-        pod_id: str,
-        namespace: str,
-        scope_id: str,
-        deploy_ver: str,
-        pod_spec: dict[str, Any],
-        uid: str,
-    ) -> dict[str, str]:
-        notes = identity.create_annotations(
-            pod_id=pod_id, namespace=namespace, scope_id=scope_id, deploy_ver=deploy_ver,
-            pod_spec=pod_spec,
-        )  # fmt: skip
-        notes.update(identity.incarnation_annotations(uid=uid, identity=notes[IDENTITY_ANNOTATION]))
-        return notes
-
-    def _next_ip(self, pod_id: str) -> str:
-        n, self._ips_given = self._ips_given, self._ips_given + 1
-        ip = f"127.0.{1 + n // 254}.{1 + n % 254}"
-        self._pod_of_ip[ip] = pod_id
-        return ip
-
-    def _check_namespace(self, namespace: str) -> None:
-        if namespace in self.forbidden_namespaces:
-            raise K8sApiError(f"fake: namespace {namespace} is forbidden", status=403)
-
-    # K8sPodClient
-
-    def _kubelet(self) -> None:
-        """Deployed pods whose ready_delay has passed are Running and Ready (never with
-        ``never_ready``); one killed or set meanwhile keeps what it was set to."""
-        if not self._starting or self.never_ready:
-            return
-        now = asyncio.get_running_loop().time()
-        for pod_id, created in list(self._starting.items()):
-            pod = self.pods.get(pod_id)
-            if pod is None or pod.phase != "Pending":
-                del self._starting[pod_id]
-            elif now - created >= self.ready_delay:
-                del self._starting[pod_id]
-                self.set_phase(pod_id, "Running")
-
-    async def deploy(
-        self,
-        *,
-        scope_id: str,
-        deploy_ver: str,
-        pod_spec: dict[str, Any],
-        identity: PodIdentity,
-        on_created: OnCreated | None = None,
-    ) -> PodDeployInfo:
-        self.deploy_calls += 1
-        namespace = pod_spec.get("namespace") or self.default_namespace
-        if self.fail_next_deploys > 0:
-            self.fail_next_deploys -= 1
-            raise DeployFailed("fake: injected deploy failure")
-        if namespace in self.forbidden_namespaces:
-            raise DeployFailed(f"create pod in {namespace} refused: 403 Forbidden")
-        if namespace in self.missing_namespaces:
-            raise DeployFailed(f"create pod in {namespace} refused: 404 namespace not found")
-        pod_id = new_pod_name(pod_spec.get("pod_name"))
-        uid = str(uuid.uuid4())
-        notes = identity.create_annotations(
-            pod_id=pod_id, namespace=namespace, scope_id=scope_id, deploy_ver=deploy_ver,
-            pod_spec=pod_spec,
-        )  # fmt: skip
-        body = build_pod_body(pod_id, scope_id, deploy_ver, pod_spec, notes)
-        self.pods[pod_id] = PodStatus(
-            pod_id, namespace, "Pending", False, None, body["metadata"]["labels"],
-            uid=uid, annotations=notes, image=pod_spec["image"],
-        )  # fmt: skip
-        self._starting[pod_id] = asyncio.get_running_loop().time()
-        try:
-            if on_created is not None:
-                await on_created(pod_id, namespace, uid)
-            incarnation = identity.incarnation_annotations(
-                uid=uid, identity=notes[IDENTITY_ANNOTATION]
-            )
-            await self.sign(
-                pod_id, namespace, pod_spec, uid=uid, annotations=incarnation, within=0.0
-            )
-            pod_ip = await self._wait_ready(pod_id, uid, _deploy_timing(pod_spec))
-        except BaseException:  # as the real client: a failed or cancelled deploy leaves no pod
-            if self.pods.pop(pod_id, None) is not None:
-                self.deleted.append(pod_id)
-            raise
-        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec))
-
-    async def await_ready(
-        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, uid: str, within: float
-    ) -> PodDeployInfo:
-        self._check_namespace(namespace)
-        pod = self.pods.get(pod_id)
-        if pod is None or pod.namespace != namespace:
-            raise PodGone(f"pod {pod_id} disappeared")
-        _, poll = _deploy_timing(pod_spec)
-        pod_ip = await self._wait_ready(pod_id, uid, (max(within, 0.0), poll))
-        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec))
-
-    async def sign(
-        self,
-        pod_id: str,
-        namespace: str,
-        pod_spec: dict[str, Any],
-        *,
-        uid: str,
-        annotations: dict[str, str],
-        within: float,
-    ) -> None:
-        if namespace in self.forbidden_namespaces:
-            raise DeployFailed(f"sign pod {namespace}/{pod_id} refused: 403 Forbidden")
-        pod = self.pods.get(pod_id)
-        if pod is None or pod.namespace != namespace or pod.uid != uid:
-            raise PodGone(f"pod {pod_id} disappeared")
-        self.pods[pod_id] = dataclasses.replace(pod, annotations={**pod.annotations, **annotations})
-
-    async def _wait_ready(self, pod_id: str, uid: str, timing: tuple[float, float]) -> str:
-        """Like the real poll loop: a pod killed, removed or replaced meanwhile fails at the
-        next poll."""
-        timeout, poll = timing
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        while True:
-            self._kubelet()
-            pod = self.pods.get(pod_id)
-            if pod is None or pod.uid != uid:
-                raise PodGone(f"pod {pod_id} disappeared")
-            if pod.dead:
-                raise DeployFailed(f"pod {pod_id} is {pod.phase}")
-            if pod.ready and pod.pod_ip:
-                return pod.pod_ip
-            elapsed = loop.time() - started
-            if elapsed >= timeout:
-                raise DeployFailed(f"pod {pod_id} not Ready within {timeout:g}s (last: Pending)")
-            created = self._starting.get(pod_id)
-            due = math.inf if created is None or self.never_ready else self.ready_delay
-            until_due = (created or 0.0) + due - loop.time()
-            await asyncio.sleep(max(min(poll, timeout - elapsed, until_due), 0.0))
-
-    async def delete(self, pod_id: str, namespace: str) -> bool:
-        self._check_namespace(namespace)
-        pod = self.pods.get(pod_id)
-        if pod is None or pod.namespace != namespace:
-            return False
-        del self.pods[pod_id]
-        self.deleted.append(pod_id)
-        return True
-
-    async def get_pod(self, pod_id: str, namespace: str) -> PodStatus | None:
-        self._check_namespace(namespace)
-        self._kubelet()
-        pod = self.pods.get(pod_id)
-        return pod if pod is not None and pod.namespace == namespace else None
-
-    async def list_pods(self, namespace: str, label_selector: str) -> list[PodStatus]:
-        self._check_namespace(namespace)
-        if namespace in self.missing_namespaces:
-            return []
-        self._kubelet()
-        terms = parse_label_selector(label_selector)
-        pods = list(self.pods.values())
-        found: list[PodStatus] = []
-        for i in range(0, len(pods), LIST_PAGE_SIZE):  # pages, as the real client reads them
-            if i:
-                await asyncio.sleep(0)
-            page = pods[i : i + LIST_PAGE_SIZE]
-            found += [p for p in page if p.namespace == namespace and labels_match(terms, p.labels)]
-        return found
-
-    async def probe_health(self, pod_ip: str, port: int) -> bool:
-        pod = self.pods.get(self._pod_of_ip.get(pod_ip, ""))
-        return (
-            pod is not None
-            and pod.pod_ip == pod_ip
-            and pod.phase == "Running"
-            and pod.pod_id not in self.unhealthy
-        )
 
 
 class MeteredK8sPodClient:
