@@ -305,6 +305,7 @@ class KubeSim:
                     "name": meta["name"],
                     "uid": meta["uid"],
                     "labels": meta.get("labels") or {},
+                    "annotations": meta.get("annotations") or {},
                     "phase": status.get("phase"),
                     "ready": pods.is_ready(pod),
                     "podIP": status.get("podIP"),
