@@ -301,14 +301,20 @@ async def sim() -> Any:
         yield s
 
 
-async def test_on_kubesim_a_foreign_pod_is_left_alone_and_ours_are_adopted_after_a_wipe(
-    sim: KubeSim, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def started_client(sim: KubeSim, monkeypatch: pytest.MonkeyPatch) -> RealK8sPodClient:
+    """The real client, started against kubesim (no proxy or in-cluster setting in the way)."""
     for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     client = RealK8sPodClient(kubeconfig=str(sim.kubeconfig_path), default_namespace="default")
     await client.start()
+    return client
+
+
+async def test_on_kubesim_a_foreign_pod_is_left_alone_and_ours_are_adopted_after_a_wipe(
+    sim: KubeSim, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = await started_client(sim, monkeypatch)
     db = Database.from_url(f"sqlite:///{tmp_path / 'config.db'}")
     redis = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
     try:

@@ -21,10 +21,11 @@ from redis.asyncio import Redis
 
 from agent_runtime.kubesim import KubeSim
 from agent_runtime.resource_manager.identity import INCARNATION_ANNOTATION, Ownership
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, RealK8sPodClient
+from agent_runtime.resource_manager.k8s import FakeK8sPodClient
 from helpers import IDENTITY
 from test_faults import wipe
 from test_local_mode import free_port
+from test_pod_adoption import started_client
 from test_rm_takeover import (
     dying_and_healthy,
     eventually,
@@ -129,11 +130,7 @@ async def sim() -> Any:
 async def test_on_kubesim_the_taker_patches_the_incarnation_and_a_data_loss_keeps_the_pod(
     redis: Redis, sim: KubeSim, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    client = RealK8sPodClient(kubeconfig=str(sim.kubeconfig_path), default_namespace="default")
-    await client.start()
+    client = await started_client(sim, monkeypatch)
     port = free_port()  # the simulated AgentServer listens there
     pod_spec = spec(sse_port=port, container_port=port)
     try:

@@ -240,6 +240,21 @@ def _parsed_spec(raw: str) -> dict[str, Any]:
     return cast(dict[str, Any], json.loads(raw))
 
 
+def _registration_keys(scope_id: str, pod_id: str) -> list[str]:
+    """What registering a pod writes: KEYS[1..9] of register.lua and adopt.lua alike."""
+    return [
+        pod_info_key(pod_id),
+        scope_pods_key(scope_id),
+        PODS_ALL_KEY,
+        scope_deploying_key(scope_id),
+        scope_idle_key(scope_id),
+        pod_idle_since_key(pod_id),
+        scope_config_key(scope_id),
+        BUDGET_PODS_KEY,
+        BUDGET_RULES_KEY,
+    ]
+
+
 class ResourceState:
     """Typed operations on the resource manager's Redis keys (client with decode_responses)."""
 
@@ -617,17 +632,7 @@ class ResourceState:
     ) -> bool:
         """Returns whether the placeholder was still held (False: it expired meanwhile)."""
         held = await self._register(
-            keys=[
-                pod_info_key(pod_id),
-                scope_pods_key(scope_id),
-                PODS_ALL_KEY,
-                scope_deploying_key(scope_id),
-                scope_idle_key(scope_id),
-                pod_idle_since_key(pod_id),
-                scope_config_key(scope_id),
-                BUDGET_PODS_KEY,
-                BUDGET_RULES_KEY,
-            ],
+            keys=_registration_keys(scope_id, pod_id),
             args=[
                 pod_id,
                 placeholder or "",
@@ -656,18 +661,7 @@ class ResourceState:
         (adopt.lua: within max_pods and the budgets when the scope has a config, as it is
         when it has none)."""
         reply = await self._adopt(
-            keys=[
-                pod_info_key(pod_id),
-                scope_pods_key(scope_id),
-                PODS_ALL_KEY,
-                scope_deploying_key(scope_id),
-                scope_idle_key(scope_id),
-                pod_idle_since_key(pod_id),
-                scope_config_key(scope_id),
-                BUDGET_PODS_KEY,
-                BUDGET_RULES_KEY,
-                BUDGET_LIMITS_KEY,
-            ],
+            keys=[*_registration_keys(scope_id, pod_id), BUDGET_LIMITS_KEY],
             args=[
                 pod_id, scope_id, pod_sse_url, pod_ip, namespace, deploy_ver,
                 BUDGET_RULE_PREFIX, self.pod_budget,
