@@ -36,7 +36,14 @@ from agent_runtime.resource_manager.k8s import FakeK8sPodClient
 from agent_runtime.session_manager import state as sm
 from agent_runtime.session_manager.models import ConfigSyncRequest
 from agent_runtime.util import scope_id_of
-from agent_runtime.wiring import Backends, Services, build_redis, check_backends, wire
+from agent_runtime.wiring import (
+    Backends,
+    Services,
+    build_redis,
+    check_backends,
+    load_pod_identity,
+    wire,
+)
 
 OWN = ("session_manager:", "resource_manager:", "agent_runtime:")
 ROUTERS = 8
@@ -215,7 +222,7 @@ async def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"scopes": args.scopes}
     try:
         await check_backends(settings, backends)
-        svc = wire(settings, backends)
+        svc = wire(settings, backends, identity=await load_pod_identity(settings, backends.db))
         started = time.perf_counter()
         sid, sessions = await setup(svc, args.scopes)
         out["setup_seconds"] = round(time.perf_counter() - started, 1)

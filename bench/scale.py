@@ -40,7 +40,14 @@ from agent_runtime.session_manager import state as sm
 from agent_runtime.session_manager.models import ConfigSyncRequest, ScopeConfig
 from agent_runtime.session_manager.state import SessionState
 from agent_runtime.util import scope_id_of
-from agent_runtime.wiring import Backends, Services, build_redis, check_backends, wire
+from agent_runtime.wiring import (
+    Backends,
+    Services,
+    build_redis,
+    check_backends,
+    load_pod_identity,
+    wire,
+)
 from bench import server as bench_server
 from bench.common import API, Context, LoadSpec, Server
 
@@ -75,7 +82,7 @@ async def run(ctx: Context) -> dict[str, Any]:
     out: dict[str, Any] = {"sessions": n_sessions, "pods": n_pods, "scopes": n_scopes}
     try:
         await check_backends(settings, backends)
-        svc = wire(settings, backends)
+        svc = wire(settings, backends, identity=await load_pod_identity(settings, backends.db))
         out["setup"], out["memory"] = await populate(ctx, svc, k8s, n_sessions, n_pods, n_scopes)
         # as `agent-runtime serve` does after startup (cli.tune_gc): the setup's objects out of
         # the collector, which would otherwise walk them in the ticks' loop stalls
@@ -141,7 +148,7 @@ async def scopes_with_pods(
         for c in configs
     )
     pods = [
-        (c, k8s.add_pod(scope_id=c.scope_id, deploy_ver=c.deploy_ver))
+        (c, k8s.add_pod(scope_id=c.scope_id, deploy_ver=c.deploy_ver, identity=svc.identity))
         for c in configs
         for _ in range(pods_per_scope)
     ]

@@ -556,6 +556,15 @@ async def kill_the_leader_once(
         if isinstance(a, httpx.Response) and a.status_code == 200
     }
     fate = "adopted" if created["name"] in placed.values() else "replaced"
+    if fate == "adopted":  # signed for its incarnation (by its leader, or by the taker)
+        pods = {p["name"]: p for p in await run.sim_pods(sid)}
+        adopted = pods.get(created["name"], {})
+        expect(adopted.get("uid") == created["uid"], "the adopted pod is the one created")
+        notes = adopted.get("annotations", {})
+        expect(
+            "agent-runtime/identity" in notes and "agent-runtime/incarnation" in notes,
+            f"the adopted pod is not signed for its incarnation: {sorted(notes)}",
+        )
     # the load ends: every session ends; nothing of the deploy, of the dead replica or of the
     # load may be left, and every pod of the scope is one Redis knows
     for session in placed:

@@ -23,6 +23,7 @@ from sqlalchemy.engine import make_url
 from agent_runtime.config import Mode, Settings
 from agent_runtime.db.engine import Database, normalize_url
 from agent_runtime.main import create_app
+from agent_runtime.resource_manager.identity import PodIdentity
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient, PodDeployInfo
 from agent_runtime.wiring import Backends
 
@@ -36,6 +37,8 @@ PG_URL = os.environ.get(
     "AGENT_RUNTIME_TEST_PG_URL", "postgresql+psycopg://root@127.0.0.1:5432/test"
 )
 CLAIM_KEY = "agent_runtime_test:claim"
+# the pod identity of tests that build the resource manager by hand (an app makes its own)
+IDENTITY = PodIdentity("tests-pod-identity-secret-0001")
 
 
 def unavailable(what: str, exc: BaseException) -> None:

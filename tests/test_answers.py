@@ -28,6 +28,7 @@ from agent_runtime.kubesim import labels as sim_labels
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient, RealK8sPodClient
 from agent_runtime.wiring import build_redis
 from helpers import (
+    IDENTITY,
     TcpProxy,
     envelope,
     make_settings,
@@ -245,6 +246,7 @@ async def test_cleanup_selectors_reach_kubernetes_as_accepted(tmp_path: Path) ->
                         scope_id=scope_of(f"g{i}", "b"),
                         deploy_ver="v1",
                         pod_spec={"image": "agentserver:1", "ready_timeout": 5, "pod_name": "x"},
+                        identity=IDENTITY,
                     )
                     for i in range(3)
                 ]

@@ -38,6 +38,7 @@ from agent_runtime.session_manager.state import (
     scope_pods_key,
 )
 from agent_runtime.util import scope_id_of
+from helpers import IDENTITY
 
 
 class CountingDatabase:
@@ -76,6 +77,7 @@ def store(redis: Redis, counting_db: CountingDatabase) -> ConfigStore:
                 k8s=FakeK8sPodClient(),
                 notifier=Notifier(redis, patterns=[]),
                 default_namespace="default",
+                identity=IDENTITY,
             )
         ),
     )

@@ -49,6 +49,7 @@ from agent_runtime.config import Settings
 from agent_runtime.resource_manager import k8s as k8s_module
 from agent_runtime.resource_manager.k8s import RealK8sPodClient, pod_labels
 from agent_runtime.resource_manager.models import DeployFailed
+from helpers import IDENTITY
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -563,7 +564,10 @@ class _RecordingApi:
     def _pod(self, name: str, namespace: str) -> V1Pod:
         return V1Pod(
             metadata=V1ObjectMeta(
-                name=name, namespace=namespace, labels=pod_labels(name, "scope-1", "ver-1")
+                name=name,
+                namespace=namespace,
+                labels=pod_labels(name, "scope-1", "ver-1"),
+                uid="uid-1",
             ),
             status=V1PodStatus(
                 phase=self.phase,
@@ -578,7 +582,9 @@ class _RecordingApi:
 
         async def call(*args: Any, **kwargs: Any) -> Any:
             self.calls.append(name)
-            if name == "read_namespaced_pod":
+            if name == "create_namespaced_pod":
+                return self._pod(args[1]["metadata"]["name"], args[0])
+            if name in ("read_namespaced_pod", "patch_namespaced_pod"):
                 return self._pod(args[0], args[1])
             if name == "list_namespaced_pod":  # read raw (_preload_content=False)
                 pod = self._pod("agent-x", args[0]).to_dict(serialize=True)
@@ -597,10 +603,12 @@ async def test_recorded_calls_of_a_driven_client_are_all_found_by_the_parser() -
     client = RealK8sPodClient(default_namespace="agentservers", api_factory=factory)
     await client.start()
     spec = {"image": "img:1", "ready_timeout": 5, "ready_poll_interval": 0.01}
-    await client.deploy(scope_id="scope-1", deploy_ver="ver-1", pod_spec=spec)
+    await client.deploy(scope_id="scope-1", deploy_ver="ver-1", pod_spec=spec, identity=IDENTITY)
     api.phase = "Failed"  # a failed deploy deletes what it created
     with pytest.raises(DeployFailed):
-        await client.deploy(scope_id="scope-1", deploy_ver="ver-1", pod_spec=spec)
+        await client.deploy(
+            scope_id="scope-1", deploy_ver="ver-1", pod_spec=spec, identity=IDENTITY
+        )
     api.phase = "Running"
     await client.get_pod("agent-x", "agentservers")
     await client.list_pods("agentservers", "jiuwenclaw-component=agentserver")
@@ -608,9 +616,8 @@ async def test_recorded_calls_of_a_driven_client_are_all_found_by_the_parser() -
     await client.close()
     parsed = {call for _, call in k8s_calls()}
     assert set(api.calls) <= parsed, set(api.calls) - parsed
-    assert {"create_namespaced_pod", "read_namespaced_pod", "delete_namespaced_pod"} <= set(
-        api.calls
-    )
+    driven = {"create_namespaced_pod", "patch_namespaced_pod", "read_namespaced_pod"}
+    assert driven | {"delete_namespaced_pod"} <= set(api.calls)
 
 
 def _check_rbac(docs: list[dict[str, Any]], needed: set[Permission] | None = None) -> None:
@@ -652,7 +659,7 @@ def test_rbac_evaluator_refuses_what_is_not_granted(
 ) -> None:
     docs = overlays["prod"]
     sa_ns, target_ns = _namespaces(docs)
-    for call in ("patch_namespaced_pod", "read_namespace", "list_pod_for_all_namespaces"):
+    for call in ("replace_namespaced_pod", "read_namespace", "list_pod_for_all_namespaces"):
         assert not allowed(docs, sa_ns, permission_for(call), target_ns), call
     assert not allowed(docs, sa_ns, permission_for("list_namespaced_pod", watch=True), target_ns)
     # and the way to grant read_namespace: a Role rule in the AgentServer namespace itself

@@ -35,6 +35,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from agent_runtime.label_selector import Requirement
 from agent_runtime.resource_manager import k8s as k8s_module
+from agent_runtime.resource_manager import pod_reading
 from agent_runtime.resource_manager.clusters import ClusterConfig
 from agent_runtime.resource_manager.k8s import (
     FakeK8sPodClient,
@@ -58,6 +59,7 @@ from agent_runtime.resource_manager.models import (
     K8sApiError,
     normalize_phase,
 )
+from helpers import IDENTITY
 
 SCOPE = "0123456789abcdef0123456789abcdef"
 VER = "feedfacecafebeef"
@@ -103,6 +105,8 @@ def v1pod(
     waiting: str | None = None,
     deleting: bool = False,
     labels: dict[str, str] | None = None,
+    uid: str | None = None,
+    annotations: dict[str, str] | None = None,
 ) -> V1Pod:
     state = (
         V1ContainerState(waiting=V1ContainerStateWaiting(reason=waiting))
@@ -114,6 +118,8 @@ def v1pod(
             name=name,
             namespace=namespace,
             labels=labels,
+            uid=uid,
+            annotations=annotations,
             deletion_timestamp=datetime.now(UTC) if deleting else None,
         ),
         status=V1PodStatus(
@@ -453,7 +459,7 @@ async def test_read_pod_list_yields_to_the_loop(monkeypatch: pytest.MonkeyPatch)
 
     task = asyncio.create_task(ticker())
     await asyncio.sleep(0)
-    monkeypatch.setattr(k8s_module, "LIST_PARSE_SLICE", 0.0)  # yield after every item
+    monkeypatch.setattr(pod_reading, "LIST_PARSE_SLICE", 0.0)  # yield after every item
     found: list[Any] = []
     try:
         assert await read_pod_list(text, found) == "next"
@@ -522,8 +528,10 @@ class ScriptedCoreApi:
 
     ``create_faults`` items: an exception to raise without creating, ``"lost"`` (create, then
     the reply is lost), ``"landed-504"`` (create, then answer 504) or ``"hang"`` (create,
-    then never answer). ``pod_state`` is what a
-    created pod reports: ``ready``, ``pending`` or a container waiting reason.
+    then never answer). ``patch_faults`` items: an exception to raise without patching, or
+    ``"lost"`` (patch, then the reply is lost). ``pod_state`` is what a
+    created pod reports: ``ready``, ``pending`` or a container waiting reason. A created pod
+    gets a uid; a patch naming another uid is refused as the API server does (422).
     """
 
     def __init__(self, pod_state: str = "ready") -> None:
@@ -533,6 +541,9 @@ class ScriptedCoreApi:
         self.list_fault: BaseException | None = None
         self.list_faults: list[BaseException | str | None] = []  # one per LIST, in order
         self.delete_fault: BaseException | None = None
+        self.patch_faults: list[BaseException | str] = []
+        self.patches: list[tuple[str, dict[str, Any], str | None]] = []
+        self.uids = 0
         self.creates: list[str] = []
         self.reads: list[str] = []
         self.lists: list[tuple[str, str, int | None, str | None]] = []
@@ -546,13 +557,14 @@ class ScriptedCoreApi:
         self.closed = True
 
     def _v1pod(self, namespace: str, name: str) -> V1Pod:
-        labels = self.pods[(namespace, name)]["metadata"]["labels"]
+        meta = self.pods[(namespace, name)]["metadata"]
+        known = {k: meta.get(k) for k in ("labels", "uid", "annotations")}
         if self.pod_state == "ready":
-            return v1pod(name, namespace=namespace, labels=labels)
+            return v1pod(name, namespace=namespace, **known)
         waiting = None if self.pod_state == "pending" else self.pod_state
         return v1pod(
             name, namespace=namespace, phase="Pending", ready=False, ip=None, waiting=waiting,
-            labels=labels,
+            **known,
         )  # fmt: skip
 
     async def create_namespaced_pod(self, namespace: str, body: dict[str, Any]) -> V1Pod:
@@ -563,6 +575,8 @@ class ScriptedCoreApi:
             raise fault
         if (namespace, name) in self.pods:
             raise api_error(409, "Conflict", f'pods "{name}" already exists')
+        self.uids += 1
+        body = {**body, "metadata": {**body["metadata"], "uid": f"uid-{self.uids}"}}
         self.pods[(namespace, name)] = body
         self.created.set()
         if fault == "lost":
@@ -610,6 +624,24 @@ class ScriptedCoreApi:
             reply = RawReply(200, json.dumps(body).encode())
         self.raw_replies.append(reply)
         return reply
+
+    async def patch_namespaced_pod(
+        self, name: str, namespace: str, body: dict[str, Any], _content_type: str | None = None
+    ) -> V1Pod:
+        self.patches.append((name, body, _content_type))
+        fault = self.patch_faults.pop(0) if self.patch_faults else None
+        if isinstance(fault, BaseException):
+            raise fault
+        pod = self.pods.get((namespace, name))
+        if pod is None:
+            raise api_error(404, "Not Found")
+        if body["metadata"].get("uid") != pod["metadata"].get("uid"):
+            raise api_error(422, "Unprocessable Entity", "metadata.uid: field is immutable")
+        notes = {**(pod["metadata"].get("annotations") or {}), **body["metadata"]["annotations"]}
+        pod["metadata"] = {**pod["metadata"], "annotations": notes}
+        if fault == "lost":
+            raise aiohttp.ServerDisconnectedError()
+        return self._v1pod(namespace, name)
 
     async def delete_namespaced_pod(
         self, name: str, namespace: str, grace_period_seconds: int | None = None
@@ -671,7 +703,9 @@ async def real(api: ScriptedCoreApi) -> AsyncIterator[RealK8sPodClient]:
 
 
 async def deploy(client: RealK8sPodClient, **overrides: Any) -> Any:
-    return await client.deploy(scope_id=SCOPE, deploy_ver=VER, pod_spec=spec(**overrides))
+    return await client.deploy(
+        scope_id=SCOPE, deploy_ver=VER, pod_spec=spec(**overrides), identity=IDENTITY
+    )
 
 
 async def test_deploy_ready(real: RealK8sPodClient, api: ScriptedCoreApi) -> None:
@@ -1103,7 +1137,9 @@ async def test_probe_health_silent_server_times_out(real: RealK8sPodClient) -> N
 
 
 async def fake_deploy(fake: FakeK8sPodClient, **overrides: Any) -> Any:
-    return await fake.deploy(scope_id=SCOPE, deploy_ver=VER, pod_spec=spec(**overrides))
+    return await fake.deploy(
+        scope_id=SCOPE, deploy_ver=VER, pod_spec=spec(**overrides), identity=IDENTITY
+    )
 
 
 async def test_fake_deploy() -> None:

@@ -23,7 +23,6 @@ import fakeredis
 import httpx
 import pytest
 
-from agent_runtime import spec_fields
 from agent_runtime.db.engine import Database
 from agent_runtime.kubesim import KubeSim
 from agent_runtime.kubesim import pods as sim_pods
@@ -47,7 +46,7 @@ from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceSta
 from agent_runtime.resource_manager.sweeper import ResourceSweeper
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
-from helpers import envelope, running_app, sync_body
+from helpers import IDENTITY, envelope, running_app, sync_body
 
 SCOPE = "0123456789abcdef0123456789abcdef"
 OTHER = "fedcba9876543210fedcba9876543210"
@@ -104,7 +103,9 @@ async def client(sim: KubeSim) -> AsyncIterator[RealK8sPodClient]:
 
 
 async def deploy(client: RealK8sPodClient, scope: str = SCOPE, **overrides: Any) -> Any:
-    return await client.deploy(scope_id=scope, deploy_ver=VER, pod_spec=spec(**overrides))
+    return await client.deploy(
+        scope_id=scope, deploy_ver=VER, pod_spec=spec(**overrides), identity=IDENTITY
+    )
 
 
 def ours(sim: KubeSim, scope: str = SCOPE, namespace: str | None = None) -> list[str]:
@@ -514,7 +515,7 @@ async def rm(client: RealK8sPodClient) -> AsyncIterator[Rm]:
     notifier = Notifier(redis, patterns=[REGISTERED_PATTERN])
     await notifier.start()
     orchestrator = ResourceOrchestrator(
-        state=state, k8s=client, notifier=notifier, default_namespace="default"
+        state=state, k8s=client, notifier=notifier, default_namespace="default", identity=IDENTITY
     )
     sweeper = ResourceSweeper(
         state=state,
@@ -522,6 +523,7 @@ async def rm(client: RealK8sPodClient) -> AsyncIterator[Rm]:
         orchestrator=orchestrator,
         sessions=SessionManagerFacade(state=SessionState(redis)),
         default_namespace="default",
+        identity=IDENTITY,
     )
     try:
         yield Rm(state, ResourceManagerFacade(orchestrator=orchestrator), sweeper)
@@ -688,7 +690,10 @@ async def test_lost_reply_and_failing_gets_leave_no_orphan(
 
 async def test_lost_reply_orphan_is_found_by_reconcile(sim: KubeSim, rm: Rm) -> None:
     """Worst case: the create landed, every GET and DELETE fails until the deadline, so the
-    failed deploy cannot delete its pod. Reconcile finds it by label once Kubernetes answers."""
+    failed deploy cannot delete its pod, nor sign it for its incarnation (it never learnt the
+    uid). Reconcile finds it by label once Kubernetes answers: ours by its create signature,
+    unproven for this incarnation (a copy of our annotations on a pod re-created under a
+    freed name looks the same), so deleted, never adopted."""
     pod_spec = spec(ready_timeout=1.0)
     sim.faults.add("reply_lost", mode="drop", count=1)
     sim.faults.add("api_error", status=500, verb="get")
@@ -697,15 +702,20 @@ async def test_lost_reply_orphan_is_found_by_reconcile(sim: KubeSim, rm: Rm) -> 
         await rm.facade.acquire(SCOPE, pod_spec, pool(), "r-1")
     (orphan,) = ours(sim)
     assert await rm.state.all_pods() == []
+    assert "agent-runtime/incarnation" not in sim.pod("default", orphan)["metadata"]["annotations"]
     await until(
         lambda: bool((sim.pod("default", orphan) or {}).get("status", {}).get("podIP")), "ip"
     )
 
     sim.faults.clear()
     counts = await rm.sweeper.reconcile_once()
-    # Ready, of the scope's current version, room under max_pods: kept as a warm pod
-    assert counts == {"purged": 0, "released": 0, "adopted": 1, "deleted": 0}
-    assert await rm.state.all_pods() == [orphan] and ours(sim) == [orphan]
-    assert list(await rm.state.idle_pods(SCOPE)) == [orphan]
-    info = await rm.state.pod_info(orphan)
-    assert info["deploy_ver"] == spec_fields.deploy_ver(pod_spec)
+    assert counts == {
+        "purged": 0,
+        "released": 0,
+        "adopted": 0,
+        "deleted": 1,
+        "expired": 0,
+        "foreign": 0,
+    }
+    assert await rm.state.all_pods() == []
+    await until(lambda: not ours(sim), "the unfinished orphan gone")

@@ -837,7 +837,7 @@ async def test_control_endpoint(sim: KubeSim, http: httpx.AsyncClient) -> None:
         ({}, "kind is required"),
         ({"kind": "health", "mode": "slow"}, "health.mode must be one of"),
         ({"kind": "api_error", "status": 200}, "api_error.status must be in"),
-        ({"kind": "api_error", "verb": "patch"}, "api_error.verb must be one of"),
+        ({"kind": "api_error", "verb": "update"}, "api_error.verb must be one of"),
         ({"kind": "latency", "seconds": -1}, "latency.seconds must be in"),
         ({"kind": "image_pull", "ratio": 0}, "ratio must be above 0"),
         ({"kind": "image_pull", "count": 0}, "count must be in"),
@@ -1042,3 +1042,98 @@ async def test_cli_refuses_a_non_loopback_host(tmp_path: Path) -> None:
     assert stderr.decode().strip() == (
         "kubesim: error: kubesim binds to loopback addresses only, not '0.0.0.0'"
     )
+
+
+# --- annotations and PATCH (the pod identity's signature is patched on after the create) ------
+
+MERGE = {"Content-Type": "application/merge-patch+json"}
+STRATEGIC = {"Content-Type": "application/strategic-merge-patch+json"}
+
+
+async def test_annotations_are_stored_and_returned_as_the_api_server_does(
+    http: httpx.AsyncClient,
+) -> None:
+    notes = {"agent-runtime/identity": "v1:abc", "example.com/free-text": "any thing: /x\n"}
+    created = await http.post(PODS, json=pod_body("p1", annotations=notes))
+    assert created.status_code == 201, created.text
+    assert created.json()["metadata"]["annotations"] == notes
+    assert (await get_pod(http, "p1"))["metadata"]["annotations"] == notes
+    listed = (await http.get(PODS, params={"labelSelector": "app"})).json()["items"]
+    assert [p["metadata"]["annotations"] for p in listed] == [notes]
+
+    bad_key = pod_body("p2", annotations={"bad key": "x"})
+    body = assert_status(await http.post(PODS, json=bad_key), 422, "Invalid")
+    assert body["details"]["causes"][0]["field"] == "metadata.annotations"
+    not_text = pod_body("p3", annotations={"a": 1})
+    assert_status(await http.post(PODS, json=not_text), 422, "Invalid")
+    huge = pod_body("p4", annotations={"a": "x" * (256 * 1024)})
+    body = assert_status(await http.post(PODS, json=huge), 422, "Invalid")
+    assert "Too long: must have at most 262144 bytes" in body["message"]
+    assert (await http.get(f"{PODS}/p2")).status_code == 404
+
+
+async def test_patch_merges_labels_and_annotations(sim: KubeSim, http: httpx.AsyncClient) -> None:
+    created = (await http.post(PODS, json=pod_body("p1", annotations={"keep": "1"}))).json()
+    uid, version = created["metadata"]["uid"], created["metadata"]["resourceVersion"]
+    patch = {"metadata": {"uid": uid, "annotations": {"signed": "v1:x"}, "labels": {"tier": "a"}}}
+    resp = await http.patch(f"{PODS}/p1", json=patch, headers=MERGE)
+    assert resp.status_code == 200, resp.text
+    meta = resp.json()["metadata"]
+    assert meta["annotations"] == {"keep": "1", "signed": "v1:x"}
+    assert meta["labels"] == {"app": "x", "tier": "a"}
+    assert meta["uid"] == uid and int(meta["resourceVersion"]) > int(version)
+    assert (await get_pod(http, "p1"))["metadata"] == meta
+    # the same patch again (a retry after a lost reply) changes nothing
+    again = await http.patch(f"{PODS}/p1", json=patch, headers=STRATEGIC)
+    assert again.status_code == 200 and again.json()["metadata"] == meta
+    # null removes a key; an emptied map goes
+    drop = {"metadata": {"annotations": {"keep": None, "signed": None}}}
+    gone = (await http.patch(f"{PODS}/p1", json=drop, headers=MERGE)).json()["metadata"]
+    assert "annotations" not in gone
+    assert sim.requests["patch pods"] == 3
+
+
+async def test_patch_refusals(http: httpx.AsyncClient) -> None:
+    created = (await http.post(PODS, json=pod_body("p1"))).json()
+    uid = created["metadata"]["uid"]
+    other_uid = {"metadata": {"uid": "another-incarnation", "annotations": {"a": "b"}}}
+    body = assert_status(
+        await http.patch(f"{PODS}/p1", json=other_uid, headers=MERGE), 422, "Invalid"
+    )
+    assert (
+        "metadata.uid: Invalid value" in body["message"] and "field is immutable" in body["message"]
+    )
+    stale = {"metadata": {"resourceVersion": "1", "annotations": {"a": "b"}}}
+    assert_status(await http.patch(f"{PODS}/p1", json=stale, headers=MERGE), 409, "Conflict")
+    image = {"spec": {"containers": [{"name": "agentserver", "image": "attacker/agent"}]}}
+    assert_status(await http.patch(f"{PODS}/p1", json=image, headers=MERGE), 422, "Invalid")
+    bad = {"metadata": {"annotations": {"bad key": "x"}}}
+    assert_status(await http.patch(f"{PODS}/p1", json=bad, headers=MERGE), 422, "Invalid")
+    json_patch = [{"op": "add", "path": "/metadata/annotations", "value": {}}]
+    resp = await http.patch(
+        f"{PODS}/p1", json=json_patch, headers={"Content-Type": "application/json-patch+json"}
+    )
+    assert_status(resp, 415, "UnsupportedMediaType")
+    missing = await http.patch(f"{PODS}/nope", json={"metadata": {}}, headers=MERGE)
+    assert_status(missing, 404, "NotFound")
+    meta = (await get_pod(http, "p1"))["metadata"]
+    assert (meta["labels"], meta["uid"]) == ({"app": "x"}, uid)
+    assert "annotations" not in meta, "nothing changed"
+
+
+async def test_patch_faults_and_rbac(sim: KubeSim, http: httpx.AsyncClient) -> None:
+    await http.post(PODS, json=pod_body("p1"))
+    patch = {"metadata": {"annotations": {"a": "b"}}}
+    await add_fault(http, kind="api_error", verb="patch", status=503, count=1)
+    assert_status(
+        await http.patch(f"{PODS}/p1", json=patch, headers=MERGE), 503, "ServiceUnavailable"
+    )
+    assert "annotations" not in (await get_pod(http, "p1"))["metadata"]
+    await add_fault(http, kind="reply_lost", verb="patch", mode="500", count=1)
+    assert_status(await http.patch(f"{PODS}/p1", json=patch, headers=MERGE), 500, "InternalError")
+    assert (await get_pod(http, "p1"))["metadata"]["annotations"] == {"a": "b"}, "applied"
+    await add_fault(http, kind="namespace_forbidden", namespace="default")
+    body = assert_status(
+        await http.patch(f"{PODS}/p1", json=patch, headers=MERGE), 403, "Forbidden"
+    )
+    assert 'cannot patch resource "pods"' in body["message"]

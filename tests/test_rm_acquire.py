@@ -4,6 +4,7 @@ giving back what it took — with real concurrency, also over two instances on o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from agent_runtime.resource_manager.state import (
     scope_idle_key,
     scope_pods_key,
 )
-from helpers import other_client
+from helpers import IDENTITY, other_client
 
 SCOPE = "scope-a"
 
@@ -85,7 +86,7 @@ async def make_instance(redis: Redis, k8s: FakeK8sPodClient) -> Instance:
     notifier = Notifier(redis, patterns=[REGISTERED_PATTERN])
     await notifier.start()
     orchestrator = ResourceOrchestrator(
-        state=state, k8s=k8s, notifier=notifier, default_namespace="default"
+        state=state, k8s=k8s, notifier=notifier, default_namespace="default", identity=IDENTITY
     )
     return Instance(state, orchestrator, ResourceManagerFacade(orchestrator=orchestrator), notifier)
 
@@ -372,10 +373,16 @@ async def test_cleanup_deletes_only_agentservers_matching_the_selector(
         scope_id="s3", deploy_ver="v", labels={"jiuwenclaw-component": "gateway", "team": "x"}
     )
     elsewhere = k8s.add_pod(scope_id="s4", deploy_ver="v", namespace="other")
+    # another tool's AgentServer: the component label, no scope label of ours
+    unscoped = k8s.add_pod(scope_id="s5", deploy_ver="v", labels={"team": "x"})
+    labels = {k: v for k, v in unscoped.labels.items() if k != "agent-runtime/scope"}
+    k8s.pods[unscoped.pod_id] = dataclasses.replace(unscoped, labels=labels)
     assert await rm.facade.cleanup(label_selector="team=x") == 1
     assert a.pod_id not in k8s.pods and other.pod_id in k8s.pods, "component label is forced"
+    assert unscoped.pod_id in k8s.pods, "the scope label is forced too"
     assert await rm.facade.cleanup() == 1
     assert b.pod_id not in k8s.pods and elsewhere.pod_id in k8s.pods
+    assert unscoped.pod_id in k8s.pods and unscoped.pod_id not in k8s.deleted
     k8s.missing_namespaces.add("gone")
     assert await rm.facade.cleanup(namespace="gone") == 0
     k8s.forbidden_namespaces.add("secret")

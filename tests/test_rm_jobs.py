@@ -37,7 +37,7 @@ from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceSta
 from agent_runtime.resource_manager.sweeper import ResourceSweeper
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
-from helpers import other_client
+from helpers import IDENTITY, other_client
 
 SCOPE = "scope-jobs"
 OTHER_SCOPE = "scope-other"
@@ -153,7 +153,7 @@ async def env(redis: Redis, k8s: FakeK8sPodClient) -> AsyncIterator[Env]:
     notifier = Notifier(redis, patterns=[REGISTERED_PATTERN])
     await notifier.start()
     orchestrator = ResourceOrchestrator(
-        state=state, k8s=k8s, notifier=notifier, default_namespace="default"
+        state=state, k8s=k8s, notifier=notifier, default_namespace="default", identity=IDENTITY
     )
     sessions = SpySessions(state=SessionState(redis))
     sweeper = ResourceSweeper(
@@ -162,6 +162,7 @@ async def env(redis: Redis, k8s: FakeK8sPodClient) -> AsyncIterator[Env]:
         orchestrator=orchestrator,
         sessions=sessions,
         default_namespace="default",
+        identity=IDENTITY,
     )
     instance = Env(
         redis,
@@ -964,7 +965,14 @@ async def test_after_a_redis_wipe_ready_current_pods_are_adopted_as_warm(env: En
     assert await env.state.pool_config(SCOPE) is not None
 
     counts = await env.sweeper.reconcile_once()
-    assert counts == {"purged": 0, "released": 0, "adopted": 3, "deleted": 0}
+    assert counts == {
+        "purged": 0,
+        "released": 0,
+        "adopted": 3,
+        "deleted": 0,
+        "expired": 0,
+        "foreign": 0,
+    }
     assert env.k8s.deleted == []
     assert sorted(await env.redis.zrange(rm_scope(SCOPE, "pods"), 0, -1)) == pods
     for pod_id in pods:
@@ -980,6 +988,8 @@ async def test_after_a_redis_wipe_ready_current_pods_are_adopted_as_warm(env: En
         "released": 0,
         "adopted": 0,
         "deleted": 0,
+        "expired": 0,
+        "foreign": 0,
     }
     # adopted pods serve: an acquire takes one without deploying
     calls = env.k8s.deploy_calls
@@ -1005,19 +1015,19 @@ async def test_after_a_redis_wipe_pods_over_max_pods_are_deleted(env: Env) -> No
     await assert_pool_consistent(env.redis)
 
 
-async def test_unknown_pods_of_an_old_version_not_ready_or_without_config_are_deleted(
-    env: Env,
-) -> None:
+async def test_unknown_pods_of_an_old_version_or_not_ready_are_deleted(env: Env) -> None:
+    """Ours (their identity verifies), unknown to Redis, in a scope with a pool config: only
+    a Ready pod of the current version is adopted; a scope without a config (Redis lost it
+    too) adopts what it has (tests/test_pod_identity.py)."""
     await configure(env, max_pods=6)
-    old = env.k8s.add_pod(scope_id=SCOPE, deploy_ver=VER2)
-    not_ready = env.k8s.add_pod(scope_id=SCOPE, deploy_ver=VER1, ready=False)
-    pending = env.k8s.add_pod(scope_id=SCOPE, deploy_ver=VER1, phase="Pending")
-    no_config = env.k8s.add_pod(scope_id="scope-unknown", deploy_ver=VER1)
-    good = env.k8s.add_pod(scope_id=SCOPE, deploy_ver=VER1)
+    old = env.k8s.add_pod(identity=IDENTITY, scope_id=SCOPE, deploy_ver=VER2)
+    not_ready = env.k8s.add_pod(identity=IDENTITY, scope_id=SCOPE, deploy_ver=VER1, ready=False)
+    pending = env.k8s.add_pod(identity=IDENTITY, scope_id=SCOPE, deploy_ver=VER1, phase="Pending")
+    good = env.k8s.add_pod(identity=IDENTITY, scope_id=SCOPE, deploy_ver=VER1)
 
     counts = await env.sweeper.reconcile_once()
-    assert counts["adopted"] == 1 and counts["deleted"] == 4
-    assert sorted(env.k8s.deleted) == sorted(p.pod_id for p in (old, not_ready, pending, no_config))
+    assert counts["adopted"] == 1 and counts["deleted"] == 3
+    assert sorted(env.k8s.deleted) == sorted(p.pod_id for p in (old, not_ready, pending))
     await assert_warm(env.redis, good.pod_id, VER1)
     for pod in (old, not_ready, pending):
         await assert_purged(env.redis, pod.pod_id)
@@ -1028,9 +1038,9 @@ async def test_an_unknown_pod_that_still_holds_sessions_is_kept_in_use(env: Env)
     """Only the resource manager's keys were lost: the session side still has sessions on an
     old-version pod of a full scope. It is re-adopted in use, never deleted."""
     await configure(env, max_pods=1)
-    full = env.k8s.add_pod(scope_id=SCOPE, deploy_ver=VER1)
+    full = env.k8s.add_pod(identity=IDENTITY, scope_id=SCOPE, deploy_ver=VER1)
     await env.sweeper.reconcile_once()  # adopted warm: the scope is at max_pods now
-    old = env.k8s.add_pod(scope_id=SCOPE, deploy_ver=VER2)
+    old = env.k8s.add_pod(identity=IDENTITY, scope_id=SCOPE, deploy_ver=VER2)
     await add_sessions(env.redis, old.pod_id, ["s1", "s2"], candidate=False)
 
     counts = await env.sweeper.reconcile_once()
@@ -1044,10 +1054,12 @@ async def test_an_unknown_pod_that_still_holds_sessions_is_kept_in_use(env: Env)
 
 async def test_an_unknown_dead_pod_is_not_adopted_but_deleted(env: Env) -> None:
     await configure(env, max_pods=6)
-    crashing = env.k8s.add_pod(scope_id=SCOPE, deploy_ver=VER1)
+    crashing = env.k8s.add_pod(identity=IDENTITY, scope_id=SCOPE, deploy_ver=VER1)
     env.k8s.set_phase(crashing.pod_id, "Running", "CrashLoopBackOff", ready=True)
-    failed = env.k8s.add_pod(scope_id=SCOPE, deploy_ver=VER1, phase="Failed", ready=True)
-    terminating = env.k8s.add_pod(scope_id=SCOPE, deploy_ver=VER1)
+    failed = env.k8s.add_pod(
+        identity=IDENTITY, scope_id=SCOPE, deploy_ver=VER1, phase="Failed", ready=True
+    )
+    terminating = env.k8s.add_pod(identity=IDENTITY, scope_id=SCOPE, deploy_ver=VER1)
     env.k8s.set_phase(terminating.pod_id, "Terminating", ready=True)
 
     counts = await env.sweeper.reconcile_once()
@@ -1086,7 +1098,7 @@ async def test_a_dead_pod_whose_delete_failed_in_watch_is_deleted_by_reconcile(
 
 async def test_a_scope_with_a_deploy_in_flight_is_left_alone(env: Env) -> None:
     await configure(env, max_pods=6)
-    stranger = env.k8s.add_pod(scope_id=SCOPE, deploy_ver=VER1, phase="Pending")
+    stranger = env.k8s.add_pod(identity=IDENTITY, scope_id=SCOPE, deploy_ver=VER1, phase="Pending")
     placeholder = await env.state.add_placeholder(SCOPE, "r-deploying:tok", 60)
     assert placeholder is not None
     counts = await env.sweeper.reconcile_once()

@@ -12,7 +12,7 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from agent_runtime.resource_manager.state import ResourceState
+from agent_runtime.resource_manager.state import OrphanPod, ResourceState
 from helpers import other_client
 
 RULE_PREFIX = "resource_manager:budget:rule:"
@@ -103,7 +103,7 @@ async def test_a_lapsed_leader_s_pod_passes_to_exactly_one_of_many_takers(redis:
     member = await placeholder(rs, "dead-ph")
     assert (await rs.take_deploy_lease(SID, "dead@1.0", 0.3)).leader
     assert await rs.renew_deploy_lease(
-        SID, "dead-ph", "dead@1.0", 0.3, pod=("agent-x", "ns-1"), record_ttl=60
+        SID, "dead-ph", "dead@1.0", 0.3, pod=("agent-x", "ns-1", "uid-x"), record_ttl=60
     )
     assert await redis.hget(K.record(), "pod_id") == "agent-x"
     await lapsed(redis, K.lock())  # the dead leader renews no more
@@ -123,7 +123,8 @@ async def test_a_lapsed_leader_s_pod_passes_to_exactly_one_of_many_takers(redis:
     leaders = [t for t in takes if t.leader]
     assert len(leaders) == 1
     assert leaders[0].orphan is not None
-    assert (leaders[0].orphan.pod_id, leaders[0].orphan.namespace) == ("agent-x", "ns-1")
+    orphan = leaders[0].orphan
+    assert (orphan.pod_id, orphan.namespace, orphan.uid) == ("agent-x", "ns-1", "uid-x")
     holder = await redis.get(K.lock())
     assert all(t.holder == holder for t in takes if not t.leader)
     assert await redis.hget(K.record(), "token") == holder, "the record is the new leader's"
@@ -178,7 +179,7 @@ async def test_only_the_lock_owner_renews_a_loser_stops_claiming(
     await configure(rs)
     await placeholder(rs, "ph-old")
     await redis.set(K.lock(), "new-leader@2", px=5000)  # took over after our lease lapsed
-    assert await rs.renew_deploy_lease(SID, "ph-old", "old@1", LEASE, pod=("p", "n")) is None
+    assert await rs.renew_deploy_lease(SID, "ph-old", "old@1", LEASE, pod=("p", "n", "u")) is None
     assert await redis.get(K.lock()) == "new-leader@2"
     assert not await redis.exists(K.record()), "a loser records nothing"
     assert await redis.scard(K.deploying()) == 0, "the loser's placeholder is given back"
@@ -212,11 +213,15 @@ async def test_renew_records_the_pod_under_its_own_lock_once(
     await configure(rs)
     await placeholder(rs, "ph-1")
     assert (await rs.take_deploy_lease(SID, "lk@1", LEASE)).leader
-    pod = ("agent-p", "ns-a")
+    pod = ("agent-p", "ns-a", "uid-p")
     assert await rs.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE, pod=pod, record_ttl=40)
     record = await redis.hgetall(K.record())
     assert record["token"] == "lk@1" and record["pod_id"] == "agent-p"
     assert record["namespace"] == "ns-a" and int(record["created"]) <= await rnow(redis)
+    assert record["uid"] == "uid-p", "the incarnation: a pod re-created under the name is not it"
+    assert await rs.deploy_record(SID) == OrphanPod(
+        "agent-p", "ns-a", int(record["created"]), "uid-p"
+    )
     assert 30 < await redis.ttl(K.record()) <= 40
     await redis.hset(K.record(), "created", "1")  # so that a rewrite would show
     assert await rs.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE, pod=pod, record_ttl=40)
@@ -228,7 +233,7 @@ async def test_a_warm_deploy_renews_its_placeholder_and_touches_no_lock(
 ) -> None:
     await configure(rs)
     member = await placeholder(rs, "warm:abc")
-    renewed = await rs.renew_deploy_lease(SID, "warm:abc", "", 20, pod=("ignored", "n"))
+    renewed = await rs.renew_deploy_lease(SID, "warm:abc", "", 20, pod=("ignored", "n", "u"))
     assert renewed is not None and renewed != member
     assert deadline_of(renewed) >= await rnow(redis) + 19
     assert not await redis.exists(K.lock()) and not await redis.exists(K.record())

@@ -28,6 +28,7 @@ from agent_runtime.resource_manager.facade import (
     DeployTimedOut,
     ResourceManagerFacade,
 )
+from agent_runtime.resource_manager.identity import Ownership
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient, OnCreated
 from agent_runtime.resource_manager.models import PodDeployInfo
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
@@ -35,7 +36,7 @@ from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceSta
 from agent_runtime.resource_manager.sweeper import ResourceSweeper
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
-from helpers import GatedK8s, other_client
+from helpers import IDENTITY, GatedK8s, other_client
 
 SCOPE = "scope-t"
 LEASE = 1.0
@@ -107,10 +108,10 @@ class Dying:
         if self.before_create:
             await self._die()
 
-        async def created(name: str, namespace: str) -> None:
+        async def created(name: str, namespace: str, uid: str) -> None:
             if on_created is not None:
-                await on_created(name, namespace)  # recorded under the dying leader's lease
-            await self._die()
+                await on_created(name, namespace, uid)  # recorded under the dying leader's lease
+            await self._die()  # before the incarnation patch: the pod has the first MAC only
 
         return await self.inner.deploy(on_created=created, **kw)
 
@@ -136,7 +137,12 @@ async def replica(client: Redis, k8s: Any) -> AsyncIterator[Replica]:
     notifier = Notifier(client, patterns=[REGISTERED_PATTERN])
     await notifier.start()
     orchestrator = ResourceOrchestrator(
-        state=state, k8s=k8s, notifier=notifier, default_namespace="default", deploy_lease=LEASE
+        state=state,
+        k8s=k8s,
+        notifier=notifier,
+        default_namespace="default",
+        deploy_lease=LEASE,
+        identity=IDENTITY,
     )
     try:
         yield Replica(
@@ -190,7 +196,7 @@ async def lapsed(redis: Redis) -> bool:
     return not await redis.exists(LOCK) and not await live_placeholders(redis)
 
 
-def sweeper_of(replica: Replica, k8s: FakeK8sPodClient) -> ResourceSweeper:
+def sweeper_of(replica: Replica, k8s: Any) -> ResourceSweeper:
     """The jobs of a replica (ticked by hand)."""
     return ResourceSweeper(
         state=replica.state,
@@ -198,7 +204,12 @@ def sweeper_of(replica: Replica, k8s: FakeK8sPodClient) -> ResourceSweeper:
         orchestrator=replica.orchestrator,
         sessions=SessionManagerFacade(state=SessionState(replica.client)),
         default_namespace="default",
+        identity=IDENTITY,
     )
+
+
+def ownership(k8s: FakeK8sPodClient, pod_id: str) -> Ownership:
+    return IDENTITY.verify(k8s.pods[pod_id]).ownership
 
 
 async def started_leading(dying: Dying, redis: Redis) -> str:
@@ -223,12 +234,14 @@ async def test_a_follower_takes_over_and_adopts_the_dead_leader_s_pod(redis: Red
     async with dying_and_healthy(redis, k8s) as (a, dying, b):
         leading = asyncio.create_task(a.acquire("r-a"))
         orphan = await started_leading(dying, redis)
+        assert ownership(k8s, orphan) is Ownership.UNFINISHED, "died before the patch"
         loop = asyncio.get_running_loop()
         asked = loop.time()
         got = await b.acquire("r-b")
         waited = loop.time() - asked
         await finished(leading)
         assert got["pod_id"] == orphan, "the dead leader's pod, adopted"
+        assert ownership(k8s, orphan) is Ownership.OURS, "the taker signed its incarnation"
         assert k8s.deploy_calls == 1, "nothing deployed anew"
         assert waited < READY_TIMEOUT, f"waited {waited:.1f} s: to its deadline, not a lease"
         assert await redis.hget(f"resource_manager:resource:pod:{orphan}:info", "phase") == (
@@ -314,9 +327,11 @@ async def test_reconcile_adopts_a_dead_leader_s_pod_when_no_route_comes(redis: R
 
         await eventually(lambda: lapsed(redis), "the dead leader's lease lapsed")
         sweeper = sweeper_of(b, k8s)
+        assert ownership(k8s, orphan) is Ownership.UNFINISHED
         counts = await sweeper.reconcile_once()
         assert counts["adopted"] == 1
         assert await redis.sismember(rm("idle"), orphan), "adopted into the warm pool"
+        assert ownership(k8s, orphan) is Ownership.OURS, "signed under the deploy's lease"
         await sweeper.prune_once()  # what the dead replica left (adopting swept some)
         assert await redis.scard(rm("deploying")) == 0
         assert not await redis.exists(RECORD), "its pod is registered: the record is done"
@@ -345,9 +360,11 @@ async def test_reconcile_leaves_a_dead_leader_s_starting_pod_to_a_takeover(
         counts = await sweeper.reconcile_once()
         assert counts["adopted"] == counts["deleted"] == 0
         assert orphan in k8s.pods and await redis.hget(RECORD, "pod_id") == orphan
+        assert ownership(k8s, orphan) is Ownership.UNFINISHED, "unfinished, yet left alone"
         k8s.never_ready = False  # it comes up
         assert (await sweeper.reconcile_once())["adopted"] == 1
         assert await redis.sismember(rm("idle"), orphan)
+        assert ownership(k8s, orphan) is Ownership.OURS
         await finished(leading)
         await assert_nothing_held(redis)
 

@@ -998,7 +998,14 @@ async def test_l_a_redis_pod_missing_in_kubernetes_is_purged(redis: Redis, db: D
 
         counts = await w.svc.sweeper.reconcile_once()
 
-        assert counts == {"purged": 1, "released": 0, "adopted": 0, "deleted": 0}
+        assert counts == {
+            "purged": 1,
+            "released": 0,
+            "adopted": 0,
+            "deleted": 0,
+            "expired": 0,
+            "foreign": 0,
+        }
         await w.assert_pod_forgotten(gone)
         await w.assert_gone("s1", gone)
         await w.assert_pod_known(kept)
@@ -1033,7 +1040,14 @@ async def test_l_after_a_resource_manager_wipe_a_ready_current_pod_is_adopted_as
 
         counts = await w.svc.sweeper.reconcile_once()
 
-        assert counts == {"purged": 0, "released": 0, "adopted": 1, "deleted": 0}
+        assert counts == {
+            "purged": 0,
+            "released": 0,
+            "adopted": 1,
+            "deleted": 0,
+            "expired": 0,
+            "foreign": 0,
+        }
         assert w.k8s.deleted == []
         assert await w.warm() == {pod}
         assert await redis.exists(rm_pod(pod, "idle_since"))

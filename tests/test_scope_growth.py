@@ -26,7 +26,7 @@ from agent_runtime.session_manager.state import SessionState
 from agent_runtime.session_manager.sweeper import SessionSweeper
 from agent_runtime.util import scope_id_of
 from agent_runtime.wiring import Services
-from helpers import envelope, running_app, sync_body
+from helpers import IDENTITY, envelope, running_app, sync_body
 
 TTL = 0.3  # the idle TTL of these tests (s)
 
@@ -42,6 +42,7 @@ class Env:
                 k8s=FakeK8sPodClient(),
                 notifier=Notifier(redis, patterns=[]),
                 default_namespace="default",
+                identity=IDENTITY,
             )
         )
         self.store = ConfigStore(db=db, state=self.state, resources=self.resources)

@@ -41,6 +41,7 @@ import pytest
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
+from agent_runtime.resource_manager.identity import PodIdentity
 from helpers import (
     CLAIM_KEY,
     claim_real_redis,
@@ -78,7 +79,12 @@ ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 GATEWAY = {"authorization": f"Bearer {GATEWAY_TOKEN}"}
 
 SCOPE_FULL_TIMEOUT = 3.0
+# set, so that a test can sign a pod as the service does (scenario L); scripts/e2e_acceptance.py
+# gives an external deployment the same SETTINGS
+E2E_POD_SECRET = "e2e-pod-identity-secret-0001"
+E2E_IDENTITY = PodIdentity(E2E_POD_SECRET)
 SETTINGS = {
+    "AGENT_RUNTIME_POD_IDENTITY_SECRET": E2E_POD_SECRET,
     "AGENT_RUNTIME_ADMIN_TOKENS": ADMIN_TOKEN,
     "AGENT_RUNTIME_GATEWAY_TOKENS": GATEWAY_TOKEN,
     "AGENT_RUNTIME_DEFAULT_NAMESPACE": "default",
@@ -261,6 +267,48 @@ class AttachServerLog:
         return report
 
 
+def serving(
+    workdir: Path, backend: str, settings: dict[str, str], undo: contextlib.ExitStack
+) -> Stack:
+    """The claimed real-Redis db, a database of ``backend`` brought up by ``db upgrade``, the
+    simulator and ``serve --mode server`` with ``settings``, up and healthy; ``undo`` stops
+    and releases them (in reverse: server, simulator, SQL, Redis)."""
+    redis_url = asyncio.run(_claim_redis())
+    undo.callback(release_redis, redis_url)
+    sql = make_sql_backend(backend, workdir)
+    undo.callback(sql.cleanup)
+    env = child_env({"AGENT_RUNTIME_DATABASE_URL": sql.url})
+    upgrade = subprocess.run(
+        agent_runtime("db", "upgrade"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT,
+        check=False,
+    )
+    assert upgrade.returncode == 0, upgrade.stdout + upgrade.stderr
+    kubeconfig = workdir / "kubeconfig"
+    sim_args = agent_runtime("kubesim", "--kubeconfig-out", str(kubeconfig), *SIM_ARGS)
+    sim = Child("kubesim", sim_args, env, workdir / "kubesim.log")
+    undo.callback(sim.stop)
+    sim_url = wait_for_sim(sim)
+
+    port, instance_id = free_port(), f"e2e-{backend}-{uuid.uuid4().hex[:6]}"
+    env = {
+        **settings,
+        "AGENT_RUNTIME_REDIS_URL": redis_url,
+        "AGENT_RUNTIME_DATABASE_URL": sql.url,
+        "AGENT_RUNTIME_KUBECONFIG": str(kubeconfig),
+        "AGENT_RUNTIME_INSTANCE_ID": instance_id,
+    }
+    serve = agent_runtime("serve", "--mode", "server", "--port", str(port))
+    server = Child("agent-runtime serve", serve, child_env(env), workdir / "server.log")
+    undo.callback(server.stop)
+    base_url = f"http://127.0.0.1:{port}"
+    _wait_healthy(LocalServer(server.proc, base_url, server.log_path, instance_id), START_TIMEOUT)
+    return Stack(base_url, sim_url, redis_url, instance_id, free_port(), server)
+
+
 @pytest.fixture(scope="module", params=["mariadb", "postgresql"])
 def stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -270,47 +318,14 @@ def stack(
         yield external_stack(backend)
         return
     workdir = tmp_path_factory.mktemp(f"e2e-{backend}")
-    with contextlib.ExitStack() as undo:  # in reverse: server, simulator, plugin, SQL, Redis
-        redis_url = asyncio.run(_claim_redis())
-        undo.callback(release_redis, redis_url)
-        sql = make_sql_backend(backend, workdir)
-        undo.callback(sql.cleanup)
+    with contextlib.ExitStack() as undo:
         plugin = AttachServerLog()
         request.config.pluginmanager.register(plugin, f"e2e-server-log-{backend}")
         undo.callback(request.config.pluginmanager.unregister, plugin)
-
-        env = child_env({"AGENT_RUNTIME_DATABASE_URL": sql.url})
-        upgrade = subprocess.run(
-            agent_runtime("db", "upgrade"),
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=START_TIMEOUT,
-            check=False,
-        )
-        assert upgrade.returncode == 0, upgrade.stdout + upgrade.stderr
-        kubeconfig = workdir / "kubeconfig"
-        sim_args = agent_runtime("kubesim", "--kubeconfig-out", str(kubeconfig), *SIM_ARGS)
-        sim = Child("kubesim", sim_args, env, workdir / "kubesim.log")
-        undo.callback(sim.stop)
-        sim_url = wait_for_sim(sim)
-
-        port, instance_id = free_port(), f"e2e-{backend}-{uuid.uuid4().hex[:6]}"
-        settings = {
-            **SETTINGS,
-            "AGENT_RUNTIME_REDIS_URL": redis_url,
-            "AGENT_RUNTIME_DATABASE_URL": sql.url,
-            "AGENT_RUNTIME_KUBECONFIG": str(kubeconfig),
-            "AGENT_RUNTIME_INSTANCE_ID": instance_id,
-        }
-        serve = agent_runtime("serve", "--mode", "server", "--port", str(port))
-        server = Child("agent-runtime serve", serve, child_env(settings), workdir / "server.log")
-        undo.callback(server.stop)
-        base_url = f"http://127.0.0.1:{port}"
-        _wait_healthy(
-            LocalServer(server.proc, base_url, server.log_path, instance_id), START_TIMEOUT
-        )
-        yield Stack(base_url, sim_url, redis_url, instance_id, free_port(), server)
+        running = serving(workdir, backend, SETTINGS, undo)
+        yield running
+        assert running.server is not None
+        server = running.server
         stopped = server.stop(), server.killed
     if stopped != (0, False):
         pytest.fail(f"SIGTERM: (exit status, killed) {stopped}; its log:\n{server.log()}")
@@ -456,6 +471,42 @@ class Scenario:
         assert resp.status_code == 200, resp.text
         pod: dict[str, Any] = resp.json()
         return pod
+
+    async def create_pod(self, name: str, deploy_ver: str, *, image: str, signed: bool) -> None:
+        """A pod created behind the service's back with the scope's labels; ``signed``: with
+        the annotations the service would give it (create, then the uid-bound patch)."""
+        labels = {"jiuwenclaw-component": "agentserver", "app": name}
+        labels |= {SCOPE_LABEL: self.scope, VERSION_LABEL: deploy_ver}
+        port = {"name": "sse", "containerPort": self.stack.sse_port, "protocol": "TCP"}
+        spec = {"sse_port": self.stack.sse_port, "sse_path": "/sse"}
+        notes = (
+            E2E_IDENTITY.create_annotations(
+                pod_id=name, namespace="default", scope_id=self.scope, deploy_ver=deploy_ver,
+                pod_spec=spec,
+            )
+            if signed
+            else {}
+        )  # fmt: skip
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "labels": labels, "annotations": notes},
+            "spec": {"containers": [{"name": "agentserver", "image": image, "ports": [port]}]},
+        }
+        resp = await self.sim.post("/api/v1/namespaces/default/pods", json=body)
+        assert resp.status_code == 201, resp.text
+        if signed:
+            uid = resp.json()["metadata"]["uid"]
+            incarnation = E2E_IDENTITY.incarnation_annotations(
+                uid=uid, identity=notes["agent-runtime/identity"]
+            )
+            patch = {"metadata": {"uid": uid, "annotations": incarnation}}
+            resp = await self.sim.patch(
+                f"/api/v1/namespaces/default/pods/{name}",
+                json=patch,
+                headers={"Content-Type": "application/merge-patch+json"},
+            )
+            assert resp.status_code == 200, resp.text
 
     async def kill(self, pod_id: str, mode: str) -> None:
         resp = await self.sim.post(f"/_sim/pods/default/{pod_id}/kill", json={"mode": mode})
@@ -1141,25 +1192,26 @@ async def test_l_reconcile_adopts_what_redis_lost_and_deletes_orphans(w: Scenari
     assert await w.live_pods() == {busy, spare}
     assert (await w.routed("s1"))["placement"] == "refresh"
 
-    # an orphan of ours in Kubernetes, of a version that is not current: deleted
+    # an orphan of ours in Kubernetes (signed as the service signs, the stack's secret), of a
+    # version that is not current: deleted. A pod with the same labels that is not provably
+    # ours (no identity, another image): left alone, and reported.
     orphan = f"e2e-l-{uuid.uuid4().hex[:10]}-orphn"
-    labels = {"jiuwenclaw-component": "agentserver", "app": orphan}
-    labels |= {SCOPE_LABEL: w.scope, VERSION_LABEL: "0000000000000000"}
-    port = {"name": "sse", "containerPort": w.stack.sse_port, "protocol": "TCP"}
-    body = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": orphan, "labels": labels},
-        "spec": {"containers": [{"name": "agentserver", "image": "old", "ports": [port]}]},
-    }
-    resp = await w.sim.post("/api/v1/namespaces/default/pods", json=body)
-    assert resp.status_code == 201, resp.text
+    await w.create_pod(orphan, "0000000000000000", image="old", signed=True)
+    foreign = f"e2e-l-{uuid.uuid4().hex[:10]}-frgn0"
+    await w.create_pod(foreign, "0000000000000000", image="attacker/agent", signed=False)
 
     async def orphan_deleted() -> bool:
         return orphan not in await w.sim_pods()
 
     await w.eventually(orphan_deleted, "reconcile deletes the orphan")
     assert not await w.redis.sismember(RM_PODS_ALL, orphan)
+
+    async def reported() -> bool:
+        resp = await w.http.get("/api/session/admin/foreign_pods", headers=ADMIN)
+        return foreign in {p["pod_id"] for p in resp.json()["data"]["pods"]}
+
+    await w.eventually(reported, "the foreign pod in the admin view")
+    assert foreign in await w.live_pods() and not await w.redis.sismember(RM_PODS_ALL, foreign)
 
     # and the other way round: a pod Redis knows that Kubernetes lost is purged
     await w.kill(spare, "vanish")

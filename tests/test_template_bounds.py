@@ -37,7 +37,7 @@ from agent_runtime.resource_manager.k8s import FakeK8sPodClient, RealK8sPodClien
 from agent_runtime.session_manager import config_repo as repo
 from agent_runtime.session_manager.models import TemplateItem
 from agent_runtime.util import scope_id_of
-from helpers import envelope, running_app, sync_body
+from helpers import IDENTITY, envelope, running_app, sync_body
 
 SYNC = "/api/session/config_sync"
 ROUTE = "/api/session/route"
@@ -250,7 +250,9 @@ async def test_an_allowed_exec_cluster_runs_its_plugin_at_start_only(
             assert marker.exists()
             marker.unlink()
             spec = template(kubeconfig="east", namespace=None)
-            info = await client.deploy(scope_id=SID, deploy_ver="v1", pod_spec=spec)
+            info = await client.deploy(
+                scope_id=SID, deploy_ver="v1", pod_spec=spec, identity=IDENTITY
+            )
             assert sim.pod("default", info.pod_id) is not None
             assert not marker.exists(), "a deploy reads no kubeconfig"
         finally:
@@ -422,8 +424,8 @@ async def test_a_secret_ref_reaches_the_pod_and_no_clear_value_is_shown(stack: S
 
 async def test_reconcile_never_hunts_orphans_off_the_allow_list(redis: Redis, db: Database) -> None:
     """A pool config from before the allow-list names kube-system: reconcile does not list
-    there, so a foreign pod that carries our labels in kube-system is not deleted as an
-    orphan; the same pod in an allowed namespace is (reconcile's normal duty)."""
+    there, so a pod of ours (signed) in kube-system is not deleted as an orphan; the same pod
+    in an allowed namespace is (reconcile's normal duty: an old version)."""
     k8s = FakeK8sPodClient()
     async with running_app(redis, db, k8s=k8s, namespaces=["team"]) as app:
         svc = app.app.state.services  # type: ignore[attr-defined]
@@ -431,9 +433,12 @@ async def test_reconcile_never_hunts_orphans_off_the_allow_list(redis: Redis, db
         for sid, namespace in ((SID, "kube-system"), (scope_id_of("g2", "b2"), "team")):
             spec = {"image": "registry.local/agent:1.0", "namespace": namespace}
             await svc.resources.update_pool_config(sid, pool, pod_spec=spec)
-        theirs = k8s.add_pod(scope_id=SID, deploy_ver="other", namespace="kube-system").pod_id
+        signed = {"identity": svc.identity}
+        theirs = k8s.add_pod(
+            scope_id=SID, deploy_ver="other", namespace="kube-system", **signed
+        ).pod_id
         orphan = k8s.add_pod(
-            scope_id=scope_id_of("g2", "b2"), deploy_ver="other", namespace="team"
+            scope_id=scope_id_of("g2", "b2"), deploy_ver="other", namespace="team", **signed
         ).pod_id
         counts = await svc.sweeper.reconcile_once()
         assert theirs in k8s.pods

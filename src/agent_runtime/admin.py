@@ -3,7 +3,9 @@
 ``GET /api/session/admin/scopes`` — scopes with live sessions, waiters, reservations, pods
 by state and their cached policy, one page at a time (``cursor``, ``limit`` ≤ 200: HSCAN
 over the scope registry, never KEYS); ``/scopes/{scope_id}`` — one scope in detail (both
-modules' view of it); ``/pods/{pod_id}`` — one pod; ``/sessions/{session_id}`` — one binding.
+modules' view of it); ``/pods/{pod_id}`` — one pod, ``owned`` false for a foreign one;
+``/foreign_pods`` — pods with our labels that are not provably ours (reconcile's last pass);
+``/sessions/{session_id}`` — one binding.
 Read only; each answer costs a bounded number of pipelined reads. They sit here, next to the
 wiring, because they read both modules' state (through their ``state`` objects: key names
 stay there).
@@ -155,9 +157,25 @@ async def get_pod(request: Request, svc: Admin, pod_id: PodId) -> JSONResponse:
     pid = _checked("pod_id", pod_id)
     info = await svc.resource_state.pod_info(pid)
     registrations = await svc.session_state.pod_registrations(pid)
-    if not info and not registrations:
+    _, reported = await svc.resource_state.foreign_pods()
+    foreign = [p for p in reported if p.get("pod_id") == pid]
+    if not info and not registrations and not foreign:
         raise NotFound(f"pod {pid} is not known")
-    return ok(_request_id(request), {"pod_id": pid, "info": info, "scopes": registrations})
+    view: dict[str, Any] = {"pod_id": pid, "info": info, "scopes": registrations}
+    # ours: registered by us (a foreign pod never is); a foreign one is only ever reported
+    view["owned"] = bool(info) or not foreign
+    if foreign:
+        view["foreign"] = foreign
+    return ok(_request_id(request), view)
+
+
+@router.get("/foreign_pods")
+async def foreign_pods(request: Request, svc: Admin) -> JSONResponse:
+    """What the last reconcile pass saw: pods with our component and scope labels whose
+    identity does not verify (never adopted, routed to or deleted), at most 100 of them."""
+    _only_query(request)
+    count, pods = await svc.resource_state.foreign_pods()
+    return ok(_request_id(request), {"count": count, "pods": pods})
 
 
 @router.get("/sessions/{session_id:anyid}")

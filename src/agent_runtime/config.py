@@ -16,12 +16,13 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 SM_KEY_PREFIX = "session_manager:"
 RM_KEY_PREFIX = "resource_manager:"
 API_PREFIX = "/api/session"
+MIN_POD_SECRET_LENGTH = 16
 
 
 class Mode(StrEnum):
@@ -56,6 +57,7 @@ def _split_tokens(value: object) -> object:
 
 
 TokenList = Annotated[list[str], NoDecode]
+SecretList = Annotated[list[SecretStr], NoDecode]
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label
 
 
@@ -262,6 +264,26 @@ class Settings(BaseSettings):
         10.0, gt=0, description="scope expiry tick (s): marks empty scopes, expires due ones"
     )
 
+    # -- pod identity: which pods are ours --
+    pod_identity_secret: SecretStr | None = Field(
+        None,
+        description="HMAC key (>= 16 characters) that signs every pod this installation "
+        "creates; reconcile adopts only pods whose signature verifies. Unset: a random one is "
+        "generated once and kept in the config DB (every replica and restart shares it). Set "
+        "the same on every replica",
+    )
+    pod_identity_previous_secrets: SecretList = Field(
+        default_factory=list,
+        description="earlier pod identity secrets (comma-separated) still accepted when "
+        "verifying, never used to sign: rotation. Drop one once no pod signed with it is left",
+    )
+    adopted_pod_ttl: float = Field(
+        600.0,
+        gt=0,
+        description="a warm pod whose scope has no pool config (adopted after a Redis data "
+        "loss, before the scope's next route wrote one) is deleted after this long idle (s)",
+    )
+
     # -- answers: replay binding, messages --
 
     @field_validator("redis_url")
@@ -304,6 +326,18 @@ class Settings(BaseSettings):
         "gateway_tokens", "admin_tokens", "clusters_allow_exec", "namespaces", mode="before"
     )(_split_tokens)
     _split_cluster_map = field_validator("clusters", mode="before")(_split_clusters)
+    _split_secrets = field_validator("pod_identity_previous_secrets", mode="before")(_split_tokens)
+
+    @field_validator("pod_identity_secret", "pod_identity_previous_secrets")
+    @classmethod
+    def _secret_length(cls, value: SecretStr | list[SecretStr] | None) -> object:
+        """A short HMAC key is a guessable one: refused at startup (the value is never shown)."""
+        for secret in value if isinstance(value, list) else [value]:
+            if secret is not None and len(secret.get_secret_value()) < MIN_POD_SECRET_LENGTH:
+                raise ValueError(
+                    f"a pod identity secret has at least {MIN_POD_SECRET_LENGTH} characters"
+                )
+        return value
 
     @field_validator("clusters")
     @classmethod

@@ -1,6 +1,7 @@
 """App assembly: ``create_app(settings)`` builds one FastAPI app; its lifespan wires the process.
 
-Startup: build (or take injected) backends → check them (schema too) → seed local defaults →
+Startup: build (or take injected) backends → check them (schema too) → the pod identity key
+(configured, or the installation's own from the DB) → seed local defaults →
 start Kubernetes (a failure only degrades the pod jobs) → wire services → ready. Shutdown
 runs in reverse; ``/healthz`` is 503 until ready and from the moment draining starts.
 """
@@ -23,7 +24,14 @@ from agent_runtime.config import API_PREFIX, Mode, Settings, is_loopback
 from agent_runtime.jobs import Job
 from agent_runtime.metrics import CONTENT_TYPE_LATEST, Metrics, MetricsMiddleware
 from agent_runtime.session_manager.handlers import router as session_router
-from agent_runtime.wiring import Backends, Services, build_backends, check_backends, wire
+from agent_runtime.wiring import (
+    Backends,
+    Services,
+    build_backends,
+    check_backends,
+    load_pod_identity,
+    wire,
+)
 
 log = logging.getLogger(__name__)
 GAUGES_TIMEOUT = 2.0  # seconds /metrics may spend reading Redis for the state gauges
@@ -41,7 +49,8 @@ def create_app(
         live = backends or build_backends(settings)
         try:
             await check_backends(settings, live)
-            svc = wire(settings, live, metrics)
+            identity = await load_pod_identity(settings, live.db)
+            svc = wire(settings, live, metrics, identity=identity)
             if settings.mode is Mode.LOCAL and settings.local_seed:
                 await svc.config_store.seed_local_defaults()
             try:

@@ -99,6 +99,20 @@ class Metrics:
             registry=self.registry,
             buckets=SLOW_BUCKETS,
         )
+        self.reconciled = Counter(
+            "agent_runtime_reconcile_pods",
+            "pods reconcile acted on, by action: purged (gone from Kubernetes), released "
+            "(unused, to the warm pool), adopted / deleted (ours, unknown to Redis), foreign "
+            "(not provably ours: left alone; each pass that sees one counts it)",
+            ["action"],
+            registry=self.registry,
+        )
+        self.foreign_pods = Counter(
+            "agent_runtime_foreign_pods",
+            "pods with our labels that are not provably ours (identity), first seen by this "
+            "replica's reconcile: never adopted, routed to or deleted",
+            registry=self.registry,
+        )
         # --- backends
         self.redis_seconds = Histogram(
             "agent_runtime_redis_script_seconds",
@@ -145,6 +159,11 @@ class Metrics:
             "agent_runtime_pod_budget_used",
             "units of the installation's pod budget in use: pods + deploys in flight "
             "(AGENT_RUNTIME_POD_BUDGET is the limit)",
+            registry=self.registry,
+        )
+        self.foreign_pods_seen = Gauge(
+            "agent_runtime_foreign_pods_seen",
+            "foreign pods (our labels, no valid identity) the last reconcile pass saw",
             registry=self.registry,
         )
         self.scope_sessions = Gauge(

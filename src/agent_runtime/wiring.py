@@ -18,8 +18,9 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from agent_runtime import logs
 from agent_runtime.config import ConfigError, Mode, Settings
-from agent_runtime.db import schema
+from agent_runtime.db import installation, schema
 from agent_runtime.db.engine import Database
 from agent_runtime.errors import BackendUnavailable
 from agent_runtime.jobs import Job, JobRunner
@@ -27,6 +28,7 @@ from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.clusters import read_clusters
 from agent_runtime.resource_manager.facade import ResourceManagerFacade
+from agent_runtime.resource_manager.identity import PodIdentity
 from agent_runtime.resource_manager.k8s import (
     FakeK8sPodClient,
     K8sPodClient,
@@ -184,6 +186,23 @@ async def warn_on_eviction(redis: Redis) -> str | None:
     return policy or None
 
 
+async def load_pod_identity(settings: Settings, db: Database) -> PodIdentity:
+    """The key that signs our pods: the configured one, else the installation's generated one
+    (made on the first start anywhere, kept in the DB). A generated key the DB holds is still
+    accepted for verification after a configured one takes over (delete its row to revoke it),
+    so setting a key never turns the pods signed so far into foreign ones."""
+    previous = [s.get_secret_value() for s in settings.pod_identity_previous_secrets]
+    if settings.pod_identity_secret is not None:
+        current = settings.pod_identity_secret.get_secret_value()
+        generated = await installation.stored_secret(db, installation.POD_IDENTITY_SECRET)
+        if generated is not None:
+            previous.append(generated)
+    else:
+        current = await installation.ensure_secret(db, installation.POD_IDENTITY_SECRET)
+    logs.add_secret_values([current, *previous])  # masked should an error ever echo one
+    return PodIdentity(current, previous)
+
+
 def _first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else ""
 
@@ -205,6 +224,7 @@ class Services:
     session_sweeper: SessionSweeper
     jobs: JobRunner
     config_store: ConfigStore
+    identity: PodIdentity
     ready: bool = False  # set once startup completed; /healthz and handlers wait for it
     draining: bool = False  # set on SIGTERM; /healthz turns 503 first
 
@@ -227,6 +247,7 @@ class Services:
         metrics.pods.labels("sunset").set(await self.session_state.sunset_pods())
         metrics.sessions.set(await self.session_state.live_sessions())
         metrics.pod_budget_used.set(await self.resource_state.budget_used())
+        metrics.foreign_pods_seen.set(await self.resource_state.foreign_pod_count())
         if self.settings.scope_metrics:
             counts = await self.session_state.scope_session_counts(scopes)
             metrics.scope_sessions.clear()
@@ -247,9 +268,16 @@ class Services:
         await self.notifier.stop()
 
 
-def wire(settings: Settings, backends: Backends, metrics: Metrics | None = None) -> Services:
+def wire(
+    settings: Settings,
+    backends: Backends,
+    metrics: Metrics | None = None,
+    *,
+    identity: PodIdentity,
+) -> Services:
     """Build every service over the backends; with ``metrics``, Redis scripts, SQL calls and
-    Kubernetes calls are timed and counted into it (the backends themselves stay as given)."""
+    Kubernetes calls are timed and counted into it (the backends themselves stay as given).
+    ``identity``: ``load_pod_identity``'s (it signs every pod and proves adoptions)."""
     metrics = metrics or Metrics()
     redis = backends.redis
     db = backends.db.observed(metrics.db_call)
@@ -268,6 +296,7 @@ def wire(settings: Settings, backends: Backends, metrics: Metrics | None = None)
             clusters=frozenset(settings.clusters), namespaces=settings.allowed_namespaces()
         ),
         metrics=metrics,
+        identity=identity,
         deploy_lease=settings.deploy_lease,
         instance_id=settings.instance_id,
     )
@@ -280,6 +309,9 @@ def wire(settings: Settings, backends: Backends, metrics: Metrics | None = None)
         sessions=sessions,
         default_namespace=settings.default_namespace,
         namespaces=settings.allowed_namespaces(),
+        identity=identity,
+        metrics=metrics,
+        adopted_pod_ttl=settings.adopted_pod_ttl,
     )
     config_store = ConfigStore(
         db=db,
@@ -325,6 +357,7 @@ def wire(settings: Settings, backends: Backends, metrics: Metrics | None = None)
         session_sweeper=session_sweeper,
         jobs=jobs,
         config_store=config_store,
+        identity=identity,
     )
 
 

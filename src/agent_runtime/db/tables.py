@@ -86,3 +86,13 @@ routing_rule = Table(
     Column("updated_at", DateTime, nullable=False, server_default=func.now()),
     UniqueConstraint("group_id", "bot_id", name="uq_routing_rule_group_bot"),
 )
+
+# Secrets the installation generates for itself (one row per name, written once, never
+# updated): every replica and restart reads the same value. ``installation.ensure_secret``.
+installation_secret = Table(
+    "installation_secret",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("value", String(256), nullable=False),
+    Column("created_at", DateTime, nullable=False, server_default=func.now()),
+)

@@ -9,13 +9,16 @@
                                              ``limit`` and ``continue`` (``paging.py``)
 ``POST /api/v1/namespaces/{ns}/pods``        201 Pod; 409 AlreadyExists, 422 Invalid, 404 ns
 ``GET /api/v1/namespaces/{ns}/pods/{name}``  Pod; 404 NotFound
+``PATCH .../pods/{name}``                    200 Pod: a merge (or strategic merge) patch of
+                                             ``metadata.labels`` / ``annotations``; 409 stale
+                                             resourceVersion, 422 immutable (``uid``), 415
 ``DELETE .../pods/{name}``                   200 Pod (``gracePeriodSeconds`` query or body)
 ``/_sim/...``                                the control endpoint (``control.py``)
 ==========================================  ==================================================
 
 Every failure is a ``Status`` (``errors.py``). Each request of the API passes the gate first:
 fault latency, then injected errors (429 / 5xx), then the namespace's RBAC (403).
-Not served: watches, PATCH/PUT.
+Not served: watches, PUT, JSON patches and server-side apply.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from aiohttp import web
 from agent_runtime.kubesim import pods
 from agent_runtime.kubesim.control import add_control_routes
 from agent_runtime.kubesim.errors import (
+    PATCH_TYPES,
     ApiError,
     bad_request,
     forbidden,
@@ -40,6 +44,7 @@ from agent_runtime.kubesim.errors import (
     path_not_found,
     server_error,
     unauthorized,
+    unsupported_media_type,
 )
 from agent_runtime.kubesim.labels import SelectorError, parse_field_selector, parse_selector
 from agent_runtime.kubesim.store import Obj
@@ -108,6 +113,7 @@ def build_app(sim: KubeSim) -> web.Application:
     app.router.add_get("/api/v1/namespaces/{namespace}/pods", api.list_pods)
     app.router.add_post("/api/v1/namespaces/{namespace}/pods", api.create_pod)
     app.router.add_get("/api/v1/namespaces/{namespace}/pods/{name}", api.get_pod)
+    app.router.add_patch("/api/v1/namespaces/{namespace}/pods/{name}", api.patch_pod)
     app.router.add_delete("/api/v1/namespaces/{namespace}/pods/{name}", api.delete_pod)
     return app
 
@@ -214,7 +220,7 @@ class _Api:
                 "groupVersion": "v1",
                 "resources": [
                     resource("namespaces", "Namespace", False, ["get", "list"]),
-                    resource("pods", "Pod", True, ["create", "delete", "get", "list"]),
+                    resource("pods", "Pod", True, ["create", "delete", "get", "list", "patch"]),
                 ],
             }
         )
@@ -321,6 +327,21 @@ class _Api:
         if not self.sim.namespace_exists(namespace):
             raise not_found("pods", name)
         return _json(self.sim.store.require_pod(namespace, name))
+
+    async def patch_pod(self, request: web.Request) -> web.Response:
+        namespace, name = request.match_info["namespace"], request.match_info["name"]
+        await self._gate("patch", "pods", namespace, name, self._stored_labels(namespace, name))
+        if request.content_type not in PATCH_TYPES:
+            raise unsupported_media_type(request.content_type)
+        try:
+            patch = await request.json()
+        except ValueError:
+            raise bad_request("the body of the request was in an unknown format") from None
+        if not self.sim.namespace_exists(namespace):
+            raise not_found("pods", name)
+        pod = self.sim.patch_pod(namespace, name, patch)
+        dropped = self._reply_lost(request, "patch", pod)
+        return dropped or _json(pod)
 
     async def delete_pod(self, request: web.Request) -> web.Response:
         namespace, name = request.match_info["namespace"], request.match_info["name"]

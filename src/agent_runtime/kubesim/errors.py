@@ -69,6 +69,32 @@ def already_exists(resource: str, name: str) -> ApiError:
     )
 
 
+def conflict(resource: str, name: str) -> ApiError:
+    """409 for a write with a stale ``resourceVersion`` (optimistic concurrency)."""
+    return ApiError(
+        409,
+        "Conflict",
+        f'Operation cannot be fulfilled on {resource} "{name}": the object has been modified; '
+        "please apply your changes to the latest version and try again",
+        details={"name": name, "kind": resource},
+    )
+
+
+def unsupported_media_type(content_type: str) -> ApiError:
+    return ApiError(
+        415,
+        "UnsupportedMediaType",
+        f"the body of the request was in an unknown format - accepted media types include: "
+        f"{', '.join(PATCH_TYPES)} (kubesim; got {content_type or 'none'!r})",
+        details={},
+    )
+
+
+# the patch formats kubesim applies (both as a merge of the patchable maps); a JSON patch or a
+# server-side apply is refused with 415
+PATCH_TYPES = ("application/merge-patch+json", "application/strategic-merge-patch+json")
+
+
 def forbidden(user: str, verb: str, resource: str, namespace: str, name: str = "") -> ApiError:
     subject = f'{resource} "{name}"' if name else resource
     scope = f' in the namespace "{namespace}"' if namespace else " at the cluster scope"

@@ -16,8 +16,8 @@ Kinds and when they are looked at:
 ``api_error``        each API request of ``verb`` on ``resource``: answers ``status``
                      (429 carries ``Retry-After: retry_after``) instead of doing it
 ``latency``          each API request of ``verb`` on ``resource``: waits ``seconds`` first
-``reply_lost``       a ``create`` / ``delete`` that was applied: ``mode`` ``drop`` (the
-                     connection closes without an answer) or ``500``
+``reply_lost``       a ``create`` / ``delete`` / ``patch`` that was applied: ``mode``
+                     ``drop`` (the connection closes without an answer) or ``500``
 ``continue_expired`` each LIST page asked with a continue token: the token has expired
                      (410 Expired, as after etcd compacted its revision)
 ``namespace_missing``   the namespace does not exist (until the rule is removed)
@@ -39,7 +39,7 @@ POD_KINDS = ("image_pull", "crash_loop", "never_ready")
 API_KINDS = ("api_error", "latency", "reply_lost", "continue_expired")
 NAMESPACE_KINDS = ("namespace_missing", "namespace_forbidden")
 KINDS = (*POD_KINDS, "health", *API_KINDS, *NAMESPACE_KINDS)
-VERBS = ("create", "get", "list", "delete", "*")
+VERBS = ("create", "get", "list", "delete", "patch", "*")
 RESOURCES = ("pods", "namespaces", "*")
 
 _COMMON = ("kind", "namespace", "name", "labels", "count", "ratio")
@@ -59,7 +59,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "never_ready.mode": ("running", "pending"),
     "health.mode": ("500", "hang"),
     "reply_lost.mode": ("drop", "500"),
-    "reply_lost.verb": ("create", "delete"),
+    "reply_lost.verb": ("create", "delete", "patch"),
     "api_error.verb": VERBS,
     "api_error.resource": RESOURCES,
     "latency.verb": VERBS,

@@ -8,7 +8,7 @@ import re
 import secrets
 from typing import Any
 
-from agent_runtime.kubesim.errors import bad_request, invalid
+from agent_runtime.kubesim.errors import bad_request, conflict, invalid
 from agent_runtime.kubesim.labels import (
     dns1123_label_errors,
     dns1123_subdomain_errors,
@@ -23,6 +23,9 @@ HOST_IP = "127.0.0.1"
 _GENERATE_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
 _GENERATE_SUFFIX = 5
 _GENERATE_PREFIX_MAX = 63 - _GENERATE_SUFFIX
+ANNOTATIONS_MAX_BYTES = 256 * 1024  # apimachinery's TotalAnnotationSizeLimitB
+# what a PATCH may change here (the real server lets a pod's image and a few more change too)
+PATCHABLE = ("labels", "annotations")
 _CONDITIONS = (
     "PodReadyToStartContainers",
     "Initialized",
@@ -82,18 +85,7 @@ def _validate(name: str, meta: dict[str, Any], spec: dict[str, Any]) -> list[Cau
         causes.append(_required("metadata.name", "name or generateName is required"))
     for message in dns1123_subdomain_errors(name) if name else []:
         causes.append(_invalid_value("metadata.name", name, message))
-    labels = meta.get("labels") or {}
-    if not isinstance(labels, dict):
-        causes.append(_invalid_value("metadata.labels", str(labels), "must be a map"))
-        labels = {}
-    for key, value in labels.items():
-        for message in qualified_name_errors(str(key)):
-            causes.append(_invalid_value("metadata.labels", key, message))
-        if not isinstance(value, str):
-            causes.append(_invalid_value("metadata.labels", str(value), "must be a string"))
-            continue
-        for message in label_value_errors(value):
-            causes.append(_invalid_value("metadata.labels", value, message))
+    causes += _meta_map_causes(meta)
     containers = spec.get("containers")
     if not isinstance(containers, list) or not containers:
         causes.append(_required("spec.containers"))
@@ -132,6 +124,34 @@ def _validate(name: str, meta: dict[str, Any], spec: dict[str, Any]) -> list[Cau
                         "must be between 1 and 65535, inclusive",
                     )
                 )
+    return causes
+
+
+def _meta_map_causes(meta: dict[str, Any]) -> list[Cause]:
+    """The API server's checks of ``metadata.labels`` and ``metadata.annotations`` (keys are
+    qualified names; label values label values; annotations any string, 256 KiB in all)."""
+    causes: list[Cause] = []
+    for kind in ("labels", "annotations"):
+        field = f"metadata.{kind}"
+        entries = meta.get(kind) or {}
+        if not isinstance(entries, dict):
+            causes.append(_invalid_value(field, str(entries), "must be a map"))
+            continue
+        for key, value in entries.items():
+            for message in qualified_name_errors(str(key)):
+                causes.append(_invalid_value(field, key, message))
+            if not isinstance(value, str):
+                causes.append(_invalid_value(field, str(value), "must be a string"))
+            elif kind == "labels":
+                for message in label_value_errors(value):
+                    causes.append(_invalid_value(field, value, message))
+        if kind == "annotations":
+            size = sum(len(str(k)) + len(str(v)) for k, v in entries.items())
+            if size > ANNOTATIONS_MAX_BYTES:
+                causes.append(
+                    (field, "FieldValueTooLong",
+                     f"{field}: Too long: must have at most {ANNOTATIONS_MAX_BYTES} bytes")
+                )  # fmt: skip
     return causes
 
 
@@ -288,6 +308,62 @@ def _defaulted(namespace: str, name: str, meta: dict[str, Any], spec: dict[str, 
         "spec": pod_spec,
         "status": {"phase": "Pending", "qosClass": _qos(containers)},
     }
+
+
+# --- PATCH: a JSON merge patch (and a strategic one, which reads the same for two maps) ---------
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386: objects merge key by key, ``null`` removes a key, anything else replaces."""
+    if not isinstance(patch, dict):
+        return patch
+    merged = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = merge_patch(merged.get(key), value)
+    return merged
+
+
+def patched(pod: Obj, patch: Any) -> Obj:
+    """``pod`` after ``patch``, or ``ApiError``: 400 for a body that is no object, 409 for a
+    stale ``resourceVersion``, 422 for an immutable field changed (``uid``: a client that
+    names the incarnation it means is refused for any other) or for anything kubesim does not
+    let change (only ``metadata.labels`` and ``metadata.annotations``), or bad labels."""
+    if not isinstance(patch, dict):
+        raise bad_request("the body of the request was in an unknown format")
+    old = pod["metadata"]
+    name = old["name"]
+    given = patch.get("metadata")
+    version = given.get("resourceVersion") if isinstance(given, dict) else None
+    if version is not None and version != old.get("resourceVersion"):
+        raise conflict("pods", name)
+    result = merge_patch(pod, patch)
+    meta = result.get("metadata") if isinstance(result.get("metadata"), dict) else {}
+    causes = [
+        _invalid_value(f"metadata.{field}", meta.get(field), "field is immutable")
+        for field in ("name", "namespace", "uid", "creationTimestamp")
+        if meta.get(field) != old.get(field)
+    ]
+    if not causes:
+        kept = {k: v for k, v in meta.items() if k not in (*PATCHABLE, "resourceVersion")}
+        before = {k: v for k, v in old.items() if k not in (*PATCHABLE, "resourceVersion")}
+        others = {k: v for k, v in result.items() if k != "metadata"}
+        if kept != before or others != {k: v for k, v in pod.items() if k != "metadata"}:
+            causes.append(
+                ("spec", "FieldValueForbidden",
+                 "Forbidden: kubesim lets a patch change metadata.labels and "
+                 "metadata.annotations only")
+            )  # fmt: skip
+    causes += _meta_map_causes(meta)
+    if causes:
+        raise invalid("Pod", name, causes)
+    result["metadata"] = {**meta, "resourceVersion": old.get("resourceVersion")}
+    for kind in PATCHABLE:
+        if not result["metadata"].get(kind):
+            result["metadata"].pop(kind, None)
+    return result
 
 
 # --- status changes (scheduler and kubelet) -----------------------------------------------------

@@ -186,6 +186,18 @@ class KubeSim:
         self.kubelet.pod_created(created)
         return created
 
+    def patch_pod(self, namespace: str, name: str, patch: Any) -> Obj:
+        """Apply a merge patch (``pods.patched`` says what may change); the pod as answered."""
+        current = self.store.require_pod(namespace, name)
+        result = pods.patched(current, patch)
+
+        def apply(pod: Obj) -> None:
+            pod["metadata"] = result["metadata"]
+
+        updated = self.store.update_pod(namespace, name, apply, uid=current["metadata"]["uid"])
+        assert updated is not None  # one synchronous step: the pod cannot go in between
+        return updated
+
     async def delete_pod(self, namespace: str, name: str, grace_seconds: int | None) -> Obj:
         """Begin (or finish) a deletion as the API server does; returns the pod as answered.
 
@@ -293,6 +305,7 @@ class KubeSim:
                     "name": meta["name"],
                     "uid": meta["uid"],
                     "labels": meta.get("labels") or {},
+                    "annotations": meta.get("annotations") or {},
                     "phase": status.get("phase"),
                     "ready": pods.is_ready(pod),
                     "podIP": status.get("podIP"),

@@ -2,7 +2,9 @@
 lease lapsed had created. Shared by a route's deploy (the orchestrator's leader) and the warm
 pool's (autoscale). Hazard: the claim (placeholder, lease) is given back on every path, and a
 pod that is Ready in Kubernetes but not registered is deleted — except one whose lease another
-leader took over: that pod is the other leader's, never deleted here.
+leader took over: that pod is the other leader's, never deleted here. An inherited pod is ours
+only as the incarnation its leader recorded (its uid), and is registered only once signed for
+it (identity.py): a dead leader may have died between its create and that signature.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from agent_runtime import admission, logs, spec_fields
 from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
+from agent_runtime.resource_manager.identity import Ownership, PodIdentity
 from agent_runtime.resource_manager.k8s import K8sPodClient
 from agent_runtime.resource_manager.lease import DeployLease
 from agent_runtime.resource_manager.models import (
@@ -49,6 +52,7 @@ class Deployer:
         bounds: DeployBounds | None,
         metrics: Metrics,
         lease: float,
+        identity: PodIdentity,
     ) -> None:
         self._state = state
         self._k8s = k8s
@@ -59,6 +63,7 @@ class Deployer:
         self._seconds = metrics.deploy_seconds
         self._takeovers = metrics.takeovers
         self._lease = lease
+        self._identity = identity
 
     async def deploy_and_register(
         self,
@@ -162,37 +167,59 @@ class Deployer:
             scope_id=scope_id,
             deploy_ver=version,
             pod_spec=pod_spec,
+            identity=self._identity,
             on_created=lease.record_pod if lease.cold else None,
         )
 
     async def _adopt_orphan(
         self, scope_id: str, version: str, pod_spec: dict[str, Any], orphan: OrphanPod
     ) -> PodDeployInfo | None:
-        """Wait for the pod a dead leader created (ours: our own replica recorded it under the
-        lease we now hold) until its own deadline; None when it is gone or of an old version
-        (deleted): a new one is deployed. Dead or not Ready in time: deleted, DeployFailed."""
+        """Wait for the pod a dead leader created until its own deadline. It is ours as the
+        incarnation our own replica recorded under the lease we now hold (its uid), carrying
+        our identity MAC; signed for that incarnation first if the leader died before it did
+        (registered unsigned, a later Redis data loss would make reconcile delete it in use).
+        None when it is gone, another incarnation or not ours (left alone), or of an old
+        version (deleted): a new one is deployed. Dead, not Ready in time or its signature
+        refused: deleted, DeployFailed."""
         where = f"pod {orphan.namespace}/{orphan.pod_id}"
         status = await self._k8s.get_pod(orphan.pod_id, orphan.namespace)
-        if status is None or status.phase == "Terminating" or status.deploy_ver != version:
-            if status is not None and status.phase != "Terminating":
-                with contextlib.suppress(Exception):
-                    await self._k8s.delete(orphan.pod_id, orphan.namespace)
-            log.info("scope %s: inherited %s is gone or old; deploying anew", scope_id, where)
+        if status is None or status.phase == "Terminating":
+            log.info("scope %s: inherited %s is gone; deploying anew", scope_id, where)
+            self._takeovers.labels("deployed").inc()
+            return None
+        verdict = self._identity.verify(status)
+        if status.uid != orphan.uid or verdict.ownership is Ownership.FOREIGN:
+            log.warning(
+                "scope %s: %s is not the pod its leader created (%s); left alone, deploying anew",
+                scope_id, where, verdict.reason or "another incarnation",
+            )  # fmt: skip
+            self._takeovers.labels("deployed").inc()
+            return None
+        if status.deploy_ver != version:
+            with contextlib.suppress(Exception):
+                await self._k8s.delete(orphan.pod_id, orphan.namespace)
+            log.info("scope %s: inherited %s is of an old version; deploying anew", scope_id, where)
             self._takeovers.labels("deployed").inc()
             return None
         ready_timeout = float(pod_spec.get("ready_timeout") or 300)
         left = orphan.created + ready_timeout - await self._state.now()
         try:
+            if verdict.ownership is Ownership.UNFINISHED:
+                await self._k8s.sign(
+                    orphan.pod_id, orphan.namespace, pod_spec,
+                    uid=status.uid, annotations=self._identity.completion(status), within=left,
+                )  # fmt: skip
+                log.info("scope %s: inherited %s signed for its incarnation", scope_id, where)
             info = await self._k8s.await_ready(
-                orphan.pod_id, orphan.namespace, pod_spec, within=left
+                orphan.pod_id, orphan.namespace, pod_spec, uid=status.uid, within=left
             )
         except PodGone:
             self._takeovers.labels("deployed").inc()
             return None
         except DeployFailed:
             now = await self._k8s.get_pod(orphan.pod_id, orphan.namespace)
-            if now is None or now.phase == "Terminating":
-                # deleted by someone else meanwhile: no failure of its image
+            if now is None or now.phase == "Terminating" or now.uid != status.uid:
+                # deleted (or replaced) by someone else meanwhile: no failure of its image
                 self._takeovers.labels("deployed").inc()
                 return None
             self._takeovers.labels("failed").inc()

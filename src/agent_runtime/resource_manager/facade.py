@@ -107,5 +107,6 @@ class ResourceManagerFacade:
         return await self._orchestrator.expire_scope(scope_id)
 
     async def cleanup(self, namespace: str | None = None, label_selector: str | None = None) -> int:
-        """Delete AgentServer pods; raises ``K8sApiError`` when Kubernetes refuses (e.g. 403)."""
+        """Delete AgentServer pods that carry our scope label (never another tool's); raises
+        ``K8sApiError`` when Kubernetes refuses (e.g. 403)."""
         return await self._orchestrator.cleanup(namespace, label_selector)

@@ -1,10 +1,12 @@
-"""The Kubernetes adapter: ``RealK8sPodClient`` (kubernetes_asyncio) and ``FakeK8sPodClient``.
+"""The Kubernetes adapter: the ``K8sPodClient`` protocol, ``RealK8sPodClient``
+(kubernetes_asyncio) and ``MeteredK8sPodClient``; ``FakeK8sPodClient`` lives in
+``k8s_fake.py``, the pure pieces in ``pod_manifest.py`` (``new_pod_name``, ``build_pod_body``,
+``sse_url``) and ``pod_reading.py`` (``pod_status_from_json`` — the one reading of a pod's
+phase, readiness and IP — ``read_pod_list``, ``label_selector_matches``). All of them are
+importable from here, as before.
 
-Both implement ``K8sPodClient`` exactly; the resource manager never sees a kubernetes_asyncio
-object. The pure pieces (``new_pod_name``, ``build_pod_body``, ``pod_status_from_json`` — the
-one reading of a pod's phase, readiness and IP — ``read_pod_list``, ``label_selector_matches``)
-are module functions so they can be tested without a cluster. A LIST is paged and parsed a
-slice at a time: 10k pods through the generated models held the loop for 6–10 s.
+Real and fake implement ``K8sPodClient`` exactly; the resource manager never sees a
+kubernetes_asyncio object. A LIST is paged and parsed a slice at a time.
 
 Hazard: ``load_incluster_config`` is a plain function, ``load_kube_config`` a coroutine;
 awaiting the first is a TypeError in-cluster.
@@ -16,65 +18,106 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import hmac
 import json
 import logging
 import math
 import random
-import re
-import secrets
-import string
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
-from agent_runtime import label_selector
 from agent_runtime.resource_manager.clusters import ClusterConfig
+from agent_runtime.resource_manager.identity import IDENTITY_ANNOTATION, PodIdentity
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.models import (
-    APP_LABEL,
-    COMPONENT_LABEL,
-    COMPONENT_VALUE,
-    DEPLOY_VER_LABEL,
-    SCOPE_LABEL,
     DeployFailed,
     K8sApiError,
     PodDeployInfo,
     PodGone,
     PodStatus,
-    normalize_phase,
 )
+from agent_runtime.resource_manager.pod_manifest import (
+    CONTAINER_NAME,
+    DEFAULT_POD_NAME,
+    DEFAULT_PORT,
+    DEFAULT_READY_POLL_INTERVAL,
+    DEFAULT_READY_TIMEOUT,
+    DEFAULT_SSE_PATH,
+    HEALTH_PATH,
+    NFS_VOLUME,
+    PROBE_TIMEOUT,
+    build_pod_body,
+    deploy_timing,
+    new_pod_name,
+    pod_labels,
+    sse_url,
+)
+from agent_runtime.resource_manager.pod_reading import (
+    LIST_PAGE_SIZE,
+    LIST_PARSE_SLICE,
+    iter_json_object,
+    label_selector_matches,
+    labels_match,
+    parse_label_selector,
+    pod_status,
+    pod_status_from_json,
+    read_pod_list,
+)
+
+# what callers and tests import from here (the split modules' names included)
+__all__ = [
+    "CONTAINER_NAME",
+    "DEFAULT_POD_NAME",
+    "DEFAULT_PORT",
+    "DEFAULT_READY_POLL_INTERVAL",
+    "DEFAULT_READY_TIMEOUT",
+    "DEFAULT_SSE_PATH",
+    "HEALTH_PATH",
+    "LIST_PAGE_SIZE",
+    "LIST_PARSE_SLICE",
+    "NFS_VOLUME",
+    "PROBE_TIMEOUT",
+    "FakeK8sPodClient",
+    "K8sPodClient",
+    "MeteredK8sPodClient",
+    "OnCreated",
+    "PodDeployInfo",
+    "RealK8sPodClient",
+    "build_pod_body",
+    "deploy_timing",
+    "iter_json_object",
+    "label_selector_matches",
+    "labels_match",
+    "new_pod_name",
+    "parse_label_selector",
+    "pod_labels",
+    "pod_status",
+    "pod_status_from_json",
+    "read_pod_list",
+    "sse_url",
+]
 
 log = logging.getLogger(__name__)
 
-CONTAINER_NAME = "agentserver"
-NFS_VOLUME = "nfs"
-HEALTH_PATH = "/health"
-PROBE_TIMEOUT = 3.0  # seconds for one GET /health (contract §5 half-dead rule)
 REQUEST_TIMEOUT = 30.0  # cap of one API call; a deploy's own deadline may cut it shorter
 DISCARD_TIMEOUT = 5.0  # best-effort delete after a failed deploy
 AWAIT_READY_MIN = 1.0  # seconds await_ready looks for at least (one GET)
 CREATE_NAME_TRIES = 3  # 409 AlreadyExists → a new name, this many names in all
 BACKOFF_BASE = 0.2
 BACKOFF_CAP = 5.0
-# A pod_spec normally comes complete from a template; these fill a partial one (tests, tools).
-DEFAULT_POD_NAME = "agent"
-DEFAULT_PORT = 8080
-DEFAULT_SSE_PATH = "/sse"
-DEFAULT_READY_TIMEOUT = 300.0
-DEFAULT_READY_POLL_INTERVAL = 2.0
-LIST_PAGE_SIZE = 500  # pods per LIST request (``limit``), as client-go's pager
-LIST_PARSE_SLICE = 0.001  # seconds of parsing a LIST page before yielding to the loop
+MERGE_PATCH = "application/merge-patch+json"
 
-_NAME_ALPHABET = string.ascii_lowercase + string.digits
 # Transport failures: the request may or may not have reached the API server.
 _LOST_REPLY = (TimeoutError, aiohttp.ClientError)
 
 T = TypeVar("T")
 
-# called by a deploy once its create landed, with the pod's name and namespace
-OnCreated = Callable[[str, str], Awaitable[None]]
+# called by a deploy once its create landed, with the pod's name, namespace and uid
+OnCreated = Callable[[str, str, str], Awaitable[None]]
 
 
 class K8sPodClient(Protocol):
@@ -91,23 +134,43 @@ class K8sPodClient(Protocol):
         scope_id: str,
         deploy_ver: str,
         pod_spec: dict[str, Any],
+        identity: PodIdentity,
         on_created: OnCreated | None = None,
     ) -> PodDeployInfo:
-        """Create one AgentServer pod and wait until it is Ready with an IP.
+        """Create one AgentServer pod, sign it and wait until it is Ready with an IP.
 
-        Labels per contract §5; name ``{pod_name}-{10}-{5}`` (409 → a new name, 3 tries);
-        polls every ``ready_poll_interval`` up to ``ready_timeout``. Timeout, a terminal
-        phase, a dead waiting reason or disappearance → the pod is deleted, ``DeployFailed``.
-        ``on_created(name, namespace)`` runs once the create landed, before the wait: if it
-        raises, the pod is deleted and its error raised.
+        Labels per contract §5; name ``{pod_name}-{10}-{5}`` (409 → a new name, 3 tries); the
+        identity annotations of ``identity`` in the manifest. ``on_created(name, namespace,
+        uid)`` runs once the create landed: if it raises, the pod is deleted and its error
+        raised. Then the incarnation annotation is patched on with the uid the create
+        answered; polls every ``ready_poll_interval`` up to ``ready_timeout``. Timeout, a
+        terminal phase, a dead waiting reason, disappearance or another incarnation under the
+        name → the pod is deleted, ``DeployFailed``.
         """
 
     async def await_ready(
-        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, within: float
+        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, uid: str, within: float
     ) -> PodDeployInfo:
-        """Wait for an existing pod (one a dead deploy leader created) to be Ready with an IP,
-        polling as a deploy does, for at most ``within`` seconds. Gone → ``PodGone``; dead or
-        not Ready in time → ``DeployFailed`` (the pod is left for the caller to delete)."""
+        """Wait for an existing pod (one a dead deploy leader created, incarnation ``uid``) to
+        be Ready with an IP, polling as a deploy does, for at most ``within`` seconds. Gone or
+        another incarnation under the name → ``PodGone``; dead or not Ready in time →
+        ``DeployFailed`` (the pod is left for the caller to delete)."""
+
+    async def sign(
+        self,
+        pod_id: str,
+        namespace: str,
+        pod_spec: dict[str, Any],
+        *,
+        uid: str,
+        annotations: dict[str, str],
+        within: float,
+    ) -> None:
+        """Merge-patch ``annotations`` onto the pod incarnation ``uid`` (named in the patch, so
+        that another incarnation under the name is refused, never signed): how a taker
+        completes the identity of a dead leader's pod. Lost replies, 429 and 5xx are tried
+        again for up to ``within`` seconds. Gone or another incarnation → ``PodGone``; any
+        other refusal → ``DeployFailed``."""
 
     async def delete(self, pod_id: str, namespace: str) -> bool:
         """Delete a pod; False if it did not exist (404)."""
@@ -120,251 +183,6 @@ class K8sPodClient(Protocol):
 
     async def probe_health(self, pod_ip: str, port: int) -> bool:
         """``GET http://{pod_ip}:{port}/health`` within 3 s; only a 200 is healthy."""
-
-
-# --- pure helpers ----------------------------------------------------------------------------
-
-
-def _random_chars(n: int) -> str:
-    return "".join(secrets.choice(_NAME_ALPHABET) for _ in range(n))
-
-
-def new_pod_name(pod_name: str | None) -> str:
-    """``{pod_name}-{10}-{5}``: random, so a pod name never leaks a business id."""
-    return f"{pod_name or DEFAULT_POD_NAME}-{_random_chars(10)}-{_random_chars(5)}"
-
-
-def pod_labels(pod_id: str, scope_id: str, deploy_ver: str) -> dict[str, str]:
-    """The labels watch, reconcile and cleanup select on (contract §5)."""
-    return {
-        COMPONENT_LABEL: COMPONENT_VALUE,
-        APP_LABEL: pod_id,
-        SCOPE_LABEL: scope_id,
-        DEPLOY_VER_LABEL: deploy_ver,
-    }
-
-
-def sse_url(pod_ip: str, pod_spec: dict[str, Any]) -> str:
-    port = pod_spec.get("sse_port") or DEFAULT_PORT
-    return f"http://{pod_ip}:{port}{pod_spec.get('sse_path') or DEFAULT_SSE_PATH}"
-
-
-def _resources(pod_spec: dict[str, Any]) -> dict[str, dict[str, str]]:
-    """Requests and limits with only the quantities the template sets (K8s defaults the rest)."""
-    out: dict[str, dict[str, str]] = {}
-    for kind, field_kind in (("requests", "request"), ("limits", "limit")):
-        quantities = {
-            res: pod_spec[f"{res}_{field_kind}"]
-            for res in ("cpu", "memory")
-            if pod_spec.get(f"{res}_{field_kind}")
-        }
-        if quantities:
-            out[kind] = quantities
-    return out
-
-
-def build_pod_body(
-    pod_id: str, scope_id: str, deploy_ver: str, pod_spec: dict[str, Any]
-) -> dict[str, Any]:
-    """The Pod manifest (camelCase JSON) for ``create_namespaced_pod``; namespace is in the path."""
-    if not pod_spec.get("image"):
-        raise DeployFailed("pod_spec has no image")
-    sse_port = int(pod_spec.get("sse_port") or DEFAULT_PORT)
-    container_port = int(pod_spec.get("container_port") or sse_port)
-    ports: list[dict[str, Any]] = [{"name": "sse", "containerPort": sse_port, "protocol": "TCP"}]
-    if container_port != sse_port:
-        ports.append({"name": "http", "containerPort": container_port, "protocol": "TCP"})
-    container: dict[str, Any] = {
-        "name": CONTAINER_NAME,
-        "image": pod_spec["image"],
-        "ports": ports,
-        # a string is a value; an object is a ``{"valueFrom": {"secretKeyRef": …}}`` reference
-        "env": [
-            {"name": k, "value": v} if isinstance(v, str) else {"name": k, **v}
-            for k, v in sorted((pod_spec.get("env") or {}).items())
-        ],
-        # A short period so Ready shows soon after start; the timeout matches our own probe.
-        "readinessProbe": {
-            "httpGet": {"path": HEALTH_PATH, "port": sse_port},
-            "periodSeconds": 2,
-            "timeoutSeconds": int(PROBE_TIMEOUT),
-        },
-    }
-    resources = _resources(pod_spec)
-    if resources:
-        container["resources"] = resources
-    spec: dict[str, Any] = {"restartPolicy": "Always", "containers": [container]}
-    if pod_spec.get("nfs_server") and pod_spec.get("nfs_path") and pod_spec.get("nfs_mount_path"):
-        container["volumeMounts"] = [{"name": NFS_VOLUME, "mountPath": pod_spec["nfs_mount_path"]}]
-        spec["volumes"] = [
-            {
-                "name": NFS_VOLUME,
-                "nfs": {"server": pod_spec["nfs_server"], "path": pod_spec["nfs_path"]},
-            }
-        ]
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": pod_id, "labels": pod_labels(pod_id, scope_id, deploy_ver)},
-        "spec": spec,
-    }
-
-
-def pod_status_from_json(pod: dict[str, Any]) -> PodStatus:
-    """A Pod as the API sends it (camelCase JSON) as a ``PodStatus``: the one place the phase,
-    ready and IP rules are read (phase normalised per contract §5)."""
-    meta = pod.get("metadata") or {}
-    status = pod.get("status") or {}
-    containers = [
-        *(status.get("initContainerStatuses") or []),
-        *(status.get("containerStatuses") or []),
-    ]
-    waiting = [((cs or {}).get("state") or {}).get("waiting") or {} for cs in containers]
-    conditions = status.get("conditions") or []
-    return PodStatus(
-        pod_id=meta.get("name") or "",
-        namespace=meta.get("namespace") or "",
-        phase=normalize_phase(
-            status.get("phase"),
-            deleting=meta.get("deletionTimestamp") is not None,
-            waiting_reasons=[w["reason"] for w in waiting if w.get("reason")],
-        ),
-        ready=any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions),
-        pod_ip=status.get("podIP") or None,
-        labels=dict(meta.get("labels") or {}),
-    )
-
-
-def pod_status(v1pod: Any) -> PodStatus:
-    """A kubernetes_asyncio ``V1Pod`` (get, deploy polling) as a ``PodStatus``: the fields the
-    rules read, in their JSON shape, through ``pod_status_from_json`` (a projection, not
-    ``to_dict``: ~10 µs a pod instead of ~150; tests check both read every case alike)."""
-    meta, status = v1pod.metadata, v1pod.status
-
-    def container(cs: Any) -> dict[str, Any]:
-        waiting = cs.state.waiting if cs.state is not None else None
-        return {"state": {"waiting": {"reason": waiting.reason} if waiting is not None else None}}
-
-    return pod_status_from_json(
-        {
-            "metadata": {
-                "name": meta.name,
-                "namespace": meta.namespace,
-                "labels": meta.labels,
-                "deletionTimestamp": meta.deletion_timestamp,
-            },
-            "status": None
-            if status is None
-            else {
-                "phase": status.phase,
-                "podIP": status.pod_ip,
-                "conditions": [
-                    {"type": c.type, "status": c.status} for c in status.conditions or []
-                ],
-                "initContainerStatuses": [
-                    container(cs) for cs in status.init_container_statuses or []
-                ],
-                "containerStatuses": [container(cs) for cs in status.container_statuses or []],
-            },
-        }
-    )
-
-
-_JSON_SPACE = re.compile(r"[ \t\n\r]*")
-_JSON = json.JSONDecoder()
-
-
-def iter_json_object(text: str, stream: str = "items") -> Iterator[tuple[str, Any]]:
-    """The members of the JSON object ``text``, decoded one at a time: ``(key, value)``, and for
-    the array member ``stream`` one ``(f"{stream}[]", element)`` per element instead.
-
-    ``json.loads`` of a whole LIST page is one synchronous chunk (tens of ms for 500 pods); a
-    caller walking it can yield to the loop between items. Malformed JSON → ``ValueError``.
-    """
-
-    def skip(i: int) -> int:
-        match = _JSON_SPACE.match(text, i)
-        return match.end() if match else i
-
-    def expect(i: int, char: str) -> int:
-        if text[i : i + 1] != char:
-            raise ValueError(f"expected {char!r} at {i} of a JSON object")
-        return skip(i + 1)
-
-    i = expect(skip(0), "{")
-    if text[i : i + 1] == "}":
-        i = skip(i + 1)
-    else:
-        while True:
-            key, i = _JSON.raw_decode(text, i)
-            if not isinstance(key, str):
-                raise ValueError(f"a JSON object key is a string, not {key!r}")
-            i = expect(skip(i), ":")
-            if key == stream and text[i : i + 1] == "[":
-                i = skip(i + 1)
-                if text[i : i + 1] == "]":
-                    i += 1
-                else:
-                    while True:
-                        element, i = _JSON.raw_decode(text, i)
-                        yield f"{stream}[]", element
-                        i = skip(i)
-                        if text[i : i + 1] != ",":
-                            break
-                        i = skip(i + 1)
-                    i = expect(i, "]")
-            else:
-                value, i = _JSON.raw_decode(text, i)
-                yield key, value
-            i = skip(i)
-            if text[i : i + 1] != ",":
-                break
-            i = skip(i + 1)
-        i = expect(i, "}")
-    if i != len(text):
-        raise ValueError(f"extra data at {i} after a JSON object")
-
-
-async def read_pod_list(text: str, into: list[PodStatus]) -> str | None:
-    """One PodList page (JSON text) into ``into``; returns its continue token (None: the last
-    page). Yields to the loop every ``LIST_PARSE_SLICE`` s, so a page never blocks it for long."""
-    token: str | None = None
-    clock = time.perf_counter
-    await asyncio.sleep(0)  # reading and decoding the page was a slice already
-    slice_started = clock()
-    for key, value in iter_json_object(text):
-        if key == "items[]":
-            if not isinstance(value, dict):
-                raise ValueError(f"a PodList item is an object, not {type(value).__name__}")
-            into.append(pod_status_from_json(value))
-        elif key == "metadata" and isinstance(value, dict):
-            token = value.get("continue") or None
-        if clock() - slice_started >= LIST_PARSE_SLICE:
-            await asyncio.sleep(0)
-            slice_started = clock()
-    return token
-
-
-def parse_label_selector(selector: str) -> list[label_selector.Requirement]:
-    """The requirements of a label selector (``agent_runtime.label_selector``: the grammar we
-    accept; ``ValueError`` for anything else)."""
-    return label_selector.parse(selector)
-
-
-def label_selector_matches(selector: str, labels: dict[str, str]) -> bool:
-    """Whether ``labels`` satisfy every term of ``selector`` (an empty selector matches all)."""
-    return labels_match(parse_label_selector(selector), labels)
-
-
-def labels_match(terms: list[label_selector.Requirement], labels: dict[str, str]) -> bool:
-    """``label_selector_matches`` with the selector parsed once (a LIST of many pods)."""
-    return label_selector.matches(terms, labels)
-
-
-def _deploy_timing(pod_spec: dict[str, Any]) -> tuple[float, float]:
-    timeout = float(pod_spec.get("ready_timeout") or DEFAULT_READY_TIMEOUT)
-    poll = float(pod_spec.get("ready_poll_interval") or DEFAULT_READY_POLL_INTERVAL)
-    return timeout, min(poll, timeout)
 
 
 # --- real client -----------------------------------------------------------------------------
@@ -442,7 +260,18 @@ class _DeployJob:
     deploy_ver: str
     pod_spec: dict[str, Any]
     deadline: _Deadline
+    identity: PodIdentity | None  # None: a wait for an existing pod, which creates none
     sent: set[str] = dataclasses.field(default_factory=set)
+
+    def body(self) -> dict[str, Any]:
+        """A new name's manifest, signed for that name."""
+        assert self.identity is not None
+        name = new_pod_name(self.pod_spec.get("pod_name"))
+        notes = self.identity.create_annotations(
+            pod_id=name, namespace=self.namespace, scope_id=self.scope_id,
+            deploy_ver=self.deploy_ver, pod_spec=self.pod_spec,
+        )  # fmt: skip
+        return build_pod_body(name, self.scope_id, self.deploy_ver, self.pod_spec, notes)
 
 
 class RealK8sPodClient:
@@ -649,9 +478,10 @@ class RealK8sPodClient:
         scope_id: str,
         deploy_ver: str,
         pod_spec: dict[str, Any],
+        identity: PodIdentity,
         on_created: OnCreated | None = None,
     ) -> PodDeployInfo:
-        ready_timeout, poll = _deploy_timing(pod_spec)
+        ready_timeout, poll = deploy_timing(pod_spec)
         deadline = _Deadline(ready_timeout)  # create and readiness together
         api = await self._deploy_api(pod_spec)
         job = _DeployJob(
@@ -661,12 +491,14 @@ class RealK8sPodClient:
             deploy_ver=deploy_ver,
             pod_spec=pod_spec,
             deadline=deadline,
+            identity=identity,
         )
         try:
-            name = await self._create(job)
+            name, uid, signature = await self._create(job)
             if on_created is not None:
-                await on_created(name, job.namespace)
-            pod_ip = await self._wait_ready(job, name, poll)
+                await on_created(name, job.namespace, uid)
+            await self._sign(job, name, uid, signature)
+            pod_ip = await self._wait_ready(job, name, uid, poll)
         except BaseException:  # DeployFailed, and also cancellation: never leave a pod behind
             for maybe_created in job.sent:
                 await self._discard(api, maybe_created, job.namespace)
@@ -674,14 +506,14 @@ class RealK8sPodClient:
         return PodDeployInfo(name, job.namespace, pod_ip, sse_url(pod_ip, pod_spec))
 
     async def await_ready(
-        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, within: float
+        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, uid: str, within: float
     ) -> PodDeployInfo:
-        _, poll = _deploy_timing(pod_spec)
+        _, poll = deploy_timing(pod_spec)
         api = await self._deploy_api(pod_spec)  # the pod's cluster: where its deploy went
         # one GET at least, however little of the pod's own deadline is left
         deadline = _Deadline(max(within, AWAIT_READY_MIN))
-        job = _DeployJob(api, namespace, "", "", pod_spec, deadline)
-        pod_ip = await self._wait_ready(job, pod_id, poll)
+        job = _DeployJob(api, namespace, "", "", pod_spec, deadline, identity=None)
+        pod_ip = await self._wait_ready(job, pod_id, uid, poll)
         return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec))
 
     async def _deploy_api(self, pod_spec: dict[str, Any]) -> Any:
@@ -698,8 +530,8 @@ class RealK8sPodClient:
             log.warning("deploy to cluster %s: %s", cluster or "(default)", exc)
             raise DeployFailed("the kubernetes client of the template's cluster is down") from exc
 
-    async def _create(self, job: _DeployJob) -> str:
-        """Create the pod and return its name.
+    async def _create(self, job: _DeployJob) -> tuple[str, str, str]:
+        """Create the pod; its name, the uid the API server gave it and its identity MAC.
 
         409 → a new name (3 names in all). 429 / 5xx / a lost reply → the same name again
         after a backoff, so a create that did land shows up as our own pod (GET, or the next
@@ -717,25 +549,27 @@ class RealK8sPodClient:
                     raise DeployFailed(
                         f"pod name taken {CREATE_NAME_TRIES} times in {job.namespace}"
                     )
-                pod_name = new_pod_name(job.pod_spec.get("pod_name"))
-                body = build_pod_body(pod_name, job.scope_id, job.deploy_ver, job.pod_spec)
+                body = job.body()
                 maybe_landed = False
             name = body["metadata"]["name"]
+            signature = body["metadata"]["annotations"][IDENTITY_ANNOTATION]
             what = f"create pod {job.namespace}/{name}"
             if job.deadline.remaining() <= 0:
                 raise DeployFailed(f"{what}: no time left")
             job.sent.add(name)
             try:
                 async with asyncio.timeout(job.deadline.call_timeout()):
-                    await job.api.create_namespaced_pod(job.namespace, body)
-                return name
+                    created = await job.api.create_namespaced_pod(job.namespace, body)
+                return name, self._uid_of(created, what), signature
+            except DeployFailed:
+                raise
             except Exception as exc:
                 error = exc
             status = _api_status(error)
             if status == 409:
-                owner = await self._is_ours(job, name)
+                owner, uid = await self._is_ours(job, name, signature)
                 if owner is True:
-                    return name
+                    return name, uid, signature
                 if owner is None and maybe_landed:  # likely ours: keep it, ask again
                     await self._backoff(attempt, error, job.deadline, what)
                     attempt += 1
@@ -748,28 +582,102 @@ class RealK8sPodClient:
                 raise DeployFailed(f"{what} refused: {_api_error_text(error)}") from error
             if status != 429:  # a 429 is refused before anything is applied
                 maybe_landed = True
-                if await self._is_ours(job, name):
-                    return name
+                owner, uid = await self._is_ours(job, name, signature)
+                if owner:
+                    return name, uid, signature
             await self._backoff(attempt, error, job.deadline, what)
             attempt += 1
 
     @staticmethod
-    async def _is_ours(job: _DeployJob, name: str) -> bool | None:
-        """Whether ``name`` exists with our scope and deploy-ver labels (a create that landed):
-        True, False (another pod, or none: 404), or None when the GET failed too (unknown).
+    def _uid_of(created: Any, what: str) -> str:
+        uid = pod_status(created).uid
+        if not uid:  # nothing to bind the signature to; the name is deleted by the caller
+            raise DeployFailed(f"{what}: the reply carries no metadata.uid")
+        return uid
+
+    @staticmethod
+    async def _is_ours(job: _DeployJob, name: str, signature: str) -> tuple[bool | None, str]:
+        """Whether ``name`` exists with our labels and the identity MAC we sent (a create that
+        landed), and its uid: True, False (another pod, or none: 404), or None when the GET
+        failed too (unknown).
 
         Unknown never counts as ours; the name stays in ``job.sent``, so a failed deploy
         still deletes it.
         """
         if job.deadline.remaining() <= 0:
-            return None
+            return None, ""
         try:
             async with asyncio.timeout(job.deadline.call_timeout()):
                 found = pod_status(await job.api.read_namespaced_pod(name, job.namespace))
         except Exception as exc:
             log.debug("get pod %s/%s after a failed create: %s", job.namespace, name, exc)
-            return False if _api_status(exc) == 404 else None
-        return found.scope_id == job.scope_id and found.deploy_ver == job.deploy_ver
+            return (False if _api_status(exc) == 404 else None), ""
+        ours = (
+            found.scope_id == job.scope_id
+            and found.deploy_ver == job.deploy_ver
+            and hmac.compare_digest(
+                found.annotations.get(IDENTITY_ANNOTATION, "").encode(), signature.encode()
+            )
+            and bool(found.uid)
+        )
+        return ours, found.uid
+
+    async def _sign(self, job: _DeployJob, name: str, uid: str, signature: str) -> None:
+        """Patch the incarnation MAC onto the pod we just created."""
+        assert job.identity is not None
+        notes = job.identity.incarnation_annotations(uid=uid, identity=signature)
+        await self._patch_incarnation(job.api, job.namespace, name, uid, notes, job.deadline)
+
+    async def sign(
+        self,
+        pod_id: str,
+        namespace: str,
+        pod_spec: dict[str, Any],
+        *,
+        uid: str,
+        annotations: dict[str, str],
+        within: float,
+    ) -> None:
+        api = await self._deploy_api(pod_spec)  # the pod's cluster: where its deploy went
+        deadline = _Deadline(max(within, AWAIT_READY_MIN))
+        await self._patch_incarnation(api, namespace, pod_id, uid, annotations, deadline)
+
+    async def _patch_incarnation(
+        self,
+        api: Any,
+        namespace: str,
+        name: str,
+        uid: str,
+        notes: dict[str, str],
+        deadline: _Deadline,
+    ) -> None:
+        """A JSON merge patch of ``notes`` (re-sent as is after a lost reply). The patch names
+        the uid: should the name hold another incarnation by now, the API server refuses (the
+        uid is immutable) instead of us signing that one."""
+        patch = {"metadata": {"uid": uid, "annotations": notes}}
+        what = f"sign pod {namespace}/{name}"
+        attempt = 0
+        while True:
+            if deadline.remaining() <= 0:
+                raise DeployFailed(f"{what}: no time left")
+            try:
+                async with asyncio.timeout(deadline.call_timeout()):
+                    await api.patch_namespaced_pod(
+                        name, namespace, patch, _content_type=MERGE_PATCH
+                    )
+                return
+            except Exception as exc:
+                error = exc
+            status = _api_status(error)
+            if status == 404:
+                raise PodGone(f"pod {namespace}/{name} disappeared") from error
+            if status in (409, 422):  # the uid named is not the name's: another incarnation
+                raise PodGone(f"{what}: another pod holds the name now") from error
+            if not _retryable(error):
+                hint = " (the service account needs `patch` on pods)" if status == 403 else ""
+                raise DeployFailed(f"{what} refused: {_api_error_text(error)}{hint}") from error
+            await self._backoff(attempt, error, deadline, what)
+            attempt += 1
 
     @staticmethod
     async def _backoff(attempt: int, error: BaseException, deadline: _Deadline, what: str) -> None:
@@ -784,8 +692,9 @@ class RealK8sPodClient:
         await asyncio.sleep(delay)
 
     @staticmethod
-    async def _wait_ready(job: _DeployJob, name: str, poll: float) -> str:
-        """Poll until Ready with an IP; dead or gone fails at once, a GET hiccup waits."""
+    async def _wait_ready(job: _DeployJob, name: str, uid: str, poll: float) -> str:
+        """Poll until Ready with an IP; dead, gone or replaced (another uid under the name)
+        fails at once, a GET hiccup waits."""
         where = f"pod {job.namespace}/{name}"
         last = "unknown"
         while True:
@@ -799,6 +708,8 @@ class RealK8sPodClient:
                     raise DeployFailed(f"{where}: get refused: {_api_error_text(exc)}") from exc
                 last = f"get failed: {_api_error_text(exc)}"
             else:
+                if found.uid != uid:
+                    raise DeployFailed(f"{where} was replaced by another pod of that name")
                 if found.dead:
                     raise DeployFailed(f"{where} is {found.phase}")
                 if found.ready and found.pod_ip:
@@ -820,234 +731,6 @@ class RealK8sPodClient:
         except Exception as exc:
             if _api_status(exc) != 404:
                 log.warning("delete of failed pod %s/%s: %s", namespace, name, exc)
-
-
-# --- fake client -----------------------------------------------------------------------------
-
-
-class FakeK8sPodClient:
-    """In-memory Kubernetes for local mode and tests; faults are plain public knobs.
-
-    Knobs: ``fail_next_deploys`` (that many deploys raise ``DeployFailed``), ``never_ready``
-    (deploy waits its ``ready_timeout``, deletes the pod, raises), ``ready_delay`` (seconds from
-    create to Ready: a deployed pod comes up by itself, as a kubelet brings it up, whether its
-    deployer still waits or not), ``unhealthy`` (pod ids whose health probe fails),
-    ``missing_namespaces`` (list → [], deploy refused) and ``forbidden_namespaces`` (every
-    call → 403). Actions: ``set_phase``, ``kill``, ``remove`` (vanishes behind our back),
-    ``add_pod`` (a pod we did not create).
-    Records: ``deploy_calls``, ``deleted`` (pod ids, in order), ``pods``.
-
-    Pod IPs are loopback: 127.0.1.1 … 127.0.1.254, then 127.0.2.x and so on.
-    """
-
-    def __init__(self, *, default_namespace: str = "default", ready_delay: float = 0.0) -> None:
-        self.default_namespace = default_namespace
-        self.ready_delay = ready_delay
-        self.never_ready = False
-        self.fail_next_deploys = 0
-        self.unhealthy: set[str] = set()
-        self.missing_namespaces: set[str] = set()
-        self.forbidden_namespaces: set[str] = set()
-        self.pods: dict[str, PodStatus] = {}
-        self.deleted: list[str] = []
-        self.deploy_calls = 0
-        self.started = False
-        self._ips_given = 0
-        self._pod_of_ip: dict[str, str] = {}  # probes find their pod in O(1) (10k-pod benches)
-        self._starting: dict[str, float] = {}  # deployed pods not yet Running → created (loop)
-
-    async def start(self) -> None:
-        self.started = True
-
-    async def close(self) -> None:
-        self.started = False
-
-    # faults and test helpers
-
-    def set_phase(
-        self,
-        pod_id: str,
-        phase: str,
-        waiting_reason: str | None = None,
-        *,
-        ready: bool | None = None,
-    ) -> None:
-        """Move a pod to ``phase`` (a waiting reason wins, as in ``pod_status``); Ready follows
-        Running unless ``ready`` says otherwise."""
-        pod = self.pods[pod_id]
-        reasons = (waiting_reason,) if waiting_reason else ()
-        phase = normalize_phase(phase, deleting=False, waiting_reasons=reasons)
-        running = phase == "Running"
-        self.pods[pod_id] = dataclasses.replace(
-            pod,
-            phase=phase,
-            ready=running if ready is None else ready,
-            pod_ip=pod.pod_ip or (self._next_ip(pod_id) if running else None),
-        )
-
-    def kill(self, pod_id: str) -> None:
-        self.set_phase(pod_id, "Failed")
-
-    def remove(self, pod_id: str) -> None:
-        """The pod vanishes as if someone else deleted it (not recorded in ``deleted``)."""
-        self.pods.pop(pod_id, None)
-
-    def add_pod(
-        self,
-        *,
-        scope_id: str,
-        deploy_ver: str,
-        pod_id: str | None = None,
-        namespace: str | None = None,
-        phase: str = "Running",
-        ready: bool | None = None,
-        labels: dict[str, str] | None = None,
-    ) -> PodStatus:
-        """A pod we did not deploy (e.g. found after a Redis wipe); ``labels`` override ours."""
-        pod_id = pod_id or new_pod_name(None)
-        pod = PodStatus(
-            pod_id=pod_id,
-            namespace=namespace or self.default_namespace,
-            phase=phase,
-            ready=phase == "Running" if ready is None else ready,
-            pod_ip=None if phase == "Pending" else self._next_ip(pod_id),
-            labels={**pod_labels(pod_id, scope_id, deploy_ver), **(labels or {})},
-        )
-        self.pods[pod_id] = pod
-        return pod
-
-    def _next_ip(self, pod_id: str) -> str:
-        n, self._ips_given = self._ips_given, self._ips_given + 1
-        ip = f"127.0.{1 + n // 254}.{1 + n % 254}"
-        self._pod_of_ip[ip] = pod_id
-        return ip
-
-    def _check_namespace(self, namespace: str) -> None:
-        if namespace in self.forbidden_namespaces:
-            raise K8sApiError(f"fake: namespace {namespace} is forbidden", status=403)
-
-    # K8sPodClient
-
-    def _kubelet(self) -> None:
-        """Deployed pods whose ready_delay has passed are Running and Ready (never with
-        ``never_ready``); one killed or set meanwhile keeps what it was set to."""
-        if not self._starting or self.never_ready:
-            return
-        now = asyncio.get_running_loop().time()
-        for pod_id, created in list(self._starting.items()):
-            pod = self.pods.get(pod_id)
-            if pod is None or pod.phase != "Pending":
-                del self._starting[pod_id]
-            elif now - created >= self.ready_delay:
-                del self._starting[pod_id]
-                self.set_phase(pod_id, "Running")
-
-    async def deploy(
-        self,
-        *,
-        scope_id: str,
-        deploy_ver: str,
-        pod_spec: dict[str, Any],
-        on_created: OnCreated | None = None,
-    ) -> PodDeployInfo:
-        self.deploy_calls += 1
-        namespace = pod_spec.get("namespace") or self.default_namespace
-        if self.fail_next_deploys > 0:
-            self.fail_next_deploys -= 1
-            raise DeployFailed("fake: injected deploy failure")
-        if namespace in self.forbidden_namespaces:
-            raise DeployFailed(f"create pod in {namespace} refused: 403 Forbidden")
-        if namespace in self.missing_namespaces:
-            raise DeployFailed(f"create pod in {namespace} refused: 404 namespace not found")
-        body = build_pod_body(
-            new_pod_name(pod_spec.get("pod_name")), scope_id, deploy_ver, pod_spec
-        )
-        pod_id = body["metadata"]["name"]
-        self.pods[pod_id] = PodStatus(
-            pod_id, namespace, "Pending", False, None, body["metadata"]["labels"]
-        )
-        self._starting[pod_id] = asyncio.get_running_loop().time()
-        try:
-            if on_created is not None:
-                await on_created(pod_id, namespace)
-            pod_ip = await self._wait_ready(pod_id, _deploy_timing(pod_spec))
-        except BaseException:  # as the real client: a failed or cancelled deploy leaves no pod
-            if self.pods.pop(pod_id, None) is not None:
-                self.deleted.append(pod_id)
-            raise
-        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec))
-
-    async def await_ready(
-        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, within: float
-    ) -> PodDeployInfo:
-        self._check_namespace(namespace)
-        pod = self.pods.get(pod_id)
-        if pod is None or pod.namespace != namespace:
-            raise PodGone(f"pod {pod_id} disappeared")
-        _, poll = _deploy_timing(pod_spec)
-        pod_ip = await self._wait_ready(pod_id, (max(within, 0.0), poll))
-        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec))
-
-    async def _wait_ready(self, pod_id: str, timing: tuple[float, float]) -> str:
-        """Like the real poll loop: a pod killed or removed meanwhile fails at the next poll."""
-        timeout, poll = timing
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        while True:
-            self._kubelet()
-            pod = self.pods.get(pod_id)
-            if pod is None:
-                raise PodGone(f"pod {pod_id} disappeared")
-            if pod.dead:
-                raise DeployFailed(f"pod {pod_id} is {pod.phase}")
-            if pod.ready and pod.pod_ip:
-                return pod.pod_ip
-            elapsed = loop.time() - started
-            if elapsed >= timeout:
-                raise DeployFailed(f"pod {pod_id} not Ready within {timeout:g}s (last: Pending)")
-            created = self._starting.get(pod_id)
-            due = math.inf if created is None or self.never_ready else self.ready_delay
-            until_due = (created or 0.0) + due - loop.time()
-            await asyncio.sleep(max(min(poll, timeout - elapsed, until_due), 0.0))
-
-    async def delete(self, pod_id: str, namespace: str) -> bool:
-        self._check_namespace(namespace)
-        pod = self.pods.get(pod_id)
-        if pod is None or pod.namespace != namespace:
-            return False
-        del self.pods[pod_id]
-        self.deleted.append(pod_id)
-        return True
-
-    async def get_pod(self, pod_id: str, namespace: str) -> PodStatus | None:
-        self._check_namespace(namespace)
-        self._kubelet()
-        pod = self.pods.get(pod_id)
-        return pod if pod is not None and pod.namespace == namespace else None
-
-    async def list_pods(self, namespace: str, label_selector: str) -> list[PodStatus]:
-        self._check_namespace(namespace)
-        if namespace in self.missing_namespaces:
-            return []
-        self._kubelet()
-        terms = parse_label_selector(label_selector)
-        pods = list(self.pods.values())
-        found: list[PodStatus] = []
-        for i in range(0, len(pods), LIST_PAGE_SIZE):  # pages, as the real client reads them
-            if i:
-                await asyncio.sleep(0)
-            page = pods[i : i + LIST_PAGE_SIZE]
-            found += [p for p in page if p.namespace == namespace and labels_match(terms, p.labels)]
-        return found
-
-    async def probe_health(self, pod_ip: str, port: int) -> bool:
-        pod = self.pods.get(self._pod_of_ip.get(pod_ip, ""))
-        return (
-            pod is not None
-            and pod.pod_ip == pod_ip
-            and pod.phase == "Running"
-            and pod.pod_id not in self.unhealthy
-        )
 
 
 class MeteredK8sPodClient:
@@ -1092,18 +775,35 @@ class MeteredK8sPodClient:
         scope_id: str,
         deploy_ver: str,
         pod_spec: dict[str, Any],
+        identity: PodIdentity,
         on_created: OnCreated | None = None,
     ) -> PodDeployInfo:
         call = self.inner.deploy(
-            scope_id=scope_id, deploy_ver=deploy_ver, pod_spec=pod_spec, on_created=on_created
-        )
+            scope_id=scope_id, deploy_ver=deploy_ver, pod_spec=pod_spec, identity=identity,
+            on_created=on_created,
+        )  # fmt: skip
         return await self._timed("deploy", call)
 
     async def await_ready(
-        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, within: float
+        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, uid: str, within: float
     ) -> PodDeployInfo:
-        call = self.inner.await_ready(pod_id, namespace, pod_spec, within=within)
+        call = self.inner.await_ready(pod_id, namespace, pod_spec, uid=uid, within=within)
         return await self._timed("await_ready", call)
+
+    async def sign(
+        self,
+        pod_id: str,
+        namespace: str,
+        pod_spec: dict[str, Any],
+        *,
+        uid: str,
+        annotations: dict[str, str],
+        within: float,
+    ) -> None:
+        call = self.inner.sign(
+            pod_id, namespace, pod_spec, uid=uid, annotations=annotations, within=within
+        )
+        await self._timed("sign", call)
 
     async def delete(self, pod_id: str, namespace: str) -> bool:
         return await self._timed("delete", self.inner.delete(pod_id, namespace))

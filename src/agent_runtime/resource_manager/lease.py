@@ -48,7 +48,7 @@ class DeployLease:
         self.lock_token = lock_token
         self.seconds = seconds
         self._record_ttl = record_ttl
-        self._pod: tuple[str, str] | None = None
+        self._pod: tuple[str, str, str] | None = None
         self.lost = False
         self._closed = True
 
@@ -84,12 +84,14 @@ class DeployLease:
         still ours cannot be told: the caller neither registers nor deletes it)."""
         await self._renewed_within(self.seconds)
 
-    async def record_pod(self, pod_id: str, namespace: str) -> None:
-        """The deploy's ``on_created``: the pod is recorded under our lock before the wait for
-        Ready, so a leader taking over finds it. Tried again while Redis hiccups, for one
-        lease; LeaseLost when another leader holds the lock. Either failure makes the deploy
-        delete the pod: nobody else knows it."""
-        self._pod = (pod_id, namespace)
+    async def record_pod(self, pod_id: str, namespace: str, uid: str) -> None:
+        """The deploy's ``on_created``: the pod (this incarnation of the name: its uid) is
+        recorded under our lock before its incarnation is signed and before the wait for
+        Ready, so a leader taking over finds it and can tell it from a pod re-created under
+        the name. Tried again while Redis hiccups, for one lease; LeaseLost when another
+        leader holds the lock. Either failure makes the deploy delete the pod: nobody else
+        knows it."""
+        self._pod = (pod_id, namespace, uid)
         try:
             await self._renewed_within(self.seconds)
         except BaseException:

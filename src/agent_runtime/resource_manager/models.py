@@ -11,6 +11,8 @@ APP_LABEL = "app"
 SCOPE_LABEL = "agent-runtime/scope"
 DEPLOY_VER_LABEL = "agent-runtime/deploy-ver"
 COMPONENT_SELECTOR = f"{COMPONENT_LABEL}={COMPONENT_VALUE}"
+# what cleanup may delete: AgentServers that carry our scope label (an existence term)
+OWN_PODS_SELECTOR = f"{COMPONENT_SELECTOR},{SCOPE_LABEL}"
 
 # Waiting reasons after which a container will not come up by itself.
 DEAD_WAITING_REASONS = frozenset(
@@ -30,12 +32,10 @@ class PodDeployInfo:
     pod_sse_url: str
 
 
-# placeholders of the warm pool's own deploys (autoscale) and of adoptions (reconcile): their
-# pods register as idle, so a caller never follows them; it waits and takes the pod from the
-# warm pool
+# placeholders of the warm pool's own deploys (autoscale): their pods register as idle, so a
+# caller never follows them; it waits and takes the pod from the warm pool (reconcile's
+# adoptions take no placeholder: adopt.lua registers in one step)
 WARM_TOKEN_PREFIX = "warm:"
-ADOPT_TOKEN_PREFIX = "adopt:"
-POOL_TOKEN_PREFIXES = (WARM_TOKEN_PREFIX, ADOPT_TOKEN_PREFIX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +53,10 @@ class PodStatus:
     ready: bool
     pod_ip: str | None
     labels: dict[str, str] = field(default_factory=dict)
+    # what ``identity.verify`` reads: the object's incarnation and our signed annotations
+    uid: str = ""
+    annotations: dict[str, str] = field(default_factory=dict)
+    image: str = ""  # the first container's (reported for a foreign pod)
 
     @property
     def dead(self) -> bool:

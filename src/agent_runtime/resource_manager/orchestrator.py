@@ -30,10 +30,11 @@ from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.deployer import Deployer, Requester
+from agent_runtime.resource_manager.identity import PodIdentity
 from agent_runtime.resource_manager.k8s import K8sPodClient, parse_label_selector
 from agent_runtime.resource_manager.lease import DeployLease
 from agent_runtime.resource_manager.models import (
-    COMPONENT_SELECTOR,
+    OWN_PODS_SELECTOR,
     DeployBounds,
     DeployFailed,
     DeployInProgress,
@@ -47,7 +48,7 @@ from agent_runtime.resource_manager.state import OrphanPod, ResourceState, regis
 log = logging.getLogger(__name__)
 
 FOLLOWER_MARGIN = 10  # seconds a caller waits beyond ready_timeout (registration overhead)
-LOCK_MARGIN = 30  # seconds a recorded pod (and an adoption's placeholder) outlive ready_timeout
+LOCK_MARGIN = 30  # seconds a recorded pod outlives ready_timeout
 FOLLOWER_POLL = 0.25  # safety net under the registration signal
 DEFAULT_DEPLOY_LEASE = 5.0
 MAX_ROUNDS = 20  # acquire rounds of one call (takeovers, lost leases): bounded even so
@@ -106,11 +107,13 @@ class ResourceOrchestrator:
         default_namespace: str,
         bounds: DeployBounds | None = None,
         metrics: Metrics | None = None,
+        identity: PodIdentity,
         deploy_lease: float = DEFAULT_DEPLOY_LEASE,
         instance_id: str = "",
     ) -> None:
         """``bounds``: where a deploy may go (the wiring passes the settings'; None: anywhere,
-        for tests that build an orchestrator by hand). ``deploy_lease``: seconds a deploy's
+        for tests that build an orchestrator by hand); ``identity`` signs every pod (and completes
+        the identity of a dead leader's pod it takes over). ``deploy_lease``: seconds a deploy's
         claim lives unless renewed (AGENT_RUNTIME_DEPLOY_LEASE). ``instance_id``: named in
         the deploy lock's token, so an operator sees which replica leads a deploy."""
         metrics = metrics or Metrics()
@@ -128,6 +131,7 @@ class ResourceOrchestrator:
             bounds=bounds,
             metrics=metrics,
             lease=deploy_lease,
+            identity=identity,
         )
         self._deploys = BackgroundTasks()
         self.deploy_lease = deploy_lease
@@ -467,13 +471,14 @@ class ResourceOrchestrator:
         return await self._state.expire_scope(scope_id)
 
     async def cleanup(self, namespace: str | None = None, label_selector: str | None = None) -> int:
-        """Delete AgentServer pods matching the selector (the component label always ANDed
-        in). Redis is not touched: watch and reconcile notice the deleted pods."""
+        """Delete AgentServer pods matching the selector (the component label and the
+        existence of our scope label always ANDed in: another tool's AgentServer is never
+        ours to delete). Redis is not touched: watch and reconcile notice the deleted pods."""
         ns = namespace or self._default_namespace
         # ValueError for a selector we do not accept; what Kubernetes gets is its canonical
         # form, so the API server never refuses (502) what we validated (400)
         terms = parse_label_selector(label_selector or "")
-        selector = ",".join([COMPONENT_SELECTOR, *(term.render() for term in terms)])
+        selector = ",".join([OWN_PODS_SELECTOR, *(term.render() for term in terms)])
         pods = await self._k8s.list_pods(ns, selector)
         gate = asyncio.Semaphore(CLEANUP_CONCURRENCY)
 

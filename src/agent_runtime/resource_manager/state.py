@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from agent_runtime import lua
 from agent_runtime.config import RM_KEY_PREFIX as P
 from agent_runtime.errors import RequestIdReused
-from agent_runtime.resource_manager.models import POOL_TOKEN_PREFIXES
+from agent_runtime.resource_manager.models import WARM_TOKEN_PREFIX
 
 SCOPE_PREFIX = f"{P}resource:scope:"
 POD_PREFIX = f"{P}resource:pod:"
@@ -41,6 +41,9 @@ BUDGET_RULE_PREFIX = f"{P}budget:rule:"
 BUDGET_RULES_KEY = f"{P}budget:rules"  # SET: rule ids that have a units ZSET (for reconcile)
 BUDGET_LIMITS_KEY = f"{P}budget:rule_limits"  # HASH: rule id -> its pod budget (>= 1)
 DEFAULT_POD_BUDGET = 1000
+# Reconcile's report of pods with our labels that are not provably ours (foreign_report.lua)
+FOREIGN_PODS_KEY = f"{P}resource:foreign_pods"
+FOREIGN_COUNT_KEY = f"{P}resource:foreign_pods:count"
 IDEM_TTL = 60
 # The jobs' reads come in slices, a round trip each, so no slice holds the loop for long
 # and no call holds Redis (single-threaded: a route waits behind it) for more than ~0.5 ms.
@@ -153,6 +156,7 @@ class OrphanPod:
     pod_id: str
     namespace: str
     created: float  # Redis seconds
+    uid: str  # the incarnation the leader created ("" from a record that names none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +186,19 @@ class PlaceholderOutcome:
     member: str | None
     refused: str | None = None  # no_config | max_reached | budget_reached
     budget: str | None = None  # budget_reached: "global" or "rule"
+
+
+@dataclass(frozen=True, slots=True)
+class AdoptOutcome:
+    """What the ``adopt`` script decided."""
+
+    action: str  # adopted | known | old_version | max_reached | budget_reached
+    detail: str | None = None  # adopted: configured | unconfigured; budget_reached: which
+
+    @property
+    def kept(self) -> bool:
+        """The pod is registered now (adopted, or already was)."""
+        return self.action in ("adopted", "known")
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +240,21 @@ def _parsed_spec(raw: str) -> dict[str, Any]:
     return cast(dict[str, Any], json.loads(raw))
 
 
+def _registration_keys(scope_id: str, pod_id: str) -> list[str]:
+    """What registering a pod writes: KEYS[1..9] of register.lua and adopt.lua alike."""
+    return [
+        pod_info_key(pod_id),
+        scope_pods_key(scope_id),
+        PODS_ALL_KEY,
+        scope_deploying_key(scope_id),
+        scope_idle_key(scope_id),
+        pod_idle_since_key(pod_id),
+        scope_config_key(scope_id),
+        BUDGET_PODS_KEY,
+        BUDGET_RULES_KEY,
+    ]
+
+
 class ResourceState:
     """Typed operations on the resource manager's Redis keys (client with decode_responses)."""
 
@@ -258,6 +290,8 @@ class ResourceState:
         self._read_many_script = script("read_many")
         self._pool_config_script = script("pool_config")
         self._scope_expire = script("scope_expire")
+        self._adopt = script("adopt", placeholders)
+        self._foreign_report = script("foreign_report")
 
     # --- pool config ---------------------------------------------------------------------------
 
@@ -487,7 +521,8 @@ class ResourceState:
         if reply[0] == "follower":
             return LeaseTake(False, holder=reply[1])
         if len(reply) > 1:
-            return LeaseTake(True, orphan=OrphanPod(reply[1], reply[2], float(reply[3])))
+            orphan = OrphanPod(reply[1], reply[2], float(reply[3]), reply[4])
+            return LeaseTake(True, orphan=orphan)
         return LeaseTake(True)
 
     async def renew_deploy_lease(
@@ -497,11 +532,11 @@ class ResourceState:
         lock_token: str,
         lease: float,
         *,
-        pod: tuple[str, str] | None = None,
+        pod: tuple[str, str, str] | None = None,
         record_ttl: int = 0,
     ) -> str | None:
         """Renew a deploy's claim (its placeholder and, with ``lock_token``, the scope's deploy
-        lock) for ``lease`` seconds; with ``pod`` (name, namespace) also record the pod it
+        lock) for ``lease`` seconds; with ``pod`` (name, namespace, uid) also record the pod it
         created. The placeholder's new member, or None: the claim is lost (deploy_lease.lua)."""
         reply = await self._lease_renew(
             keys=[
@@ -520,8 +555,9 @@ class ResourceState:
                 lease,
                 scope_id,
                 BUDGET_RULE_PREFIX,
-                *(pod or ("", "")),
+                *(pod or ("", ""))[:2],
                 record_ttl,
+                pod[2] if pod else "",
             ],
         )
         return str(reply[1]) if reply[0] == "ok" else None
@@ -537,10 +573,15 @@ class ResourceState:
         )
         return bool(released)
 
-    async def deploy_record(self, scope_id: str) -> str | None:
+    async def deploy_record(self, scope_id: str) -> OrphanPod | None:
         """The pod the scope's deploy leader recorded (not a failure notice), None without."""
-        pod_id, failed = await self.redis.hmget(deploy_pod_key(scope_id), "pod_id", "failed")
-        return None if failed else cast(str | None, pod_id)
+        fields = ("pod_id", "namespace", "created", "uid", "failed")
+        pod_id, namespace, created, uid, failed = cast(
+            list[str | None], await self.redis.hmget(deploy_pod_key(scope_id), *fields)
+        )
+        if failed or not pod_id:
+            return None
+        return OrphanPod(pod_id, namespace or "", float(created or 0), uid or "")
 
     async def deploy_leader(self, scope_id: str) -> str | None:
         """The live deploy leader's token, None without one."""
@@ -555,7 +596,7 @@ class ResourceState:
             pipe.time()
             leader, failed, members, (seconds, _) = await pipe.execute()
         live = [m for m in members if placeholder_deadline(m) >= int(seconds)]
-        warm = [m for m in live if m.startswith(POOL_TOKEN_PREFIXES)]
+        warm = [m for m in live if m.startswith(WARM_TOKEN_PREFIX)]
         return DeployView(leader, bool(failed), len(warm) < len(live), bool(warm))
 
     async def prune_leases(self) -> tuple[int, int]:
@@ -591,17 +632,7 @@ class ResourceState:
     ) -> bool:
         """Returns whether the placeholder was still held (False: it expired meanwhile)."""
         held = await self._register(
-            keys=[
-                pod_info_key(pod_id),
-                scope_pods_key(scope_id),
-                PODS_ALL_KEY,
-                scope_deploying_key(scope_id),
-                scope_idle_key(scope_id),
-                pod_idle_since_key(pod_id),
-                scope_config_key(scope_id),
-                BUDGET_PODS_KEY,
-                BUDGET_RULES_KEY,
-            ],
+            keys=_registration_keys(scope_id, pod_id),
             args=[
                 pod_id,
                 placeholder or "",
@@ -615,6 +646,28 @@ class ResourceState:
             ],
         )
         return bool(held)
+
+    async def adopt(
+        self,
+        *,
+        scope_id: str,
+        pod_id: str,
+        pod_sse_url: str,
+        pod_ip: str,
+        namespace: str,
+        deploy_ver: str,
+    ) -> AdoptOutcome:
+        """A verified pod of ours that Redis does not know into its scope's warm pool
+        (adopt.lua: within max_pods and the budgets when the scope has a config, as it is
+        when it has none)."""
+        reply = await self._adopt(
+            keys=[*_registration_keys(scope_id, pod_id), BUDGET_LIMITS_KEY],
+            args=[
+                pod_id, scope_id, pod_sse_url, pod_ip, namespace, deploy_ver,
+                BUDGET_RULE_PREFIX, self.pod_budget,
+            ],
+        )  # fmt: skip
+        return AdoptOutcome(reply[0], reply[1] if len(reply) > 1 else None)
 
     async def release(self, scope_id: str, pod_id: str) -> bool:
         became_idle = await self._release(
@@ -704,13 +757,8 @@ class ResourceState:
     async def idle_pods_of(self, scope_ids: list[str]) -> dict[str, dict[str, float]]:
         """``idle_pods`` of many scopes: pipelined SMEMBERS, then MGETs of the warm ones."""
         members = await self._members_of(scope_ids, scope_idle_key)
-        pods = [p for scope_pods in members.values() for p in scope_pods]
-        since: dict[str, float] = {}
-        for i in range(0, len(pods), BATCH):
-            chunk = pods[i : i + BATCH]
-            values = await self.redis.mget([pod_idle_since_key(p) for p in chunk])
-            since.update((p, float(v or 0)) for p, v in zip(chunk, values, strict=True))
-        return {s: {p: since[p] for p in scope_pods} for s, scope_pods in members.items()}
+        since = await self.idle_since([p for scope_pods in members.values() for p in scope_pods])
+        return {s: {p: since.get(p, 0.0) for p in scope_pods} for s, scope_pods in members.items()}
 
     async def deploying(self, scope_id: str) -> list[str]:
         return cast(list[str], list(await self.redis.smembers(scope_deploying_key(scope_id))))
@@ -800,6 +848,35 @@ class ResourceState:
     async def cache_result(self, scope_id: str, request_id: str, result: dict[str, str]) -> None:
         value = json.dumps({**result, "scope_id": scope_id})
         await self.redis.set(idem_key(request_id), value, ex=IDEM_TTL)
+
+    async def idle_since(self, pod_ids: list[str]) -> dict[str, float]:
+        """When each warm pod joined the warm pool (Redis seconds); a pod that is not warm is
+        left out. MGETs of BATCH keys."""
+        since: dict[str, float] = {}
+        for i in range(0, len(pod_ids), BATCH):
+            chunk = pod_ids[i : i + BATCH]
+            values = await self.redis.mget([pod_idle_since_key(p) for p in chunk])
+            since.update((p, float(v)) for p, v in zip(chunk, values, strict=True) if v)
+        return since
+
+    # --- foreign pods (reconcile's report) -----------------------------------------------------
+
+    async def report_foreign(self, count: int, pods: dict[str, dict[str, Any]]) -> None:
+        """Replace the report: ``count`` foreign pods seen, ``pods`` (a bounded number of them)
+        by "{namespace}/{pod}"."""
+        flat = [x for field, pod in pods.items() for x in (field, json.dumps(pod, sort_keys=True))]
+        await self._foreign_report(keys=[FOREIGN_PODS_KEY, FOREIGN_COUNT_KEY], args=[count, *flat])
+
+    async def foreign_pods(self) -> tuple[int, list[dict[str, Any]]]:
+        """The last report: how many were seen, and those it holds (sorted by namespace/pod)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.get(FOREIGN_COUNT_KEY)
+            pipe.hgetall(FOREIGN_PODS_KEY)
+            count, pods = await pipe.execute()
+        return int(count or 0), [json.loads(pods[k]) for k in sorted(pods)]
+
+    async def foreign_pod_count(self) -> int:
+        return int(await self.redis.get(FOREIGN_COUNT_KEY) or 0)
 
     async def count_health_failure(self, pod_id: str) -> int:
         """One more failed probe; 0 if the pod has been forgotten meanwhile.

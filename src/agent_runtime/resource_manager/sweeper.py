@@ -17,16 +17,17 @@ from collections import defaultdict
 from typing import Any
 
 from agent_runtime.jobs import BackgroundTasks
-from agent_runtime.resource_manager.k8s import K8sPodClient, sse_url
+from agent_runtime.metrics import Metrics
+from agent_runtime.resource_manager.identity import PodIdentity
+from agent_runtime.resource_manager.k8s import K8sPodClient
 from agent_runtime.resource_manager.models import (
-    ADOPT_TOKEN_PREFIX,
-    COMPONENT_SELECTOR,
-    SCOPE_LABEL,
+    OWN_PODS_SELECTOR,
     WARM_TOKEN_PREFIX,
     K8sApiError,
     PodStatus,
 )
-from agent_runtime.resource_manager.orchestrator import LOCK_MARGIN, ResourceOrchestrator
+from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
+from agent_runtime.resource_manager.orphans import Orphans
 from agent_runtime.resource_manager.state import PoolConfig, ResourceState
 from agent_runtime.session_manager.facade import SessionManagerFacade
 
@@ -37,8 +38,7 @@ log = logging.getLogger(__name__)
 HEALTH_FAILS_TO_DEAD = 2
 PROBE_CONCURRENCY = 16
 MAX_WARM_DEPLOYS = 8  # per replica at once
-# ours only: a pod without our scope label (another tool's AgentServer) is never touched
-OWN_PODS_SELECTOR = f"{COMPONENT_SELECTOR},{SCOPE_LABEL}"
+DEFAULT_ADOPTED_POD_TTL = 600.0
 
 
 class ResourceSweeper:
@@ -51,15 +51,29 @@ class ResourceSweeper:
         sessions: SessionManagerFacade,
         default_namespace: str,
         namespaces: frozenset[str] | None = None,
+        identity: PodIdentity,
+        metrics: Metrics | None = None,
+        adopted_pod_ttl: float = DEFAULT_ADOPTED_POD_TTL,
     ) -> None:
         """``namespaces``: the allow-list reconcile may look for orphans in besides where our
-        pods are (None: wherever pool configs say)."""
+        pods are (None: wherever pool configs say); ``identity``: tells our pods from others;
+        ``adopted_pod_ttl``: how long a warm pod of a scope without a pool config is kept."""
         self._state = state
         self._k8s = k8s
         self._orchestrator = orchestrator
         self._sessions = sessions
         self._default_namespace = default_namespace
         self._namespaces = namespaces
+        self._metrics = metrics or Metrics()
+        self._adopted_pod_ttl = adopted_pod_ttl
+        self._orphans = Orphans(
+            state=state,
+            k8s=k8s,
+            sessions=sessions,
+            identity=identity,
+            metrics=self._metrics,
+            deploy_lease=orchestrator.deploy_lease,
+        )
         self._warm_deploys = BackgroundTasks()
         self._unused_last_pass: set[str] = set()
 
@@ -262,9 +276,12 @@ class ResourceSweeper:
 
         Read order matters: Redis' pods BEFORE the LIST (a pod registered after it would look
         missing), placeholders and then pods:all AFTER it (a pod listed while still deploying
-        has a placeholder, or is registered by then: never an orphan).
+        has a placeholder, or is registered by then: never an orphan). Only live placeholders
+        count: an expired one is a dead deployer's, whose pod is settled here. An orphan is
+        adopted or deleted only when it is provably ours, a dead deploy leader's recorded pod
+        only under that deploy's lease (``orphans.py``); a foreign one is counted.
         """
-        counts = {"purged": 0, "released": 0, "adopted": 0, "deleted": 0}
+        counts = {"purged": 0, "released": 0, "adopted": 0, "deleted": 0, "expired": 0}
         indexed = await self._state.index_scopes()
         if indexed:
             log.info("%d scopes with a pool config were missing from the index; added", indexed)
@@ -284,10 +301,12 @@ class ResourceSweeper:
                     await self._forget(pod_id)
                     counts["purged"] += 1
         counts["released"] = await self._release_unused()
+        counts["expired"] = await self._expire_configless()
         # placeholders past their lease are a dead deployer's: its pod is adopted or deleted
         deploying = await self._state.live_deploying_of(await self._state.scopes_with_config())
         known_now = set(await self._state.all_pods())
         known_at_start = {p for pods in known_before.values() for p in pods}
+        self._orphans.begin_pass()
         for listed in listings.values():
             for n, status in enumerate(listed.values()):
                 if n % 1000 == 999:
@@ -296,71 +315,21 @@ class ResourceSweeper:
                     continue
                 if status.pod_id in known_at_start:
                     continue  # forgotten during this pass (reclaimed, cleaned): not an orphan
+                if self._orphans.foreign(status):
+                    continue  # not provably ours: never adopted, never deleted
                 if deploying.get(status.scope_id or "", []):
                     continue  # a deploy of that scope is in flight: maybe this very pod
-                fresh = await self._recheck(status)
-                if fresh is None:
-                    continue  # gone or being deleted since the LIST
-                status = fresh
-                handled = await self._dead_leaders_pod(status)
-                if handled is not None:  # under its deploy's lease: adopted, deleted, or left
-                    if handled in counts:
-                        counts[handled] += 1
-                    continue
-                # a dead one is deleted, never adopted: nobody else would (watch only sees
-                # pods Redis knows, and retries a failed delete of its own through here)
-                if not status.dead and (
-                    await self._adopt_with_sessions(status) or await self._adopt(status)
-                ):
-                    counts["adopted"] += 1
-                else:
-                    with contextlib.suppress(Exception):
-                        await self._k8s.delete(status.pod_id, status.namespace)
-                    counts["deleted"] += 1
+                fate = await self._orphans.settle(status)
+                if fate in counts:
+                    counts[fate] += 1
+        counts["foreign"] = await self._orphans.end_pass()
+        for action, n in counts.items():
+            self._metrics.reconciled.labels(action).inc(n)
         # last: the pools now match Kubernetes, and the budgets are made to match the pools
         added, dropped = await self._state.repair_budgets()
         if added or dropped:
             log.warning("pod budgets drifted: %d units added, %d dropped", added, dropped)
         return counts
-
-    async def _dead_leaders_pod(self, status: PodStatus) -> str | None:
-        """A pod whose deploy leader died before registering it (its scope's deploy record
-        names it) is adopted or deleted only under that deploy's lease, so that a route taking
-        the deploy over never registers it too; one still starting is left to such a takeover,
-        or to a later pass once Ready (its record lapses with its ready_timeout, and then it is
-        an orphan like any other). None: not such a pod (a dead one is deleted as any other)."""
-        if status.dead or not status.scope_id:
-            return None
-        if await self._state.deploy_record(status.scope_id) != status.pod_id:
-            return None
-        if not status.ready:
-            return "left"
-        token = f"reconcile/{uuid.uuid4().hex}@{await self._state.now()!r}"
-        lease = self._orchestrator.deploy_lease
-        took = await self._state.take_deploy_lease(status.scope_id, token, lease)
-        if not took.leader:
-            return "left"  # a route took the deploy over: the pod is its leader's
-        try:
-            if took.orphan is None or took.orphan.pod_id != status.pod_id:
-                return "left"
-            if await self._adopt(status):
-                return "adopted"
-            with contextlib.suppress(Exception):
-                await self._k8s.delete(status.pod_id, status.namespace)
-            return "deleted"
-        finally:
-            await self._state.end_deploy_lease(status.scope_id, token, "none", lease)
-
-    async def _recheck(self, status: PodStatus) -> PodStatus | None:
-        """The pod as Kubernetes sees it now (the LIST may be stale by a whole pass); None when
-        it is gone or terminating. A failed GET keeps the listed view."""
-        try:
-            fresh = await self._k8s.get_pod(status.pod_id, status.namespace)
-        except Exception:
-            return status
-        if fresh is None or fresh.phase == "Terminating":
-            return None
-        return fresh
 
     async def _release_unused(self) -> int:
         """In-use pods the session side neither places on nor has sessions on → warm pool."""
@@ -385,63 +354,28 @@ class ResourceSweeper:
                 released += 1
         return released
 
-    async def _adopt(self, status: PodStatus) -> bool:
-        """A pod of ours that Redis forgot (e.g. Redis lost its data): keep it as a warm pod
-        if it is Ready and of its scope's current version and the scope has room."""
-        if not (status.ready and status.pod_ip and status.scope_id):
-            return False
-        config = await self._state.pool_config(status.scope_id)
-        if config is None or config.pod_spec is None or status.deploy_ver != config.deploy_ver:
-            return False
-        token = f"{ADOPT_TOKEN_PREFIX}{status.pod_id}"
-        placeholder = await self._state.add_placeholder(status.scope_id, token, LOCK_MARGIN)
-        if placeholder is None:
-            return False  # at max_pods: the pod goes
-        await self._register_found(
-            status, config.pod_spec, config.deploy_ver or "", placeholder=placeholder, warm=True
-        )
-        log.info("pod %s adopted into scope %s's warm pool", status.pod_id, status.scope_id)
-        return True
-
-    async def _adopt_with_sessions(self, status: PodStatus) -> bool:
-        """Redis lost only our keys but the session side still has sessions on the pod: keep
-        it in use whatever its version or the cap (a pod with live sessions is never deleted
-        for bookkeeping reasons); sunset and reclaim take their normal course afterwards."""
-        if not (status.pod_ip and status.scope_id):
-            return False
-        usage = await self._sessions.reconcile_pods({status.pod_id: status.scope_id})
-        use = usage.get(status.pod_id)
-        if use is None or use.sessions == 0:
-            return False
-        config = await self._state.pool_config(status.scope_id)
-        spec = config.pod_spec if config is not None and config.pod_spec else {}
-        await self._register_found(
-            status, spec, status.deploy_ver or "", placeholder=None, warm=False
-        )
-        log.info("pod %s re-adopted in use: %d live sessions", status.pod_id, use.sessions)
-        return True
-
-    async def _register_found(
-        self,
-        status: PodStatus,
-        pod_spec: dict[str, Any],
-        deploy_ver: str,
-        *,
-        placeholder: str | None,
-        warm: bool,
-    ) -> None:
-        """Register a pod found in Kubernetes (adoption): its SSE URL from the spec's port."""
-        assert status.pod_ip is not None and status.scope_id is not None
-        await self._state.register(
-            scope_id=status.scope_id,
-            pod_id=status.pod_id,
-            placeholder=placeholder,
-            pod_sse_url=sse_url(status.pod_ip, pod_spec),
-            pod_ip=status.pod_ip,
-            namespace=status.namespace,
-            deploy_ver=deploy_ver,
-            warm=warm,
-        )
+    async def _expire_configless(self) -> int:
+        """Warm pods of a scope without a pool config go once idle for ``adopted_pod_ttl``:
+        pods adopted after a Redis data loss whose scope never routed again (its route would
+        have written the config, and the normal reclaim rules would apply). O(pods) in slices."""
+        configured = set(await self._state.scopes_with_config())
+        fields = await self._state.pod_fields(await self._state.all_pods(), "phase", "scope_id")
+        waiting = {
+            pod_id: scope_id
+            for pod_id, (phase, scope_id) in fields.items()
+            if phase == "idle" and scope_id and scope_id not in configured
+        }
+        if not waiting:
+            return 0
+        now = await self._state.now()
+        since = await self._state.idle_since(list(waiting))
+        expired = 0
+        for pod_id, scope_id in waiting.items():
+            if pod_id in since and now - since[pod_id] >= self._adopted_pod_ttl:
+                log.info("pod %s: scope %s has no pool config; its warm pod goes", pod_id, scope_id)
+                if await self._reclaim(scope_id, pod_id):
+                    expired += 1
+        return expired
 
     # --- shared reads --------------------------------------------------------------------------
 

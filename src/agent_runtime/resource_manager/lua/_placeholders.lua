@@ -1,5 +1,5 @@
--- Shared by acquire.lua, placeholder.lua, deploy_lease.lua and lease_prune.lua (prepended when
--- the scripts are loaded, after _budget.lua). A placeholder is "{token}@{deadline}" in
+-- Shared by acquire.lua, placeholder.lua, adopt.lua, deploy_lease.lua and lease_prune.lua
+-- (prepended when the scripts are loaded, after _budget.lua). A placeholder is "{token}@{deadline}" in
 -- resource:scope:{sid}:deploying, its deadline a short lease that its deployer renews
 -- (deploy_lease.lua): a deployer that died leaves one behind, and it stops counting against
 -- max_pods (and the pod budgets) at its deadline, seconds later.
@@ -29,6 +29,29 @@ local function budget_refusal(global, global_limit, rule_key, rule_limit, now)
     return 'rule'
   end
   return nil
+end
+
+-- whether the scope holds max_pods already: its pods and its (unexpired: swept first)
+-- placeholders; a config without max_pods holds none
+local function at_max_pods(config, pods, deploying)
+  local max_pods = tonumber(redis.call('HGET', config, 'max_pods') or '0')
+  return redis.call('ZCARD', pods) + redis.call('SCARD', deploying) >= max_pods
+end
+
+-- why one more pod or placeholder may not come, as the script's reply: {'max_reached'} or
+-- {'budget_reached', 'global'|'rule'}; nil when there is room (rule_limit 0: no rule budget)
+local function room_refusal(config, pods, deploying, global, global_limit, rule_key, rule_limit,
+    now)
+  if at_max_pods(config, pods, deploying) then return {'max_reached'} end
+  local refused = budget_refusal(global, global_limit, rule_key, rule_limit, now)
+  if refused then return {'budget_reached', refused} end
+  return nil
+end
+
+-- a linked rule's pod budget from budget:rule_limits (0: none, or no rule)
+local function rule_limit_of(limits, rule)
+  if rule == '' then return 0 end
+  return tonumber(redis.call('HGET', limits, rule) or '0')
 end
 
 -- `leased`: resource:leased_scopes, where the prune job finds the scope (lease_prune.lua)

@@ -86,11 +86,8 @@ if best then
   return {'reuse', best, url, version}
 end
 
-local max_pods = tonumber(redis.call('HGET', KEYS[1], 'max_pods') or '0')
-if redis.call('ZCARD', KEYS[3]) + redis.call('SCARD', KEYS[4]) >= max_pods then
-  return {'max_reached'}
-end
-local refused = budget_refusal(KEYS[6], global_limit, rule_key, rule_limit, now)
-if refused then return {'budget_reached', refused} end
+local refused = room_refusal(KEYS[1], KEYS[3], KEYS[4], KEYS[6], global_limit, rule_key,
+  rule_limit, now)
+if refused then return refused end
 return {'need_deploy', add_placeholder(KEYS[4], ARGV[2], now, tonumber(ARGV[3]), sid, KEYS[6],
   rule_key, KEYS[7], rule, KEYS[9])}

@@ -18,6 +18,7 @@
 -- ARGV[4] scope_id   ARGV[5] rule budget prefix (derives {prefix}{budget_rule}:pods)
 -- ARGV[6] pod_id to record ("" = none; only with a lock token)   ARGV[7] its namespace
 -- ARGV[8] seconds the record lives (the pod's own deadline: ready_timeout + margin)
+-- ARGV[9] the pod's uid (its incarnation: a pod re-created under the name is not this one)
 --
 -- returns {"ok", member}   renewed; member: the placeholder's new name
 --         {"lost"}         another leader holds the lock (it took over after our lease lapsed:
@@ -60,10 +61,7 @@ if member then
 else
   -- swept after it expired: taken again only if the scope still has room for it
   sweep_placeholders(KEYS[1], ptoken, now, sid, KEYS[4], rule_key)
-  local max_pods = tonumber(redis.call('HGET', KEYS[2], 'max_pods') or '0')
-  if redis.call('ZCARD', KEYS[3]) + redis.call('SCARD', KEYS[1]) >= max_pods then
-    return {'lost'}
-  end
+  if at_max_pods(KEYS[2], KEYS[3], KEYS[1]) then return {'lost'} end
 end
 local renewed = add_placeholder(KEYS[1], ptoken, now, math.ceil(lease), sid, KEYS[4], rule_key,
   KEYS[5], linked, KEYS[8])
@@ -74,7 +72,7 @@ if ltoken ~= '' then
     if rec[1] ~= ltoken or rec[2] ~= ARGV[6] then
       redis.call('DEL', KEYS[7])
       redis.call('HSET', KEYS[7], 'token', ltoken, 'pod_id', ARGV[6], 'namespace', ARGV[7],
-        'created', clock[1])
+        'created', clock[1], 'uid', ARGV[9])
       redis.call('EXPIRE', KEYS[7], tonumber(ARGV[8]))
     end
   end

@@ -5,13 +5,14 @@
 -- KEYS[1] lock:rm:deploy:{sid}             STRING the leader's token "{uuid}@{acquire start}",
 --                                          PX the lease (renewed by deploy_lease.lua)
 -- KEYS[2] resource:scope:{sid}:deploy_pod  HASH   the leader's pod: token, pod_id, namespace,
---                                          created (Redis seconds); or a failure notice:
---                                          token, failed (deploy_lease_end.lua)
+--                                          created (Redis seconds), uid; or a failure
+--                                          notice: token, failed (deploy_lease_end.lua)
 -- KEYS[3] resource:pods:all                SET    registered pods
 -- ARGV[1] token   ARGV[2] lease in milliseconds
 --
 -- returns {"leader"}                                the lease is ours, nothing to inherit
---         {"leader", pod_id, namespace, created}    ours, with a pod created under a lease that
+--         {"leader", pod_id, namespace, created, uid}
+--                                                   ours, with a pod created under a lease that
 --                                                   lapsed (its creator died or lost Redis):
 --                                                   ours now, to adopt or delete
 --         {"follower", holder}                      a live leader holds it (holder: its token)
@@ -23,7 +24,8 @@
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[1] then return {'follower', holder} end
 if not holder then redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[2])) end
-local rec = redis.call('HMGET', KEYS[2], 'token', 'pod_id', 'namespace', 'created', 'failed')
+local rec = redis.call('HMGET', KEYS[2], 'token', 'pod_id', 'namespace', 'created', 'failed',
+  'uid')
 if not rec[1] then return {'leader'} end
 if rec[1] ~= ARGV[1] then
   if rec[5] or not rec[2] or redis.call('SISMEMBER', KEYS[3], rec[2]) == 1 then
@@ -33,4 +35,4 @@ if rec[1] ~= ARGV[1] then
   redis.call('HSET', KEYS[2], 'token', ARGV[1])  -- keeps its expiry: the pod's own deadline
 end
 if not rec[2] then return {'leader'} end
-return {'leader', rec[2], rec[3] or '', rec[4] or '0'}
+return {'leader', rec[2], rec[3] or '', rec[4] or '0', rec[6] or ''}

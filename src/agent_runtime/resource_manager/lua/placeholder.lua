@@ -1,6 +1,6 @@
 -- placeholder (uses _budget.lua, _placeholders.lua): reserve a deploy slot for a warm pod
--- (autoscale) or an adoption (reconcile), within max_pods and the pod budgets. Never touches
--- the warm pool: refilling the floor must not consume a warm pod.
+-- (autoscale), within max_pods and the pod budgets. Never touches the warm pool: refilling the
+-- floor must not consume a warm pod.
 --
 -- KEYS[1] resource:scope:{sid}:config     HASH (max_pods, budget_rule)
 -- KEYS[2] resource:scope:{sid}:pods       ZSET
@@ -25,12 +25,8 @@ local rule = redis.call('HGET', KEYS[1], 'budget_rule') or ''
 local rule_key = rule_budget_key(ARGV[4], rule)
 local mine = sweep_placeholders(KEYS[3], ARGV[1], now, sid, KEYS[4], rule_key)
 if mine then return {'ok', mine} end
-local max_pods = tonumber(redis.call('HGET', KEYS[1], 'max_pods') or '0')
-if redis.call('ZCARD', KEYS[2]) + redis.call('SCARD', KEYS[3]) >= max_pods then
-  return {'max_reached'}
-end
-local rule_limit = rule ~= '' and tonumber(redis.call('HGET', KEYS[6], rule) or '0') or 0
-local refused = budget_refusal(KEYS[4], tonumber(ARGV[5]), rule_key, rule_limit, now)
-if refused then return {'budget_reached', refused} end
+local refused = room_refusal(KEYS[1], KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[5]), rule_key,
+  rule_limit_of(KEYS[6], rule), now)
+if refused then return refused end
 return {'ok', add_placeholder(KEYS[3], ARGV[1], now, tonumber(ARGV[2]), sid, KEYS[4], rule_key,
   KEYS[5], rule, KEYS[7])}

@@ -1,0 +1,324 @@
+"""``FakeK8sPodClient``: the in-memory Kubernetes of local mode and the tests. It implements
+``k8s.K8sPodClient`` exactly (and ``k8s.py`` re-exports it); faults are plain public knobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from agent_runtime.resource_manager.identity import IDENTITY_ANNOTATION, PodIdentity
+from agent_runtime.resource_manager.models import (
+    DeployFailed,
+    K8sApiError,
+    PodDeployInfo,
+    PodGone,
+    PodStatus,
+    normalize_phase,
+)
+from agent_runtime.resource_manager.pod_manifest import (
+    build_pod_body,
+    deploy_timing,
+    new_pod_name,
+    pod_labels,
+    sse_url,
+)
+from agent_runtime.resource_manager.pod_reading import (
+    LIST_PAGE_SIZE,
+    labels_match,
+    parse_label_selector,
+)
+
+if TYPE_CHECKING:
+    from agent_runtime.resource_manager.k8s import OnCreated
+
+
+class FakeK8sPodClient:
+    """In-memory Kubernetes for local mode and tests; faults are plain public knobs.
+
+    Knobs: ``fail_next_deploys`` (that many deploys raise ``DeployFailed``), ``never_ready``
+    (deploy waits its ``ready_timeout``, deletes the pod, raises), ``ready_delay`` (seconds from
+    create to Ready: a deployed pod comes up by itself, as a kubelet brings it up, whether its
+    deployer still waits or not), ``unhealthy`` (pod ids whose health probe fails),
+    ``missing_namespaces`` (list → [], deploy refused) and ``forbidden_namespaces`` (every
+    call → 403). Actions: ``set_phase``, ``kill``, ``remove`` (vanishes behind our back),
+    ``add_pod`` (a pod this client did not deploy: signed with ``identity`` when one is given,
+    as a lost one of ours; else foreign). Records: ``deploy_calls``, ``deleted`` (pod ids, in
+    order), ``pods``. A deploy signs its pod as the real client does: the identity MAC at the
+    create, ``on_created``, then the incarnation MAC (a deployer that dies in ``on_created``
+    leaves a pod with the first only).
+
+    Pod IPs are loopback: 127.0.1.1 … 127.0.1.254, then 127.0.2.x and so on.
+    """
+
+    def __init__(self, *, default_namespace: str = "default", ready_delay: float = 0.0) -> None:
+        self.default_namespace = default_namespace
+        self.ready_delay = ready_delay
+        self.never_ready = False
+        self.fail_next_deploys = 0
+        self.unhealthy: set[str] = set()
+        self.missing_namespaces: set[str] = set()
+        self.forbidden_namespaces: set[str] = set()
+        self.pods: dict[str, PodStatus] = {}
+        self.deleted: list[str] = []
+        self.deploy_calls = 0
+        self.started = False
+        self._ips_given = 0
+        self._pod_of_ip: dict[str, str] = {}  # probes find their pod in O(1) (10k-pod benches)
+        self._starting: dict[str, float] = {}  # deployed pods not yet Running → created (loop)
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def close(self) -> None:
+        self.started = False
+
+    # faults and test helpers
+
+    def set_phase(
+        self,
+        pod_id: str,
+        phase: str,
+        waiting_reason: str | None = None,
+        *,
+        ready: bool | None = None,
+    ) -> None:
+        """Move a pod to ``phase`` (a waiting reason wins, as in ``pod_status``); Ready follows
+        Running unless ``ready`` says otherwise."""
+        pod = self.pods[pod_id]
+        reasons = (waiting_reason,) if waiting_reason else ()
+        phase = normalize_phase(phase, deleting=False, waiting_reasons=reasons)
+        running = phase == "Running"
+        self.pods[pod_id] = dataclasses.replace(
+            pod,
+            phase=phase,
+            ready=running if ready is None else ready,
+            pod_ip=pod.pod_ip or (self._next_ip(pod_id) if running else None),
+        )
+
+    def kill(self, pod_id: str) -> None:
+        self.set_phase(pod_id, "Failed")
+
+    def remove(self, pod_id: str) -> None:
+        """The pod vanishes as if someone else deleted it (not recorded in ``deleted``)."""
+        self.pods.pop(pod_id, None)
+
+    def add_pod(
+        self,
+        *,
+        scope_id: str,
+        deploy_ver: str,
+        pod_id: str | None = None,
+        namespace: str | None = None,
+        phase: str = "Running",
+        ready: bool | None = None,
+        labels: dict[str, str] | None = None,
+        identity: PodIdentity | None = None,
+        pod_spec: dict[str, Any] | None = None,
+        annotations: dict[str, str] | None = None,
+        image: str = "agentserver:found",
+    ) -> PodStatus:
+        """A pod we did not deploy (e.g. found after a Redis wipe); ``labels`` override ours.
+        With ``identity`` it carries both signatures (its SSE port and path from ``pod_spec``),
+        as a pod of ours would; ``annotations`` are added last (a test's tampering)."""
+        pod_id = pod_id or new_pod_name(None)
+        namespace = namespace or self.default_namespace
+        uid = str(uuid.uuid4())
+        notes = {} if identity is None else self._signed(
+            identity, pod_id, namespace, scope_id, deploy_ver, pod_spec or {}, uid
+        )  # fmt: skip
+        pod = PodStatus(
+            pod_id=pod_id,
+            namespace=namespace,
+            phase=phase,
+            ready=phase == "Running" if ready is None else ready,
+            pod_ip=None if phase == "Pending" else self._next_ip(pod_id),
+            labels={**pod_labels(pod_id, scope_id, deploy_ver), **(labels or {})},
+            uid=uid,
+            annotations={**notes, **(annotations or {})},
+            image=image,
+        )
+        self.pods[pod_id] = pod
+        return pod
+
+    @staticmethod
+    def _signed(
+        identity: PodIdentity,
+        pod_id: str,
+        namespace: str,
+        scope_id: str,
+        deploy_ver: str,
+        pod_spec: dict[str, Any],
+        uid: str,
+    ) -> dict[str, str]:
+        notes = identity.create_annotations(
+            pod_id=pod_id, namespace=namespace, scope_id=scope_id, deploy_ver=deploy_ver,
+            pod_spec=pod_spec,
+        )  # fmt: skip
+        notes.update(identity.incarnation_annotations(uid=uid, identity=notes[IDENTITY_ANNOTATION]))
+        return notes
+
+    def _next_ip(self, pod_id: str) -> str:
+        n, self._ips_given = self._ips_given, self._ips_given + 1
+        ip = f"127.0.{1 + n // 254}.{1 + n % 254}"
+        self._pod_of_ip[ip] = pod_id
+        return ip
+
+    def _check_namespace(self, namespace: str) -> None:
+        if namespace in self.forbidden_namespaces:
+            raise K8sApiError(f"fake: namespace {namespace} is forbidden", status=403)
+
+    # K8sPodClient
+
+    def _kubelet(self) -> None:
+        """Deployed pods whose ready_delay has passed are Running and Ready (never with
+        ``never_ready``); one killed or set meanwhile keeps what it was set to."""
+        if not self._starting or self.never_ready:
+            return
+        now = asyncio.get_running_loop().time()
+        for pod_id, created in list(self._starting.items()):
+            pod = self.pods.get(pod_id)
+            if pod is None or pod.phase != "Pending":
+                del self._starting[pod_id]
+            elif now - created >= self.ready_delay:
+                del self._starting[pod_id]
+                self.set_phase(pod_id, "Running")
+
+    async def deploy(
+        self,
+        *,
+        scope_id: str,
+        deploy_ver: str,
+        pod_spec: dict[str, Any],
+        identity: PodIdentity,
+        on_created: OnCreated | None = None,
+    ) -> PodDeployInfo:
+        self.deploy_calls += 1
+        namespace = pod_spec.get("namespace") or self.default_namespace
+        if self.fail_next_deploys > 0:
+            self.fail_next_deploys -= 1
+            raise DeployFailed("fake: injected deploy failure")
+        if namespace in self.forbidden_namespaces:
+            raise DeployFailed(f"create pod in {namespace} refused: 403 Forbidden")
+        if namespace in self.missing_namespaces:
+            raise DeployFailed(f"create pod in {namespace} refused: 404 namespace not found")
+        pod_id = new_pod_name(pod_spec.get("pod_name"))
+        uid = str(uuid.uuid4())
+        notes = identity.create_annotations(
+            pod_id=pod_id, namespace=namespace, scope_id=scope_id, deploy_ver=deploy_ver,
+            pod_spec=pod_spec,
+        )  # fmt: skip
+        body = build_pod_body(pod_id, scope_id, deploy_ver, pod_spec, notes)
+        self.pods[pod_id] = PodStatus(
+            pod_id, namespace, "Pending", False, None, body["metadata"]["labels"],
+            uid=uid, annotations=notes, image=pod_spec["image"],
+        )  # fmt: skip
+        self._starting[pod_id] = asyncio.get_running_loop().time()
+        try:
+            if on_created is not None:
+                await on_created(pod_id, namespace, uid)
+            incarnation = identity.incarnation_annotations(
+                uid=uid, identity=notes[IDENTITY_ANNOTATION]
+            )
+            await self.sign(
+                pod_id, namespace, pod_spec, uid=uid, annotations=incarnation, within=0.0
+            )
+            pod_ip = await self._wait_ready(pod_id, uid, deploy_timing(pod_spec))
+        except BaseException:  # as the real client: a failed or cancelled deploy leaves no pod
+            if self.pods.pop(pod_id, None) is not None:
+                self.deleted.append(pod_id)
+            raise
+        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec))
+
+    async def await_ready(
+        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, uid: str, within: float
+    ) -> PodDeployInfo:
+        self._check_namespace(namespace)
+        pod = self.pods.get(pod_id)
+        if pod is None or pod.namespace != namespace:
+            raise PodGone(f"pod {pod_id} disappeared")
+        _, poll = deploy_timing(pod_spec)
+        pod_ip = await self._wait_ready(pod_id, uid, (max(within, 0.0), poll))
+        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec))
+
+    async def sign(
+        self,
+        pod_id: str,
+        namespace: str,
+        pod_spec: dict[str, Any],
+        *,
+        uid: str,
+        annotations: dict[str, str],
+        within: float,
+    ) -> None:
+        if namespace in self.forbidden_namespaces:
+            raise DeployFailed(f"sign pod {namespace}/{pod_id} refused: 403 Forbidden")
+        pod = self.pods.get(pod_id)
+        if pod is None or pod.namespace != namespace or pod.uid != uid:
+            raise PodGone(f"pod {pod_id} disappeared")
+        self.pods[pod_id] = dataclasses.replace(pod, annotations={**pod.annotations, **annotations})
+
+    async def _wait_ready(self, pod_id: str, uid: str, timing: tuple[float, float]) -> str:
+        """Like the real poll loop: a pod killed, removed or replaced meanwhile fails at the
+        next poll."""
+        timeout, poll = timing
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        while True:
+            self._kubelet()
+            pod = self.pods.get(pod_id)
+            if pod is None or pod.uid != uid:
+                raise PodGone(f"pod {pod_id} disappeared")
+            if pod.dead:
+                raise DeployFailed(f"pod {pod_id} is {pod.phase}")
+            if pod.ready and pod.pod_ip:
+                return pod.pod_ip
+            elapsed = loop.time() - started
+            if elapsed >= timeout:
+                raise DeployFailed(f"pod {pod_id} not Ready within {timeout:g}s (last: Pending)")
+            created = self._starting.get(pod_id)
+            due = math.inf if created is None or self.never_ready else self.ready_delay
+            until_due = (created or 0.0) + due - loop.time()
+            await asyncio.sleep(max(min(poll, timeout - elapsed, until_due), 0.0))
+
+    async def delete(self, pod_id: str, namespace: str) -> bool:
+        self._check_namespace(namespace)
+        pod = self.pods.get(pod_id)
+        if pod is None or pod.namespace != namespace:
+            return False
+        del self.pods[pod_id]
+        self.deleted.append(pod_id)
+        return True
+
+    async def get_pod(self, pod_id: str, namespace: str) -> PodStatus | None:
+        self._check_namespace(namespace)
+        self._kubelet()
+        pod = self.pods.get(pod_id)
+        return pod if pod is not None and pod.namespace == namespace else None
+
+    async def list_pods(self, namespace: str, label_selector: str) -> list[PodStatus]:
+        self._check_namespace(namespace)
+        if namespace in self.missing_namespaces:
+            return []
+        self._kubelet()
+        terms = parse_label_selector(label_selector)
+        pods = list(self.pods.values())
+        found: list[PodStatus] = []
+        for i in range(0, len(pods), LIST_PAGE_SIZE):  # pages, as the real client reads them
+            if i:
+                await asyncio.sleep(0)
+            page = pods[i : i + LIST_PAGE_SIZE]
+            found += [p for p in page if p.namespace == namespace and labels_match(terms, p.labels)]
+        return found
+
+    async def probe_health(self, pod_ip: str, port: int) -> bool:
+        pod = self.pods.get(self._pod_of_ip.get(pod_ip, ""))
+        return (
+            pod is not None
+            and pod.pod_ip == pod_ip
+            and pod.phase == "Running"
+            and pod.pod_id not in self.unhealthy
+        )
