@@ -14,6 +14,7 @@ stay there).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Annotated, Any
 
@@ -28,6 +29,7 @@ from agent_runtime.spec_fields import REDACTED, redacted_spec
 from agent_runtime.wiring import Services, services
 
 MAX_PAGE = 200
+_DECIMAL = re.compile(r"[0-9]{1,20}")  # ASCII digits only (``\d`` would take other scripts' too)
 MAX_CURSOR = 2**63 - 1  # SCAN cursors are 64-bit; beyond signed range some servers refuse them
 
 
@@ -75,9 +77,18 @@ def _request_id(request: Request) -> str:
 
 
 def _only_query(request: Request, *names: str) -> None:
+    """Only the named parameters, each at most once (a repeated one would silently lose all
+    but its last value), and every value a plain decimal integer: pydantic's lax parsing would
+    take ``0.0``, `` 1`` or ``1_0`` for one, which the OpenAPI's ``integer`` does not."""
     unknown = sorted(set(request.query_params) - set(names))
     if unknown:
         raise ValidationFailed(f"unknown query parameter {unknown[0][:64]!r}")
+    for name in names:
+        values = request.query_params.getlist(name)
+        if len(values) > 1:
+            raise ValidationFailed(f"query parameter {name!r} given more than once")
+        if values and not _DECIMAL.fullmatch(values[0]):
+            raise ValidationFailed(f"query parameter {name!r}: a decimal integer, digits only")
 
 
 def _redacted(config: dict[str, str] | None) -> dict[str, str] | None:
