@@ -113,7 +113,14 @@ async def test_tokens_ids_and_unknowns(redis: Redis, db: Database) -> None:
         assert bad.status_code == 400 and bad.json()["error_code"] == "VALIDATION"
         # out of range, not a number, or a number the OpenAPI's integer does not admit (pydantic's
         # lax parsing alone takes the last five), and a repeated parameter
-        odd = ("cursor=0.0", "limit=1.0", "limit=%201", "limit=1_0", "limit=%2B1", "cursor=0&cursor=1")
+        odd = (
+            "cursor=0.0",
+            "limit=1.0",
+            "limit=%201",
+            "limit=1_0",
+            "limit=%2B1",
+            "cursor=0&cursor=1",
+        )
         for query in ("limit=0", "limit=201", "cursor=-1", "limit=abc", *odd):
             resp = await client.get(f"{BASE}/scopes?{query}", headers=ADMIN)
             assert resp.status_code == 400, query
