@@ -1,5 +1,6 @@
 # Sourced by the operator scripts: the project's venv, created from the lock file if missing.
-# Sets AR (the agent-runtime command) and PY (the venv's python).
+# Sets AR (the agent-runtime command) and PY (the venv's python). The service only: these scripts
+# run it against real backends; the simulator (kubesim/) is installed by test.sh and demo_server.sh.
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${AGENT_RUNTIME_VENV:-$ROOT/.venv}"
 if [[ ! -x "$VENV/bin/agent-runtime" ]]; then

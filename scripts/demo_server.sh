@@ -2,8 +2,9 @@
 # Server mode on one machine, in one command: the Kubernetes API simulator (kubesim) and
 # `agent-runtime serve --mode server` against the local Redis (db 5) and MariaDB (database
 # agent_runtime_demo, created if missing, schema upgraded). Prints the URLs and curl examples;
-# Ctrl-C stops both. Needs .venv (README, command 1); starts Redis and MariaDB with
-# scripts/services.sh when they do not answer.
+# Ctrl-C stops both. Needs .venv (README, command 1), into which it installs the simulator (its
+# own distribution, kubesim/) when missing; starts Redis and MariaDB with scripts/services.sh
+# when they do not answer.
 #
 # Knobs: DEMO_PORT (8091), DEMO_SIM_PORT (8001), DEMO_REDIS_DB (5), DEMO_DB_NAME
 # (agent_runtime_demo), DEMO_ADMIN_TOKEN (demo-admin); AGENT_RUNTIME_* settings pass through.
@@ -22,6 +23,11 @@ log() { printf 'demo: %s\n' "$*" >&2; }
 die() { log "$*"; exit 1; }
 
 [ -x "$BIN/agent-runtime" ] || die "no $BIN/agent-runtime: create the venv first (README, command 1)"
+# the simulator is not part of the service's distribution: installed once, next to it
+if ! "$BIN/python" -c 'import kubesim.runner' 2>/dev/null; then
+  log "installing the Kubernetes API simulator: pip install --no-deps -e ./kubesim"
+  "$BIN/python" -m pip install -q --no-deps -e ./kubesim
+fi
 
 # --- backends --------------------------------------------------------------------------------
 if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 \

@@ -14,11 +14,13 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ] || [ ! -x .venv/bin/pip ]; then
   "$PY" -m venv --clear .venv
 fi
-stamp=.venv/.installed-$(cat requirements.lock pyproject.toml | sha256sum | cut -c1-16)
+stamp=.venv/.installed-$(cat requirements.lock pyproject.toml kubesim/pyproject.toml | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -r requirements.lock
   .venv/bin/python -m pip install -q --no-deps -e .
+  # the Kubernetes API simulator: its own distribution, which the tests use (docs/spec/kubesim.md)
+  .venv/bin/python -m pip install -q --no-deps -e ./kubesim
   rm -f .venv/.installed-* && touch "$stamp"
 fi
 

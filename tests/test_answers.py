@@ -23,8 +23,6 @@ from redis.asyncio import Redis
 
 from agent_runtime import label_selector
 from agent_runtime.db.engine import Database
-from agent_runtime.kubesim import KubeSim
-from agent_runtime.kubesim import labels as sim_labels
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient, RealK8sPodClient
 from agent_runtime.wiring import build_redis
 from helpers import (
@@ -38,6 +36,8 @@ from helpers import (
     running_app,
     sync_body,
 )
+from kubesim import KubeSim
+from kubesim import labels as sim_labels
 
 ROUTE = "/api/session/route"
 TOUCH = "/api/session/touch"

@@ -1189,6 +1189,8 @@ def test_dockerignore_keeps_the_build_inputs_and_nothing_else() -> None:
         "k8s.env",
         "agent_runtime_local.db",
         "src/agent_runtime/__pycache__/cli.cpython-311.pyc",
+        "kubesim/pyproject.toml",  # the simulator: its own distribution, not in the image
+        "kubesim/src/kubesim/sim.py",
     ):
         assert _dockerignored(patterns, path), path
 

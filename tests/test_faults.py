@@ -37,7 +37,6 @@ from sqlalchemy.engine import make_url
 from agent_runtime import lua
 from agent_runtime.db.engine import Database
 from agent_runtime.db.tables import routing_rule, service_config_template
-from agent_runtime.kubesim import KubeSim
 from agent_runtime.resource_manager import k8s as k8s_module
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient, K8sPodClient, RealK8sPodClient
 from agent_runtime.resource_manager.models import SCOPE_LABEL
@@ -56,6 +55,7 @@ from helpers import (
     running_app,
     sync_body,
 )
+from kubesim import KubeSim
 
 ROUTE = "/api/session/route"
 TOUCH = "/api/session/touch"

@@ -24,9 +24,6 @@ import httpx
 import pytest
 
 from agent_runtime.db.engine import Database
-from agent_runtime.kubesim import KubeSim
-from agent_runtime.kubesim import pods as sim_pods
-from agent_runtime.kubesim.kubeconfig import render_kubeconfig
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager import k8s as k8s_module
 from agent_runtime.resource_manager.facade import ResourceManagerFacade
@@ -47,6 +44,9 @@ from agent_runtime.resource_manager.sweeper import ResourceSweeper
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
 from helpers import IDENTITY, envelope, running_app, sync_body
+from kubesim import KubeSim
+from kubesim import pods as sim_pods
+from kubesim.kubeconfig import render_kubeconfig
 
 SCOPE = "0123456789abcdef0123456789abcdef"
 OTHER = "fedcba9876543210fedcba9876543210"

@@ -23,10 +23,10 @@ import aiohttp
 import httpx
 import pytest
 
-from agent_runtime.kubesim import KubeSim
-from agent_runtime.kubesim.kubeconfig import render_kubeconfig
-from agent_runtime.kubesim.labels import SelectorError, parse_field_selector, parse_selector
-from agent_runtime.kubesim.paging import Pager, decode_token, encode_token
+from kubesim import KubeSim
+from kubesim.kubeconfig import render_kubeconfig
+from kubesim.labels import SelectorError, parse_field_selector, parse_selector
+from kubesim.paging import Pager, decode_token, encode_token
 
 PODS = "/api/v1/namespaces/default/pods"
 TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")

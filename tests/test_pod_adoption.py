@@ -22,12 +22,12 @@ import pytest
 from redis.asyncio import Redis
 
 from agent_runtime.db.engine import Database
-from agent_runtime.kubesim import KubeSim
 from agent_runtime.resource_manager.identity import INCARNATION_ANNOTATION
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient, RealK8sPodClient
 from agent_runtime.util import scope_id_of
 from agent_runtime.wiring import Services
 from helpers import envelope, fake_only, running_app, sync_body
+from kubesim import KubeSim
 from test_faults import wipe
 from test_local_mode import free_port
 

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from agent_runtime.kubesim import KubeSim
 from agent_runtime.resource_manager.identity import INCARNATION_ANNOTATION, Ownership
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient
 from helpers import IDENTITY
+from kubesim import KubeSim
 from test_faults import wipe
 from test_local_mode import free_port
 from test_pod_adoption import started_client

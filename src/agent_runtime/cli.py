@@ -1,5 +1,7 @@
 """Command line (contract §7): ``agent-runtime serve`` and ``agent-runtime db upgrade|status``;
-``agent-runtime kubesim`` runs the Kubernetes API simulator for tests (docs/spec/kubesim.md).
+``agent-runtime kubesim`` runs the Kubernetes API simulator for tests (docs/spec/kubesim.md),
+when its own distribution is installed (``pip install -e ./kubesim``; the service's wheel and
+image carry none of it).
 
 A bad configuration or an unreachable backend ends the process at once with one line on
 stderr and exit status 2, before uvicorn starts.
@@ -166,10 +168,26 @@ def _db(args: argparse.Namespace) -> None:
         db.engine.dispose()
 
 
+KUBESIM_MISSING = (
+    "kubesim is not installed (the simulator is its own distribution, agent-runtime-kubesim):"
+    " install it with `pip install -e ./kubesim` from the repository root"
+)
+
+
+def _kubesim_missing(exc: ModuleNotFoundError) -> bool:
+    """The simulator itself is missing (not one of its own dependencies)."""
+    return exc.name is not None and (exc.name == "kubesim" or exc.name.startswith("kubesim."))
+
+
 def _kubesim(args: argparse.Namespace) -> None:
-    from agent_runtime.kubesim.runner import run
+    from kubesim.runner import run
 
     run(args)
+
+
+def _no_kubesim(args: argparse.Namespace) -> None:
+    print(f"agent-runtime: error: {KUBESIM_MISSING}", file=sys.stderr)
+    sys.exit(EXIT_CONFIG)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,18 +206,28 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("--env-file", default=None)
     db.set_defaults(handler=_db)
 
-    from agent_runtime.kubesim.runner import add_arguments as kubesim_arguments
-
-    kubesim = commands.add_parser(
-        "kubesim", help="run the Kubernetes API simulator (tests, no cluster)"
-    )
-    kubesim_arguments(kubesim)
-    kubesim.set_defaults(handler=_kubesim)
+    kubesim_help = "run the Kubernetes API simulator (tests, no cluster; installed on its own)"
+    try:
+        from kubesim.runner import add_arguments as kubesim_arguments
+    except ModuleNotFoundError as exc:
+        if not _kubesim_missing(exc):
+            raise
+        # whatever the arguments (-h too), the answer is how to install it
+        commands.add_parser("kubesim", help=kubesim_help, add_help=False).set_defaults(
+            handler=_no_kubesim, any_arguments=True
+        )
+    else:
+        kubesim = commands.add_parser("kubesim", help=kubesim_help)
+        kubesim_arguments(kubesim)
+        kubesim.set_defaults(handler=_kubesim)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")  # as parse_args says it
     try:
         args.handler(args)
     except ConfigError as exc:  # one line, passwords in URLs masked

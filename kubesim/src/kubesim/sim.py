@@ -1,4 +1,5 @@
-"""``KubeSim``: the Kubernetes API simulator, in-process (tests) or as ``agent-runtime kubesim``.
+"""``KubeSim``: the Kubernetes API simulator, in-process (tests) or as ``kubesim`` /
+``agent-runtime kubesim``.
 
     async with KubeSim(ready_delay=0.1) as sim:
         sim.url, sim.kubeconfig_path        # point kubernetes_asyncio at it
@@ -26,14 +27,14 @@ from typing import Any
 
 from aiohttp import web
 
-from agent_runtime.kubesim import pods
-from agent_runtime.kubesim.api import build_app
-from agent_runtime.kubesim.errors import not_found
-from agent_runtime.kubesim.faults import Faults
-from agent_runtime.kubesim.kubeconfig import write_kubeconfig
-from agent_runtime.kubesim.kubelet import FIRST_POD_IP, Kubelet
-from agent_runtime.kubesim.paging import Pager
-from agent_runtime.kubesim.store import Obj, Store
+from kubesim import pods
+from kubesim.api import build_app
+from kubesim.errors import not_found
+from kubesim.faults import Faults
+from kubesim.kubeconfig import write_kubeconfig
+from kubesim.kubelet import FIRST_POD_IP, Kubelet
+from kubesim.paging import Pager
+from kubesim.store import Obj, Store
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from agent_runtime.kubesim.errors import ApiError, bad_request
+from kubesim.errors import ApiError, bad_request
 
 TOKEN_VERSION = "meta.k8s.io/v1"
 CONTINUE_TTL = 300.0  # seconds: etcd's default compaction interval

@@ -1,4 +1,5 @@
-"""``agent-runtime kubesim``: the simulator as a process, until Ctrl-C or SIGTERM (exit 0).
+"""``kubesim`` or ``agent-runtime kubesim``: the simulator as a process, until Ctrl-C or SIGTERM
+(exit 0).
 
 Prints one line when it listens: ``kubesim: listening on URL, kubeconfig PATH``. A bad option
 or a port it cannot bind ends it with one line on stderr and exit status 2.
@@ -14,7 +15,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from agent_runtime.kubesim.sim import KubeSim
+    from kubesim.sim import KubeSim
 
 EXIT_USAGE = 2
 DEFAULT_GRACE = 1.0  # seconds; KubeSim's own default
@@ -50,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_sim(args: argparse.Namespace) -> KubeSim:
-    from agent_runtime.kubesim.sim import KubeSim
+    from kubesim.sim import KubeSim
 
     return KubeSim(
         host=args.host,

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from agent_runtime.kubesim import pods
-from agent_runtime.kubesim.control import add_control_routes
-from agent_runtime.kubesim.errors import (
+from kubesim import pods
+from kubesim.control import add_control_routes
+from kubesim.errors import (
     PATCH_TYPES,
     ApiError,
     bad_request,
@@ -46,11 +46,11 @@ from agent_runtime.kubesim.errors import (
     unauthorized,
     unsupported_media_type,
 )
-from agent_runtime.kubesim.labels import SelectorError, parse_field_selector, parse_selector
-from agent_runtime.kubesim.store import Obj
+from kubesim.labels import SelectorError, parse_field_selector, parse_selector
+from kubesim.store import Obj
 
 if TYPE_CHECKING:
-    from agent_runtime.kubesim.sim import KubeSim
+    from kubesim.sim import KubeSim
 
 SIM: web.AppKey[KubeSim] = web.AppKey("kubesim")
 VERSION = {

@@ -8,14 +8,14 @@ import re
 import secrets
 from typing import Any
 
-from agent_runtime.kubesim.errors import bad_request, conflict, invalid
-from agent_runtime.kubesim.labels import (
+from kubesim.errors import bad_request, conflict, invalid
+from kubesim.labels import (
     dns1123_label_errors,
     dns1123_subdomain_errors,
     label_value_errors,
     qualified_name_errors,
 )
-from agent_runtime.kubesim.store import Obj, new_uid, timestamp
+from kubesim.store import Obj, new_uid, timestamp
 
 NODE_NAME = "kubesim-node"
 HOST_IP = "127.0.0.1"

@@ -33,7 +33,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent_runtime.kubesim.labels import Selector, SelectorError, parse_selector
+from kubesim.labels import Selector, SelectorError, parse_selector
 
 POD_KINDS = ("image_pull", "crash_loop", "never_ready")
 API_KINDS = ("api_error", "latency", "reply_lost", "continue_expired")

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from agent_runtime.kubesim.errors import already_exists, not_found
-from agent_runtime.kubesim.labels import FieldRequirement, Selector, fields_match
+from kubesim.errors import already_exists, not_found
+from kubesim.labels import FieldRequirement, Selector, fields_match
 
 Obj = dict[str, Any]
 

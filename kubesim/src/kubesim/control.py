@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from agent_runtime.kubesim.errors import ApiError
-from agent_runtime.kubesim.labels import dns1123_label_errors
+from kubesim.errors import ApiError
+from kubesim.labels import dns1123_label_errors
 
 if TYPE_CHECKING:
-    from agent_runtime.kubesim.sim import KubeSim
+    from kubesim.sim import KubeSim
 
 PREFIX = "/_sim"
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from agent_runtime.kubesim import pods
-from agent_runtime.kubesim.agentserver import AgentServer
-from agent_runtime.kubesim.faults import Fault, Faults
-from agent_runtime.kubesim.store import Obj, Store
+from kubesim import pods
+from kubesim.agentserver import AgentServer
+from kubesim.faults import Fault, Faults
+from kubesim.store import Obj, Store
 
 log = logging.getLogger(__name__)
 
