@@ -1,6 +1,6 @@
 """The error table of contract §2.2 as exceptions.
 
-Raise one of these anywhere below the handlers; ``envelope.install_error_handlers`` turns it
+Raise one of these anywhere below the handlers; ``api.error_handlers.install`` turns it
 into the failure envelope with the right HTTP status and ``Retry-After``. Facades raise the
 same classes across modules (the resource manager's own failures are mapped by the caller).
 """
