@@ -132,6 +132,9 @@ class Overloaded(AgentRuntimeError):
 
 
 class InternalError(AgentRuntimeError):
+    """A bug: the last-resort answer of ``api.error_handlers.GuardMiddleware`` to an exception
+    no handler took (the trace goes to the log, never to the caller)."""
+
     code = ErrorCode.INTERNAL
     http_status = 500
 

@@ -28,6 +28,7 @@ from agent_runtime.errors import (
     BackendUnavailable,
     ClientDisconnected,
     ErrorCode,
+    InternalError,
 )
 
 log = logging.getLogger(__name__)
@@ -178,8 +179,9 @@ class GuardMiddleware:
         except Exception:
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
             if not started:
+                err = InternalError("internal error")  # the log line above has the trace
                 request_id = scope.get("state", {}).get("request_id")
-                response = failure(500, ErrorCode.INTERNAL, "internal error", request_id)
+                response = failure(err.http_status, err.code, err.message, request_id)
                 await _send(send, scope, response)
 
 
