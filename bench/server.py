@@ -200,9 +200,9 @@ def seed_fake_k8s(k8s: Any, redis_url: str) -> int:
 
 def build_app(args: argparse.Namespace) -> tuple[FastAPI, Any]:
     """The app and its settings."""
+    from agent_runtime.api.answers import ok
     from agent_runtime.config import Mode, Settings
     from agent_runtime.db.engine import Database
-    from agent_runtime.envelope import ok
     from agent_runtime.main import create_app
     from agent_runtime.resource_manager.k8s import FakeK8sPodClient
     from agent_runtime.wiring import Backends, build_redis

@@ -32,8 +32,8 @@ from schemathesis.core.parameters import ParameterLocation
 from schemathesis.generation import GenerationMode
 from schemathesis.python import asgi
 
+from agent_runtime.api.json_body import MAX_BODY_BYTES, MAX_DEPTH
 from agent_runtime.db.engine import Database
-from agent_runtime.envelope import MAX_BODY_BYTES, MAX_DEPTH
 from agent_runtime.errors import AgentRuntimeError, ErrorCode
 from agent_runtime.main import create_app
 from helpers import make_settings, running_app

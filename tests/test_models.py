@@ -10,14 +10,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from agent_runtime.envelope import (
-    PRINTABLE_PATTERN,
-    has_forbidden,
-    is_id,
-    nesting_exceeds,
-    parse_body,
-    printable,
-)
+from agent_runtime.api.ids import PRINTABLE_PATTERN, has_forbidden, is_id, printable
+from agent_runtime.api.json_body import nesting_exceeds, parse_body
 from agent_runtime.errors import ErrorCode, ValidationFailed
 from agent_runtime.session_manager import state
 from agent_runtime.session_manager.models import (
@@ -454,7 +448,7 @@ def test_scope_config_from_hash_rejects_incomplete_hash() -> None:
         ScopeConfig.from_hash("sid", broken)
 
 
-# --- input limits at the edge (envelope.py) ------------------------------------------------------
+# --- input limits at the edge (api/ids.py, api/json_body.py) --------------------------------------
 
 
 def _forbidden_by_unicodedata() -> list[str]:
@@ -466,7 +460,7 @@ def _forbidden_by_unicodedata() -> list[str]:
 
 
 def test_id_rule_refuses_every_control_format_and_separator_character() -> None:
-    """The hand-written class in envelope.py covers Cc, Cf, Cs, Zl and Zp of the running
+    """The hand-written class in api/ids.py covers Cc, Cf, Cs, Zl and Zp of the running
     Python's Unicode version (a newer Python with new format characters fails here first)."""
     missed = [f"U+{ord(c):04X}" for c in _forbidden_by_unicodedata() if not has_forbidden(c)]
     assert not missed, missed

@@ -22,8 +22,9 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.convertors import PathConvertor, register_url_convertor
 
+from agent_runtime.api.answers import ok
+from agent_runtime.api.ids import ID_MAX, PRINTABLE_PATTERN, is_id
 from agent_runtime.auth import check_bearer
-from agent_runtime.envelope import ID_MAX, PRINTABLE_PATTERN, is_id, ok
 from agent_runtime.errors import NotFound, ValidationFailed
 from agent_runtime.spec_fields import REDACTED, redacted_spec
 from agent_runtime.wiring import Services, services

@@ -1,6 +1,6 @@
 """The error table of contract §2.2 as exceptions.
 
-Raise one of these anywhere below the handlers; ``envelope.install_error_handlers`` turns it
+Raise one of these anywhere below the handlers; ``api.error_handlers.install`` turns it
 into the failure envelope with the right HTTP status and ``Retry-After``. Facades raise the
 same classes across modules (the resource manager's own failures are mapped by the caller).
 """
@@ -132,6 +132,9 @@ class Overloaded(AgentRuntimeError):
 
 
 class InternalError(AgentRuntimeError):
+    """A bug: the last-resort answer of ``api.error_handlers.GuardMiddleware`` to an exception
+    no handler took (the trace goes to the log, never to the caller)."""
+
     code = ErrorCode.INTERNAL
     http_status = 500
 

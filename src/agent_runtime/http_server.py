@@ -42,8 +42,8 @@ from typing import Any, ClassVar, Protocol
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from agent_runtime.api.answers import ERROR_CODE_HEADER
 from agent_runtime.config import ConfigError, Settings
-from agent_runtime.envelope import ERROR_CODE_HEADER
 from agent_runtime.errors import (
     AgentRuntimeError,
     HeadersTooLarge,

@@ -17,9 +17,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from agent_runtime import envelope
 from agent_runtime.admin import router as admin_router
 from agent_runtime.admission import Admission, AdmissionMiddleware, EdgeShed, LagGovernor
+from agent_runtime.api import error_handlers, openapi
+from agent_runtime.api.json_body import MAX_BODY_BYTES
 from agent_runtime.config import API_PREFIX, Mode, Settings, is_loopback
 from agent_runtime.jobs import Job
 from agent_runtime.metrics import CONTENT_TYPE_LATEST, Metrics, MetricsMiddleware
@@ -110,7 +111,7 @@ def create_app(
         # a trailing slash is an unknown path, 404 NOT_FOUND like any other
         redirect_slashes=False,
     )
-    envelope.install(app)
+    error_handlers.install(app)
     app.include_router(session_router, prefix=API_PREFIX)
     app.include_router(admin_router, prefix=API_PREFIX)
     metrics = Metrics()
@@ -136,7 +137,7 @@ def create_app(
         admission=admitted,
         prefix=API_PREFIX + "/",
         reserve_paths=reserve_paths,
-        body_limit=envelope.MAX_BODY_BYTES,
+        body_limit=MAX_BODY_BYTES,
     )
 
     def count_shed(path: str) -> None:
@@ -152,7 +153,7 @@ def create_app(
     )
     app.add_middleware(MetricsMiddleware, metrics=metrics, known_paths=known)
 
-    @app.get("/metrics", response_class=Response, responses=envelope.METRICS_RESPONSES)
+    @app.get("/metrics", response_class=Response, responses=openapi.METRICS_RESPONSES)
     async def metrics_endpoint(request: Request) -> Response:
         svc: Services | None = getattr(request.app.state, "services", None)
         if svc is not None and svc.ready:
@@ -162,7 +163,7 @@ def create_app(
                 log.warning("metrics: state gauges not updated: %s", exc)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/healthz", responses=envelope.HEALTHZ_RESPONSES)
+    @app.get("/healthz", responses=openapi.HEALTHZ_RESPONSES)
     async def healthz(request: Request) -> JSONResponse:
         svc: Services | None = getattr(request.app.state, "services", None)
         jobs_down = svc is not None and settings.jobs_enabled and not svc.jobs.running

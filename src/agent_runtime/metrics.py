@@ -24,7 +24,7 @@ from agent_runtime.jobs import Job
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics", "MetricsMiddleware"]
 
-_ERROR_CODE = b"x-error-code"  # envelope.ERROR_CODE_HEADER, as ASGI gives header names
+_ERROR_CODE = b"x-error-code"  # answers.ERROR_CODE_HEADER, as ASGI gives header names
 FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30)
 SLOW_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -287,7 +287,7 @@ class MetricsMiddleware:
                 status = message["status"]
                 code = "OK" if status < 400 else f"HTTP_{status}"
                 for name, value in message.get("headers", ()):
-                    if name.lower() == _ERROR_CODE:  # set by envelope.failure: a fixed set
+                    if name.lower() == _ERROR_CODE:  # set by answers.failure: a fixed set
                         code = value.decode("latin-1")
             await send(message)
 

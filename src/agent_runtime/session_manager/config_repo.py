@@ -130,14 +130,6 @@ def get_template(conn: Connection, template_id: str) -> TemplateItem | None:
     return _template_from_row(row) if row is not None else None
 
 
-def rules_using(conn: Connection, template_id: str) -> int:
-    return int(
-        conn.execute(
-            select(func.count()).where(routing_rule.c.template_id == template_id)
-        ).scalar_one()
-    )
-
-
 def get_rule(conn: Connection, group_id: str, bot_id: str) -> RoutingRuleItem | None:
     r = routing_rule
     row = conn.execute(

@@ -16,16 +16,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from agent_runtime.api.answers import ok
+from agent_runtime.api.openapi import documented_responses, inline_schema, json_request_body
+from agent_runtime.api.request import AdminEnvelope, parse_rawdata, read_envelope
 from agent_runtime.auth import check_bearer
-from agent_runtime.envelope import (
-    AdminEnvelope,
-    documented_responses,
-    inline_schema,
-    json_request_body,
-    ok,
-    parse_rawdata,
-    read_envelope,
-)
 from agent_runtime.errors import K8sError, ValidationFailed
 from agent_runtime.resource_manager.facade import K8sApiError
 from agent_runtime.session_manager.models import (

@@ -26,14 +26,8 @@ from pydantic import (
 from pydantic.json_schema import SkipJsonSchema
 
 from agent_runtime import label_selector, spec_fields
-from agent_runtime.envelope import (
-    PRINTABLE_CLASS,
-    PRINTABLE_PATTERN,
-    AdminMetadata,
-    Id,
-    no_control,
-    validate_as,
-)
+from agent_runtime.api.ids import PRINTABLE_CLASS, PRINTABLE_PATTERN, Id, no_control
+from agent_runtime.api.request import AdminMetadata, validate_as
 from agent_runtime.util import max_pods
 
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
