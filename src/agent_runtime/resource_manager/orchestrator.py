@@ -473,7 +473,8 @@ class ResourceOrchestrator:
     async def cleanup(self, namespace: str | None = None, label_selector: str | None = None) -> int:
         """Delete AgentServer pods matching the selector (the component label and the
         existence of our scope label always ANDed in: another tool's AgentServer is never
-        ours to delete). Redis is not touched: watch and reconcile notice the deleted pods."""
+        ours to delete), in the process default cluster only: pods of a named cluster are
+        never touched. Redis is not touched: watch and reconcile notice the deleted pods."""
         ns = namespace or self._default_namespace
         # ValueError for a selector we do not accept; what Kubernetes gets is its canonical
         # form, so the API server never refuses (502) what we validated (400)
