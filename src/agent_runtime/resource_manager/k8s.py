@@ -2,7 +2,7 @@
 (kubernetes_asyncio) and ``MeteredK8sPodClient``; ``FakeK8sPodClient`` lives in
 ``k8s_fake.py``, the pure pieces in ``pod_manifest.py`` (``new_pod_name``, ``build_pod_body``,
 ``sse_url``) and ``pod_reading.py`` (``pod_status_from_json`` — the one reading of a pod's
-phase, readiness and IP — ``read_pod_list``, ``label_selector_matches``). All of them are
+phase, readiness and IP — and ``read_pod_list``). All of them are
 importable from here, as before.
 
 Real and fake implement ``K8sPodClient`` exactly; the resource manager never sees a
@@ -63,9 +63,6 @@ from agent_runtime.resource_manager.pod_reading import (
     LIST_PAGE_SIZE,
     LIST_PARSE_SLICE,
     iter_json_object,
-    label_selector_matches,
-    labels_match,
-    parse_label_selector,
     pod_status,
     pod_status_from_json,
     read_pod_list,
@@ -93,10 +90,7 @@ __all__ = [
     "build_pod_body",
     "deploy_timing",
     "iter_json_object",
-    "label_selector_matches",
-    "labels_match",
     "new_pod_name",
-    "parse_label_selector",
     "pod_labels",
     "pod_status",
     "pod_status_from_json",

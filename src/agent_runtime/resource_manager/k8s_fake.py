@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
+from agent_runtime import label_selector as selectors
 from agent_runtime.resource_manager.clusters import template_cluster
 from agent_runtime.resource_manager.identity import IDENTITY_ANNOTATION, PodIdentity
 from agent_runtime.resource_manager.models import (
@@ -28,11 +29,7 @@ from agent_runtime.resource_manager.pod_manifest import (
     pod_labels,
     sse_url,
 )
-from agent_runtime.resource_manager.pod_reading import (
-    LIST_PAGE_SIZE,
-    labels_match,
-    parse_label_selector,
-)
+from agent_runtime.resource_manager.pod_reading import LIST_PAGE_SIZE
 
 if TYPE_CHECKING:
     from agent_runtime.resource_manager.k8s import OnCreated
@@ -387,14 +384,16 @@ class FakeK8sPodClient:
         if namespace in self.missing_namespaces:
             return []
         self._kubelet()
-        terms = parse_label_selector(label_selector)
+        terms = selectors.parse(label_selector)
         pods = list(in_cluster.values())
         found: list[PodStatus] = []
         for i in range(0, len(pods), LIST_PAGE_SIZE):  # pages, as the real client reads them
             if i:
                 await asyncio.sleep(0)
             page = pods[i : i + LIST_PAGE_SIZE]
-            found += [p for p in page if p.namespace == namespace and labels_match(terms, p.labels)]
+            found += [
+                p for p in page if p.namespace == namespace and selectors.matches(terms, p.labels)
+            ]
         return found
 
     async def probe_health(self, pod_ip: str, port: int) -> bool:
