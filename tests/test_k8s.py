@@ -33,6 +33,7 @@ from kubernetes_asyncio.client import (
 )
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from agent_runtime import label_selector as selectors
 from agent_runtime.label_selector import Requirement
 from agent_runtime.resource_manager import k8s as k8s_module
 from agent_runtime.resource_manager import pod_reading
@@ -42,9 +43,7 @@ from agent_runtime.resource_manager.k8s import (
     RealK8sPodClient,
     build_pod_body,
     iter_json_object,
-    label_selector_matches,
     new_pod_name,
-    parse_label_selector,
     pod_status,
     pod_status_from_json,
     read_pod_list,
@@ -479,7 +478,7 @@ async def test_read_pod_list_yields_to_the_loop(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_parse_label_selector() -> None:
-    assert parse_label_selector(" a=b, c==d ,e!=f,g,!h, i in (1,2), j notin (3)") == [
+    assert selectors.parse(" a=b, c==d ,e!=f,g,!h, i in (1,2), j notin (3)") == [
         Requirement("a", "=", ("b",)),
         Requirement("c", "=", ("d",)),
         Requirement("e", "!=", ("f",)),
@@ -488,10 +487,10 @@ def test_parse_label_selector() -> None:
         Requirement("i", "in", ("1", "2")),
         Requirement("j", "notin", ("3",)),
     ]
-    assert parse_label_selector("") == []
+    assert selectors.parse("") == []
     for refused in ("a=b,", ",", "a gt 1"):
         with pytest.raises(ValueError):
-            parse_label_selector(refused)
+            selectors.parse(refused)
 
 
 @pytest.mark.parametrize(
@@ -517,7 +516,7 @@ def test_parse_label_selector() -> None:
     ],
 )
 def test_label_selector_matches(selector: str, matches: bool) -> None:
-    assert label_selector_matches(selector, {"a": "1", "b": "2"}) is matches
+    assert selectors.matches(selectors.parse(selector), {"a": "1", "b": "2"}) is matches
 
 
 # --- RealK8sPodClient over a scripted CoreV1Api ------------------------------------------------

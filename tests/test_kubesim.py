@@ -7,6 +7,7 @@ RealK8sPodClient against the simulator is ``test_k8s_real_sim.py``.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import json
@@ -27,6 +28,7 @@ from kubesim import KubeSim
 from kubesim.kubeconfig import render_kubeconfig
 from kubesim.labels import SelectorError, parse_field_selector, parse_selector
 from kubesim.paging import Pager, decode_token, encode_token
+from kubesim.runner import add_arguments, build_sim
 
 PODS = "/api/v1/namespaces/default/pods"
 TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
@@ -1024,6 +1026,31 @@ async def test_cli_runs_until_signal_and_exits_0(tmp_path: Path, sig: signal.Sig
         _, stderr = await asyncio.wait_for(proc.communicate(), 15)
     assert proc.returncode == 0, stderr.decode()
     assert not port_open(ip, 8080)
+
+
+async def test_cli_first_pod_ip_sets_where_pod_ips_start(tmp_path: Path) -> None:
+    """Two simulators at once (a default and a named cluster) need distinct pod IP ranges:
+    their AgentServers would otherwise want the same loopback address and port."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--first-pod-ip",
+            "127.0.62.2",
+            "--ready-delay",
+            "0",
+            "--kubeconfig-out",
+            str(tmp_path / "k"),
+        ]
+    )
+    async with (
+        build_sim(args) as sim,
+        httpx.AsyncClient(base_url=sim.url, trust_env=False, timeout=5) as http,
+    ):
+        assert (await http.post(PODS, json=pod_body("p1"))).status_code == 201
+        assert (await running_pod(http, "p1"))["status"]["podIP"] == "127.0.62.2"
+    with pytest.raises(ValueError, match="loopback"):
+        build_sim(parser.parse_args(["--first-pod-ip", "10.0.0.2"]))
 
 
 async def test_cli_refuses_a_non_loopback_host(tmp_path: Path) -> None:

@@ -827,11 +827,15 @@ async def test_watch_is_one_list_per_namespace(env: Env, monkeypatch: pytest.Mon
     calls: list[str] = []
     original = env.k8s.list_pods
 
-    async def counting(namespace: str, label_selector: str) -> list[PodStatus]:
+    async def counting(
+        namespace: str, label_selector: str, *, cluster: str | None = None
+    ) -> list[PodStatus]:
         calls.append(namespace)
-        return await original(namespace, label_selector)
+        return await original(namespace, label_selector, cluster=cluster)
 
-    async def no_get(pod_id: str, namespace: str) -> PodStatus | None:
+    async def no_get(
+        pod_id: str, namespace: str, *, cluster: str | None = None
+    ) -> PodStatus | None:
         raise AssertionError("watch must LIST, not GET per pod")
 
     monkeypatch.setattr(env.k8s, "list_pods", counting)
@@ -1080,7 +1084,7 @@ async def test_a_dead_pod_whose_delete_failed_in_watch_is_deleted_by_reconcile(
     await add_sessions(env.redis, pod_id, ["s1"], candidate=True)
     env.k8s.kill(pod_id)
 
-    async def refuse(pod_id: str, namespace: str) -> bool:
+    async def refuse(pod_id: str, namespace: str, *, cluster: str | None = None) -> bool:
         raise K8sApiError("fake: 500 Internal Server Error", status=500)
 
     with monkeypatch.context() as patched:
@@ -1363,8 +1367,10 @@ async def test_a_pod_reclaimed_during_the_reconcile_pass_is_not_adopted_back(
     pod_id = await add_warm(env)
     list_pods = env.k8s.list_pods
 
-    async def list_then_reclaim(namespace: str, selector: str) -> list[Any]:
-        listed = await list_pods(namespace, selector)
+    async def list_then_reclaim(
+        namespace: str, selector: str, *, cluster: str | None = None
+    ) -> list[Any]:
+        listed = await list_pods(namespace, selector, cluster=cluster)
         await set_idle_age(env.redis, pod_id, 3600)  # reclaim runs on another replica now
         await env.sweeper.reclaim_once()
         return listed
@@ -1385,8 +1391,8 @@ async def test_an_orphan_that_is_terminating_by_now_is_left_to_go(
     await wipe_rm_pod_state(env.redis)  # an orphan: Redis forgot it
     get_pod = env.k8s.get_pod
 
-    async def terminating(pod: str, namespace: str) -> Any:
-        found = await get_pod(pod, namespace)
+    async def terminating(pod: str, namespace: str, *, cluster: str | None = None) -> Any:
+        found = await get_pod(pod, namespace, cluster=cluster)
         return dataclasses.replace(found, phase="Terminating") if found else None
 
     monkeypatch.setattr(env.k8s, "get_pod", terminating)

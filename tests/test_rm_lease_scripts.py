@@ -228,6 +228,38 @@ async def test_renew_records_the_pod_under_its_own_lock_once(
     assert await redis.hget(K.record(), "created") == "1", "a replay keeps the first record"
 
 
+async def test_the_record_names_the_pod_s_cluster_and_a_taker_inherits_it(
+    rs: ResourceState, redis: Redis
+) -> None:
+    """A pod created in a named cluster is recorded with it (a taker looks for the pod
+    there); a record without the field (the default cluster, or written before pods recorded
+    their cluster) reads as None."""
+    await configure(rs)
+    await placeholder(rs, "ph-1")
+    assert (await rs.take_deploy_lease(SID, "lk@1", 0.3)).leader
+    pod = ("agent-e", "ns-a", "uid-e")
+    assert await rs.renew_deploy_lease(
+        SID, "ph-1", "lk@1", 0.3, pod=pod, record_ttl=40, cluster="east"
+    )
+    assert await redis.hget(K.record(), "cluster") == "east"
+    recorded = await rs.deploy_record(SID)
+    assert recorded is not None and recorded.cluster == "east"
+    await lapsed(redis, K.lock())
+    took = await rs.take_deploy_lease(SID, "lk@2", LEASE)
+    assert took.leader and took.orphan is not None
+    assert (took.orphan.pod_id, took.orphan.uid, took.orphan.cluster) == (
+        "agent-e",
+        "uid-e",
+        "east",
+    )
+
+    await redis.hdel(K.record(), "cluster")  # a record of the default cluster, or an old one
+    recorded = await rs.deploy_record(SID)
+    assert recorded is not None and recorded.cluster is None
+    again = await rs.take_deploy_lease(SID, "lk@2", LEASE)  # the holder asks again
+    assert again.orphan is not None and again.orphan.cluster is None
+
+
 async def test_a_warm_deploy_renews_its_placeholder_and_touches_no_lock(
     rs: ResourceState, redis: Redis
 ) -> None:

@@ -1451,9 +1451,9 @@ async def test_cleanup_never_reaches_a_namespace_off_the_allow_list(
         calls: list[str] = []
         list_pods = w.k8s.list_pods
 
-        async def counted(namespace: str, selector: str) -> Any:
+        async def counted(namespace: str, selector: str, *, cluster: str | None = None) -> Any:
             calls.append(namespace)
-            return await list_pods(namespace, selector)
+            return await list_pods(namespace, selector, cluster=cluster)
 
         w.k8s.list_pods = counted  # type: ignore[method-assign]
         resp = await post_cleanup(w, namespace="kube-system")

@@ -127,7 +127,7 @@ def build_backends(settings: Settings) -> Backends:
     # and exit 2); local mode has no Kubernetes to reach, but refuses the same files
     clusters = read_clusters(settings.clusters, settings.clusters_allow_exec)
     k8s: K8sPodClient = (
-        FakeK8sPodClient(default_namespace=namespace)
+        FakeK8sPodClient(default_namespace=namespace, clusters=set(clusters))
         if settings.mode is Mode.LOCAL
         else RealK8sPodClient(
             kubeconfig=settings.kubeconfig, default_namespace=namespace, clusters=clusters

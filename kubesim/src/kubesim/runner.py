@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 EXIT_USAGE = 2
 DEFAULT_GRACE = 1.0  # seconds; KubeSim's own default
+DEFAULT_FIRST_POD_IP = "127.0.0.2"  # the kubelet's own default
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a namespace that exists (repeatable; default: default)",
     )
     parser.add_argument("--token", default=None, help="require this bearer token")
+    parser.add_argument(
+        "--first-pod-ip",
+        default=DEFAULT_FIRST_POD_IP,
+        help="first loopback address pods get (give two simulators distinct ranges)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed for jitter and ratios")
     parser.add_argument("--log-level", default="INFO")
 
@@ -65,6 +71,7 @@ def build_sim(args: argparse.Namespace) -> KubeSim:
         token=args.token,
         kubeconfig_path=args.kubeconfig_out,
         seed=args.seed,
+        first_pod_ip=args.first_pod_ip,
     )
 
 

@@ -87,3 +87,10 @@ def _read(name: str, path: str, *, allowed: bool) -> dict[str, Any]:
                 f"service; refused (allow it with AGENT_RUNTIME_CLUSTERS_ALLOW_EXEC={name})"
             )
     return parsed
+
+
+def template_cluster(pod_spec: Mapping[str, Any]) -> str | None:
+    """The cluster a template's new pods go to: the name in its ``kubeconfig`` field, None for
+    the process default. A pod keeps the cluster it was created in (recorded with it in Redis):
+    a template that changes ``kubeconfig`` moves no running pod."""
+    return pod_spec.get("kubeconfig") or None

@@ -4,13 +4,17 @@ pool's (autoscale). Hazard: the claim (placeholder, lease) is given back on ever
 pod that is Ready in Kubernetes but not registered is deleted — except one whose lease another
 leader took over: that pod is the other leader's, never deleted here. An inherited pod is ours
 only as the incarnation its leader recorded (its uid), and is registered only once signed for
-it (identity.py): a dead leader may have died between its create and that signature.
+it (identity.py): a dead leader may have died between its create and that signature. A pod
+is registered and recorded with the cluster it runs in, and an inherited one is looked for,
+signed, awaited and deleted in the cluster its record names (the template's may have changed
+since: ``kubeconfig`` moves no running pod).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -19,6 +23,7 @@ from typing import Any
 from agent_runtime import admission, logs, spec_fields
 from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
+from agent_runtime.resource_manager.clusters import template_cluster
 from agent_runtime.resource_manager.identity import Ownership, PodIdentity
 from agent_runtime.resource_manager.k8s import K8sPodClient
 from agent_runtime.resource_manager.lease import DeployLease
@@ -135,6 +140,7 @@ class Deployer:
                 namespace=info.namespace,
                 deploy_ver=version,
                 warm=warm,
+                cluster=info.cluster,
             )
         except BaseException:
             # Ready in Kubernetes but not in Redis: delete it rather than leak it
@@ -163,12 +169,14 @@ class Deployer:
             adopted = await self._adopt_orphan(scope_id, version, pod_spec, orphan)
             if adopted is not None:
                 return adopted
+        # recorded with the cluster the deploy goes to: a taker looks for the pod there
+        record = functools.partial(lease.record_pod, cluster=template_cluster(pod_spec))
         return await self._k8s.deploy(
             scope_id=scope_id,
             deploy_ver=version,
             pod_spec=pod_spec,
             identity=self._identity,
-            on_created=lease.record_pod if lease.cold else None,
+            on_created=record if lease.cold else None,
         )
 
     async def _adopt_orphan(
@@ -181,8 +189,11 @@ class Deployer:
         None when it is gone, another incarnation or not ours (left alone), or of an old
         version (deleted): a new one is deployed. Dead, not Ready in time or its signature
         refused: deleted, DeployFailed."""
+        cluster = orphan.cluster
         where = f"pod {orphan.namespace}/{orphan.pod_id}"
-        status = await self._k8s.get_pod(orphan.pod_id, orphan.namespace)
+        if cluster is not None:
+            where = f"pod {cluster}/{orphan.namespace}/{orphan.pod_id}"
+        status = await self._k8s.get_pod(orphan.pod_id, orphan.namespace, cluster=cluster)
         if status is None or status.phase == "Terminating":
             log.info("scope %s: inherited %s is gone; deploying anew", scope_id, where)
             self._takeovers.labels("deployed").inc()
@@ -197,7 +208,7 @@ class Deployer:
             return None
         if status.deploy_ver != version:
             with contextlib.suppress(Exception):
-                await self._k8s.delete(orphan.pod_id, orphan.namespace)
+                await self._k8s.delete(orphan.pod_id, orphan.namespace, cluster=cluster)
             log.info("scope %s: inherited %s is of an old version; deploying anew", scope_id, where)
             self._takeovers.labels("deployed").inc()
             return None
@@ -208,23 +219,25 @@ class Deployer:
                 await self._k8s.sign(
                     orphan.pod_id, orphan.namespace, pod_spec,
                     uid=status.uid, annotations=self._identity.completion(status), within=left,
+                    cluster=cluster,
                 )  # fmt: skip
                 log.info("scope %s: inherited %s signed for its incarnation", scope_id, where)
             info = await self._k8s.await_ready(
-                orphan.pod_id, orphan.namespace, pod_spec, uid=status.uid, within=left
-            )
+                orphan.pod_id, orphan.namespace, pod_spec, uid=status.uid, within=left,
+                cluster=cluster,
+            )  # fmt: skip
         except PodGone:
             self._takeovers.labels("deployed").inc()
             return None
         except DeployFailed:
-            now = await self._k8s.get_pod(orphan.pod_id, orphan.namespace)
+            now = await self._k8s.get_pod(orphan.pod_id, orphan.namespace, cluster=cluster)
             if now is None or now.phase == "Terminating" or now.uid != status.uid:
                 # deleted (or replaced) by someone else meanwhile: no failure of its image
                 self._takeovers.labels("deployed").inc()
                 return None
             self._takeovers.labels("failed").inc()
             with contextlib.suppress(Exception):
-                await self._k8s.delete(orphan.pod_id, orphan.namespace)
+                await self._k8s.delete(orphan.pod_id, orphan.namespace, cluster=cluster)
             raise
         self._takeovers.labels("adopted").inc()
         log.info("scope %s: %s of a leader whose lease lapsed adopted", scope_id, where)
@@ -232,6 +245,6 @@ class Deployer:
 
     async def _discard_pod(self, info: PodDeployInfo, lease: DeployLease) -> None:
         with contextlib.suppress(Exception):
-            await self._k8s.delete(info.pod_id, info.namespace)
+            await self._k8s.delete(info.pod_id, info.namespace, cluster=info.cluster)
         with contextlib.suppress(Exception):
             await lease.give_back()

@@ -2,11 +2,14 @@
 (kubernetes_asyncio) and ``MeteredK8sPodClient``; ``FakeK8sPodClient`` lives in
 ``k8s_fake.py``, the pure pieces in ``pod_manifest.py`` (``new_pod_name``, ``build_pod_body``,
 ``sse_url``) and ``pod_reading.py`` (``pod_status_from_json`` — the one reading of a pod's
-phase, readiness and IP — ``read_pod_list``, ``label_selector_matches``). All of them are
+phase, readiness and IP — and ``read_pod_list``). All of them are
 importable from here, as before.
 
 Real and fake implement ``K8sPodClient`` exactly; the resource manager never sees a
-kubernetes_asyncio object. A LIST is paged and parsed a slice at a time.
+kubernetes_asyncio object. A LIST is paged and parsed a slice at a time. A deploy goes to its
+template's cluster (``clusters.template_cluster``); every call on an existing pod (``get_pod``,
+``delete``, ``list_pods``, ``await_ready``, ``sign``) takes ``cluster=``, the cluster the pod
+was recorded in (None: the process default).
 
 Hazard: ``load_incluster_config`` is a plain function, ``load_kube_config`` a coroutine;
 awaiting the first is a TypeError in-cluster.
@@ -30,7 +33,7 @@ from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
-from agent_runtime.resource_manager.clusters import ClusterConfig
+from agent_runtime.resource_manager.clusters import ClusterConfig, template_cluster
 from agent_runtime.resource_manager.identity import IDENTITY_ANNOTATION, PodIdentity
 from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.models import (
@@ -60,9 +63,6 @@ from agent_runtime.resource_manager.pod_reading import (
     LIST_PAGE_SIZE,
     LIST_PARSE_SLICE,
     iter_json_object,
-    label_selector_matches,
-    labels_match,
-    parse_label_selector,
     pod_status,
     pod_status_from_json,
     read_pod_list,
@@ -90,10 +90,7 @@ __all__ = [
     "build_pod_body",
     "deploy_timing",
     "iter_json_object",
-    "label_selector_matches",
-    "labels_match",
     "new_pod_name",
-    "parse_label_selector",
     "pod_labels",
     "pod_status",
     "pod_status_from_json",
@@ -149,12 +146,21 @@ class K8sPodClient(Protocol):
         """
 
     async def await_ready(
-        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, uid: str, within: float
+        self,
+        pod_id: str,
+        namespace: str,
+        pod_spec: dict[str, Any],
+        *,
+        uid: str,
+        within: float,
+        cluster: str | None = None,
     ) -> PodDeployInfo:
-        """Wait for an existing pod (one a dead deploy leader created, incarnation ``uid``) to
-        be Ready with an IP, polling as a deploy does, for at most ``within`` seconds. Gone or
-        another incarnation under the name → ``PodGone``; dead or not Ready in time →
-        ``DeployFailed`` (the pod is left for the caller to delete)."""
+        """Wait for an existing pod of ``cluster`` (one a dead deploy leader created,
+        incarnation ``uid``) to be Ready with an IP, polling as a deploy does, for at most
+        ``within`` seconds; ``pod_spec`` gives the poll interval and the SSE URL only. Gone or
+        another incarnation under the name → ``PodGone``; dead or not Ready in time, or a
+        cluster that is not configured or down → ``DeployFailed`` (the pod is left for the
+        caller to delete)."""
 
     async def sign(
         self,
@@ -165,21 +171,28 @@ class K8sPodClient(Protocol):
         uid: str,
         annotations: dict[str, str],
         within: float,
+        cluster: str | None = None,
     ) -> None:
-        """Merge-patch ``annotations`` onto the pod incarnation ``uid`` (named in the patch, so
-        that another incarnation under the name is refused, never signed): how a taker
-        completes the identity of a dead leader's pod. Lost replies, 429 and 5xx are tried
-        again for up to ``within`` seconds. Gone or another incarnation → ``PodGone``; any
-        other refusal → ``DeployFailed``."""
+        """Merge-patch ``annotations`` onto the pod incarnation ``uid`` of ``cluster`` (named
+        in the patch, so that another incarnation under the name is refused, never signed):
+        how a taker completes the identity of a dead leader's pod. Lost replies, 429 and 5xx
+        are tried again for up to ``within`` seconds. Gone or another incarnation →
+        ``PodGone``; any other refusal (a cluster not configured or down too) →
+        ``DeployFailed``."""
 
-    async def delete(self, pod_id: str, namespace: str) -> bool:
-        """Delete a pod; False if it did not exist (404)."""
+    async def delete(self, pod_id: str, namespace: str, *, cluster: str | None = None) -> bool:
+        """Delete a pod of ``cluster``; False if it did not exist (404). A cluster that is not
+        configured (or whose client cannot be opened) → ``K8sApiError``, as every read."""
 
-    async def get_pod(self, pod_id: str, namespace: str) -> PodStatus | None: ...
+    async def get_pod(
+        self, pod_id: str, namespace: str, *, cluster: str | None = None
+    ) -> PodStatus | None: ...
 
-    async def list_pods(self, namespace: str, label_selector: str) -> list[PodStatus]:
-        """Every matching pod (the real client pages the LIST). A namespace that does not
-        exist → []; 403 → ``K8sApiError``."""
+    async def list_pods(
+        self, namespace: str, label_selector: str, *, cluster: str | None = None
+    ) -> list[PodStatus]:
+        """Every matching pod of ``cluster`` (the real client pages the LIST). A namespace
+        that does not exist → []; 403, or a cluster not configured or down → ``K8sApiError``."""
 
     async def probe_health(self, pod_ip: str, port: int) -> bool:
         """``GET http://{pod_ip}:{port}/health`` within 3 s; only a 200 is healthy."""
@@ -279,10 +292,11 @@ class RealK8sPodClient:
 
     The process default is the in-cluster service account, else ``kubeconfig``. A template
     may name one of the operator's ``clusters`` (``clusters.read_clusters``: parsed and checked
-    at startup, opened in ``start``); that client serves new deploys only. A name that is not
-    configured fails the deploy without opening anything. delete, get_pod, list_pods (and so
-    watch, reconcile and cleanup) always use the default client: pods deployed into another
-    cluster are not seen by them (a known limitation).
+    at startup, opened in ``start``); its new deploys go there. Every call on an existing pod
+    takes the pod's ``cluster`` (None: the default), so watch, reconcile, reclaim and
+    takeovers reach each pod where it runs; cleanup stays on the default. A name that is not
+    configured (a template row from before names, or a cluster since removed) opens and reads
+    nothing: a deploy fails, a read or delete raises ``K8sApiError``.
     """
 
     def __init__(
@@ -379,10 +393,17 @@ class RealK8sPodClient:
         except Exception as exc:
             raise K8sApiError(f"{what}: {_api_error_text(exc)}", status=_api_status(exc)) from exc
 
-    # reads and deletes (default client)
+    # reads and deletes (the pod's cluster)
 
-    async def delete(self, pod_id: str, namespace: str) -> bool:
-        api = await self._api(None)
+    async def _pod_api(self, cluster: str | None) -> Any:
+        """The API of an existing pod's cluster; ``K8sApiError`` for a name not configured
+        (removed since the pod was recorded: nothing is opened)."""
+        if cluster is not None and cluster not in self._clusters:
+            raise K8sApiError(f"cluster {cluster[:80]!r} is not configured")
+        return await self._api(cluster)
+
+    async def delete(self, pod_id: str, namespace: str, *, cluster: str | None = None) -> bool:
+        api = await self._pod_api(cluster)
         try:
             await self._call(
                 f"delete pod {namespace}/{pod_id}",
@@ -394,8 +415,10 @@ class RealK8sPodClient:
             raise
         return True
 
-    async def get_pod(self, pod_id: str, namespace: str) -> PodStatus | None:
-        api = await self._api(None)
+    async def get_pod(
+        self, pod_id: str, namespace: str, *, cluster: str | None = None
+    ) -> PodStatus | None:
+        api = await self._pod_api(cluster)
         try:
             v1pod = await self._call(
                 f"get pod {namespace}/{pod_id}", lambda: api.read_namespaced_pod(pod_id, namespace)
@@ -406,14 +429,17 @@ class RealK8sPodClient:
             raise
         return pod_status(v1pod)
 
-    async def list_pods(self, namespace: str, label_selector: str) -> list[PodStatus]:
+    async def list_pods(
+        self, namespace: str, label_selector: str, *, cluster: str | None = None
+    ) -> list[PodStatus]:
         """Paged as client-go's pager: ``limit`` ``LIST_PAGE_SIZE`` and each page's continue
         token, until a page has none. Each page is one ``_call`` (bounded, every failure a
         ``K8sApiError``), read as raw JSON (no V1Pod models) a slice at a time. A 404 (the
         namespace) → []; a 410 of a continued page (its token expired) → the list again from
         the start, once; any other refusal, or a second 410, is raised."""
-        api = await self._api(None)
-        what = f"list pods in {namespace} ({label_selector})"
+        api = await self._pod_api(cluster)
+        where = namespace if cluster is None else f"{cluster}/{namespace}"
+        what = f"list pods in {where} ({label_selector})"
         found: list[PodStatus] = []
         token: str | None = None
         restarted = False
@@ -483,7 +509,8 @@ class RealK8sPodClient:
     ) -> PodDeployInfo:
         ready_timeout, poll = deploy_timing(pod_spec)
         deadline = _Deadline(ready_timeout)  # create and readiness together
-        api = await self._deploy_api(pod_spec)
+        cluster = template_cluster(pod_spec)
+        api = await self._deploy_api(cluster)
         job = _DeployJob(
             api=api,
             namespace=pod_spec.get("namespace") or self._default_namespace,
@@ -503,22 +530,28 @@ class RealK8sPodClient:
             for maybe_created in job.sent:
                 await self._discard(api, maybe_created, job.namespace)
             raise
-        return PodDeployInfo(name, job.namespace, pod_ip, sse_url(pod_ip, pod_spec))
+        return PodDeployInfo(name, job.namespace, pod_ip, sse_url(pod_ip, pod_spec), cluster)
 
     async def await_ready(
-        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, uid: str, within: float
+        self,
+        pod_id: str,
+        namespace: str,
+        pod_spec: dict[str, Any],
+        *,
+        uid: str,
+        within: float,
+        cluster: str | None = None,
     ) -> PodDeployInfo:
         _, poll = deploy_timing(pod_spec)
-        api = await self._deploy_api(pod_spec)  # the pod's cluster: where its deploy went
+        api = await self._deploy_api(cluster)  # the pod's cluster: where its deploy went
         # one GET at least, however little of the pod's own deadline is left
         deadline = _Deadline(max(within, AWAIT_READY_MIN))
         job = _DeployJob(api, namespace, "", "", pod_spec, deadline, identity=None)
         pod_ip = await self._wait_ready(job, pod_id, uid, poll)
-        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec))
+        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec), cluster)
 
-    async def _deploy_api(self, pod_spec: dict[str, Any]) -> Any:
-        """The API of the template's cluster, or ``DeployFailed`` (an unknown or down one)."""
-        cluster = pod_spec.get("kubeconfig")
+    async def _deploy_api(self, cluster: str | None) -> Any:
+        """The API of a deploy's cluster, or ``DeployFailed`` (an unknown or down one)."""
         if cluster is not None and cluster not in self._clusters:
             # a row written before clusters were names (a path), or a cluster since removed:
             # nothing is opened or read, and the answer does not echo the template's value
@@ -637,8 +670,9 @@ class RealK8sPodClient:
         uid: str,
         annotations: dict[str, str],
         within: float,
+        cluster: str | None = None,
     ) -> None:
-        api = await self._deploy_api(pod_spec)  # the pod's cluster: where its deploy went
+        api = await self._deploy_api(cluster)  # the pod's cluster: where its deploy went
         deadline = _Deadline(max(within, AWAIT_READY_MIN))
         await self._patch_incarnation(api, namespace, pod_id, uid, annotations, deadline)
 
@@ -785,9 +819,18 @@ class MeteredK8sPodClient:
         return await self._timed("deploy", call)
 
     async def await_ready(
-        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, uid: str, within: float
+        self,
+        pod_id: str,
+        namespace: str,
+        pod_spec: dict[str, Any],
+        *,
+        uid: str,
+        within: float,
+        cluster: str | None = None,
     ) -> PodDeployInfo:
-        call = self.inner.await_ready(pod_id, namespace, pod_spec, uid=uid, within=within)
+        call = self.inner.await_ready(
+            pod_id, namespace, pod_spec, uid=uid, within=within, cluster=cluster
+        )
         return await self._timed("await_ready", call)
 
     async def sign(
@@ -799,20 +842,27 @@ class MeteredK8sPodClient:
         uid: str,
         annotations: dict[str, str],
         within: float,
+        cluster: str | None = None,
     ) -> None:
         call = self.inner.sign(
-            pod_id, namespace, pod_spec, uid=uid, annotations=annotations, within=within
-        )
+            pod_id, namespace, pod_spec, uid=uid, annotations=annotations, within=within,
+            cluster=cluster,
+        )  # fmt: skip
         await self._timed("sign", call)
 
-    async def delete(self, pod_id: str, namespace: str) -> bool:
-        return await self._timed("delete", self.inner.delete(pod_id, namespace))
+    async def delete(self, pod_id: str, namespace: str, *, cluster: str | None = None) -> bool:
+        return await self._timed("delete", self.inner.delete(pod_id, namespace, cluster=cluster))
 
-    async def get_pod(self, pod_id: str, namespace: str) -> PodStatus | None:
-        return await self._timed("get", self.inner.get_pod(pod_id, namespace))
+    async def get_pod(
+        self, pod_id: str, namespace: str, *, cluster: str | None = None
+    ) -> PodStatus | None:
+        return await self._timed("get", self.inner.get_pod(pod_id, namespace, cluster=cluster))
 
-    async def list_pods(self, namespace: str, label_selector: str) -> list[PodStatus]:
-        return await self._timed("list", self.inner.list_pods(namespace, label_selector))
+    async def list_pods(
+        self, namespace: str, label_selector: str, *, cluster: str | None = None
+    ) -> list[PodStatus]:
+        call = self.inner.list_pods(namespace, label_selector, cluster=cluster)
+        return await self._timed("list", call)
 
     async def probe_health(self, pod_ip: str, port: int) -> bool:
         return await self._timed("probe_health", self.inner.probe_health(pod_ip, port))

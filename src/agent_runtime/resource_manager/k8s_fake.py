@@ -8,8 +8,11 @@ import asyncio
 import dataclasses
 import math
 import uuid
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
+from agent_runtime import label_selector as selectors
+from agent_runtime.resource_manager.clusters import template_cluster
 from agent_runtime.resource_manager.identity import IDENTITY_ANNOTATION, PodIdentity
 from agent_runtime.resource_manager.models import (
     DeployFailed,
@@ -26,11 +29,7 @@ from agent_runtime.resource_manager.pod_manifest import (
     pod_labels,
     sse_url,
 )
-from agent_runtime.resource_manager.pod_reading import (
-    LIST_PAGE_SIZE,
-    labels_match,
-    parse_label_selector,
-)
+from agent_runtime.resource_manager.pod_reading import LIST_PAGE_SIZE
 
 if TYPE_CHECKING:
     from agent_runtime.resource_manager.k8s import OnCreated
@@ -51,10 +50,26 @@ class FakeK8sPodClient:
     create, ``on_created``, then the incarnation MAC (a deployer that dies in ``on_created``
     leaves a pod with the first only).
 
-    Pod IPs are loopback: 127.0.1.1 … 127.0.1.254, then 127.0.2.x and so on.
+    Clusters: every cluster has a pod set of its own (``pods_in(name)``; ``pods`` is the
+    process default's, None). A deploy goes to its template's ``kubeconfig`` cluster, every
+    other call to its ``cluster=``; the test helpers take ``cluster=`` too. ``clusters``: the
+    names configured (None: any name is a cluster, empty until used); a name not configured,
+    or one in ``unreachable_clusters`` (None: the default), is refused as the real client
+    refuses it: ``DeployFailed`` for deploy, await_ready and sign, ``K8sApiError`` for get,
+    delete and list. ``deleted`` holds the pod ids of every cluster, ``deleted_in`` (cluster,
+    pod id) pairs.
+
+    Pod IPs are loopback: 127.0.1.1 … 127.0.1.254, then 127.0.2.x and so on (one sequence over
+    every cluster: no two pods share an IP).
     """
 
-    def __init__(self, *, default_namespace: str = "default", ready_delay: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        default_namespace: str = "default",
+        ready_delay: float = 0.0,
+        clusters: Collection[str] | None = None,
+    ) -> None:
         self.default_namespace = default_namespace
         self.ready_delay = ready_delay
         self.never_ready = False
@@ -62,19 +77,54 @@ class FakeK8sPodClient:
         self.unhealthy: set[str] = set()
         self.missing_namespaces: set[str] = set()
         self.forbidden_namespaces: set[str] = set()
+        self.clusters: set[str] | None = None if clusters is None else set(clusters)
+        self.unreachable_clusters: set[str | None] = set()
         self.pods: dict[str, PodStatus] = {}
+        self._named: dict[str, dict[str, PodStatus]] = {}  # the named clusters' pod sets
         self.deleted: list[str] = []
+        self.deleted_in: list[tuple[str | None, str]] = []
         self.deploy_calls = 0
         self.started = False
         self._ips_given = 0
-        self._pod_of_ip: dict[str, str] = {}  # probes find their pod in O(1) (10k-pod benches)
-        self._starting: dict[str, float] = {}  # deployed pods not yet Running → created (loop)
+        # probes find their pod in O(1) (10k-pod benches): ip → (cluster, pod id)
+        self._pod_of_ip: dict[str, tuple[str | None, str]] = {}
+        # deployed pods not yet Running: (cluster, pod id) → created (loop time)
+        self._starting: dict[tuple[str | None, str], float] = {}
 
     async def start(self) -> None:
         self.started = True
 
     async def close(self) -> None:
         self.started = False
+
+    # clusters
+
+    def pods_in(self, cluster: str | None) -> dict[str, PodStatus]:
+        """The pod set of ``cluster`` (None: the default), live: a test may read or change it."""
+        if cluster is None:
+            return self.pods
+        return self._named.setdefault(cluster, {})
+
+    def _refusal(self, cluster: str | None) -> str | None:
+        if cluster in self.unreachable_clusters:
+            return f"fake: cluster {cluster or '(default)'} is unreachable"
+        if cluster is not None and self.clusters is not None and cluster not in self.clusters:
+            return f"fake: cluster {cluster!r} is not configured"
+        return None
+
+    def _reached(self, cluster: str | None) -> dict[str, PodStatus]:
+        """The cluster's pods for a read or delete; ``K8sApiError`` when it cannot be asked."""
+        refusal = self._refusal(cluster)
+        if refusal is not None:
+            raise K8sApiError(refusal)
+        return self.pods_in(cluster)
+
+    def _deployable(self, cluster: str | None) -> dict[str, PodStatus]:
+        """The cluster's pods for a deploy's step; ``DeployFailed`` when it cannot be asked."""
+        refusal = self._refusal(cluster)
+        if refusal is not None:
+            raise DeployFailed(refusal)
+        return self.pods_in(cluster)
 
     # faults and test helpers
 
@@ -85,26 +135,28 @@ class FakeK8sPodClient:
         waiting_reason: str | None = None,
         *,
         ready: bool | None = None,
+        cluster: str | None = None,
     ) -> None:
         """Move a pod to ``phase`` (a waiting reason wins, as in ``pod_status``); Ready follows
         Running unless ``ready`` says otherwise."""
-        pod = self.pods[pod_id]
+        pods = self.pods_in(cluster)
+        pod = pods[pod_id]
         reasons = (waiting_reason,) if waiting_reason else ()
         phase = normalize_phase(phase, deleting=False, waiting_reasons=reasons)
         running = phase == "Running"
-        self.pods[pod_id] = dataclasses.replace(
+        pods[pod_id] = dataclasses.replace(
             pod,
             phase=phase,
             ready=running if ready is None else ready,
-            pod_ip=pod.pod_ip or (self._next_ip(pod_id) if running else None),
+            pod_ip=pod.pod_ip or (self._next_ip(pod_id, cluster) if running else None),
         )
 
-    def kill(self, pod_id: str) -> None:
-        self.set_phase(pod_id, "Failed")
+    def kill(self, pod_id: str, *, cluster: str | None = None) -> None:
+        self.set_phase(pod_id, "Failed", cluster=cluster)
 
-    def remove(self, pod_id: str) -> None:
+    def remove(self, pod_id: str, *, cluster: str | None = None) -> None:
         """The pod vanishes as if someone else deleted it (not recorded in ``deleted``)."""
-        self.pods.pop(pod_id, None)
+        self.pods_in(cluster).pop(pod_id, None)
 
     def add_pod(
         self,
@@ -120,6 +172,7 @@ class FakeK8sPodClient:
         pod_spec: dict[str, Any] | None = None,
         annotations: dict[str, str] | None = None,
         image: str = "agentserver:found",
+        cluster: str | None = None,
     ) -> PodStatus:
         """A pod we did not deploy (e.g. found after a Redis wipe); ``labels`` override ours.
         With ``identity`` it carries both signatures (its SSE port and path from ``pod_spec``),
@@ -135,13 +188,13 @@ class FakeK8sPodClient:
             namespace=namespace,
             phase=phase,
             ready=phase == "Running" if ready is None else ready,
-            pod_ip=None if phase == "Pending" else self._next_ip(pod_id),
+            pod_ip=None if phase == "Pending" else self._next_ip(pod_id, cluster),
             labels={**pod_labels(pod_id, scope_id, deploy_ver), **(labels or {})},
             uid=uid,
             annotations={**notes, **(annotations or {})},
             image=image,
         )
-        self.pods[pod_id] = pod
+        self.pods_in(cluster)[pod_id] = pod
         return pod
 
     @staticmethod
@@ -161,10 +214,10 @@ class FakeK8sPodClient:
         notes.update(identity.incarnation_annotations(uid=uid, identity=notes[IDENTITY_ANNOTATION]))
         return notes
 
-    def _next_ip(self, pod_id: str) -> str:
+    def _next_ip(self, pod_id: str, cluster: str | None) -> str:
         n, self._ips_given = self._ips_given, self._ips_given + 1
         ip = f"127.0.{1 + n // 254}.{1 + n % 254}"
-        self._pod_of_ip[ip] = pod_id
+        self._pod_of_ip[ip] = (cluster, pod_id)
         return ip
 
     def _check_namespace(self, namespace: str) -> None:
@@ -179,13 +232,13 @@ class FakeK8sPodClient:
         if not self._starting or self.never_ready:
             return
         now = asyncio.get_running_loop().time()
-        for pod_id, created in list(self._starting.items()):
-            pod = self.pods.get(pod_id)
+        for (cluster, pod_id), created in list(self._starting.items()):
+            pod = self.pods_in(cluster).get(pod_id)
             if pod is None or pod.phase != "Pending":
-                del self._starting[pod_id]
+                del self._starting[cluster, pod_id]
             elif now - created >= self.ready_delay:
-                del self._starting[pod_id]
-                self.set_phase(pod_id, "Running")
+                del self._starting[cluster, pod_id]
+                self.set_phase(pod_id, "Running", cluster=cluster)
 
     async def deploy(
         self,
@@ -198,9 +251,11 @@ class FakeK8sPodClient:
     ) -> PodDeployInfo:
         self.deploy_calls += 1
         namespace = pod_spec.get("namespace") or self.default_namespace
+        cluster = template_cluster(pod_spec)
         if self.fail_next_deploys > 0:
             self.fail_next_deploys -= 1
             raise DeployFailed("fake: injected deploy failure")
+        pods = self._deployable(cluster)
         if namespace in self.forbidden_namespaces:
             raise DeployFailed(f"create pod in {namespace} refused: 403 Forbidden")
         if namespace in self.missing_namespaces:
@@ -212,11 +267,11 @@ class FakeK8sPodClient:
             pod_spec=pod_spec,
         )  # fmt: skip
         body = build_pod_body(pod_id, scope_id, deploy_ver, pod_spec, notes)
-        self.pods[pod_id] = PodStatus(
+        pods[pod_id] = PodStatus(
             pod_id, namespace, "Pending", False, None, body["metadata"]["labels"],
             uid=uid, annotations=notes, image=pod_spec["image"],
         )  # fmt: skip
-        self._starting[pod_id] = asyncio.get_running_loop().time()
+        self._starting[cluster, pod_id] = asyncio.get_running_loop().time()
         try:
             if on_created is not None:
                 await on_created(pod_id, namespace, uid)
@@ -224,25 +279,38 @@ class FakeK8sPodClient:
                 uid=uid, identity=notes[IDENTITY_ANNOTATION]
             )
             await self.sign(
-                pod_id, namespace, pod_spec, uid=uid, annotations=incarnation, within=0.0
-            )
-            pod_ip = await self._wait_ready(pod_id, uid, deploy_timing(pod_spec))
+                pod_id, namespace, pod_spec, uid=uid, annotations=incarnation, within=0.0,
+                cluster=cluster,
+            )  # fmt: skip
+            pod_ip = await self._wait_ready(pod_id, uid, deploy_timing(pod_spec), cluster)
         except BaseException:  # as the real client: a failed or cancelled deploy leaves no pod
-            if self.pods.pop(pod_id, None) is not None:
-                self.deleted.append(pod_id)
+            if pods.pop(pod_id, None) is not None:
+                self._note_deleted(cluster, pod_id)
             raise
-        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec))
+        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec), cluster)
+
+    def _note_deleted(self, cluster: str | None, pod_id: str) -> None:
+        self.deleted.append(pod_id)
+        self.deleted_in.append((cluster, pod_id))
 
     async def await_ready(
-        self, pod_id: str, namespace: str, pod_spec: dict[str, Any], *, uid: str, within: float
+        self,
+        pod_id: str,
+        namespace: str,
+        pod_spec: dict[str, Any],
+        *,
+        uid: str,
+        within: float,
+        cluster: str | None = None,
     ) -> PodDeployInfo:
+        pods = self._deployable(cluster)
         self._check_namespace(namespace)
-        pod = self.pods.get(pod_id)
+        pod = pods.get(pod_id)
         if pod is None or pod.namespace != namespace:
             raise PodGone(f"pod {pod_id} disappeared")
         _, poll = deploy_timing(pod_spec)
-        pod_ip = await self._wait_ready(pod_id, uid, (max(within, 0.0), poll))
-        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec))
+        pod_ip = await self._wait_ready(pod_id, uid, (max(within, 0.0), poll), cluster)
+        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec), cluster)
 
     async def sign(
         self,
@@ -253,23 +321,28 @@ class FakeK8sPodClient:
         uid: str,
         annotations: dict[str, str],
         within: float,
+        cluster: str | None = None,
     ) -> None:
+        pods = self._deployable(cluster)
         if namespace in self.forbidden_namespaces:
             raise DeployFailed(f"sign pod {namespace}/{pod_id} refused: 403 Forbidden")
-        pod = self.pods.get(pod_id)
+        pod = pods.get(pod_id)
         if pod is None or pod.namespace != namespace or pod.uid != uid:
             raise PodGone(f"pod {pod_id} disappeared")
-        self.pods[pod_id] = dataclasses.replace(pod, annotations={**pod.annotations, **annotations})
+        pods[pod_id] = dataclasses.replace(pod, annotations={**pod.annotations, **annotations})
 
-    async def _wait_ready(self, pod_id: str, uid: str, timing: tuple[float, float]) -> str:
+    async def _wait_ready(
+        self, pod_id: str, uid: str, timing: tuple[float, float], cluster: str | None
+    ) -> str:
         """Like the real poll loop: a pod killed, removed or replaced meanwhile fails at the
         next poll."""
         timeout, poll = timing
         loop = asyncio.get_running_loop()
         started = loop.time()
+        pods = self.pods_in(cluster)
         while True:
             self._kubelet()
-            pod = self.pods.get(pod_id)
+            pod = pods.get(pod_id)
             if pod is None or pod.uid != uid:
                 raise PodGone(f"pod {pod_id} disappeared")
             if pod.dead:
@@ -279,43 +352,53 @@ class FakeK8sPodClient:
             elapsed = loop.time() - started
             if elapsed >= timeout:
                 raise DeployFailed(f"pod {pod_id} not Ready within {timeout:g}s (last: Pending)")
-            created = self._starting.get(pod_id)
+            created = self._starting.get((cluster, pod_id))
             due = math.inf if created is None or self.never_ready else self.ready_delay
             until_due = (created or 0.0) + due - loop.time()
             await asyncio.sleep(max(min(poll, timeout - elapsed, until_due), 0.0))
 
-    async def delete(self, pod_id: str, namespace: str) -> bool:
+    async def delete(self, pod_id: str, namespace: str, *, cluster: str | None = None) -> bool:
+        pods = self._reached(cluster)
         self._check_namespace(namespace)
-        pod = self.pods.get(pod_id)
+        pod = pods.get(pod_id)
         if pod is None or pod.namespace != namespace:
             return False
-        del self.pods[pod_id]
-        self.deleted.append(pod_id)
+        del pods[pod_id]
+        self._note_deleted(cluster, pod_id)
         return True
 
-    async def get_pod(self, pod_id: str, namespace: str) -> PodStatus | None:
+    async def get_pod(
+        self, pod_id: str, namespace: str, *, cluster: str | None = None
+    ) -> PodStatus | None:
+        pods = self._reached(cluster)
         self._check_namespace(namespace)
         self._kubelet()
-        pod = self.pods.get(pod_id)
+        pod = pods.get(pod_id)
         return pod if pod is not None and pod.namespace == namespace else None
 
-    async def list_pods(self, namespace: str, label_selector: str) -> list[PodStatus]:
+    async def list_pods(
+        self, namespace: str, label_selector: str, *, cluster: str | None = None
+    ) -> list[PodStatus]:
+        in_cluster = self._reached(cluster)
         self._check_namespace(namespace)
         if namespace in self.missing_namespaces:
             return []
         self._kubelet()
-        terms = parse_label_selector(label_selector)
-        pods = list(self.pods.values())
+        terms = selectors.parse(label_selector)
+        pods = list(in_cluster.values())
         found: list[PodStatus] = []
         for i in range(0, len(pods), LIST_PAGE_SIZE):  # pages, as the real client reads them
             if i:
                 await asyncio.sleep(0)
             page = pods[i : i + LIST_PAGE_SIZE]
-            found += [p for p in page if p.namespace == namespace and labels_match(terms, p.labels)]
+            found += [
+                p for p in page if p.namespace == namespace and selectors.matches(terms, p.labels)
+            ]
         return found
 
     async def probe_health(self, pod_ip: str, port: int) -> bool:
-        pod = self.pods.get(self._pod_of_ip.get(pod_ip, ""))
+        cluster, pod_id = self._pod_of_ip.get(pod_ip, (None, ""))
+        pod = self.pods_in(cluster).get(pod_id)
         return (
             pod is not None
             and pod.pod_ip == pod_ip

@@ -49,6 +49,7 @@ class DeployLease:
         self.seconds = seconds
         self._record_ttl = record_ttl
         self._pod: tuple[str, str, str] | None = None
+        self._pod_cluster: str | None = None
         self.lost = False
         self._closed = True
 
@@ -71,6 +72,7 @@ class DeployLease:
             self.seconds,
             pod=self._pod,
             record_ttl=self._record_ttl,
+            cluster=self._pod_cluster,
         )
         if member is None:
             self.lost = True
@@ -84,14 +86,16 @@ class DeployLease:
         still ours cannot be told: the caller neither registers nor deletes it)."""
         await self._renewed_within(self.seconds)
 
-    async def record_pod(self, pod_id: str, namespace: str, uid: str) -> None:
-        """The deploy's ``on_created``: the pod (this incarnation of the name: its uid) is
-        recorded under our lock before its incarnation is signed and before the wait for
-        Ready, so a leader taking over finds it and can tell it from a pod re-created under
-        the name. Tried again while Redis hiccups, for one lease; LeaseLost when another
-        leader holds the lock. Either failure makes the deploy delete the pod: nobody else
-        knows it."""
-        self._pod = (pod_id, namespace, uid)
+    async def record_pod(
+        self, pod_id: str, namespace: str, uid: str, *, cluster: str | None = None
+    ) -> None:
+        """The deploy's ``on_created``: the pod (this incarnation of the name: its uid, in
+        ``cluster``) is recorded under our lock before its incarnation is signed and before
+        the wait for Ready, so a leader taking over finds it where it runs and can tell it
+        from a pod re-created under the name. Tried again while Redis hiccups, for one lease;
+        LeaseLost when another leader holds the lock. Either failure makes the deploy delete
+        the pod: nobody else knows it."""
+        self._pod, self._pod_cluster = (pod_id, namespace, uid), cluster
         try:
             await self._renewed_within(self.seconds)
         except BaseException:

@@ -30,6 +30,7 @@ class PodDeployInfo:
     namespace: str
     pod_ip: str
     pod_sse_url: str
+    cluster: str | None = None  # where it runs (None: the process default)
 
 
 # placeholders of the warm pool's own deploys (autoscale): their pods register as idle, so a

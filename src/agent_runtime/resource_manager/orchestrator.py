@@ -26,12 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent_runtime import admission, spec_fields
+from agent_runtime import label_selector as selectors
 from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.deployer import Deployer, Requester
 from agent_runtime.resource_manager.identity import PodIdentity
-from agent_runtime.resource_manager.k8s import K8sPodClient, parse_label_selector
+from agent_runtime.resource_manager.k8s import K8sPodClient
 from agent_runtime.resource_manager.lease import DeployLease
 from agent_runtime.resource_manager.models import (
     OWN_PODS_SELECTOR,
@@ -473,11 +474,12 @@ class ResourceOrchestrator:
     async def cleanup(self, namespace: str | None = None, label_selector: str | None = None) -> int:
         """Delete AgentServer pods matching the selector (the component label and the
         existence of our scope label always ANDed in: another tool's AgentServer is never
-        ours to delete). Redis is not touched: watch and reconcile notice the deleted pods."""
+        ours to delete), in the process default cluster only: pods of a named cluster are
+        never touched. Redis is not touched: watch and reconcile notice the deleted pods."""
         ns = namespace or self._default_namespace
         # ValueError for a selector we do not accept; what Kubernetes gets is its canonical
         # form, so the API server never refuses (502) what we validated (400)
-        terms = parse_label_selector(label_selector or "")
+        terms = selectors.parse(label_selector or "")
         selector = ",".join([OWN_PODS_SELECTOR, *(term.render() for term in terms)])
         pods = await self._k8s.list_pods(ns, selector)
         gate = asyncio.Semaphore(CLEANUP_CONCURRENCY)

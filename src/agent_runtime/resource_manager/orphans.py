@@ -14,7 +14,8 @@ other pod of ours is adopted in use (the session side still has sessions on it),
 when Redis lost that too), or deleted (dead, not Ready, an old version, no room). An
 UNFINISHED one (our create, never signed for its incarnation, and no record of it) is
 deleted: it is never routed to. Hazard: the LIST may be a whole pass old, so every decision
-is taken on a fresh GET.
+is taken on a fresh GET. Every call goes to the cluster the pod was listed in, and an adopted
+pod is registered with it.
 """
 
 from __future__ import annotations
@@ -63,26 +64,28 @@ class Orphans:
     def begin_pass(self) -> None:
         self._seen = {}
 
-    def foreign(self, status: PodStatus) -> bool:
-        """Whether the listed pod is not provably ours (then noted for the report)."""
+    def foreign(self, status: PodStatus, cluster: str | None = None) -> bool:
+        """Whether the listed pod (of ``cluster``: None is the process default) is not
+        provably ours (then noted for the report)."""
         verdict = self._identity.verify(status)
         if verdict.ownership is not Ownership.FOREIGN:
             return False
-        self._note(status, verdict)
+        self._note(status, verdict, cluster)
         return True
 
-    async def settle(self, status: PodStatus) -> str:
-        """An orphan's fate on a fresh look: ``adopted``, ``deleted``, ``foreign`` (its fresh
-        view no longer verifies: left alone), ``left`` (a dead deploy leader's, still starting
-        or taken over meanwhile) or ``gone`` (deleted or being deleted)."""
-        fresh = await self._recheck(status)
+    async def settle(self, status: PodStatus, cluster: str | None = None) -> str:
+        """An orphan's fate on a fresh look (in ``cluster``, where it was listed): ``adopted``,
+        ``deleted``, ``foreign`` (its fresh view no longer verifies: left alone), ``left`` (a
+        dead deploy leader's, still starting or taken over meanwhile) or ``gone`` (deleted or
+        being deleted)."""
+        fresh = await self._recheck(status, cluster)
         if fresh is None:
             return "gone"
         verdict = self._identity.verify(fresh)
         if verdict.ownership is Ownership.FOREIGN:
-            self._note(fresh, verdict)
+            self._note(fresh, verdict, cluster)
             return "foreign"
-        recorded = await self._dead_leaders_pod(fresh, verdict)
+        recorded = await self._dead_leaders_pod(fresh, verdict, cluster)
         if recorded is not None:
             return recorded
         # a dead one is deleted, never adopted: nobody else would (watch only sees pods Redis
@@ -92,14 +95,15 @@ class Orphans:
             verdict.ownership is Ownership.OURS
             and not fresh.dead
             and (
-                await self._adopt_with_sessions(fresh, verdict) or await self._adopt(fresh, verdict)
+                await self._adopt_with_sessions(fresh, verdict, cluster)
+                or await self._adopt(fresh, verdict, cluster)
             )
         ):
             return "adopted"
         if verdict.ownership is Ownership.UNFINISHED:
             log.warning("pod %s/%s: %s; deleting it", fresh.namespace, fresh.pod_id, verdict.reason)
         with contextlib.suppress(Exception):
-            await self._k8s.delete(fresh.pod_id, fresh.namespace)
+            await self._k8s.delete(fresh.pod_id, fresh.namespace, cluster=cluster)
         return "deleted"
 
     async def end_pass(self) -> int:
@@ -108,7 +112,9 @@ class Orphans:
         await self._state.report_foreign(len(self._seen), shown)
         return len(self._seen)
 
-    async def _dead_leaders_pod(self, status: PodStatus, verdict: Verdict) -> str | None:
+    async def _dead_leaders_pod(
+        self, status: PodStatus, verdict: Verdict, cluster: str | None
+    ) -> str | None:
         """A pod whose deploy leader died before registering it (its scope's deploy record
         names this incarnation) is adopted or deleted only under that deploy's lease, so that
         a route taking the deploy over never registers it too; one still starting is left to
@@ -118,7 +124,9 @@ class Orphans:
         if status.dead or not status.scope_id:
             return None
         record = await self._state.deploy_record(status.scope_id)
-        if record is None or (record.pod_id, record.uid) != (status.pod_id, status.uid):
+        if record is None or (record.pod_id, record.uid, record.cluster) != (
+            status.pod_id, status.uid, cluster
+        ):  # fmt: skip
             return None
         if not status.ready:
             return "left"
@@ -128,7 +136,9 @@ class Orphans:
             return "left"  # a route took the deploy over: the pod is its leader's
         try:
             orphan = took.orphan
-            if orphan is None or (orphan.pod_id, orphan.uid) != (status.pod_id, status.uid):
+            if orphan is None or (orphan.pod_id, orphan.uid, orphan.cluster) != (
+                status.pod_id, status.uid, cluster
+            ):  # fmt: skip
                 return "left"
             if verdict.ownership is Ownership.UNFINISHED:
                 # the leader died between its create and the incarnation patch; the record,
@@ -137,26 +147,29 @@ class Orphans:
                     await self._k8s.sign(
                         status.pod_id, status.namespace, {},
                         uid=status.uid, annotations=self._identity.completion(status),
-                        within=self._lease,
+                        within=self._lease, cluster=cluster,
                     )  # fmt: skip
                 except PodGone:
                     return "gone"
                 except DeployFailed as exc:  # a later pass tries again (or its record lapses)
                     log.warning("pod %s: not signed (%s); left", status.pod_id, exc)
                     return "left"
-            if await self._adopt(status, verdict):
+            if await self._adopt(status, verdict, cluster):
                 return "adopted"
             with contextlib.suppress(Exception):
-                await self._k8s.delete(status.pod_id, status.namespace)
+                await self._k8s.delete(status.pod_id, status.namespace, cluster=cluster)
             return "deleted"
         finally:
             await self._state.end_deploy_lease(status.scope_id, token, "none", self._lease)
 
     # --- foreign pods --------------------------------------------------------------------------
 
-    def _note(self, status: PodStatus, verdict: Verdict) -> None:
+    def _note(self, status: PodStatus, verdict: Verdict, cluster: str | None) -> None:
         key = f"{status.namespace}/{status.pod_id}"
+        if cluster is not None:
+            key = f"{cluster}/{key}"
         self._seen[key] = {
+            "cluster": cluster,
             "namespace": status.namespace,
             "pod_id": status.pod_id,
             "uid": status.uid,
@@ -182,18 +195,18 @@ class Orphans:
 
     # --- ours ----------------------------------------------------------------------------------
 
-    async def _recheck(self, status: PodStatus) -> PodStatus | None:
+    async def _recheck(self, status: PodStatus, cluster: str | None) -> PodStatus | None:
         """The pod as Kubernetes sees it now (the LIST may be stale by a whole pass); None when
         it is gone or terminating. A failed GET keeps the listed view."""
         try:
-            fresh = await self._k8s.get_pod(status.pod_id, status.namespace)
+            fresh = await self._k8s.get_pod(status.pod_id, status.namespace, cluster=cluster)
         except Exception:
             return status
         if fresh is None or fresh.phase == "Terminating":
             return None
         return fresh
 
-    async def _adopt(self, status: PodStatus, verdict: Verdict) -> bool:
+    async def _adopt(self, status: PodStatus, verdict: Verdict, cluster: str | None) -> bool:
         """A pod of ours that Redis forgot (Redis lost its data): a warm pod of its scope if it
         is Ready (adopt.lua decides the rest: version and room when the scope has a config)."""
         if not (status.ready and status.pod_ip and status.scope_id):
@@ -205,6 +218,7 @@ class Orphans:
             pod_ip=status.pod_ip,
             namespace=status.namespace,
             deploy_ver=status.deploy_ver or "",
+            cluster=cluster,
         )
         if outcome.kept:
             log.info(
@@ -213,7 +227,9 @@ class Orphans:
             )  # fmt: skip
         return outcome.kept
 
-    async def _adopt_with_sessions(self, status: PodStatus, verdict: Verdict) -> bool:
+    async def _adopt_with_sessions(
+        self, status: PodStatus, verdict: Verdict, cluster: str | None
+    ) -> bool:
         """Redis lost only our keys but the session side still has sessions on the pod: keep
         it in use whatever its version or the cap (a pod with live sessions is never deleted
         for bookkeeping reasons); sunset and reclaim take their normal course afterwards."""
@@ -232,6 +248,7 @@ class Orphans:
             namespace=status.namespace,
             deploy_ver=status.deploy_ver or "",
             warm=False,
+            cluster=cluster,
         )
         log.info("pod %s re-adopted in use: %d live sessions", status.pod_id, use.sessions)
         return True

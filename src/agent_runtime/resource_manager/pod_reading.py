@@ -1,8 +1,8 @@
 """Pods as the API sends them, read: ``pod_status_from_json`` (the one reading of a pod's
 phase, readiness, IP, uid and annotations), ``pod_status`` of a kubernetes_asyncio ``V1Pod``
 through it, a LIST page parsed a slice at a time (``read_pod_list``: 10k pods through the
-generated models held the loop for 6–10 s), and label selectors. Pure (no cluster needed);
-``k8s.py`` re-exports them.
+generated models held the loop for 6–10 s). Pure (no cluster needed); ``k8s.py`` re-exports
+them. Label selectors: ``agent_runtime.label_selector``, the one parser.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from agent_runtime import label_selector
 from agent_runtime.resource_manager.models import PodStatus, normalize_phase
 
 LIST_PAGE_SIZE = 500  # pods per LIST request (``limit``), as client-go's pager
@@ -163,19 +162,3 @@ async def read_pod_list(text: str, into: list[PodStatus]) -> str | None:
             await asyncio.sleep(0)
             slice_started = clock()
     return token
-
-
-def parse_label_selector(selector: str) -> list[label_selector.Requirement]:
-    """The requirements of a label selector (``agent_runtime.label_selector``: the grammar we
-    accept; ``ValueError`` for anything else)."""
-    return label_selector.parse(selector)
-
-
-def label_selector_matches(selector: str, labels: dict[str, str]) -> bool:
-    """Whether ``labels`` satisfy every term of ``selector`` (an empty selector matches all)."""
-    return labels_match(parse_label_selector(selector), labels)
-
-
-def labels_match(terms: list[label_selector.Requirement], labels: dict[str, str]) -> bool:
-    """``label_selector_matches`` with the selector parsed once (a LIST of many pods)."""
-    return label_selector.matches(terms, labels)

@@ -89,6 +89,12 @@ def pod_info_key(pod_id: str) -> str:
     return f"{POD_PREFIX}{pod_id}:info"
 
 
+def info_cluster(info: dict[str, str]) -> str | None:
+    """The cluster of a pod's info (``pod_info``): its ``cluster`` field, None for the process
+    default (the field absent, as in every info written before pods recorded their cluster)."""
+    return info.get("cluster") or None
+
+
 def pod_idle_since_key(pod_id: str) -> str:
     return f"{POD_PREFIX}{pod_id}:idle_since"
 
@@ -102,8 +108,8 @@ def deploy_lock_key(scope_id: str) -> str:
 
 
 def deploy_pod_key(scope_id: str) -> str:
-    """The deploy leader's pod, recorded once created (its name and namespace, under the
-    leader's token), or the notice of a failed deploy (not in the contract)."""
+    """The deploy leader's pod, recorded once created (its name, namespace, uid and cluster,
+    under the leader's token), or the notice of a failed deploy (not in the contract)."""
     return f"{SCOPE_PREFIX}{scope_id}:deploy_pod"
 
 
@@ -157,6 +163,7 @@ class OrphanPod:
     namespace: str
     created: float  # Redis seconds
     uid: str  # the incarnation the leader created ("" from a record that names none)
+    cluster: str | None = None  # where it was created (None: the process default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -521,7 +528,8 @@ class ResourceState:
         if reply[0] == "follower":
             return LeaseTake(False, holder=reply[1])
         if len(reply) > 1:
-            orphan = OrphanPod(reply[1], reply[2], float(reply[3]), reply[4])
+            cluster = reply[5] if len(reply) > 5 else ""
+            orphan = OrphanPod(reply[1], reply[2], float(reply[3]), reply[4], cluster or None)
             return LeaseTake(True, orphan=orphan)
         return LeaseTake(True)
 
@@ -534,10 +542,12 @@ class ResourceState:
         *,
         pod: tuple[str, str, str] | None = None,
         record_ttl: int = 0,
+        cluster: str | None = None,
     ) -> str | None:
         """Renew a deploy's claim (its placeholder and, with ``lock_token``, the scope's deploy
         lock) for ``lease`` seconds; with ``pod`` (name, namespace, uid) also record the pod it
-        created. The placeholder's new member, or None: the claim is lost (deploy_lease.lua)."""
+        created, in ``cluster`` (None: the process default). The placeholder's new member, or
+        None: the claim is lost (deploy_lease.lua)."""
         reply = await self._lease_renew(
             keys=[
                 scope_deploying_key(scope_id),
@@ -558,6 +568,7 @@ class ResourceState:
                 *(pod or ("", ""))[:2],
                 record_ttl,
                 pod[2] if pod else "",
+                cluster or "",
             ],
         )
         return str(reply[1]) if reply[0] == "ok" else None
@@ -575,13 +586,13 @@ class ResourceState:
 
     async def deploy_record(self, scope_id: str) -> OrphanPod | None:
         """The pod the scope's deploy leader recorded (not a failure notice), None without."""
-        fields = ("pod_id", "namespace", "created", "uid", "failed")
-        pod_id, namespace, created, uid, failed = cast(
+        fields = ("pod_id", "namespace", "created", "uid", "failed", "cluster")
+        pod_id, namespace, created, uid, failed, cluster = cast(
             list[str | None], await self.redis.hmget(deploy_pod_key(scope_id), *fields)
         )
         if failed or not pod_id:
             return None
-        return OrphanPod(pod_id, namespace or "", float(created or 0), uid or "")
+        return OrphanPod(pod_id, namespace or "", float(created or 0), uid or "", cluster or None)
 
     async def deploy_leader(self, scope_id: str) -> str | None:
         """The live deploy leader's token, None without one."""
@@ -629,8 +640,10 @@ class ResourceState:
         namespace: str,
         deploy_ver: str,
         warm: bool,
+        cluster: str | None = None,
     ) -> bool:
-        """Returns whether the placeholder was still held (False: it expired meanwhile)."""
+        """Returns whether the placeholder was still held (False: it expired meanwhile).
+        ``cluster``: where the pod runs (None: the process default; no field is written)."""
         held = await self._register(
             keys=_registration_keys(scope_id, pod_id),
             args=[
@@ -643,6 +656,7 @@ class ResourceState:
                 deploy_ver,
                 "1" if warm else "0",
                 BUDGET_RULE_PREFIX,
+                cluster or "",
             ],
         )
         return bool(held)
@@ -656,15 +670,16 @@ class ResourceState:
         pod_ip: str,
         namespace: str,
         deploy_ver: str,
+        cluster: str | None = None,
     ) -> AdoptOutcome:
         """A verified pod of ours that Redis does not know into its scope's warm pool
         (adopt.lua: within max_pods and the budgets when the scope has a config, as it is
-        when it has none)."""
+        when it has none); ``cluster``: where it runs (None: the process default)."""
         reply = await self._adopt(
             keys=[*_registration_keys(scope_id, pod_id), BUDGET_LIMITS_KEY],
             args=[
                 pod_id, scope_id, pod_sse_url, pod_ip, namespace, deploy_ver,
-                BUDGET_RULE_PREFIX, self.pod_budget,
+                BUDGET_RULE_PREFIX, self.pod_budget, cluster or "",
             ],
         )  # fmt: skip
         return AdoptOutcome(reply[0], reply[1] if len(reply) > 1 else None)
@@ -716,7 +731,15 @@ class ResourceState:
         return bool(removed)
 
     async def pod_info(self, pod_id: str) -> dict[str, str]:
+        """The pod's info hash; its ``cluster`` field is absent for the process default (as in
+        every info written before pods recorded their cluster): read it with ``info_cluster``."""
         return cast(dict[str, str], await self.redis.hgetall(pod_info_key(pod_id)))
+
+    async def pod_places(self, pod_ids: list[str]) -> dict[str, tuple[str | None, str | None]]:
+        """Each pod's (cluster, namespace) from its info: cluster None for the process default
+        (the field absent or empty), namespace None when the info has none. In slices."""
+        fields = await self.pod_fields(pod_ids, "cluster", "namespace")
+        return {p: (cluster or None, namespace) for p, (cluster, namespace) in fields.items()}
 
     async def _read_many(self, keys: list[str], command: str) -> list[Any]:
         """One reply per key (``read_many`` script: HGETALL or SMEMBERS), SCRIPT_BATCH keys a

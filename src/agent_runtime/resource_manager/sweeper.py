@@ -5,6 +5,11 @@ all of them: a pod with a live session is never deleted, except when Kubernetes 
 dead or it failed its health checks twice. Hazard: reads of Redis and Kubernetes are not one
 snapshot, so their order matters (see ``reconcile_once``), and a LIST that failed is never
 taken to mean "no pods".
+
+Watch and reconcile go per place, a (cluster, namespace) pair: each pod is looked for in the
+cluster it was recorded in (None: the process default), deleted there, and its adoption
+records it. A cluster that cannot be asked (down, or a name since removed from the settings)
+is skipped for the pass like any failed LIST: its pods are neither forgotten nor deleted.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 
 from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.metrics import Metrics
+from agent_runtime.resource_manager.clusters import template_cluster
 from agent_runtime.resource_manager.identity import PodIdentity
 from agent_runtime.resource_manager.k8s import K8sPodClient
 from agent_runtime.resource_manager.models import (
@@ -29,9 +35,12 @@ from agent_runtime.resource_manager.models import (
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.orphans import Orphans
 from agent_runtime.resource_manager.session_side import SessionSide
-from agent_runtime.resource_manager.state import PoolConfig, ResourceState
+from agent_runtime.resource_manager.state import PoolConfig, ResourceState, info_cluster
 
 log = logging.getLogger(__name__)
+
+# where pods are listed: (cluster, namespace); cluster None is the process default
+Place = tuple[str | None, str]
 
 # YIELD_NOTE: the jobs run in the serving process; a loop over every pod (10k) between two
 # awaits holds requests for its whole length, so the long ones yield now and then.
@@ -191,8 +200,9 @@ class ResourceSweeper:
         if not await self._state.take_out_of_idle(scope_id, pod_id):
             return False
         info = await self._state.pod_info(pod_id)
+        namespace = info.get("namespace") or self._default_namespace
         try:
-            await self._k8s.delete(pod_id, info.get("namespace") or self._default_namespace)
+            await self._k8s.delete(pod_id, namespace, cluster=info_cluster(info))
         except Exception as exc:
             log.warning("pod %s: reclaim delete failed (%s); back to the pool", pod_id, exc)
             await self._state.release(scope_id, pod_id)
@@ -212,26 +222,31 @@ class ResourceSweeper:
 
     async def watch_once(self) -> int:
         """Clean pods Kubernetes reports missing or dead, and pods whose /health failed on
-        two passes in a row; returns pods cleaned. One LIST per namespace."""
-        known = await self._pods_by_namespace()
+        two passes in a row; returns pods cleaned. One LIST per place (cluster, namespace)
+        that holds pods we know, the places listed at once (a slow cluster delays no other);
+        a place whose LIST failed is skipped."""
+        known = await self._pods_by_place()
+        listings = await self._list_all(list(known))
         cleaned = 0
-        probes: list[tuple[str, PodStatus]] = []
-        for namespace, pods in known.items():
-            listed = await self._list(namespace)
+        probes: list[tuple[str, PodStatus, str | None]] = []
+        for (cluster, namespace), pods in known.items():
+            listed = listings.get((cluster, namespace))
             if listed is None:
                 continue
             for pod_id in pods:
                 status = listed.get(pod_id)
                 if status is None or status.dead:
                     reason = "missing" if status is None else status.phase
-                    await self._clean_dead(pod_id, namespace, exists=status is not None, why=reason)
+                    await self._clean_dead(
+                        pod_id, namespace, cluster, exists=status is not None, why=reason
+                    )
                     cleaned += 1
                 elif status.phase == "Running" and status.pod_ip:
-                    probes.append((pod_id, status))
+                    probes.append((pod_id, status, cluster))
         cleaned += await self._probe_all(probes)
         return cleaned
 
-    async def _probe_all(self, probes: list[tuple[str, PodStatus]]) -> int:
+    async def _probe_all(self, probes: list[tuple[str, PodStatus, str | None]]) -> int:
         """PROBE_CONCURRENCY workers over the list (not a task per pod: 10k of them would be
         created in one go and stall the loop); their Redis calls too stay within that bound."""
         ports = {
@@ -245,7 +260,7 @@ class ResourceSweeper:
 
         async def worker() -> None:
             nonlocal cleaned
-            for n, (pod_id, status) in enumerate(pending):  # shared: each pod to one worker
+            for n, (pod_id, status, cluster) in enumerate(pending):  # shared: one worker a pod
                 if n % 16 == 15:
                     await asyncio.sleep(0)  # YIELD_NOTE: a probe answered without I/O
                 port = ports.get(status.scope_id or "")
@@ -254,7 +269,9 @@ class ResourceSweeper:
                 if await self._k8s.probe_health(status.pod_ip, port):
                     healthy_pods.append(pod_id)  # counters reset below, in one call per batch
                 elif await self._state.count_health_failure(pod_id) >= HEALTH_FAILS_TO_DEAD:
-                    await self._clean_dead(pod_id, status.namespace, exists=True, why="half-dead")
+                    await self._clean_dead(
+                        pod_id, status.namespace, cluster, exists=True, why="half-dead"
+                    )
                     cleaned += 1
 
         await asyncio.gather(*(worker() for _ in range(min(PROBE_CONCURRENCY, len(probes)))))
@@ -262,11 +279,13 @@ class ResourceSweeper:
             await self._state.clear_health_failures(*healthy_pods[i : i + 500])
         return cleaned
 
-    async def _clean_dead(self, pod_id: str, namespace: str, *, exists: bool, why: str) -> None:
+    async def _clean_dead(
+        self, pod_id: str, namespace: str, cluster: str | None, *, exists: bool, why: str
+    ) -> None:
         log.info("pod %s: %s; cleaning it", pod_id, why)
         if exists:
             with contextlib.suppress(Exception):  # reconcile retries a delete that failed
-                await self._k8s.delete(pod_id, namespace)
+                await self._k8s.delete(pod_id, namespace, cluster=cluster)
         await self._forget(pod_id)
 
     # --- reconcile (scenario L) ----------------------------------------------------------------
@@ -285,15 +304,11 @@ class ResourceSweeper:
         indexed = await self._state.index_scopes()
         if indexed:
             log.info("%d scopes with a pool config were missing from the index; added", indexed)
-        known_before = await self._pods_by_namespace()
-        namespaces = set(known_before) | await self._config_namespaces()
-        listings: dict[str, dict[str, PodStatus]] = {}
-        for namespace in namespaces:
-            listed = await self._list(namespace)
-            if listed is not None:
-                listings[namespace] = listed
-        for namespace, pods in known_before.items():
-            listed = listings.get(namespace)
+        known_before = await self._pods_by_place()
+        places = set(known_before) | await self._config_places()
+        listings = await self._list_all(sorted(places, key=lambda p: (p[0] or "", p[1])))
+        for place, pods in known_before.items():
+            listed = listings.get(place)
             if listed is None:
                 continue
             for pod_id in pods:
@@ -307,7 +322,7 @@ class ResourceSweeper:
         known_now = set(await self._state.all_pods())
         known_at_start = {p for pods in known_before.values() for p in pods}
         self._orphans.begin_pass()
-        for listed in listings.values():
+        for (cluster, _), listed in listings.items():
             for n, status in enumerate(listed.values()):
                 if n % 1000 == 999:
                     await asyncio.sleep(0)  # see YIELD_NOTE
@@ -315,11 +330,11 @@ class ResourceSweeper:
                     continue
                 if status.pod_id in known_at_start:
                     continue  # forgotten during this pass (reclaimed, cleaned): not an orphan
-                if self._orphans.foreign(status):
+                if self._orphans.foreign(status, cluster):
                     continue  # not provably ours: never adopted, never deleted
                 if deploying.get(status.scope_id or "", []):
                     continue  # a deploy of that scope is in flight: maybe this very pod
-                fate = await self._orphans.settle(status)
+                fate = await self._orphans.settle(status, cluster)
                 if fate in counts:
                     counts[fate] += 1
         counts["foreign"] = await self._orphans.end_pass()
@@ -379,26 +394,43 @@ class ResourceSweeper:
 
     # --- shared reads --------------------------------------------------------------------------
 
-    async def _pods_by_namespace(self) -> dict[str, list[str]]:
-        grouped: dict[str, list[str]] = defaultdict(list)
-        fields = await self._state.pod_fields(await self._state.all_pods(), "namespace")
-        for pod_id, (namespace,) in fields.items():
-            grouped[namespace or self._default_namespace].append(pod_id)
+    async def _pods_by_place(self) -> dict[Place, list[str]]:
+        """Redis' pods by the place they were recorded in (no cluster field: the default)."""
+        grouped: dict[Place, list[str]] = defaultdict(list)
+        places = await self._state.pod_places(await self._state.all_pods())
+        for pod_id, (cluster, namespace) in places.items():
+            grouped[cluster, namespace or self._default_namespace].append(pod_id)
         return grouped
 
-    async def _config_namespaces(self) -> set[str]:
-        namespaces = {self._default_namespace}
+    async def _config_places(self) -> set[Place]:
+        """Where the pool configs' templates deploy (and the default namespace of the default
+        cluster), in allowed namespaces only."""
+        places: set[Place] = {(None, self._default_namespace)}
         for config in (await self._pool_configs()).values():
             if config.pod_spec is not None:
-                namespaces.add(config.pod_spec.get("namespace") or self._default_namespace)
+                namespace = config.pod_spec.get("namespace") or self._default_namespace
+                places.add((template_cluster(config.pod_spec), namespace))
         # a pool config from before the allow-list must not send reconcile where we may not go
-        return namespaces if self._namespaces is None else namespaces & self._namespaces
+        if self._namespaces is None:
+            return places
+        return {place for place in places if place[1] in self._namespaces}
 
-    async def _list(self, namespace: str) -> dict[str, PodStatus] | None:
-        """Our pods in a namespace, or None when Kubernetes could not say (never "none")."""
+    async def _list_all(self, places: list[Place]) -> dict[Place, dict[str, PodStatus]]:
+        """The places' LISTs at once; a place whose LIST failed is left out."""
+        listed = await asyncio.gather(
+            *(self._list(namespace, cluster) for cluster, namespace in places)
+        )
+        return {place: pods for place, pods in zip(places, listed, strict=True) if pods is not None}
+
+    async def _list(self, namespace: str, cluster: str | None) -> dict[str, PodStatus] | None:
+        """Our pods in a namespace of a cluster, or None when Kubernetes could not say (never
+        "none"): the cluster is down, not configured (any more), or refused."""
         try:
-            pods = await self._k8s.list_pods(namespace, OWN_PODS_SELECTOR)
+            pods = await self._k8s.list_pods(namespace, OWN_PODS_SELECTOR, cluster=cluster)
         except (K8sApiError, OSError, TimeoutError) as exc:
-            log.warning("namespace %s: list failed (%s); skipped this tick", namespace, exc)
+            where = f"namespace {namespace}"
+            if cluster is not None:
+                where = f"cluster {cluster}, {where}"
+            log.warning("%s: list failed (%s); skipped this tick", where, exc)
             return None
         return {p.pod_id: p for p in pods}

@@ -15,6 +15,7 @@
 -- ARGV[5] namespace   ARGV[6] deploy_ver (the pod's, signed)
 -- ARGV[7] rule budget prefix (derives {prefix}{budget_rule}:pods)
 -- ARGV[8] the installation's pod budget
+-- ARGV[9] the pod's cluster ("" = the process default: no `cluster` field is written)
 --
 -- returns {"adopted", "configured"}   the scope has a pool config: the pod is of its current
 --                                     version, within max_pods and the pod budgets
@@ -49,6 +50,7 @@ if redis.call('EXISTS', KEYS[7]) == 1 then
 end
 redis.call('HSET', KEYS[1], 'scope_id', sid, 'pod_sse_url', ARGV[3], 'pod_ip', ARGV[4],
   'namespace', ARGV[5], 'phase', 'idle', 'created_ts', now, 'deploy_ver', ARGV[6])
+if ARGV[9] and ARGV[9] ~= '' then redis.call('HSET', KEYS[1], 'cluster', ARGV[9]) end
 redis.call('ZADD', KEYS[2], 'NX', now, ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[1])
 budget_add(KEYS[8], rule_key, KEYS[9], rule, ARGV[1], '+inf')

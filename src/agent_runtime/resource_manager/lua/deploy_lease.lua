@@ -19,6 +19,7 @@
 -- ARGV[6] pod_id to record ("" = none; only with a lock token)   ARGV[7] its namespace
 -- ARGV[8] seconds the record lives (the pod's own deadline: ready_timeout + margin)
 -- ARGV[9] the pod's uid (its incarnation: a pod re-created under the name is not this one)
+-- ARGV[10] the pod's cluster ("" = the process default: no `cluster` field is written)
 --
 -- returns {"ok", member}   renewed; member: the placeholder's new name
 --         {"lost"}         another leader holds the lock (it took over after our lease lapsed:
@@ -73,6 +74,7 @@ if ltoken ~= '' then
       redis.call('DEL', KEYS[7])
       redis.call('HSET', KEYS[7], 'token', ltoken, 'pod_id', ARGV[6], 'namespace', ARGV[7],
         'created', clock[1], 'uid', ARGV[9])
+      if ARGV[10] and ARGV[10] ~= '' then redis.call('HSET', KEYS[7], 'cluster', ARGV[10]) end
       redis.call('EXPIRE', KEYS[7], tonumber(ARGV[8]))
     end
   end

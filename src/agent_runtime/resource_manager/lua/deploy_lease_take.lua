@@ -5,13 +5,14 @@
 -- KEYS[1] lock:rm:deploy:{sid}             STRING the leader's token "{uuid}@{acquire start}",
 --                                          PX the lease (renewed by deploy_lease.lua)
 -- KEYS[2] resource:scope:{sid}:deploy_pod  HASH   the leader's pod: token, pod_id, namespace,
---                                          created (Redis seconds), uid; or a failure
+--                                          created (Redis seconds), uid, cluster (absent:
+--                                          the process default); or a failure
 --                                          notice: token, failed (deploy_lease_end.lua)
 -- KEYS[3] resource:pods:all                SET    registered pods
 -- ARGV[1] token   ARGV[2] lease in milliseconds
 --
 -- returns {"leader"}                                the lease is ours, nothing to inherit
---         {"leader", pod_id, namespace, created, uid}
+--         {"leader", pod_id, namespace, created, uid, cluster ("": the default)}
 --                                                   ours, with a pod created under a lease that
 --                                                   lapsed (its creator died or lost Redis):
 --                                                   ours now, to adopt or delete
@@ -25,7 +26,7 @@ local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[1] then return {'follower', holder} end
 if not holder then redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[2])) end
 local rec = redis.call('HMGET', KEYS[2], 'token', 'pod_id', 'namespace', 'created', 'failed',
-  'uid')
+  'uid', 'cluster')
 if not rec[1] then return {'leader'} end
 if rec[1] ~= ARGV[1] then
   if rec[5] or not rec[2] or redis.call('SISMEMBER', KEYS[3], rec[2]) == 1 then
@@ -35,4 +36,4 @@ if rec[1] ~= ARGV[1] then
   redis.call('HSET', KEYS[2], 'token', ARGV[1])  -- keeps its expiry: the pod's own deadline
 end
 if not rec[2] then return {'leader'} end
-return {'leader', rec[2], rec[3] or '', rec[4] or '0', rec[6] or ''}
+return {'leader', rec[2], rec[3] or '', rec[4] or '0', rec[6] or '', rec[7] or ''}

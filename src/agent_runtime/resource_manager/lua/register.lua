@@ -14,6 +14,7 @@
 -- ARGV[3] scope_id    ARGV[4] pod_sse_url   ARGV[5] pod_ip   ARGV[6] namespace
 -- ARGV[7] deploy_ver  ARGV[8] "1" = warm (straight into the idle pool), "0" = in use
 -- ARGV[9] rule budget prefix (derives {prefix}{budget_rule}:pods)
+-- ARGV[10] the pod's cluster ("" = the process default: no `cluster` field is written)
 --
 -- returns 1 if the placeholder was held (still unexpired when the pod was first registered),
 -- 0 if it had expired or none was given (the pod is registered anyway: it exists in Kubernetes
@@ -34,6 +35,7 @@ if first then
   local phase = ARGV[8] == '1' and 'idle' or 'in_use'
   redis.call('HSET', KEYS[1], 'scope_id', ARGV[3], 'pod_sse_url', ARGV[4], 'pod_ip', ARGV[5],
     'namespace', ARGV[6], 'phase', phase, 'created_ts', now, 'deploy_ver', ARGV[7])
+  if ARGV[10] and ARGV[10] ~= '' then redis.call('HSET', KEYS[1], 'cluster', ARGV[10]) end
 end
 redis.call('ZADD', KEYS[2], 'NX', now, ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[1])
