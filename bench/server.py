@@ -5,7 +5,7 @@ Run by ``bench.common.Server`` as ``python -m bench.server --port P --redis-url 
 the app (never to the shipped one) two routes, first in the route table:
 
 - ``POST /_bench/noop``: the baseline. The same token check and envelope parsing as route
-  (``handlers.RouteBody``, the services dependency), then a small envelope; no Redis.
+  (``handlers.RouteBody``, the handlers' dependency), then a small envelope; no Redis.
 - ``GET /_bench/stats``: what this process counted (Redis commands and round trips when
   ``--count-redis``, slow-callback warnings with ``--asyncio-debug``, fake Kubernetes deploys).
 
@@ -32,7 +32,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse
 
 # module level: the routes' annotations are strings (PEP 563), resolved in these globals
-from agent_runtime.session_manager.handlers import RouteBody, ServicesDep
+from agent_runtime.session_manager.handlers import Deps, RouteBody
 
 COUNTS: Counter[str] = Counter()  # Redis command name -> commands packed (sent)
 ROUND_TRIPS = [0]  # writes to a Redis socket: one per command, one per pipeline
@@ -237,7 +237,7 @@ def build_app(args: argparse.Namespace) -> tuple[FastAPI, Any]:
     router = APIRouter()
 
     @router.post("/_bench/noop")
-    async def noop(envelope: RouteBody, svc: ServicesDep) -> JSONResponse:
+    async def noop(envelope: RouteBody, deps: Deps) -> JSONResponse:
         """The baseline: route's envelope path, no Redis; an answer of route's size."""
         return ok(
             envelope.metadata.request_id,

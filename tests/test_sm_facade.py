@@ -7,7 +7,8 @@ import asyncio
 
 from redis.asyncio import Redis
 
-from agent_runtime.session_manager.facade import PodUsage, SessionManagerFacade
+from agent_runtime.resource_manager.session_side import PodUsage
+from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import (
     PODS_REGISTERED_KEY,
     SESSION_EXPIRY_KEY,

@@ -16,18 +16,21 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.convertors import PathConvertor, register_url_convertor
 
 from agent_runtime.api.answers import ok
 from agent_runtime.api.ids import ID_MAX, PRINTABLE_PATTERN, is_id
 from agent_runtime.auth import check_bearer
-from agent_runtime.errors import NotFound, ValidationFailed
+from agent_runtime.errors import BackendUnavailable, NotFound, ValidationFailed
+from agent_runtime.resource_manager.state import ResourceState
+from agent_runtime.session_manager.state import SessionState
 from agent_runtime.spec_fields import REDACTED, redacted_spec
-from agent_runtime.wiring import Services, services
 
 MAX_PAGE = 200
 _DECIMAL = re.compile(r"[0-9]{1,20}")  # ASCII digits only (``\d`` would take other scripts' too)
@@ -64,12 +67,33 @@ SessionId = Annotated[str, _path_id("a session id, as route takes it")]
 router = APIRouter(prefix="/admin")
 
 
-async def _admin(request: Request, svc: Annotated[Services, Depends(services)]) -> Services:
-    check_bearer(request.headers.get("authorization"), svc.settings.admin_tokens)
-    return svc
+@dataclass(frozen=True, slots=True)
+class AdminDeps:
+    """What the admin views read: each module's state, read only, and the admin tokens."""
+
+    sessions: SessionState
+    resources: ResourceState
+    admin_tokens: Sequence[str]
+    serving: Callable[[], bool]  # False while the process starts or stops: 503
 
 
-Admin = Annotated[Services, Depends(_admin)]
+_APP_STATE_SLOT = "admin_deps"
+
+
+def install(app: FastAPI, deps: AdminDeps | None) -> None:
+    """The wiring's side: from now on (None: no longer) the admin views read through ``deps``."""
+    setattr(app.state, _APP_STATE_SLOT, deps)
+
+
+async def _admin(request: Request) -> AdminDeps:
+    deps: AdminDeps | None = getattr(request.app.state, _APP_STATE_SLOT, None)
+    if deps is None or not deps.serving():
+        raise BackendUnavailable("service is starting or stopping")
+    check_bearer(request.headers.get("authorization"), deps.admin_tokens)
+    return deps
+
+
+Admin = Annotated[AdminDeps, Depends(_admin)]
 
 
 def _request_id(request: Request) -> str:
@@ -116,18 +140,18 @@ def _checked(kind: str, value: str) -> str:
 @router.get("/scopes")
 async def list_scopes(
     request: Request,
-    svc: Admin,
+    deps: Admin,
     cursor: Annotated[int, Query(ge=0, le=MAX_CURSOR)] = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
 ) -> JSONResponse:
     _only_query(request, "cursor", "limit")
-    next_cursor, page = await svc.session_state.scopes_page(cursor, limit)
+    next_cursor, page = await deps.sessions.scopes_page(cursor, limit)
     sids = [sid for sid, _, _ in page]
-    summaries = {s["scope_id"]: s for s in await svc.session_state.scope_summaries(sids)}
-    registered = await svc.session_state.registered_pods_by_scope(set(sids))
+    summaries = {s["scope_id"]: s for s in await deps.sessions.scope_summaries(sids)}
+    registered = await deps.sessions.registered_pods_by_scope(set(sids))
     scopes: list[dict[str, Any]] = []
     for sid, group_id, bot_id in page:
-        pool = await svc.resource_state.scope_pool(sid)
+        pool = await deps.resources.scope_pool(sid)
         phases = [p["phase"] for p in pool["pods"]]
         summary = summaries[sid]
         scopes.append(
@@ -149,12 +173,12 @@ async def list_scopes(
 
 
 @router.get("/scopes/{scope_id:anyid}")
-async def get_scope(request: Request, svc: Admin, scope_id: ScopeId) -> JSONResponse:
+async def get_scope(request: Request, deps: Admin, scope_id: ScopeId) -> JSONResponse:
     _only_query(request)
     sid = _checked("scope_id", scope_id)
-    (summary,) = await svc.session_state.scope_summaries([sid])
-    detail = await svc.session_state.scope_detail(sid)
-    pool = await svc.resource_state.scope_pool(sid)
+    (summary,) = await deps.sessions.scope_summaries([sid])
+    detail = await deps.sessions.scope_detail(sid)
+    pool = await deps.resources.scope_pool(sid)
     known = summary["config"] or pool["pool_config"] or detail["pods"] or pool["pods"]
     if not known and not detail["live_sessions"]:
         raise NotFound(f"scope {sid} is not known")
@@ -164,12 +188,12 @@ async def get_scope(request: Request, svc: Admin, scope_id: ScopeId) -> JSONResp
 
 
 @router.get("/pods/{pod_id:anyid}")
-async def get_pod(request: Request, svc: Admin, pod_id: PodId) -> JSONResponse:
+async def get_pod(request: Request, deps: Admin, pod_id: PodId) -> JSONResponse:
     _only_query(request)
     pid = _checked("pod_id", pod_id)
-    info = await svc.resource_state.pod_info(pid)
-    registrations = await svc.session_state.pod_registrations(pid)
-    _, reported = await svc.resource_state.foreign_pods()
+    info = await deps.resources.pod_info(pid)
+    registrations = await deps.sessions.pod_registrations(pid)
+    _, reported = await deps.resources.foreign_pods()
     foreign = [p for p in reported if p.get("pod_id") == pid]
     if not info and not registrations and not foreign:
         raise NotFound(f"pod {pid} is not known")
@@ -182,19 +206,19 @@ async def get_pod(request: Request, svc: Admin, pod_id: PodId) -> JSONResponse:
 
 
 @router.get("/foreign_pods")
-async def foreign_pods(request: Request, svc: Admin) -> JSONResponse:
+async def foreign_pods(request: Request, deps: Admin) -> JSONResponse:
     """What the last reconcile pass saw: pods with our component and scope labels whose
     identity does not verify (never adopted, routed to or deleted), at most 100 of them."""
     _only_query(request)
-    count, pods = await svc.resource_state.foreign_pods()
+    count, pods = await deps.resources.foreign_pods()
     return ok(_request_id(request), {"count": count, "pods": pods})
 
 
 @router.get("/sessions/{session_id:anyid}")
-async def get_session(request: Request, svc: Admin, session_id: SessionId) -> JSONResponse:
+async def get_session(request: Request, deps: Admin, session_id: SessionId) -> JSONResponse:
     _only_query(request)
     sid = _checked("session_id", session_id)
-    view = await svc.session_state.session_view(sid)
+    view = await deps.sessions.session_view(sid)
     if view is None:
         raise NotFound(f"session {sid} is not known")
     return ok(_request_id(request), {"session_id": sid, **view})

@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from agent_runtime.admin import install as install_admin_deps
 from agent_runtime.admin import router as admin_router
 from agent_runtime.admission import Admission, AdmissionMiddleware, EdgeShed, LagGovernor
 from agent_runtime.api import error_handlers, openapi
@@ -24,6 +25,7 @@ from agent_runtime.api.json_body import MAX_BODY_BYTES
 from agent_runtime.config import API_PREFIX, Mode, Settings, is_loopback
 from agent_runtime.jobs import Job
 from agent_runtime.metrics import CONTENT_TYPE_LATEST, Metrics, MetricsMiddleware
+from agent_runtime.session_manager.handler_deps import install as install_handler_deps
 from agent_runtime.session_manager.handlers import router as session_router
 from agent_runtime.wiring import (
     Backends,
@@ -59,6 +61,9 @@ def create_app(
             except Exception as exc:  # pods jobs degrade; config and routing of warm pods go on
                 log.error("kubernetes client failed to start: %s", exc)
             app.state.services = svc  # before start(): a failed start is still stopped below
+            # each floor's handlers get only what their floor declares (503 until ready)
+            install_handler_deps(app, svc.handler_deps())
+            install_admin_deps(app, svc.admin_deps())
             if settings.admission_lag_target > 0:
                 governor = LagGovernor(app.state.admission, settings.admission_lag_target)
                 app.state.admission_governor = asyncio.create_task(

@@ -2,8 +2,9 @@
 
 ``Backends`` are the external resources (Redis, DB, Kubernetes); tests inject their own, e.g.
 two apps over one real Redis as two replicas. ``Services`` is the typed object the lifespan
-puts on ``app.state``; handlers reach it through the ``services`` dependency. Nothing here
-runs at import time.
+the lifespan keeps; handlers never see it: they get the small typed dependencies their
+floor declares (``handler_deps``, ``admin_deps``), built from it here. Nothing here runs at
+import time.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from fastapi import Request
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -19,10 +19,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from agent_runtime import logs
+from agent_runtime.admin import AdminDeps
 from agent_runtime.config import ConfigError, Mode, Settings
 from agent_runtime.db import installation, schema
 from agent_runtime.db.engine import Database
-from agent_runtime.errors import BackendUnavailable
 from agent_runtime.jobs import Job, JobRunner
 from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
@@ -40,6 +40,7 @@ from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceSta
 from agent_runtime.resource_manager.sweeper import ResourceSweeper
 from agent_runtime.session_manager.config_store import ConfigStore
 from agent_runtime.session_manager.facade import SessionManagerFacade
+from agent_runtime.session_manager.handler_deps import HandlerDeps
 from agent_runtime.session_manager.orchestrator import SessionOrchestrator
 from agent_runtime.session_manager.state import FREE_PATTERN, SessionState
 from agent_runtime.session_manager.sweeper import SessionSweeper
@@ -228,6 +229,28 @@ class Services:
     ready: bool = False  # set once startup completed; /healthz and handlers wait for it
     draining: bool = False  # set on SIGTERM; /healthz turns 503 first
 
+    def handler_deps(self) -> HandlerDeps:
+        """What the session manager's handlers hold (it declares the type)."""
+        return HandlerDeps(
+            orchestrator=self.session_orchestrator,
+            config_store=self.config_store,
+            resources=self.resources,
+            gateway_tokens=tuple(self.settings.gateway_tokens),
+            admin_tokens=tuple(self.settings.admin_tokens),
+            default_namespace=self.settings.default_namespace,
+            cleanup_namespaces=self.settings.allowed_namespaces(),
+            serving=lambda: self.ready,
+        )
+
+    def admin_deps(self) -> AdminDeps:
+        """What the admin views read."""
+        return AdminDeps(
+            sessions=self.session_state,
+            resources=self.resource_state,
+            admin_tokens=tuple(self.settings.admin_tokens),
+            serving=lambda: self.ready,
+        )
+
     def drain(self) -> None:
         """Stop signal: /healthz 503 at once, new routes refused, waiting routes answered at
         once (queue, follower room, a shared acquire, a deploy of their own), followers'
@@ -359,12 +382,3 @@ def wire(
         config_store=config_store,
         identity=identity,
     )
-
-
-async def services(request: Request) -> Services:
-    """FastAPI dependency: the wired services, or 503 while starting or stopping. Async on
-    purpose: FastAPI runs a sync dependency on its thread pool (a hop on every request)."""
-    svc: Services | None = getattr(request.app.state, "services", None)
-    if svc is None or not svc.ready:
-        raise BackendUnavailable("service is starting or stopping")
-    return svc

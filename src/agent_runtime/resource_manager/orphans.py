@@ -30,8 +30,8 @@ from agent_runtime.metrics import Metrics
 from agent_runtime.resource_manager.identity import Ownership, PodIdentity, Verdict
 from agent_runtime.resource_manager.k8s import K8sPodClient
 from agent_runtime.resource_manager.models import DeployFailed, PodGone, PodStatus
+from agent_runtime.resource_manager.session_side import SessionSide
 from agent_runtime.resource_manager.state import ResourceState
-from agent_runtime.session_manager.facade import SessionManagerFacade
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class Orphans:
         *,
         state: ResourceState,
         k8s: K8sPodClient,
-        sessions: SessionManagerFacade,
+        sessions: SessionSide,
         identity: PodIdentity,
         metrics: Metrics,
         deploy_lease: float,

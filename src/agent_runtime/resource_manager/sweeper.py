@@ -34,8 +34,8 @@ from agent_runtime.resource_manager.models import (
 )
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.orphans import Orphans
+from agent_runtime.resource_manager.session_side import SessionSide
 from agent_runtime.resource_manager.state import PoolConfig, ResourceState, info_cluster
-from agent_runtime.session_manager.facade import SessionManagerFacade
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class ResourceSweeper:
         state: ResourceState,
         k8s: K8sPodClient,
         orchestrator: ResourceOrchestrator,
-        sessions: SessionManagerFacade,
+        sessions: SessionSide,
         default_namespace: str,
         namespaces: frozenset[str] | None = None,
         identity: PodIdentity,

@@ -1,15 +1,16 @@
-"""``SessionManagerFacade``: what the resource manager may ask of the session side.
+"""``SessionManagerFacade``: the session side's answers to what the resource manager asks.
 
-The resource manager never reads session keys; it asks through this class. Keep it small:
-two questions, both idempotent.
+The resource manager declares the questions (``resource_manager.session_side.SessionSide``)
+and never reads session keys; this class answers them. Keep it small: two questions, both
+idempotent.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 
+from agent_runtime.resource_manager.session_side import PodUsage
 from agent_runtime.session_manager.state import SessionState
 
 log = logging.getLogger(__name__)
@@ -17,19 +18,9 @@ log = logging.getLogger(__name__)
 MAX_CLEANUP_ROUNDS = 5
 
 
-@dataclass(frozen=True, slots=True)
-class PodUsage:
-    """How the session side uses one (scope, pod)."""
-
-    candidate: bool  # new sessions may be placed on it
-    sessions: int  # live sessions on it now
-
-    @property
-    def unused(self) -> bool:
-        return not self.candidate and self.sessions == 0
-
-
 class SessionManagerFacade:
+    """The session side as the resource manager sees it (``SessionSide``)."""
+
     def __init__(self, *, state: SessionState) -> None:
         self._state = state
 

@@ -22,6 +22,7 @@ from agent_runtime.api.request import AdminEnvelope, parse_rawdata, read_envelop
 from agent_runtime.auth import check_bearer
 from agent_runtime.errors import K8sError, ValidationFailed
 from agent_runtime.resource_manager.facade import K8sApiError
+from agent_runtime.session_manager.handler_deps import HandlerDeps, handler_deps
 from agent_runtime.session_manager.models import (
     CleanupEnvelope,
     CleanupOk,
@@ -35,19 +36,18 @@ from agent_runtime.session_manager.models import (
     TouchOk,
     check_fields,
 )
-from agent_runtime.wiring import Services, services
 
 log = logging.getLogger(__name__)
 
 router = APIRouter(strict_content_type=False)  # JSON whatever the Content-Type
 
-ServicesDep = Annotated[Services, Depends(services)]
+Deps = Annotated[HandlerDeps, Depends(handler_deps)]
 E = TypeVar("E", bound=BaseModel)
 
 
 def _body(model: type[E], *, admin: bool):  # type: ignore[no-untyped-def]
-    async def dependency(request: Request, svc: ServicesDep) -> E:
-        tokens = svc.settings.admin_tokens if admin else svc.settings.gateway_tokens
+    async def dependency(request: Request, deps: Deps) -> E:
+        tokens = deps.admin_tokens if admin else deps.gateway_tokens
         check_bearer(request.headers.get("authorization"), tokens)
         return await read_envelope(request, model)
 
@@ -64,10 +64,10 @@ TouchBody = Annotated[TouchEnvelope, _body(TouchEnvelope, admin=False)]
     openapi_extra=json_request_body(inline_schema(RouteEnvelope), security="GatewayToken"),
     responses=documented_responses(RouteOk, 400, 401, 409, 500, 503, 504),
 )
-async def route(envelope: RouteBody, request: Request, svc: ServicesDep) -> JSONResponse:
+async def route(envelope: RouteBody, request: Request, deps: Deps) -> JSONResponse:
     """Which pod serves this session: refresh, placed or rebound (gateway)."""
     meta = envelope.metadata
-    data = await svc.session_orchestrator.route(
+    data = await deps.orchestrator.route(
         meta.request_id,
         meta.session_id,
         meta.extra.group_id,
@@ -82,10 +82,10 @@ async def route(envelope: RouteBody, request: Request, svc: ServicesDep) -> JSON
     openapi_extra=json_request_body(inline_schema(TouchEnvelope), security="GatewayToken"),
     responses=documented_responses(TouchOk, 400, 401, 409, 500, 503),
 )
-async def touch(envelope: TouchBody, svc: ServicesDep) -> JSONResponse:
+async def touch(envelope: TouchBody, deps: Deps) -> JSONResponse:
     """Keep a session alive, or end it with ``rawdata.eos`` (gateway)."""
     meta = envelope.metadata
-    data = await svc.session_orchestrator.touch(
+    data = await deps.orchestrator.touch(
         meta.session_id, eos=envelope.rawdata.eos, request_id=meta.request_id or ""
     )
     return ok(meta.request_id, data)
@@ -96,11 +96,11 @@ async def touch(envelope: TouchBody, svc: ServicesDep) -> JSONResponse:
     openapi_extra=json_request_body(inline_schema(ConfigSyncEnvelope), security="AdminToken"),
     responses=documented_responses(ConfigSyncOk, 400, 401, 404, 409, 500, 503),
 )
-async def config_sync(envelope: AdminBody, svc: ServicesDep) -> JSONResponse:
+async def config_sync(envelope: AdminBody, deps: Deps) -> JSONResponse:
     """Create, update, delete or sync one template or routing rule (admin)."""
     body = parse_rawdata(ConfigSyncRequest, envelope.rawdata)
     check_fields(body)
-    return ok(envelope.metadata.request_id, await svc.config_store.config_sync(body))
+    return ok(envelope.metadata.request_id, await deps.config_store.config_sync(body))
 
 
 @router.post(
@@ -108,14 +108,14 @@ async def config_sync(envelope: AdminBody, svc: ServicesDep) -> JSONResponse:
     openapi_extra=json_request_body(inline_schema(CleanupEnvelope), security="AdminToken"),
     responses=documented_responses(CleanupOk, 400, 401, 500, 502, 503),
 )
-async def cleanup(envelope: AdminBody, svc: ServicesDep) -> JSONResponse:
+async def cleanup(envelope: AdminBody, deps: Deps) -> JSONResponse:
     """Bulk-delete AgentServer pods in Kubernetes (admin); Redis is left to watch/reconcile."""
     body = parse_rawdata(CleanupRequest, envelope.rawdata)
-    if (body.namespace or svc.settings.default_namespace) not in svc.settings.allowed_namespaces():
+    if (body.namespace or deps.default_namespace) not in deps.cleanup_namespaces:
         # never outside the operator's allow-list: none of our pods can be there
         return ok(envelope.metadata.request_id, {"cleaned": 0})
     try:
-        cleaned = await svc.resources.cleanup(body.namespace, body.label_selector)
+        cleaned = await deps.resources.cleanup(body.namespace, body.label_selector)
     except ValueError as exc:
         raise ValidationFailed(f"rawdata.label_selector: {exc}") from None
     except K8sApiError as exc:
