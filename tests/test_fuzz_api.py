@@ -446,8 +446,14 @@ async def test_openapi_json_is_served_and_is_what_the_fuzz_run_reads(
         resp = await client.get("/openapi.json")  # open, like /healthz
         assert resp.status_code == 200
         assert resp.json() == json.loads(json.dumps(app.openapi()))
-        for ui in ("/docs", "/redoc"):  # no docs UIs
-            assert (await client.get(ui)).status_code == 404
+        # local mode serves the Swagger UI over that document; no ReDoc
+        ui = await client.get("/docs")
+        assert ui.status_code == 200 and "/openapi.json" in ui.text
+        assert (await client.get("/redoc")).status_code == 404
+    # server mode serves no UI (it loads scripts from a CDN)
+    server = create_app(make_settings(mode="server", redis_url="redis://127.0.0.1:1/0"))
+    paths = {getattr(r, "path", None) for r in server.routes}
+    assert "/openapi.json" in paths and "/docs" not in paths and "/redoc" not in paths
 
 
 @pytest.mark.parametrize("redis", ["fake"], indirect=True)

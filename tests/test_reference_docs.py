@@ -196,6 +196,8 @@ def test_every_route_is_in_the_endpoint_table() -> None:
     table = {_code(r[0]) for r in _rows(_read("api.md")) if re.match(r"`(GET|POST) /", r[0])}
     app = create_app(Settings(_env_file=None))  # type: ignore[call-arg]
     served = {f"GET {app.openapi_url}"}  # the document does not list itself
+    local = create_app(Settings(_env_file=None, mode="local"))  # type: ignore[call-arg]
+    served.add(f"GET {local.docs_url}")  # the Swagger UI: local mode only
     for path, operations in app.openapi()["paths"].items():
         path = re.sub(r":\w+\}", "}", path)  # {scope_id:anyid} → {scope_id}
         served |= {f"{method.upper()} {path}" for method in operations}

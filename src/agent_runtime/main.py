@@ -108,7 +108,9 @@ def create_app(
         title="agent-runtime",
         version="0.1.0",
         lifespan=lifespan,
-        docs_url=None,  # no docs UIs (they load scripts from a CDN)
+        # the Swagger UI in local mode only (a developer's machine): it loads its scripts from a
+        # CDN, which a production replica has no business pointing browsers at
+        docs_url="/docs" if settings.mode is Mode.LOCAL else None,
         redoc_url=None,
         openapi_url="/openapi.json",  # the contract as OpenAPI; open, like /healthz
         strict_content_type=False,  # a body is JSON whatever Content-Type a client sent
