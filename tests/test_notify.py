@@ -57,11 +57,9 @@ async def test_listeners_are_forgotten_when_they_leave(notifier: Notifier) -> No
     assert notifier._listeners == {}
 
 
-async def test_recovers_after_the_connection_is_killed(
-    notifier: Notifier, redis: Redis, request: pytest.FixtureRequest
-) -> None:
-    if "fake" in request.node.callspec.id:
-        pytest.skip("CLIENT KILL needs a real server")  # fakeredis has no connections to kill
+# real Redis only: fakeredis has no connections to kill
+@pytest.mark.parametrize("redis", ["real"], indirect=True)
+async def test_recovers_after_the_connection_is_killed(notifier: Notifier, redis: Redis) -> None:
     await redis.client_kill_filter(_type="pubsub")
     deadline = time.monotonic() + 5
     async with notifier.listen("test:scope:a:signal") as listener:
