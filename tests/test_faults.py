@@ -42,6 +42,17 @@ from agent_runtime.resource_manager.k8s import FakeK8sPodClient, K8sPodClient, R
 from agent_runtime.resource_manager.models import SCOPE_LABEL
 from agent_runtime.session_manager.state import ROUTE_LEASE
 from agent_runtime.wiring import REDIS_RETRIES, Services, build_redis, redis_pool_size
+from contract_keys import (
+    RM_PODS_ALL,
+    SM_PODS_REGISTERED,
+    SM_SESSION_EXPIRY,
+    rm_deploy_lock,
+    rm_scope,
+    route_marker,
+    sm_pod,
+    sm_scope,
+    sm_session,
+)
 from helpers import (
     CLAIM_KEY,
     TcpProxy,
@@ -73,35 +84,6 @@ STATUS = {
 
 
 # --- the contract's key names (§4), spelled out --------------------------------------------
-
-
-def sm_session(session_id: str) -> str:
-    return f"session_manager:session:{session_id}"
-
-
-SESSION_EXPIRY = "session_manager:session_expiry"
-PODS_REGISTERED = "session_manager:pods:registered"
-RM_PODS_ALL = "resource_manager:resource:pods:all"
-
-
-def sm_scope(what: str, sid: str = SID) -> str:
-    return f"session_manager:scope:{sid}:{what}"
-
-
-def sm_pod(pod_id: str, what: str, sid: str = SID) -> str:
-    return f"session_manager:pod:{sid}:{pod_id}:{what}"
-
-
-def route_marker(request_id: str) -> str:
-    return f"session_manager:route:{request_id}"
-
-
-def rm_scope(what: str, sid: str = SID) -> str:
-    return f"resource_manager:resource:scope:{sid}:{what}"
-
-
-def rm_deploy_lock(sid: str = SID) -> str:
-    return f"resource_manager:lock:rm:deploy:{sid}"
 
 
 # --- apps, calls, checks ------------------------------------------------------------------------
@@ -231,12 +213,12 @@ async def redis_now(redis: Redis) -> float:
 
 async def assert_limits(redis: Redis, scope_concurrency: int, pod_concurrency: int) -> None:
     """The scope and pod limits hold, and the four places of every live session agree."""
-    members = await redis.smembers(sm_scope("sessions"))
+    members = await redis.smembers(sm_scope(SID, "sessions"))
     assert len(members) <= scope_concurrency, members
     on_pods: set[str] = set()
-    registered = {m.partition(":")[2] for m in await redis.smembers(PODS_REGISTERED)}
-    for pod in registered | set(await redis.zrange(sm_scope("pods"), 0, -1)):
-        sessions = await redis.smembers(sm_pod(pod, "sessions"))
+    registered = {m.partition(":")[2] for m in await redis.smembers(SM_PODS_REGISTERED)}
+    for pod in registered | set(await redis.zrange(sm_scope(SID, "pods"), 0, -1)):
+        sessions = await redis.smembers(sm_pod(SID, pod, "sessions"))
         assert len(sessions) <= pod_concurrency, (pod, sessions)
         assert not sessions & on_pods, "a session on two pods"
         on_pods |= sessions
@@ -244,16 +226,16 @@ async def assert_limits(redis: Redis, scope_concurrency: int, pod_concurrency: i
     for session_id in members:
         binding = await redis.hgetall(sm_session(session_id))
         assert binding.get("scope_id") == SID, (session_id, binding)
-        assert session_id in await redis.smembers(sm_pod(binding["pod_id"], "sessions"))
-        assert await redis.zscore(SESSION_EXPIRY, session_id) is not None, session_id
+        assert session_id in await redis.smembers(sm_pod(SID, binding["pod_id"], "sessions"))
+        assert await redis.zscore(SM_SESSION_EXPIRY, session_id) is not None, session_id
 
 
 async def assert_four_places(redis: Redis, session_id: str, pod_id: str) -> None:
     binding = await redis.hgetall(sm_session(session_id))
     assert binding.get("scope_id") == SID and binding.get("pod_id") == pod_id, binding
-    assert await redis.zscore(SESSION_EXPIRY, session_id) is not None, session_id
-    assert await redis.sismember(sm_scope("sessions"), session_id), session_id
-    assert await redis.sismember(sm_pod(pod_id, "sessions"), session_id), session_id
+    assert await redis.zscore(SM_SESSION_EXPIRY, session_id) is not None, session_id
+    assert await redis.sismember(sm_scope(SID, "sessions"), session_id), session_id
+    assert await redis.sismember(sm_pod(SID, pod_id, "sessions"), session_id), session_id
 
 
 async def held(redis: Redis) -> dict[str, Any]:
@@ -263,7 +245,7 @@ async def held(redis: Redis) -> dict[str, Any]:
     now = await redis_now(redis)
     placeholders = [
         m
-        for m in await redis.smembers(rm_scope("deploying"))
+        for m in await redis.smembers(rm_scope(SID, "deploying"))
         if float(m.rpartition("@")[2] or 0) >= int(now)
     ]
     pending = [
@@ -272,11 +254,11 @@ async def held(redis: Redis) -> dict[str, Any]:
         if str(await redis.get(key) or "").startswith("pending:")
     ]
     found = {
-        "waiters": await redis.zrangebyscore(sm_scope("waiters"), now, "+inf"),
-        "reserved": await redis.zrangebyscore(sm_scope("reserved"), now, "+inf"),
-        "followers": await redis.zrange(rm_scope("deploy_followers"), 0, -1),
+        "waiters": await redis.zrangebyscore(sm_scope(SID, "waiters"), now, "+inf"),
+        "reserved": await redis.zrangebyscore(sm_scope(SID, "reserved"), now, "+inf"),
+        "followers": await redis.zrange(rm_scope(SID, "deploy_followers"), 0, -1),
         "placeholders": placeholders,
-        "deploy_lock": await redis.get(rm_deploy_lock()),
+        "deploy_lock": await redis.get(rm_deploy_lock(SID)),
         "pending": pending,
     }
     return {k: v for k, v in found.items() if v}
@@ -428,7 +410,7 @@ async def test_slow_redis_is_a_503_that_never_hangs_admits_within_limits_and_rec
             assert pod_of(retry) == pod
             again = await route(app, session_id, request_id)
             assert again.json() == retry.json()
-        assert await redis.smembers(sm_scope("sessions")) == {
+        assert await redis.smembers(sm_scope(SID, "sessions")) == {
             "slow-warm",
             "slow-new-1",
             "slow-new-2",
@@ -503,14 +485,14 @@ async def sampling(redis: Redis) -> AsyncIterator[Peaks]:
 
     async def sample() -> None:
         while not stop.is_set():
-            registered = await observer.smembers(PODS_REGISTERED)
+            registered = await observer.smembers(SM_PODS_REGISTERED)
             pods = sorted({m.partition(":")[2] for m in registered} | set(peaks.per_pod))
             async with observer.pipeline(transaction=True) as pipe:
-                pipe.scard(sm_scope("sessions"))
-                pipe.zcard(rm_scope("pods"))
-                pipe.zcard(sm_scope("pods"))
+                pipe.scard(sm_scope(SID, "sessions"))
+                pipe.zcard(rm_scope(SID, "pods"))
+                pipe.zcard(sm_scope(SID, "pods"))
                 for pod in pods:
-                    pipe.scard(sm_pod(pod, "sessions"))
+                    pipe.scard(sm_pod(SID, pod, "sessions"))
                 counts = await pipe.execute()
             peaks.scope_sessions = max(peaks.scope_sessions, counts[0])
             peaks.rm_pods = max(peaks.rm_pods, counts[1])
@@ -583,7 +565,7 @@ async def test_redis_losing_its_data_over_admits_nothing_and_reconcile_heals(
         assert len(k8s.pods) <= 2
         for pod in old_pods:
             assert pod in k8s.pods or pod in k8s.deleted, pod
-        live = await redis.smembers(sm_scope("sessions"))
+        live = await redis.smembers(sm_scope(SID, "sessions"))
         assert live == set(placed)
         for session_id in live:
             assert placed[session_id] in k8s.pods, "a pod with a live session was deleted"
@@ -749,8 +731,8 @@ async def assert_cold_scope_left_clean(c: Cluster) -> None:
     """A failed cold route gave back what it took, at once: no session, reservation, seat,
     placeholder, lock or pending marker, and no pod in the cluster."""
     assert await held(c.redis) == {}
-    assert await c.redis.scard(sm_scope("sessions")) == 0
-    assert await c.redis.zcard(rm_scope("pods")) == 0
+    assert await c.redis.scard(sm_scope(SID, "sessions")) == 0
+    assert await c.redis.zcard(rm_scope(SID, "pods")) == 0
     assert c.ours() == []
 
 
@@ -960,7 +942,7 @@ async def test_routes_cancelled_at_random_points_hold_nothing_beyond_the_lease(
         async def churn() -> None:  # slots free up while routes wait: waiters get placed
             for _ in range(6):
                 await asyncio.sleep(0.05)
-                members = sorted(await redis.smembers(sm_scope("sessions")))
+                members = sorted(await redis.smembers(sm_scope(SID, "sessions")))
                 if members:
                     victim = rng.choice(members)
                     ended.add(victim)
@@ -1002,7 +984,7 @@ async def test_routes_cancelled_at_random_points_hold_nothing_beyond_the_lease(
         await assert_limits(redis, sc, 1)
         await nothing_held_within(redis, ROUTE_LEASE + 1.5)
         # the scope is not blocked by anything a cancelled call left
-        live = await redis.scard(sm_scope("sessions"))
+        live = await redis.scard(sm_scope(SID, "sessions"))
         for i in range(sc - live):
             assert pod_of(await route(a, f"after-{i}")) in pods
         await assert_limits(redis, sc, 1)
@@ -1115,9 +1097,9 @@ async def test_route_place_whose_reply_is_lost_places_once(redis: Redis, db: Dat
             "placement": "placed",  # what one execution answers, not "refresh"
         }, hot.text
         assert (await route(app, "replay-hot", "r-hot")).json() == hot.json()
-        assert await redis.smembers(sm_scope("sessions")) == {"replay-cold", "replay-hot"}
-        assert await redis.smembers(sm_pod(pod, "sessions")) == {"replay-cold", "replay-hot"}
-        assert await redis.zcard(rm_scope("pods")) == 1, "one deploy"
+        assert await redis.smembers(sm_scope(SID, "sessions")) == {"replay-cold", "replay-hot"}
+        assert await redis.smembers(sm_pod(SID, pod, "sessions")) == {"replay-cold", "replay-hot"}
+        assert await redis.zcard(rm_scope(SID, "pods")) == 1, "one deploy"
         for session_id in ("replay-cold", "replay-hot"):
             await assert_four_places(redis, session_id, pod)
         await assert_limits(redis, sc, pc)
@@ -1136,7 +1118,7 @@ async def test_touch_whose_reply_is_lost_extends_once(redis: Redis, db: Database
         expiry = float((await redis.hgetall(sm_session("touched")))["expiry"])
         now = await redis_now(redis)
         assert now + ttl - 2 <= expiry <= now + ttl, "extended by its ttl once, from now"
-        assert await redis.zscore(SESSION_EXPIRY, "touched") == pytest.approx(expiry, abs=1e-3)
+        assert await redis.zscore(SM_SESSION_EXPIRY, "touched") == pytest.approx(expiry, abs=1e-3)
 
 
 @real_only
@@ -1149,7 +1131,7 @@ async def test_eos_whose_reply_is_lost_ends_the_session_once_and_wakes_a_waiter(
         waiter = asyncio.create_task(route(app, "next", "r-next"))
 
         async def seated() -> bool:
-            return await redis.zscore(sm_scope("waiters"), "r-next") is not None
+            return await redis.zscore(sm_scope(SID, "waiters"), "r-next") is not None
 
         await eventually(seated, what="a waiter")
         proxy.intercept = first_match(b"EVALSHA", TOUCH_SHA, b"ending", action="drop")
@@ -1159,7 +1141,7 @@ async def test_eos_whose_reply_is_lost_ends_the_session_once_and_wakes_a_waiter(
         assert not await redis.exists(sm_session("ending"))
         placed = await asyncio.wait_for(waiter, 5)
         assert pod_of(placed) == pod
-        assert await redis.smembers(sm_scope("sessions")) == {"next"}
+        assert await redis.smembers(sm_scope(SID, "sessions")) == {"next"}
         await assert_limits(redis, 1, 1)
         assert await held(redis) == {}
 
@@ -1184,7 +1166,7 @@ async def test_waiter_gate_whose_reply_is_lost_keeps_one_seat_or_refuses_again(
         pod = pod_of(await route(app, "w-held"))
 
         async def seats() -> list[str]:
-            members: list[str] = await redis.zrange(sm_scope("waiters"), 0, -1)
+            members: list[str] = await redis.zrange(sm_scope(SID, "waiters"), 0, -1)
             return members
 
         proxy.intercept = first_match(b"EVALSHA", WAITER_GATE_SHA, b"r-w-1", action="drop")

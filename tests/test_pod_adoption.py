@@ -26,6 +26,9 @@ from agent_runtime.resource_manager.identity import INCARNATION_ANNOTATION
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient, RealK8sPodClient
 from agent_runtime.util import scope_id_of
 from agent_runtime.wiring import Services
+from contract_keys import (
+    rm_scope,
+)
 from helpers import envelope, fake_only, running_app, sync_body
 from kubesim import KubeSim
 from test_faults import wipe
@@ -49,10 +52,6 @@ TEMPLATE = {
     "ready_poll_interval": 0.02,
 }
 ATTACKER = "attacker/agent"
-
-
-def rm_scope(scope_id: str, what: str) -> str:
-    return f"resource_manager:resource:scope:{scope_id}:{what}"
 
 
 def services(app: httpx.AsyncClient) -> Services:

@@ -37,6 +37,16 @@ from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceSta
 from agent_runtime.resource_manager.sweeper import ResourceSweeper
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
+from contract_keys import (
+    SM_PODS_REGISTERED,
+    SM_SESSION_EXPIRY,
+    rm_pod,
+    rm_scope,
+    sm_pod,
+    sm_pod_scopes,
+    sm_scope,
+    sm_session,
+)
 from helpers import IDENTITY, other_client
 
 SCOPE = "scope-jobs"
@@ -47,36 +57,8 @@ OTHER_SCOPE = "scope-other"
 PODS_ALL = "resource_manager:resource:pods:all"
 
 
-def rm_scope(scope_id: str, what: str) -> str:
-    return f"resource_manager:resource:scope:{scope_id}:{what}"
-
-
-def rm_pod(pod_id: str, what: str) -> str:
-    return f"resource_manager:resource:pod:{pod_id}:{what}"
-
-
 def job_lock(name: str) -> str:
     return f"agent_runtime:job:{name}"
-
-
-SM_EXPIRY = "session_manager:session_expiry"
-SM_REGISTERED = "session_manager:pods:registered"
-
-
-def sm_session(session_id: str) -> str:
-    return f"session_manager:session:{session_id}"
-
-
-def sm_scope(scope_id: str, what: str) -> str:
-    return f"session_manager:scope:{scope_id}:{what}"
-
-
-def sm_pod(scope_id: str, pod_id: str, what: str) -> str:
-    return f"session_manager:pod:{scope_id}:{pod_id}:{what}"
-
-
-def sm_pod_scopes(pod_id: str) -> str:
-    return f"session_manager:pods:{pod_id}:scopes"
 
 
 # --- building an instance ----------------------------------------------------------------------
@@ -238,7 +220,7 @@ async def add_sessions(
     """Live sessions on a registered pod, in their four places; ``candidate`` keeps the pod in
     first-fit (False: a sunset pod, or one the idle notice took out)."""
     expiry = int((await redis.time())[0]) + 600
-    await redis.sadd(SM_REGISTERED, f"{scope}:{pod_id}")
+    await redis.sadd(SM_PODS_REGISTERED, f"{scope}:{pod_id}")
     await redis.sadd(sm_pod_scopes(pod_id), scope)
     await redis.hset(sm_pod(scope, pod_id, "info"), mapping={"sse_url": "x", "deploy_ver": "v"})
     if candidate:
@@ -248,7 +230,7 @@ async def add_sessions(
             sm_session(session_id),
             mapping={"scope_id": scope, "pod_id": pod_id, "expiry": expiry, "session_ttl": 600},
         )
-        await redis.zadd(SM_EXPIRY, {session_id: expiry})
+        await redis.zadd(SM_SESSION_EXPIRY, {session_id: expiry})
         await redis.sadd(sm_scope(scope, "sessions"), session_id)
         await redis.sadd(sm_pod(scope, pod_id, "sessions"), session_id)
 
@@ -258,7 +240,7 @@ async def end_sessions(
 ) -> None:
     for session_id in session_ids:
         await redis.delete(sm_session(session_id))
-        await redis.zrem(SM_EXPIRY, session_id)
+        await redis.zrem(SM_SESSION_EXPIRY, session_id)
         await redis.srem(sm_scope(scope, "sessions"), session_id)
         await redis.srem(sm_pod(scope, pod_id, "sessions"), session_id)
 
@@ -268,10 +250,10 @@ async def assert_sessions_evicted(
 ) -> None:
     for session_id in session_ids:
         assert not await redis.exists(sm_session(session_id))
-        assert await redis.zscore(SM_EXPIRY, session_id) is None
+        assert await redis.zscore(SM_SESSION_EXPIRY, session_id) is None
         assert not await redis.sismember(sm_scope(scope, "sessions"), session_id)
     assert await redis.scard(sm_pod(scope, pod_id, "sessions")) == 0
-    assert not await redis.sismember(SM_REGISTERED, f"{scope}:{pod_id}")
+    assert not await redis.sismember(SM_PODS_REGISTERED, f"{scope}:{pod_id}")
     assert await redis.zscore(sm_scope(scope, "pods"), pod_id) is None
     assert not await redis.exists(sm_pod_scopes(pod_id))
 
@@ -281,7 +263,7 @@ async def assert_sessions_alive(
 ) -> None:
     for session_id in session_ids:
         assert await redis.hget(sm_session(session_id), "pod_id") == pod_id
-        assert await redis.zscore(SM_EXPIRY, session_id) is not None
+        assert await redis.zscore(SM_SESSION_EXPIRY, session_id) is not None
         assert await redis.sismember(sm_scope(scope, "sessions"), session_id)
         assert await redis.sismember(sm_pod(scope, pod_id, "sessions"), session_id)
 

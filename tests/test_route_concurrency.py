@@ -31,6 +31,16 @@ from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient, PodDeployInfo
 from agent_runtime.session_manager import orchestrator as sm_orchestrator
 from agent_runtime.wiring import Services, build_redis, redis_pool_size
+from contract_keys import (
+    SM_PODS_REGISTERED,
+    SM_SESSION_EXPIRY,
+    rm_deploy_lock,
+    rm_scope,
+    route_marker,
+    sm_pod,
+    sm_scope,
+    sm_session,
+)
 from helpers import (
     TcpProxy,
     both_redis_server_dbs,
@@ -60,34 +70,6 @@ STATUS = {  # route's failures (contract §2.2); each of them carries retry_afte
 
 
 # --- the contract's key names (§4), spelled out --------------------------------------------
-
-
-def sm_session(session_id: str) -> str:
-    return f"session_manager:session:{session_id}"
-
-
-SESSION_EXPIRY = "session_manager:session_expiry"
-PODS_REGISTERED = "session_manager:pods:registered"
-
-
-def sm_scope(what: str, sid: str = SID) -> str:
-    return f"session_manager:scope:{sid}:{what}"
-
-
-def sm_pod(pod_id: str, what: str, sid: str = SID) -> str:
-    return f"session_manager:pod:{sid}:{pod_id}:{what}"
-
-
-def route_marker(request_id: str) -> str:
-    return f"session_manager:route:{request_id}"
-
-
-def rm_scope(what: str, sid: str = SID) -> str:
-    return f"resource_manager:resource:scope:{sid}:{what}"
-
-
-def rm_deploy_lock(sid: str = SID) -> str:
-    return f"resource_manager:lock:rm:deploy:{sid}"
 
 
 # --- replicas ----------------------------------------------------------------------------------
@@ -179,7 +161,7 @@ async def warm_resolve_cache(reps: Replicas) -> None:
     """Resolve the scope once, so that a burst reaches placement together instead of trickling
     through the DB pool (the scope stays cold: no pod)."""
     await reps.services(reps.a).config_store.resolve(SID, GROUP, BOT)
-    assert await reps.redis.exists(sm_scope("config"))
+    assert await reps.redis.exists(sm_scope(SID, "config"))
 
 
 async def route(client: httpx.AsyncClient, session_id: str, request_id: str | None = None) -> Any:
@@ -216,13 +198,13 @@ async def eventually(
 
 async def seated(redis: Redis, member: str | None = None, sid: str = SID) -> bool:
     if member is None:
-        return bool(await redis.zcard(sm_scope("waiters", sid)))
-    return await redis.zscore(sm_scope("waiters", sid), member) is not None
+        return bool(await redis.zcard(sm_scope(sid, "waiters")))
+    return await redis.zscore(sm_scope(sid, "waiters"), member) is not None
 
 
 async def waiting(redis: Redis, member: str, sid: str = SID) -> bool:
     """In the queue, or holding a reservation of a pod being acquired."""
-    reserved = await redis.zscore(sm_scope("reserved", sid), member) is not None
+    reserved = await redis.zscore(sm_scope(sid, "reserved"), member) is not None
     return reserved or await seated(redis, member, sid)
 
 
@@ -250,15 +232,15 @@ async def sampling(redis: Redis, sid: str = SID) -> AsyncIterator[Peaks]:
 
     async def sample() -> None:
         while not stop.is_set():
-            pods = await observer.zrange(sm_scope("pods", sid), 0, -1)
+            pods = await observer.zrange(sm_scope(sid, "pods"), 0, -1)
             pods += [p for p in peaks.per_pod if p not in pods]
             async with observer.pipeline(transaction=True) as pipe:
-                pipe.scard(sm_scope("sessions", sid))
-                pipe.zcard(sm_scope("waiters", sid))
-                pipe.zcard(rm_scope("deploy_followers", sid))
-                pipe.scard(rm_scope("deploying", sid))
+                pipe.scard(sm_scope(sid, "sessions"))
+                pipe.zcard(sm_scope(sid, "waiters"))
+                pipe.zcard(rm_scope(sid, "deploy_followers"))
+                pipe.scard(rm_scope(sid, "deploying"))
                 for pod in pods:
-                    pipe.scard(sm_pod(pod, "sessions", sid))
+                    pipe.scard(sm_pod(sid, pod, "sessions"))
                 counts = await pipe.execute()
             peaks.scope_sessions = max(peaks.scope_sessions, counts[0])
             peaks.waiters = max(peaks.waiters, counts[1])
@@ -283,17 +265,17 @@ async def sampling(redis: Redis, sid: str = SID) -> AsyncIterator[Peaks]:
 async def assert_four_places(redis: Redis, session_id: str, pod_id: str, sid: str = SID) -> None:
     binding = await redis.hgetall(sm_session(session_id))
     assert binding.get("scope_id") == sid and binding.get("pod_id") == pod_id, binding
-    assert await redis.zscore(SESSION_EXPIRY, session_id) is not None, session_id
-    assert await redis.sismember(sm_scope("sessions", sid), session_id), session_id
-    assert await redis.sismember(sm_pod(pod_id, "sessions", sid), session_id), session_id
+    assert await redis.zscore(SM_SESSION_EXPIRY, session_id) is not None, session_id
+    assert await redis.sismember(sm_scope(sid, "sessions"), session_id), session_id
+    assert await redis.sismember(sm_pod(sid, pod_id, "sessions"), session_id), session_id
 
 
 async def assert_in_no_place(redis: Redis, session_id: str, sid: str = SID) -> None:
     assert not await redis.exists(sm_session(session_id)), session_id
-    assert await redis.zscore(SESSION_EXPIRY, session_id) is None, session_id
-    assert not await redis.sismember(sm_scope("sessions", sid), session_id), session_id
-    for pod in await redis.zrange(sm_scope("pods", sid), 0, -1):
-        assert not await redis.sismember(sm_pod(pod, "sessions", sid), session_id), session_id
+    assert await redis.zscore(SM_SESSION_EXPIRY, session_id) is None, session_id
+    assert not await redis.sismember(sm_scope(sid, "sessions"), session_id), session_id
+    for pod in await redis.zrange(sm_scope(sid, "pods"), 0, -1):
+        assert not await redis.sismember(sm_pod(sid, pod, "sessions"), session_id), session_id
 
 
 async def assert_nothing_held(
@@ -301,10 +283,10 @@ async def assert_nothing_held(
 ) -> None:
     """No queue seat, reservation, follower seat, deploy placeholder, deploy lock or pending
     marker (but the markers of ``pending_ok``)."""
-    assert await redis.zrange(sm_scope("waiters", sid), 0, -1) == []
-    assert await redis.zrange(sm_scope("reserved", sid), 0, -1) == []
-    assert await redis.zrange(rm_scope("deploy_followers", sid), 0, -1) == []
-    assert await redis.smembers(rm_scope("deploying", sid)) == set()
+    assert await redis.zrange(sm_scope(sid, "waiters"), 0, -1) == []
+    assert await redis.zrange(sm_scope(sid, "reserved"), 0, -1) == []
+    assert await redis.zrange(rm_scope(sid, "deploy_followers"), 0, -1) == []
+    assert await redis.smembers(rm_scope(sid, "deploying")) == set()
     assert not await redis.exists(rm_deploy_lock(sid))
     pending = [
         key
@@ -316,11 +298,11 @@ async def assert_nothing_held(
 
 
 async def assert_limits(redis: Redis, scope_concurrency: int, pod_concurrency: int) -> None:
-    members = await redis.smembers(sm_scope("sessions"))
+    members = await redis.smembers(sm_scope(SID, "sessions"))
     assert len(members) <= scope_concurrency
     on_pods: set[str] = set()
-    for pod in await redis.zrange(sm_scope("pods"), 0, -1):
-        sessions = await redis.smembers(sm_pod(pod, "sessions"))
+    for pod in await redis.zrange(sm_scope(SID, "pods"), 0, -1):
+        sessions = await redis.smembers(sm_pod(SID, pod, "sessions"))
         assert len(sessions) <= pod_concurrency, (pod, len(sessions))
         assert not sessions & on_pods, "a session on two pods"
         on_pods |= sessions
@@ -401,7 +383,7 @@ async def test_two_hundred_concurrent_routes_never_exceed_the_limits(
             on either replica must take the freed slots without ever overshooting."""
             i = 0
             while not stop_churn.is_set() and len(ended) < 12:
-                members = sorted(await redis.smembers(sm_scope("sessions")))
+                members = sorted(await redis.smembers(sm_scope(SID, "sessions")))
                 if len(members) >= sc // 2:
                     victim = members[i % len(members)]
                     released = await eos(reps.pick(i + 1), victim)
@@ -430,7 +412,7 @@ async def test_two_hundred_concurrent_routes_never_exceed_the_limits(
         await assert_burst_answers(redis, outcomes, {"SCOPE_QUEUE_FULL", "SCOPE_FULL_TIMEOUT"})
 
         await assert_limits(redis, sc, pc)
-        live = await redis.smembers(sm_scope("sessions"))
+        live = await redis.smembers(sm_scope(SID, "sessions"))
         placed = {o.session_id: o.resp.json()["data"]["pod_id"] for o in outcomes if o.code == "OK"}
         assert set(ended) | live == set(placed) and not set(ended) & live
         for session_id in live:
@@ -442,7 +424,7 @@ async def test_two_hundred_concurrent_routes_never_exceed_the_limits(
         assert {o.replica for o in outcomes if o.code == "OK"} == {"a", "b"}, by_replica
         assert len(set(placed.values())) <= len(k8s.pods) <= 5  # max_pods
         assert k8s.deploy_calls == len(k8s.pods)  # no deploy failed or left a pod behind
-        assert set(await redis.zrange(sm_scope("pods"), 0, -1)) == set(k8s.pods)
+        assert set(await redis.zrange(sm_scope(SID, "pods"), 0, -1)) == set(k8s.pods)
         await assert_nothing_held(redis)
 
 
@@ -490,8 +472,8 @@ async def test_a_cold_burst_split_over_two_replicas_deploys_exactly_one_pod(
         assert len(k8s.pods) == 1
         (pod_id,) = k8s.pods
         assert {o.resp.json()["data"]["pod_id"] for o in outcomes} == {pod_id}
-        assert await redis.zrange(sm_scope("pods"), 0, -1) == [pod_id]
-        assert await redis.smembers(PODS_REGISTERED) == {f"{SID}:{pod_id}"}
+        assert await redis.zrange(sm_scope(SID, "pods"), 0, -1) == [pod_id]
+        assert await redis.smembers(SM_PODS_REGISTERED) == {f"{SID}:{pod_id}"}
         assert peaks.deploying <= 2  # max_pods placeholders at most, one of them deploying
         for o in outcomes:
             await assert_four_places(redis, o.session_id, pod_id)
@@ -634,7 +616,7 @@ async def test_a_follower_that_joins_after_the_leaders_pod_registered_still_gets
         follower = asyncio.create_task(route(reps.b, "s-follower"))
 
         async def followed() -> bool:  # waiting for the leader, or served already
-            return follower.done() or await _zcard_is(redis, rm_scope("deploy_followers"), 1)
+            return follower.done() or await _zcard_is(redis, rm_scope(SID, "deploy_followers"), 1)
 
         await eventually(followed, what="the second route following the leader")
         leave_window.set()
@@ -724,7 +706,7 @@ async def test_a_replay_on_the_other_replica_returns_the_identical_answer(
         assert again.json() == first.json()
         assert first.json()["data"]["placement"] == "placed"  # not "refresh": nothing ran
         assert reps.k8s.deploy_calls == 1
-        assert await redis.smembers(sm_scope("sessions")) == {"s-replay"}
+        assert await redis.smembers(sm_scope(SID, "sessions")) == {"s-replay"}
         # a new request_id for the same session does run: it refreshes, on the same pod
         fresh = await route(reps.b, "s-replay", "r-replay-2")
         assert fresh.json()["data"]["placement"] == "refresh"
@@ -751,7 +733,7 @@ async def test_concurrent_duplicates_on_two_replicas_place_once_and_answer_alike
         assert duplicate.status_code == 200, duplicate.text
         assert duplicate.json() == original.json()
         assert reps.k8s.deploy_calls == 1
-        assert await redis.smembers(sm_scope("sessions")) == {"s-dup"}
+        assert await redis.smembers(sm_scope(SID, "sessions")) == {"s-dup"}
         await assert_four_places(redis, "s-dup", original.json()["data"]["pod_id"])
         await assert_nothing_held(redis)
 
@@ -769,7 +751,7 @@ async def test_simultaneous_duplicates_on_two_replicas_place_once(
             assert one.status_code == two.status_code == 200, (one.text, two.text)
             assert one.json() == two.json()
             assert one.json()["data"]["placement"] == "placed"
-        assert await redis.scard(sm_scope("sessions")) == 12
+        assert await redis.scard(sm_scope(SID, "sessions")) == 12
         assert reps.k8s.deploy_calls == 2  # 12 sessions, 10 per pod
         await assert_limits(redis, 40, 10)
         await assert_nothing_held(redis)
@@ -803,7 +785,7 @@ async def test_a_policy_change_on_one_replica_governs_the_others_next_route(
         assert second.status_code == 200, second.text
         assert second.json()["data"]["pod_id"] == first.json()["data"]["pod_id"]
         assert reps.k8s.deploy_calls == 1  # pod_concurrency 4: the same pod takes it
-        cache = await redis.hgetall(sm_scope("config"))
+        cache = await redis.hgetall(sm_scope(SID, "config"))
         assert cache["scope_concurrency"] == "4" and cache["pod_concurrency"] == "4"
 
 
@@ -1070,9 +1052,9 @@ async def test_a_failed_deploy_fails_the_leader_and_its_followers_and_leaks_noth
         assert k8s.deploy_calls == 1  # the followers did not each try again
         await assert_burst_answers(redis, outcomes, {"NO_POD_AVAILABLE"})
         assert k8s.pods == {}
-        assert await redis.scard(sm_scope("sessions")) == 0
-        assert await redis.zcard(sm_scope("pods")) == 0
-        assert await redis.zcard(rm_scope("pods")) == 0
+        assert await redis.scard(sm_scope(SID, "sessions")) == 0
+        assert await redis.zcard(sm_scope(SID, "pods")) == 0
+        assert await redis.zcard(rm_scope(SID, "pods")) == 0
         await assert_nothing_held(redis)
 
         later = await route(reps.b, "fail-0")  # the next one deploys and succeeds
@@ -1130,9 +1112,9 @@ async def test_redis_connections_killed_mid_wait_end_in_contract_errors_and_leak
         waiting = [
             asyncio.create_task(route(reps.pick(i), f"k-wait-{i}", f"r-k-{i}")) for i in range(4)
         ]
-        await eventually(lambda: _zcard_is(redis, sm_scope("waiters"), 4), what="four seats")
+        await eventually(lambda: _zcard_is(redis, sm_scope(SID, "waiters"), 4), what="four seats")
         now = await _redis_now(redis)
-        seats = await redis.zrange(sm_scope("waiters"), 0, -1, withscores=True)
+        seats = await redis.zrange(sm_scope(SID, "waiters"), 0, -1, withscores=True)
         assert all(deadline <= now + timeout + 5 + 0.5 for _, deadline in seats), seats
 
         # both replicas' pools lose every link while the routes wait and poll
@@ -1141,7 +1123,7 @@ async def test_redis_connections_killed_mid_wait_end_in_contract_errors_and_leak
         for resp in answers:  # a lost link is re-made (retries): they wait out their time
             assert_error(resp, resp.json().get("error_code", "?"))
             assert resp.json()["error_code"] in {"SCOPE_FULL_TIMEOUT", "BACKEND_UNAVAILABLE"}
-        assert await redis.zrange(sm_scope("waiters"), 0, -1) == []
+        assert await redis.zrange(sm_scope(SID, "waiters"), 0, -1) == []
         await assert_nothing_held(redis)
         for i in range(4):
             assert not await redis.exists(route_marker(f"r-k-{i}"))
@@ -1184,13 +1166,13 @@ async def test_redis_unreachable_mid_wait_is_503_and_a_seat_it_could_not_give_ba
                 asyncio.create_task(route(reps.pick(i), f"u-wait-{i}", f"r-u-{i}"))
                 for i in range(2)
             ]
-            await eventually(lambda: _zcard_is(redis, sm_scope("waiters"), 2), what="2 seats")
+            await eventually(lambda: _zcard_is(redis, sm_scope(SID, "waiters"), 2), what="2 seats")
             now = await _redis_now(redis)
             await proxy.stop()
             answers = await asyncio.wait_for(asyncio.gather(*waiting), 10)
             for resp in answers:
                 assert_error(resp, "BACKEND_UNAVAILABLE")
-            left = await redis.zrange(sm_scope("waiters"), 0, -1, withscores=True)
+            left = await redis.zrange(sm_scope(SID, "waiters"), 0, -1, withscores=True)
             assert {member for member, _ in left} <= {"r-u-0", "r-u-1"}
             assert all(deadline <= now + timeout + 5 + 0.5 for _, deadline in left), left
 
@@ -1215,7 +1197,7 @@ async def test_redis_unreachable_mid_wait_is_503_and_a_seat_it_could_not_give_ba
             await eventually(resubscribed, what="pub/sub back on both replicas")
             late = asyncio.create_task(route(reps.b, "u-later", "r-u-later"))
             await eventually(lambda: seated(redis, "r-u-later"), what="a seat after the shed")
-            assert set(await redis.zrange(sm_scope("waiters"), 0, -1)) == {"r-u-later"}
+            assert set(await redis.zrange(sm_scope(SID, "waiters"), 0, -1)) == {"r-u-later"}
             await eos(reps.a, "u-held")
             assert (await late).status_code == 200
             await assert_nothing_held(redis, pending_ok=frozenset({"r-u-0", "r-u-1"}))

@@ -29,6 +29,17 @@ from redis.asyncio import Redis
 from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient
 from agent_runtime.wiring import Services
+from contract_keys import (
+    RM_PODS_ALL,
+    SM_PODS_REGISTERED,
+    SM_SESSION_EXPIRY,
+    rm_pod,
+    rm_scope,
+    sm_pod,
+    sm_pod_scopes,
+    sm_scope,
+    sm_session,
+)
 from helpers import envelope, running_app, sync_body
 
 # every test: fakeredis and the real Redis (the `redis` fixture), on SQLite
@@ -66,41 +77,6 @@ SCOPE = scope_of(GROUP, BOT)
 
 
 # --- contract §4 key names, literally ----------------------------------------------------------
-
-
-def sm_session(session_id: str) -> str:
-    return f"session_manager:session:{session_id}"
-
-
-SM_SESSION_EXPIRY = "session_manager:session_expiry"
-SM_PODS_REGISTERED = "session_manager:pods:registered"
-
-
-def sm_scope(scope_id: str, what: str) -> str:
-    """sessions | pods | pod_seq | config | waiters"""
-    return f"session_manager:scope:{scope_id}:{what}"
-
-
-def sm_pod(scope_id: str, pod_id: str, what: str) -> str:
-    """sessions | info | idle_notified"""
-    return f"session_manager:pod:{scope_id}:{pod_id}:{what}"
-
-
-def sm_pod_scopes(pod_id: str) -> str:
-    return f"session_manager:pods:{pod_id}:scopes"
-
-
-def rm_scope(scope_id: str, what: str) -> str:
-    """pods | idle | config | deploying | deploy_followers"""
-    return f"resource_manager:resource:scope:{scope_id}:{what}"
-
-
-def rm_pod(pod_id: str, what: str) -> str:
-    """info | idle_since | health_fails"""
-    return f"resource_manager:resource:pod:{pod_id}:{what}"
-
-
-RM_PODS_ALL = "resource_manager:resource:pods:all"
 
 
 # --- the world of one test ---------------------------------------------------------------------

@@ -1,0 +1,48 @@
+"""The contract's Redis key names (docs/reference/redis-keys.md), spelled out literally.
+
+Tests that look at Redis directly name keys through these, never through the service's own
+``state`` modules: a renamed key in the code must fail a test, not follow it silently. One
+argument order everywhere: the scope first, then the pod, then the part.
+"""
+
+from __future__ import annotations
+
+SM_SESSION_EXPIRY = "session_manager:session_expiry"
+SM_PODS_REGISTERED = "session_manager:pods:registered"
+RM_PODS_ALL = "resource_manager:resource:pods:all"
+
+
+def sm_session(session_id: str) -> str:
+    return f"session_manager:session:{session_id}"
+
+
+def sm_scope(scope_id: str, what: str) -> str:
+    """sessions | pods | pod_seq | config | waiters | reserved"""
+    return f"session_manager:scope:{scope_id}:{what}"
+
+
+def sm_pod(scope_id: str, pod_id: str, what: str) -> str:
+    """sessions | info | idle_notified"""
+    return f"session_manager:pod:{scope_id}:{pod_id}:{what}"
+
+
+def sm_pod_scopes(pod_id: str) -> str:
+    return f"session_manager:pods:{pod_id}:scopes"
+
+
+def route_marker(request_id: str) -> str:
+    return f"session_manager:route:{request_id}"
+
+
+def rm_scope(scope_id: str, what: str) -> str:
+    """pods | idle | config | deploying | deploy_followers | deploy_pod"""
+    return f"resource_manager:resource:scope:{scope_id}:{what}"
+
+
+def rm_pod(pod_id: str, what: str) -> str:
+    """info | idle_since | health_fails"""
+    return f"resource_manager:resource:pod:{pod_id}:{what}"
+
+
+def rm_deploy_lock(scope_id: str) -> str:
+    return f"resource_manager:lock:rm:deploy:{scope_id}"
