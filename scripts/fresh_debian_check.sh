@@ -262,8 +262,10 @@ rc=$?
 line=$(grep -E '(passed|failed|errors?|no tests ran).* in [0-9.]+s' $out/command2.log | tail -n 1 | tr -d '=' | xargs)
 result command2 "$([ $rc = 0 ] && echo PASS || echo "FAIL rc=$rc") $(( $(now) - t ))s: ${line:-no pytest summary (see command2.log)}"
 
-# stop what test.sh started, by PID, before the namespace goes (PostgreSQL: SIGINT is its
-# fast shutdown; Redis and MariaDB shut down on SIGTERM)
+# stop what test.sh started before the namespace goes: `services.sh stop` stops the servers it
+# started, by PID; then any server still up in the root (a ref whose services.sh has no `stop`),
+# by PID (PostgreSQL: SIGINT is its fast shutdown; Redis and MariaDB shut down on SIGTERM)
+scripts/services.sh stop >> $out/command2.log 2>&1
 stop() { # signal pid
   [ -n "$2" ] && kill -"$1" "$2" 2>/dev/null || return 0
   for _ in $(seq 120); do kill -0 "$2" 2>/dev/null || return 0; sleep 0.5; done
