@@ -215,7 +215,7 @@ as_owner() { # owner command... (from /: the owner may not enter the caller's fo
 postgresql_check() {
   have psql || { echo "psql is missing (apt-get install postgresql-client)"; return; }
   local out
-  out=$(PGPASSWORD=${p_pass:-${PGPASSWORD:-}} PGCONNECT_TIMEOUT=3 psql -XAtq \
+  out=$(PGPASSWORD=${p_pass:-${PGPASSWORD:-}} PGCONNECT_TIMEOUT=3 psql -wXAtq \
     "host=$p_host port=$p_port user=$p_user dbname=$p_db" \
     -c "SELECT rolsuper OR rolcreatedb FROM pg_roles WHERE rolname = current_user" 2>&1) \
     || { first_line "$out"; return; }
