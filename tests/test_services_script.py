@@ -484,3 +484,14 @@ def test_test_sh_as_root_runs_the_rest_as_the_checkouts_owner(tmp_path: Path) ->
     for path in [".venv", ".venv/bin", ".venv/bin/python"]:
         assert (checkout / path).stat().st_uid == nobody.pw_uid, path
     assert (checkout / ".git").stat().st_uid == 0
+
+
+def test_without_a_client_a_running_server_is_not_judged(world: World) -> None:
+    """Redis answers, redis-cli is not here (a server in a container): said, not counted as
+    unusable (the tests will tell); `check` installs nothing."""
+    world.listen("redis-server", world.ports["redis"])
+    (world.root / "bin" / "redis-cli").unlink()
+    run = world.run("check")
+    assert f"redis 127.0.0.1:{world.ports['redis']}: answers; not checked: redis-cli" in run.err
+    assert run.err.splitlines()[-1] == "services: not usable: mariadb postgresql"
+    assert world.calls() == []
