@@ -273,7 +273,9 @@ stop() { # signal pid
 }
 stop TERM "$(redis-cli -h 127.0.0.1 info server 2>/dev/null | tr -d '\r' | sed -n 's/^process_id://p')"
 stop TERM "$(cat /run/mysqld/mysqld.pid 2>/dev/null)"
-for f in /var/lib/postgresql/*/main/postmaster.pid; do [ -f "$f" ] && stop INT "$(head -n 1 "$f")"; done
+for f in /var/lib/postgresql/*/main/postmaster.pid; do
+  if [ -f "$f" ]; then stop INT "$(head -n 1 "$f")"; fi
+done
 INSIDE
 
 # --- run it: netns + new PID, mount and UTS namespaces + chroot ------------------------------
