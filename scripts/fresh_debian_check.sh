@@ -262,8 +262,10 @@ rc=$?
 line=$(grep -E '(passed|failed|errors?|no tests ran).* in [0-9.]+s' $out/command2.log | tail -n 1 | tr -d '=' | xargs)
 result command2 "$([ $rc = 0 ] && echo PASS || echo "FAIL rc=$rc") $(( $(now) - t ))s: ${line:-no pytest summary (see command2.log)}"
 
-# stop what test.sh started, by PID, before the namespace goes (PostgreSQL: SIGINT is its
-# fast shutdown; Redis and MariaDB shut down on SIGTERM)
+# stop what test.sh started before the namespace goes: `services.sh stop` stops the servers it
+# started, by PID; then any server still up in the root (a ref whose services.sh has no `stop`),
+# by PID (PostgreSQL: SIGINT is its fast shutdown; Redis and MariaDB shut down on SIGTERM)
+scripts/services.sh stop >> $out/command2.log 2>&1
 stop() { # signal pid
   [ -n "$2" ] && kill -"$1" "$2" 2>/dev/null || return 0
   for _ in $(seq 120); do kill -0 "$2" 2>/dev/null || return 0; sleep 0.5; done
@@ -271,7 +273,9 @@ stop() { # signal pid
 }
 stop TERM "$(redis-cli -h 127.0.0.1 info server 2>/dev/null | tr -d '\r' | sed -n 's/^process_id://p')"
 stop TERM "$(cat /run/mysqld/mysqld.pid 2>/dev/null)"
-for f in /var/lib/postgresql/*/main/postmaster.pid; do [ -f "$f" ] && stop INT "$(head -n 1 "$f")"; done
+for f in /var/lib/postgresql/*/main/postmaster.pid; do
+  if [ -f "$f" ]; then stop INT "$(head -n 1 "$f")"; fi
+done
 INSIDE
 
 # --- run it: netns + new PID, mount and UTS namespaces + chroot ------------------------------

@@ -9,6 +9,20 @@ if [ "${AGENT_RUNTIME_SKIP_SERVICES:-}" != "1" ]; then
   scripts/services.sh
 fi
 
+# As root (sudo, su) in a checkout that a user owns: only the services step above runs as
+# root; the venv, the caches and the tests run as the checkout's owner, so that nothing in it
+# becomes root's. What an earlier run as root left there goes back to the owner first.
+owner=$(stat -c %U .)
+if [ "$(id -u)" = 0 ] && [ "$owner" != root ] && [ "$owner" != UNKNOWN ]; then
+  left=$(find . -xdev -path ./.git -prune -o -user 0 -print | wc -l)
+  if [ "$left" -gt 0 ]; then
+    echo "test.sh: giving $left root-owned files in the checkout (an earlier run as root) back to $owner" >&2
+    find . -xdev -path ./.git -prune -o -user 0 -exec chown -h "$(stat -c %u:%g .)" {} +
+  fi
+  echo "test.sh: running the rest as $owner, the checkout's owner" >&2
+  exec runuser -u "$owner" -- env AGENT_RUNTIME_SKIP_SERVICES=1 "$PWD/scripts/test.sh" "$@"
+fi
+
 PY=${PYTHON:-python3}
 # A venv made while python3-venv was missing has a python but no pip: make it anew.
 if [ ! -x .venv/bin/python ] || [ ! -x .venv/bin/pip ]; then

@@ -1,8 +1,10 @@
 """``agent-runtime serve --mode local`` as a user runs it: a real process on a real port, a
-SQLite file in its working directory, config_sync over HTTP, /metrics, and a clean SIGTERM."""
+SQLite file in its working directory, config_sync over HTTP, /metrics, and a clean SIGTERM or
+Ctrl-C."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -50,13 +52,15 @@ class LocalServer:
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, timeout=10.0)
 
-    def stop(self, timeout: float) -> int:
-        """SIGTERM and wait; the exit status (fails the test if it does not stop in time)."""
-        self.proc.send_signal(signal.SIGTERM)
+    def stop(self, timeout: float, *signals: signal.Signals) -> int:
+        """Send each signal (SIGTERM unless given) and wait; the exit status (fails the test if
+        it does not stop in time)."""
+        for sig in signals or (signal.SIGTERM,):
+            self.proc.send_signal(sig)
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"no exit within {timeout}s of SIGTERM; log:\n{self.log()}")
+            pytest.fail(f"no exit within {timeout}s of {signals}; log:\n{self.log()}")
 
 
 def _wait_healthy(server: LocalServer, timeout: float) -> None:
@@ -222,3 +226,31 @@ def test_local_mode_keeps_data_across_restart(tmp_path: Path) -> None:
             same = {"template_id": "default", "session_ttl": 33}
             assert_ok(post_sync(client, "template", "update", same), change_class="none")
         assert second.stop(RESTART_STOP_TIMEOUT) == 0
+
+
+def _log_records(server: LocalServer) -> list[dict[str, Any]]:
+    """Every line the process wrote, each a JSON log record (a traceback or a bare line of
+    text would fail here: that is what a newcomer reads as an error)."""
+    records = []
+    for line in server.log().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            pytest.fail(f"not a log record: {line!r}; log:\n{server.log()}")
+    return records
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("presses", [1, 2], ids=["ctrl-c", "ctrl-c-twice"])
+def test_ctrl_c_stops_cleanly(tmp_path: Path, presses: int) -> None:
+    """Ctrl-C at a terminal is SIGINT (to the whole foreground group; here to the process): the
+    same drain as SIGTERM, exit 0, no traceback. A second press skips waiting for requests in
+    flight, yet the services still stop. The start in local mode warns about nothing
+    (fakeredis has no eviction policy to warn about)."""
+    with local_server(tmp_path, start_timeout=RESTART_START_TIMEOUT) as server:
+        assert server.stop(RESTART_STOP_TIMEOUT, *[signal.SIGINT] * presses) == 0
+        records = _log_records(server)
+    messages = [r["msg"] for r in records]
+    assert "Application shutdown complete." in messages, messages
+    loud = [r for r in records if r["level"] not in ("INFO", "DEBUG")]
+    assert loud == []

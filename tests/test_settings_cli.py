@@ -495,6 +495,22 @@ def test_serve_reads_env_file_and_env_wins(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_ctrl_c_outside_the_server_is_one_line_and_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C during the startup checks or a `db` command: one line, no traceback, 130 (the
+    running server's own Ctrl-C is a drain and exit 0: tests/test_local_mode.py)."""
+
+    def interrupted(args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_db", interrupted)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["db", "status"])
+    assert exited.value.code == 130
+    assert capsys.readouterr().err == "agent-runtime: interrupted\n"
+
+
 def test_unknown_command_and_mode_are_usage_errors(tmp_path: Path) -> None:
     run = run_cli("serve", "--mode", "cluster", cwd=tmp_path)
     assert run.returncode == 2

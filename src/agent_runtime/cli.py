@@ -15,6 +15,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -33,6 +34,7 @@ from agent_runtime.db.engine import Database
 T = TypeVar("T")
 EXIT_CONFIG = 2
 EXIT_STOP_TIMEOUT = 3
+EXIT_INTERRUPTED = 130  # Ctrl-C before the service ran (128 + SIGINT, as a shell says)
 
 
 def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
@@ -90,12 +92,22 @@ def _serve(args: argparse.Namespace) -> None:
             if svc is not None:
                 svc.drain()
             super().handle_exit(sig, frame)
-            if sig == signal.SIGTERM:
-                # SIGTERM is the normal stop of a replica: once drained, exit 0. uvicorn would
-                # re-raise the signal after shutdown and the process would die of it (-15).
+            if sig in (signal.SIGTERM, signal.SIGINT):
+                # SIGTERM is the normal stop of a replica, Ctrl-C (SIGINT) the same at a
+                # terminal: once drained, exit 0. uvicorn would re-raise the signal after
+                # shutdown: the process would die of SIGTERM (-15), and a re-raised SIGINT
+                # cancels asyncio's main task (two tracebacks: CancelledError, KeyboardInterrupt).
                 captured = getattr(self, "_captured_signals", [])
                 while sig in captured:
                     captured.remove(sig)
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().shutdown(sockets)
+            if self.force_exit:
+                # a second Ctrl-C: uvicorn stops waiting for requests in flight and skips the
+                # lifespan's shutdown; ours still runs (jobs give their locks back, deploys
+                # finish or clean up), bounded like any stop by the watchdog
+                await self.lifespan.shutdown()
 
     config = uvicorn.Config(
         app,
@@ -233,6 +245,9 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as exc:  # one line, passwords in URLs masked
         print(f"agent-runtime: error: {logs.redact(str(exc))}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
+    except KeyboardInterrupt:  # Ctrl-C before the server listens (or in `db`): no traceback
+        print("agent-runtime: interrupted", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":
