@@ -7,8 +7,8 @@ modules' view of it); ``/pods/{pod_id}`` — one pod, ``owned`` false for a fore
 ``/foreign_pods`` — pods with our labels that are not provably ours (reconcile's last pass);
 ``/sessions/{session_id}`` — one binding.
 Read only; each answer costs a bounded number of pipelined reads. They sit here, next to the
-wiring, because they read both modules' state (through their ``state`` objects: key names
-stay there).
+wiring, because they read both modules' state (the session side's ``SessionViews``, the
+resource side's ``state``: key names stay in each module's ``state.py``).
 """
 
 from __future__ import annotations
@@ -121,10 +121,10 @@ async def list_scopes(
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
 ) -> JSONResponse:
     _only_query(request, "cursor", "limit")
-    next_cursor, page = await svc.session_state.scopes_page(cursor, limit)
+    next_cursor, page = await svc.session_views.scopes_page(cursor, limit)
     sids = [sid for sid, _, _ in page]
-    summaries = {s["scope_id"]: s for s in await svc.session_state.scope_summaries(sids)}
-    registered = await svc.session_state.registered_pods_by_scope(set(sids))
+    summaries = {s["scope_id"]: s for s in await svc.session_views.scope_summaries(sids)}
+    registered = await svc.session_views.registered_pods_by_scope(set(sids))
     scopes: list[dict[str, Any]] = []
     for sid, group_id, bot_id in page:
         pool = await svc.resource_state.scope_pool(sid)
@@ -152,8 +152,8 @@ async def list_scopes(
 async def get_scope(request: Request, svc: Admin, scope_id: ScopeId) -> JSONResponse:
     _only_query(request)
     sid = _checked("scope_id", scope_id)
-    (summary,) = await svc.session_state.scope_summaries([sid])
-    detail = await svc.session_state.scope_detail(sid)
+    (summary,) = await svc.session_views.scope_summaries([sid])
+    detail = await svc.session_views.scope_detail(sid)
     pool = await svc.resource_state.scope_pool(sid)
     known = summary["config"] or pool["pool_config"] or detail["pods"] or pool["pods"]
     if not known and not detail["live_sessions"]:
@@ -168,7 +168,7 @@ async def get_pod(request: Request, svc: Admin, pod_id: PodId) -> JSONResponse:
     _only_query(request)
     pid = _checked("pod_id", pod_id)
     info = await svc.resource_state.pod_info(pid)
-    registrations = await svc.session_state.pod_registrations(pid)
+    registrations = await svc.session_views.pod_registrations(pid)
     _, reported = await svc.resource_state.foreign_pods()
     foreign = [p for p in reported if p.get("pod_id") == pid]
     if not info and not registrations and not foreign:
@@ -194,7 +194,7 @@ async def foreign_pods(request: Request, svc: Admin) -> JSONResponse:
 async def get_session(request: Request, svc: Admin, session_id: SessionId) -> JSONResponse:
     _only_query(request)
     sid = _checked("session_id", session_id)
-    view = await svc.session_state.session_view(sid)
+    view = await svc.session_views.session_view(sid)
     if view is None:
         raise NotFound(f"session {sid} is not known")
     return ok(_request_id(request), {"session_id": sid, **view})
