@@ -107,7 +107,7 @@ async def setup(svc: Services, n: int) -> tuple[str, list[str]]:
         reply = await svc.session_state.route_place(
             request_id=f"setup-{s}", session_id=s, scope_id=sid, token="t"
         )
-        assert reply[0] == "placed", reply
+        assert reply.action == "placed", reply
     return sid, sessions
 
 
@@ -147,11 +147,11 @@ async def during(svc: Services, sid: str, sessions: list[str], n: int) -> dict[s
     await asyncio.sleep(0.5)
     baseline = list(latencies)
     latencies.clear()
-    generation = await svc.session_state.config_generation()
+    generation = await svc.scope_state.config_generation()
     wide = asyncio.create_task(timed_sync(svc, template_id="wide", scope_concurrency=3))
     # the second sync starts once the wide one has written the DB (config_gen bumped): its
     # walk is running
-    while await svc.session_state.config_generation() == generation and not wide.done():  # noqa: ASYNC110
+    while await svc.scope_state.config_generation() == generation and not wide.done():  # noqa: ASYNC110
         await asyncio.sleep(0.01)
     second = await timed_sync(svc, retry_for=60.0, template_id="narrow", scope_concurrency=4)
     wide_out = await wide

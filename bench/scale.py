@@ -37,7 +37,8 @@ from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.session_manager import state as sm
-from agent_runtime.session_manager.models import ConfigSyncRequest, ScopeConfig
+from agent_runtime.session_manager.models import ConfigSyncRequest
+from agent_runtime.session_manager.scope_cache import ScopeConfig
 from agent_runtime.session_manager.state import SessionState
 from agent_runtime.util import scope_id_of
 from agent_runtime.wiring import (
@@ -179,19 +180,13 @@ async def place(
 ) -> Counter[str]:
     """route_place for sessions ``prefix + k`` in scope ``k % len(sids)``, pipelined."""
     outcomes: Counter[str] = Counter()
-    redis = svc.session_state.redis
     for start in range(0, n_sessions, PIPELINE):
-        async with redis.pipeline(transaction=False) as pipe:
-            state = SessionState(pipe)
-            for k in range(start, min(start + PIPELINE, n_sessions)):
-                await state.route_place(
-                    request_id=f"{request_prefix}{k}",
-                    session_id=f"{prefix}{k}",
-                    scope_id=sids[k % len(sids)],
-                    token="bench-setup",
-                )
-            for reply in await pipe.execute():
-                outcomes[str(reply[0])] += 1
+        batch = [
+            (f"{request_prefix}{k}", f"{prefix}{k}", sids[k % len(sids)])
+            for k in range(start, min(start + PIPELINE, n_sessions))
+        ]
+        for placement in await svc.session_state.place_many(batch, token="bench-setup"):
+            outcomes[placement.action.value] += 1
     return outcomes
 
 

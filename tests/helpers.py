@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import uuid
@@ -25,6 +26,7 @@ from agent_runtime.db.engine import Database, normalize_url
 from agent_runtime.main import create_app
 from agent_runtime.resource_manager.identity import PodIdentity
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient, PodDeployInfo
+from agent_runtime.session_manager.replies import PLACING, Placement, RoutePlacement
 from agent_runtime.wiring import Backends
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -384,6 +386,24 @@ def other_client(redis: Redis) -> Redis:
 
         return fakeredis.FakeAsyncRedis(server=kwargs["server"], decode_responses=True)
     return Redis.from_url(real_redis_url(), decode_responses=True)
+
+
+def spelled(placement: RoutePlacement) -> list[Any]:
+    """A ``route_place`` answer as route_place.lua's reply spells it (its header): how the
+    script tests write what they expect, e.g. ``["scope_full", ""]``. A replay's stored answer
+    comes back without its request binding (``SessionState`` takes it out)."""
+    if placement.action is Placement.REPLAY:
+        return ["replay", json.dumps(placement.replayed)]
+    if placement.action in PLACING:
+        return [
+            placement.action.value,
+            placement.pod_id,
+            placement.pod_sse_url,
+            placement.previous_pod_id,
+        ]
+    if placement.action is Placement.SCOPE_FULL:
+        return ["scope_full", "1" if placement.reserved else ""]
+    return [placement.action.value]
 
 
 def run_redis_state_machine(

@@ -131,7 +131,7 @@ async def test_the_scope_list_pages_through_a_large_registry(redis: Redis, db: D
     """Past the compact encoding (Redis: hash-max-listpack-entries, 128 by default, 512 on
     some servers) HSCAN really pages: every scope exactly once, bounded pages."""
     async with app(redis, db) as client:
-        state = client.app.state.services.session_state  # type: ignore[attr-defined]
+        state = client.app.state.services.scope_state  # type: ignore[attr-defined]
         for i in range(700):
             await state.write_scope_config(f"sc-{i:03d}", f"g{i}", "b", {"scope_concurrency": "1"})
         seen: list[str] = []

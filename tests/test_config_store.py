@@ -28,7 +28,9 @@ from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.resource_manager.state import scope_config_key as rm_config_key
 from agent_runtime.session_manager import config_repo
 from agent_runtime.session_manager.config_store import ConfigStore
-from agent_runtime.session_manager.models import ConfigSyncRequest, TemplateItem
+from agent_runtime.session_manager.items import TemplateItem
+from agent_runtime.session_manager.models import ConfigSyncRequest
+from agent_runtime.session_manager.scope_state import ScopeState
 from agent_runtime.session_manager.state import (
     CONFIG_SYNC_LOCK_KEY,
     PODS_REGISTERED_KEY,
@@ -71,6 +73,7 @@ def store(redis: Redis, counting_db: CountingDatabase) -> ConfigStore:
     return ConfigStore(
         db=counting_db,  # type: ignore[arg-type]
         state=SessionState(redis),
+        scopes=ScopeState(redis),
         resources=ResourceManagerFacade(
             orchestrator=ResourceOrchestrator(
                 state=ResourceState(redis),
@@ -201,7 +204,7 @@ async def test_a_cold_burst_of_one_scope_reads_the_db_once(
 async def test_a_resolve_that_raced_a_config_change_does_not_write_a_stale_cache(
     store: ConfigStore, redis: Redis
 ) -> None:
-    state = SessionState(redis)
+    state = ScopeState(redis)
     sid = scope_id_of("g", "b")
     generation = await state.config_generation()
     await state.bump_config_generation()  # a config_sync ran between the read and the fill

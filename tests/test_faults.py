@@ -289,7 +289,7 @@ SM, RM = "agent_runtime.session_manager", "agent_runtime.resource_manager"
 SCRIPTS = {
     "route_place": (SM, "route_place", "_session"),
     "touch": (SM, "touch", "_session"),
-    "waiter_gate": (SM, "waiter_gate", None),
+    "waiter_gate": (lua.SHARED, "seat_gate", None),  # the shared seat gate, as the queue's
     "acquire": (RM, "acquire", ("_budget", "_placeholders")),
     "deploy_lease_take": (RM, "deploy_lease_take", None),
 }

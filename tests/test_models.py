@@ -14,16 +14,14 @@ from agent_runtime.api.ids import PRINTABLE_PATTERN, has_forbidden, is_id, print
 from agent_runtime.api.json_body import nesting_exceeds, parse_body
 from agent_runtime.errors import ErrorCode, ValidationFailed
 from agent_runtime.session_manager import state
-from agent_runtime.session_manager.models import (
+from agent_runtime.session_manager.items import (
     POD_NAME_MAX,
-    CleanupRequest,
-    ConfigSyncRequest,
     RoutingRuleItem,
-    ScopeConfig,
     TemplateItem,
-    check_fields,
     parse_item,
 )
+from agent_runtime.session_manager.models import CleanupRequest, ConfigSyncRequest, check_fields
+from agent_runtime.session_manager.scope_cache import ScopeConfig
 from agent_runtime.spec_fields import DEPLOY_FIELDS
 from agent_runtime.util import scope_id_of
 

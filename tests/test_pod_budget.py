@@ -24,7 +24,7 @@ from agent_runtime.db.engine import Database
 from agent_runtime.db.tables import routing_rule
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient, PodDeployInfo
 from agent_runtime.session_manager import config_repo
-from agent_runtime.session_manager.models import RoutingRuleItem, TemplateItem
+from agent_runtime.session_manager.items import RoutingRuleItem, TemplateItem
 from agent_runtime.util import rule_id_of, scope_id_of
 from agent_runtime.wiring import Services
 from helpers import make_sql_backend, running_app, sync_body

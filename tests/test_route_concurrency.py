@@ -29,7 +29,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 
 from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient, PodDeployInfo
-from agent_runtime.session_manager import orchestrator as sm_orchestrator
+from agent_runtime.session_manager import slow_route
 from agent_runtime.wiring import Services, build_redis, redis_pool_size
 from contract_keys import (
     SM_PODS_REGISTERED,
@@ -856,7 +856,7 @@ async def test_each_job_tick_runs_on_one_replica_only(redis: Redis, db: Database
 def slow_poll(monkeypatch: pytest.MonkeyPatch) -> None:
     """The queue's safety-net poll made far longer than any assertion's bound, so only the
     ``free`` signal can wake a waiter in time."""
-    monkeypatch.setattr(sm_orchestrator, "POLL", 30.0)
+    monkeypatch.setattr(slow_route, "POLL", 30.0)
 
 
 @real_mariadb_and_fake

@@ -28,6 +28,7 @@ from redis.asyncio import Redis
 
 from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from agent_runtime.session_manager.replies import RoutePlacement
 from agent_runtime.wiring import Services
 from contract_keys import (
     RM_PODS_ALL,
@@ -526,7 +527,7 @@ async def test_e_eos_frees_the_slot_and_wakes_a_waiting_route(
     redis: Redis, db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the waiter's safety-net poll is made long, so only the free signal can wake it in time
-    monkeypatch.setattr("agent_runtime.session_manager.orchestrator.POLL", 30.0)
+    monkeypatch.setattr("agent_runtime.session_manager.slow_route.POLL", 30.0)
     async with world(redis, db, scope_full_timeout=20) as w:
         await w.configure(scope_concurrency=2, pod_concurrency=2)
         pod = (await w.routed("s1"))["pod_id"]
@@ -556,7 +557,7 @@ async def test_e_eos_frees_the_slot_and_wakes_a_waiting_route(
 async def test_e_a_slot_freed_on_one_replica_wakes_a_waiter_on_another(
     redis: Redis, db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("agent_runtime.session_manager.orchestrator.POLL", 30.0)
+    monkeypatch.setattr("agent_runtime.session_manager.slow_route.POLL", 30.0)
     async with (
         world(redis, db, scope_full_timeout=20) as w,
         world(redis, db, scope_full_timeout=20, instance_id="test-2") as other,
@@ -587,7 +588,7 @@ async def test_e_a_slot_freed_on_one_replica_wakes_a_waiter_on_another(
 async def test_f_waiter_is_placed_when_the_sweeper_frees_a_slot(
     redis: Redis, db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("agent_runtime.session_manager.orchestrator.POLL", 30.0)
+    monkeypatch.setattr("agent_runtime.session_manager.slow_route.POLL", 30.0)
     async with world(redis, db, scope_full_timeout=20) as w:
         await w.configure(scope_concurrency=1, pod_concurrency=1)
         pod = (await w.routed("s1"))["pod_id"]
@@ -723,7 +724,7 @@ async def test_f_a_route_cancelled_on_its_first_step_can_be_retried_at_once(
         answered = asyncio.Event()
         route_place = w.svc.session_state.route_place
 
-        async def first_reply_slow(**kwargs: Any) -> list[str]:
+        async def first_reply_slow(**kwargs: Any) -> RoutePlacement:
             reply = await route_place(**kwargs)  # need_config: the request is marked pending
             if not answered.is_set():
                 answered.set()
@@ -785,7 +786,7 @@ async def test_g_dead_pod_sessions_are_evicted_and_rebound_on_another_pod(
 async def test_g_a_pod_death_frees_slots_for_waiting_routes(
     redis: Redis, db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("agent_runtime.session_manager.orchestrator.POLL", 30.0)
+    monkeypatch.setattr("agent_runtime.session_manager.slow_route.POLL", 30.0)
     async with world(redis, db, scope_full_timeout=20) as w:
         await w.configure(scope_concurrency=2, pod_concurrency=2)  # max_pods 1
         dead = (await w.routed("s1"))["pod_id"]

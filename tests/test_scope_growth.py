@@ -22,6 +22,7 @@ from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.session_manager import state as sms
 from agent_runtime.session_manager.config_store import ConfigStore
 from agent_runtime.session_manager.models import ConfigSyncRequest
+from agent_runtime.session_manager.scope_state import ScopeState
 from agent_runtime.session_manager.state import SessionState
 from agent_runtime.session_manager.sweeper import SessionSweeper
 from agent_runtime.util import scope_id_of
@@ -34,7 +35,7 @@ TTL = 0.3  # the idle TTL of these tests (s)
 class Env:
     def __init__(self, redis: Redis, db: Database) -> None:
         self.redis = redis
-        self.state = SessionState(redis)
+        self.state = ScopeState(redis)  # the scope records these tests look at
         self.rm_state = ResourceState(redis)
         self.resources = ResourceManagerFacade(
             orchestrator=ResourceOrchestrator(
@@ -45,9 +46,10 @@ class Env:
                 identity=IDENTITY,
             )
         )
-        self.store = ConfigStore(db=db, state=self.state, resources=self.resources)
+        sessions = SessionState(redis)
+        self.store = ConfigStore(db=db, state=sessions, scopes=self.state, resources=self.resources)
         self.sweeper = SessionSweeper(
-            state=self.state, resources=self.resources, scope_idle_ttl=TTL
+            state=sessions, scopes=self.state, resources=self.resources, scope_idle_ttl=TTL
         )
 
     async def sync(self, kind: str, op: str, **item: Any) -> dict[str, Any]:
@@ -319,7 +321,7 @@ async def test_a_config_sync_during_another_ones_propagation_is_served_and_both_
 
 
 async def test_a_stale_propagation_write_is_refused_by_both_sides(redis: Redis) -> None:
-    state, rm = SessionState(redis), ResourceState(redis)
+    state, rm = ScopeState(redis), ResourceState(redis)
     gen = await state.bump_config_generation()
     await state.bump_config_generation()  # a later config_sync planned meanwhile
     fields = {"template_id": "t1", "scope_concurrency": "1"}

@@ -31,8 +31,9 @@ from hypothesis.stateful import (
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
+from agent_runtime.session_manager.scope_state import ScopeState
 from agent_runtime.session_manager.state import SessionState, request_hash
-from helpers import other_client, run_redis_state_machine
+from helpers import other_client, run_redis_state_machine, spelled
 
 T = TypeVar("T")
 P = "session_manager:"
@@ -149,7 +150,7 @@ def answer_of(reply: list[Any]) -> dict[str, str]:
     """What the gateway sees, from a placing reply or from a replay (the stored JSON)."""
     if reply[0] == "replay":
         stored = dict(json.loads(reply[1]))
-        stored.pop("request_hash")  # the binding (route_place.lua), not part of the answer
+        stored.pop("request_hash", None)  # the binding (route_place.lua), not part of the answer
         return stored
     answer = {"pod_id": reply[1], "pod_sse_url": reply[2], "placement": reply[0]}
     if reply[0] == "rebound":
@@ -189,6 +190,11 @@ async def add_pod(state: SessionState, pod: str, sid: str = SID, ver: str = "v1"
 _rid = 0
 
 
+async def place(state: SessionState, **call: Any) -> list[Any]:
+    """One ``route_place`` through ``SessionState``, its answer spelled as the script's reply."""
+    return spelled(await state.route_place(**call))
+
+
 async def route(
     state: SessionState,
     session_id: str,
@@ -200,7 +206,8 @@ async def route(
 ) -> list[Any]:
     global _rid
     _rid += 1
-    return await state.route_place(
+    return await place(
+        state,
         request_id=request_id or f"auto-{_rid}",
         session_id=session_id,
         scope_id=sid,
@@ -685,8 +692,8 @@ async def test_a_resent_placing_call_returns_the_first_answer(
     # the same request on another replica (its own token) gets the same answer too
     client = other_client(redis)
     try:
-        other = await SessionState(client).route_place(
-            request_id="r1", session_id="s1", scope_id=SID, token="t-other"
+        other = await place(
+            SessionState(client), request_id="r1", session_id="s1", scope_id=SID, token="t-other"
         )
     finally:
         await client.aclose()
@@ -792,9 +799,7 @@ async def test_concurrent_duplicates_of_one_request_place_once(
     try:
         replies = await asyncio.gather(
             *(
-                states[i % 2].route_place(
-                    request_id="r1", session_id="s1", scope_id=SID, token=f"t{i}"
-                )
+                place(states[i % 2], request_id="r1", session_id="s1", scope_id=SID, token=f"t{i}")
                 for i in range(20)
             )
         )
@@ -831,8 +836,8 @@ async def test_an_answered_request_id_replays_only_for_its_own_request(
     assert await redis.get(K.route("r1")) == stored, "the first answer is left as it was"
     client = other_client(redis)
     try:
-        again = await SessionState(client).route_place(
-            request_id="r1", session_id="s1", scope_id=SID, token="t4"
+        again = await place(
+            SessionState(client), request_id="r1", session_id="s1", scope_id=SID, token="t4"
         )
     finally:
         await client.aclose()
@@ -880,8 +885,12 @@ async def test_concurrent_routes_of_different_sessions_with_one_request_id_place
     try:
         replies = await asyncio.gather(
             *(
-                states[i % 2].route_place(
-                    request_id="r1", session_id=f"s{i % 4}", scope_id=SID, token=f"t{i}"
+                place(
+                    states[i % 2],
+                    request_id="r1",
+                    session_id=f"s{i % 4}",
+                    scope_id=SID,
+                    token=f"t{i}",
                 )
                 for i in range(20)
             )
@@ -929,8 +938,12 @@ async def burst_on_two_pods(redis: Redis, clients: int) -> list[list[str]]:
         return list(
             await asyncio.gather(
                 *(
-                    states[i % clients].route_place(
-                        request_id=f"r{i}", session_id=f"s{i}", scope_id=SID, token=f"t{i}"
+                    place(
+                        states[i % clients],
+                        request_id=f"r{i}",
+                        session_id=f"s{i}",
+                        scope_id=SID,
+                        token=f"t{i}",
                     )
                     for i in range(100)
                 )
@@ -1393,6 +1406,7 @@ class SessionMachine(RuleBasedStateMachine):
         super().__init__()
         self.loop, self.redis = loop, redis
         self.state = SessionState(redis)
+        self.scopes = ScopeState(redis)
         self.scripts = {
             name: record(self.state, name)
             for name in ("route_place", "evict", "touch", "register_pod", "cleanup_pod")
@@ -1462,7 +1476,7 @@ class SessionMachine(RuleBasedStateMachine):
     def drop_config(self) -> None:
         self.drops += 1
         self.configured = False
-        self.run(self.state.drop_scope_configs([self.sid]))
+        self.run(self.scopes.drop_scope_configs([self.sid]))
 
     @precondition(lambda self: not self.configured)
     @rule()
@@ -1619,8 +1633,12 @@ class SessionMachine(RuleBasedStateMachine):
         again with its own token."""
         request_id, token = self.next_id("r"), self.next_id("t")
         reply = self.run(
-            self.state.route_place(
-                request_id=request_id, session_id=session, scope_id=self.sid, token=token
+            place(
+                self.state,
+                request_id=request_id,
+                session_id=session,
+                scope_id=self.sid,
+                token=token,
             )
         )
         assert reply == self.expect_route(session, request_id, token), (session, reply)
@@ -1635,8 +1653,12 @@ class SessionMachine(RuleBasedStateMachine):
                 assert again == reply
         elif replay == "other":  # the same request on another replica, with its own token
             again = self.run(
-                self.state.route_place(
-                    request_id=request_id, session_id=session, scope_id=self.sid, token="x"
+                place(
+                    self.state,
+                    request_id=request_id,
+                    session_id=session,
+                    scope_id=self.sid,
+                    token="x",
                 )
             )
             if placing:
@@ -1652,7 +1674,8 @@ class SessionMachine(RuleBasedStateMachine):
             else:
                 return  # max_pods held by sunset pods: the resource manager says no
             reply = self.run(
-                self.state.route_place(
+                place(
+                    self.state,
                     request_id=request_id,
                     session_id=session,
                     scope_id=self.sid,

@@ -9,6 +9,7 @@ import pytest
 from redis.asyncio import Redis
 
 from agent_runtime.session_manager.state import SessionState
+from helpers import spelled
 
 P = "session_manager:"
 LEASED = f"{P}leased_scopes"
@@ -41,7 +42,9 @@ async def test_a_seat_and_a_reservation_put_their_scope_in_the_index(
         f"{P}scope:sc:config",
         mapping={"scope_concurrency": 4, "pod_concurrency": 2, "max_pods": 2, "session_ttl": 60},
     )
-    reply = await state.route_place(request_id="r2", session_id="s2", scope_id="sc", token="t")
+    reply = spelled(
+        await state.route_place(request_id="r2", session_id="s2", scope_id="sc", token="t")
+    )
     assert reply == ["need_acquire"]
     assert await redis.smembers(LEASED) == {"sa", "sc"}
 

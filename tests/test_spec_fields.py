@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent_runtime import spec_fields
-from agent_runtime.session_manager.models import TemplateItem
+from agent_runtime.session_manager.items import TemplateItem
 from agent_runtime.spec_fields import (
     DEPLOY_FIELDS,
     DEPLOY_VER_FIELDS,

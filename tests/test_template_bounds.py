@@ -33,7 +33,7 @@ from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.clusters import read_clusters
 from agent_runtime.resource_manager.k8s import FakeK8sPodClient, RealK8sPodClient
 from agent_runtime.session_manager import config_repo as repo
-from agent_runtime.session_manager.models import TemplateItem
+from agent_runtime.session_manager.items import TemplateItem
 from agent_runtime.util import scope_id_of
 from helpers import IDENTITY, envelope, running_app, sync_body
 from kubesim import KubeSim

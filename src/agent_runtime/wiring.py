@@ -42,8 +42,10 @@ from agent_runtime.session_manager.config_store import ConfigStore
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.handler_deps import HandlerDeps
 from agent_runtime.session_manager.orchestrator import SessionOrchestrator
+from agent_runtime.session_manager.scope_state import ScopeState
 from agent_runtime.session_manager.state import FREE_PATTERN, SessionState
 from agent_runtime.session_manager.sweeper import SessionSweeper
+from agent_runtime.session_manager.views import SessionViews
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +217,8 @@ class Services:
     settings: Settings
     backends: Backends
     session_state: SessionState
+    scope_state: ScopeState
+    session_views: SessionViews
     resource_state: ResourceState
     notifier: Notifier
     orchestrator: ResourceOrchestrator
@@ -245,7 +249,7 @@ class Services:
     def admin_deps(self) -> AdminDeps:
         """What the admin views read."""
         return AdminDeps(
-            sessions=self.session_state,
+            sessions=self.session_views,
             resources=self.resource_state,
             admin_tokens=tuple(self.settings.admin_tokens),
             serving=lambda: self.ready,
@@ -262,17 +266,17 @@ class Services:
     async def update_gauges(self, metrics: Metrics) -> None:
         """Pods by state and live sessions, read from Redis when /metrics is scraped (a few
         pipelined reads, O(pods + scopes)); per scope only with ``scope_metrics``."""
-        scopes = list(await self.session_state.known_scopes())
+        scopes = await self.session_views.known_scopes()
         phases = await self.resource_state.pod_phases()
         metrics.pods.labels("in_use").set(phases.get("in_use", 0))
         metrics.pods.labels("idle").set(phases.get("idle", 0))
         metrics.pods.labels("deploying").set(await self.resource_state.placeholders(scopes))
-        metrics.pods.labels("sunset").set(await self.session_state.sunset_pods())
-        metrics.sessions.set(await self.session_state.live_sessions())
+        metrics.pods.labels("sunset").set(await self.session_views.sunset_pods())
+        metrics.sessions.set(await self.session_views.live_sessions())
         metrics.pod_budget_used.set(await self.resource_state.budget_used())
         metrics.foreign_pods_seen.set(await self.resource_state.foreign_pod_count())
         if self.settings.scope_metrics:
-            counts = await self.session_state.scope_session_counts(scopes)
+            counts = await self.session_views.scope_session_counts(scopes)
             metrics.scope_sessions.clear()
             for scope_id, n in zip(scopes, counts, strict=True):
                 metrics.scope_sessions.labels(scope_id).set(n)
@@ -306,6 +310,7 @@ def wire(
     db = backends.db.observed(metrics.db_call)
     k8s = MeteredK8sPodClient(backends.k8s, metrics.k8s_call)
     session_state = SessionState(redis, observe=metrics.redis_call)
+    scope_state = ScopeState(redis, observe=metrics.redis_call)
     resource_state = ResourceState(
         redis, observe=metrics.redis_call, pod_budget=settings.pod_budget
     )
@@ -339,6 +344,7 @@ def wire(
     config_store = ConfigStore(
         db=db,
         state=session_state,
+        scopes=scope_state,
         resources=resources,
         clusters=frozenset(settings.clusters),
         namespaces=settings.allowed_namespaces(),
@@ -346,7 +352,10 @@ def wire(
         wildcard_rule_pod_budget=settings.wildcard_rule_pod_budget,
     )
     session_sweeper = SessionSweeper(
-        state=session_state, resources=resources, scope_idle_ttl=settings.scope_idle_ttl
+        state=session_state,
+        scopes=scope_state,
+        resources=resources,
+        scope_idle_ttl=settings.scope_idle_ttl,
     )
     jobs = JobRunner(
         redis=backends.job_locks or redis,
@@ -363,6 +372,8 @@ def wire(
         settings=settings,
         backends=backends,
         session_state=session_state,
+        scope_state=scope_state,
+        session_views=SessionViews(session_state, scope_state),
         resource_state=resource_state,
         notifier=notifier,
         orchestrator=orchestrator,

@@ -17,7 +17,7 @@ from sqlalchemy.exc import IntegrityError
 
 from agent_runtime.db.tables import COLUMN_OF, FIELD_OF, routing_rule, service_config_template
 from agent_runtime.errors import Conflict
-from agent_runtime.session_manager.models import RoutingRuleItem, TemplateItem
+from agent_runtime.session_manager.items import RoutingRuleItem, TemplateItem
 
 WILDCARD = "*"
 

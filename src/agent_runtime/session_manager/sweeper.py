@@ -17,6 +17,7 @@ import logging
 
 from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.resource_manager.facade import ResourceManagerFacade
+from agent_runtime.session_manager.scope_state import ScopeState
 from agent_runtime.session_manager.state import SessionState
 
 log = logging.getLogger(__name__)
@@ -34,10 +35,12 @@ class SessionSweeper:
         self,
         *,
         state: SessionState,
+        scopes: ScopeState,
         resources: ResourceManagerFacade,
         scope_idle_ttl: float = 600.0,
     ) -> None:
         self._state = state
+        self._scopes = scopes
         self._resources = resources
         self._notices = BackgroundTasks()
         self._scope_idle_ttl = scope_idle_ttl
@@ -52,10 +55,14 @@ class SessionSweeper:
 
     async def prune_once(self) -> int:
         """Seats and reservations a dead replica left behind; how many were dropped."""
-        seats, reserved = await self._state.prune_seats()
-        if seats or reserved:
-            log.info("pruned %d queue seats and %d reservations past their lease", seats, reserved)
-        return seats + reserved
+        pruned = await self._state.prune_seats()
+        if pruned.seats or pruned.reservations:
+            log.info(
+                "pruned %d queue seats and %d reservations past their lease",
+                pruned.seats,
+                pruned.reservations,
+            )
+        return pruned.seats + pruned.reservations
 
     async def expire_once(self) -> int:
         evicted = 0
@@ -70,8 +77,8 @@ class SessionSweeper:
         """Every registered pod is looked at inside Redis, a page of them per script: Python
         only sees the few that were handed back."""
         notified = await self._state.sweep_idle(IDLE_GRACE)
-        for scope_id, pod_id in notified:
-            self._notice(scope_id, pod_id)
+        for pod in notified:
+            self._notice(pod.scope_id, pod.pod_id)
         return len(notified)
 
     async def expire_scopes_once(self) -> dict[str, int]:
@@ -84,19 +91,19 @@ class SessionSweeper:
         side's registry entry is how config_sync finds the pool config."""
         marked = 0
         for _ in range(SCOPE_MARK_PAGES):
-            self._mark_cursor, empty = await self._state.mark_idle_scopes(self._mark_cursor)
-            marked += empty
+            page = await self._scopes.mark_idle_scopes(self._mark_cursor)
+            self._mark_cursor, marked = page.cursor, marked + page.marked
             if self._mark_cursor == "0":
                 break
         expired = kept = 0
-        due = await self._state.idle_scopes_due(self._scope_idle_ttl, SCOPE_EXPIRE_BATCH)
+        due = await self._scopes.idle_scopes_due(self._scope_idle_ttl, SCOPE_EXPIRE_BATCH)
         for i, scope_id in enumerate(due):
             if i and i % YIELD_EVERY == 0:
                 await asyncio.sleep(0)
             if not await self._resources.expire_scope(scope_id):
-                await self._state.forget_idle_mark(scope_id)  # in use there: look again later
+                await self._scopes.forget_idle_mark(scope_id)  # in use there: look again later
                 kept += 1
-            elif await self._state.expire_scope(scope_id, self._scope_idle_ttl):
+            elif await self._scopes.expire_scope(scope_id, self._scope_idle_ttl):
                 expired += 1
             else:
                 kept += 1
