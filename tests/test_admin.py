@@ -75,7 +75,7 @@ async def test_scope_pod_and_session_views(redis: Redis, db: Database) -> None:
         (scope,) = listed["data"]["scopes"]
         assert scope["scope_id"] == sid and (scope["group_id"], scope["bot_id"]) == ("g-a", "b-a")
         assert scope["live_sessions"] == 2 and scope["waiters"] == 1
-        assert scope["pods"] == {"in_use": 1, "idle": 0, "deploying": 0, "sunset": 0}
+        assert scope["pods"] == {"in_use": 1, "idle": 0, "deploying": 0, "retiring": 0}
         assert scope["config"]["scope_concurrency"] == "2"
 
         assert detail["live_sessions"] == 2

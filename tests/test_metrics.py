@@ -82,7 +82,7 @@ async def test_traffic_shows_up_in_every_family(redis: Redis, db: Database) -> N
     assert m['agent_runtime_pods{state="in_use"}'] == 1
     assert m['agent_runtime_pods{state="idle"}'] == 0
     assert m['agent_runtime_pods{state="deploying"}'] == 0
-    assert m['agent_runtime_pods{state="sunset"}'] == 0
+    assert m['agent_runtime_pods{state="retiring"}'] == 0
     assert m["agent_runtime_live_sessions"] == 1
     assert not any(k.startswith("agent_runtime_scope_live_sessions") for k in m), "opt-in"
     route_ok = (

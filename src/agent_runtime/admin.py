@@ -165,7 +165,7 @@ async def list_scopes(
                     "idle": phases.count("idle"),
                     "deploying": pool["deploys_in_flight"],
                     # registered here but no longer a candidate: old version, or handed back
-                    "sunset": len(registered.get(sid, [])) - summary["candidate_pods"],
+                    "retiring": len(registered.get(sid, [])) - summary["candidate_pods"],
                 },
             }
         )

@@ -271,7 +271,7 @@ class Services:
         metrics.pods.labels("in_use").set(phases.get("in_use", 0))
         metrics.pods.labels("idle").set(phases.get("idle", 0))
         metrics.pods.labels("deploying").set(await self.resource_state.placeholders(scopes))
-        metrics.pods.labels("sunset").set(await self.session_views.sunset_pods())
+        metrics.pods.labels("retiring").set(await self.session_views.retiring_pods())
         metrics.sessions.set(await self.session_views.live_sessions())
         metrics.pod_budget_used.set(await self.resource_state.budget_used())
         metrics.foreign_pods_seen.set(await self.resource_state.foreign_pod_count())

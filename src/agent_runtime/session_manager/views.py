@@ -50,9 +50,10 @@ class SessionViews:
                 pipe.scard(scope_sessions_key(scope_id))
             return [int(n) for n in await pipe.execute()]
 
-    async def sunset_pods(self) -> int:
-        """Registered pods that are no longer placement candidates (old version, or being
-        handed back): they keep their sessions, take no new ones."""
+    async def retiring_pods(self) -> int:
+        """Registered pods that are no longer placement candidates (an older version — the
+        "sunset" pods — or one being handed back): they keep their sessions, take no new
+        ones."""
         pods = await self._state.registered_pods()
         if not pods:
             return 0
@@ -106,7 +107,7 @@ class SessionViews:
 
     async def scope_detail(self, scope_id: str) -> dict[str, Any]:
         """Candidates in arrival order with their sessions, the registered pods that are not
-        candidates (sunset / being handed back), the queue and the reservations."""
+        candidates (retiring: sunset / being handed back), the queue and the reservations."""
         candidates = await self._state.candidate_pods(scope_id)
         registered = (await self.registered_pods_by_scope({scope_id})).get(scope_id, [])
         pods = sorted(set(registered) | set(candidates), key=lambda p: (p not in candidates, p))
