@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from agent_runtime.db.engine import Database
+from contract_keys import rm_deploy_lock, rm_scope, sm_scope
 from helpers import GatedK8s, real_mariadb_and_fake
 from test_route_concurrency import (
     SID,
@@ -23,17 +24,14 @@ from test_route_concurrency import (
     assert_nothing_held,
     configure,
     eventually,
-    rm_deploy_lock,
-    rm_scope,
     route,
     seated,
-    sm_scope,
     two_replicas,
 )
 
 
 async def reservations(redis: Redis) -> int:
-    return int(await redis.zcard(sm_scope("reserved")))
+    return int(await redis.zcard(sm_scope(SID, "reserved")))
 
 
 @real_mariadb_and_fake
@@ -50,13 +48,13 @@ async def test_every_waiting_route_is_answered_503_at_its_replica_s_stop_signal(
             calls[name] = asyncio.create_task(route(client, name, f"r-{name}"))
 
         start(reps.b, "b-own-deploy")  # leads: waits on its own deploy
-        await eventually(lambda: redis.exists(rm_deploy_lock()), what="a deploy leader")
+        await eventually(lambda: redis.exists(rm_deploy_lock(SID)), what="a deploy leader")
         view = await reps.a.get(f"/api/session/admin/scopes/{SID}")  # who leads, for operators
         assert view.json()["data"]["pool"]["deploy_leader"].startswith("replica-b/"), view.text
         start(reps.b, "b-shared")  # shares b's acquire (single flight)
         await eventually(lambda: _ge(reservations(redis), 2), what="b's second route")
         start(reps.a, "a-follower")  # a's acquire follows b's deploy: the follower room
-        await eventually(lambda: redis.exists(rm_scope("deploy_followers")), what="a follower")
+        await eventually(lambda: redis.exists(rm_scope(SID, "deploy_followers")), what="a follower")
         start(reps.a, "a-shared")  # shares a's acquire
         await eventually(lambda: _ge(reservations(redis), 4), what="a's second route")
         start(reps.a, "a-queued")  # the scope is full of reservations: the wait queue
@@ -73,16 +71,16 @@ async def test_every_waiting_route_is_answered_503_at_its_replica_s_stop_signal(
 
         # the seats and reservations went with the answers; the drained follower left its
         # room at its next look; only the deploy itself still holds its lease and slot
-        assert await redis.zcard(sm_scope("waiters")) == 0
+        assert await redis.zcard(sm_scope(SID, "waiters")) == 0
         assert await reservations(redis) == 0
         await eventually(
-            lambda: _eq(redis.zcard(rm_scope("deploy_followers")), 0), what="the room empty"
+            lambda: _eq(redis.zcard(rm_scope(SID, "deploy_followers")), 0), what="the room empty"
         )
-        assert await redis.exists(rm_deploy_lock())
+        assert await redis.exists(rm_deploy_lock(SID))
         k8s.gate.set()  # the deploy finishes in the background: its pod is kept, not leaked
 
         async def deployed() -> bool:
-            return len(k8s.pods) == 1 and not await redis.exists(rm_deploy_lock())
+            return len(k8s.pods) == 1 and not await redis.exists(rm_deploy_lock(SID))
 
         await eventually(deployed, within=10, what="the deploy finished")
         known = await redis.smembers("resource_manager:resource:pods:all")
@@ -105,7 +103,7 @@ async def test_a_route_waits_for_its_pod_once_and_says_how_long(redis: Redis, db
             return answer, time.monotonic() - started
 
         lead = asyncio.create_task(timed(reps.a, "lead"))
-        await eventually(lambda: redis.exists(rm_deploy_lock()), what="a deploy leader")
+        await eventually(lambda: redis.exists(rm_deploy_lock(SID)), what="a deploy leader")
         others = [timed(reps.a, "shared"), timed(reps.b, "follower")]
         answers = await asyncio.gather(lead, *others)
         for answer, took in answers:
@@ -116,7 +114,7 @@ async def test_a_route_waits_for_its_pod_once_and_says_how_long(redis: Redis, db
             assert took < 2 * 11, f"{took:.1f} s: a route waited the deploy time twice"
         assert answers[0][1] >= 11, "the leader's route waits its whole deadline"
         k8s.gate.set()
-        await eventually(lambda: _eq(redis.scard(rm_scope("deploying")), 0), within=10)
+        await eventually(lambda: _eq(redis.scard(rm_scope(SID, "deploying")), 0), within=10)
         await assert_nothing_held(redis)
 
 
@@ -138,7 +136,7 @@ async def test_routes_sharing_an_acquire_give_back_their_places_while_they_wait(
         for answer in await asyncio.gather(*(asyncio.wait_for(c, 10) for c in calls)):
             assert_error(answer, "BACKEND_UNAVAILABLE")
         k8s.gate.set()
-        await eventually(lambda: _eq(redis.scard(rm_scope("deploying")), 0), within=10)
+        await eventually(lambda: _eq(redis.scard(rm_scope(SID, "deploying")), 0), within=10)
 
 
 async def _gauge(client: httpx.AsyncClient, name: str) -> float:

@@ -40,6 +40,7 @@ from agent_runtime.resource_manager.facade import (
 )
 from agent_runtime.session_manager.config_store import ConfigStore
 from agent_runtime.session_manager.replies import Placement, RoutePlacement
+from agent_runtime.session_manager.scope_cache import ScopeConfig
 from agent_runtime.session_manager.state import ROUTE_LEASE, SessionState, scope_free_channel
 from agent_runtime.single_flight import SingleFlight
 
@@ -93,6 +94,7 @@ class SlowRoute:
         self.deadline: float | None = None
         self.cap_since: float | None = None  # when acquire first said max_pods
         self.asked_at: float | None = None  # when it first asked for a pod (its deadline's start)
+        self._config: ScopeConfig | None = None  # resolved once per route (scope_config)
         self.listening: contextlib.AsyncExitStack | None = None
         self.listener: Listener | None = None
         self.closed = False
@@ -119,7 +121,7 @@ class SlowRoute:
             if placement.answered:
                 return placement.answer()
             if action is Placement.NEED_CONFIG:
-                await self.ctx.config.resolve(self.scope_id, self.group_id, self.bot_id)
+                await self.scope_config(fresh=True)
             elif action is Placement.NEED_ACQUIRE:  # a slot reserved, the queue seat (if any) left
                 self.seated = False
                 if not await self.acquire(steps):
@@ -141,6 +143,14 @@ class SlowRoute:
                 token=self.token,
                 slow=True,
             )
+
+    async def scope_config(self, *, fresh: bool = False) -> ScopeConfig:
+        """The scope's configuration, resolved once per route: the cache fill, the acquire
+        and the queue's size all use the same one. ``fresh``: route_place found the cache
+        missing or stale, so resolve again (and fill it)."""
+        if fresh or self._config is None:
+            self._config = await self.ctx.config.resolve(self.scope_id, self.group_id, self.bot_id)
+        return self._config
 
     async def acquire(self, attempt: int) -> bool:
         """Get a pod and make it a candidate; False when a deploy is in flight (wait).
@@ -171,7 +181,7 @@ class SlowRoute:
             raise NoPodAvailable(NO_POD_AT_CAP) from None
 
     async def _acquire(self, attempt: int) -> bool:
-        config = await self.ctx.config.resolve(self.scope_id, self.group_id, self.bot_id)
+        config = await self.scope_config()
         try:
             pod = await self.ctx.resources.acquire(
                 self.scope_id,
@@ -228,7 +238,7 @@ class SlowRoute:
             if duplicate:
                 self.deadline += ROUTE_LEASE
         if seat and not self.seated:
-            config = await self.ctx.config.resolve(self.scope_id, self.group_id, self.bot_id)
+            config = await self.scope_config()
             hold = ROUTE_LEASE  # renewed while we run: a crashed replica's seat expires soon
             # seated BEFORE the call: a cancellation while it runs (the seat taken in Redis,
             # its reply not yet read) must still give the seat back (release_route)
