@@ -34,7 +34,7 @@ from redis.asyncio import Redis
 
 from agent_runtime.config import Mode, Settings
 from agent_runtime.db.engine import Database
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.session_manager import state as sm
 from agent_runtime.session_manager.models import ConfigSyncRequest, ScopeConfig

@@ -37,8 +37,10 @@ from sqlalchemy.engine import make_url
 from agent_runtime import lua
 from agent_runtime.db.engine import Database
 from agent_runtime.db.tables import routing_rule, service_config_template
-from agent_runtime.resource_manager import k8s as k8s_module
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, K8sPodClient, RealK8sPodClient
+from agent_runtime.resource_manager import k8s_deploy as k8s_module
+from agent_runtime.resource_manager.k8s import K8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.resource_manager.models import SCOPE_LABEL
 from agent_runtime.session_manager.state import ROUTE_LEASE
 from agent_runtime.wiring import REDIS_RETRIES, Services, build_redis, redis_pool_size

@@ -25,9 +25,10 @@ import pytest
 
 from agent_runtime.db.engine import Database
 from agent_runtime.notify import Notifier
-from agent_runtime.resource_manager import k8s as k8s_module
+from agent_runtime.resource_manager import k8s_deploy
+from agent_runtime.resource_manager import k8s_real as k8s_module
 from agent_runtime.resource_manager.facade import ResourceManagerFacade
-from agent_runtime.resource_manager.k8s import RealK8sPodClient, build_pod_body
+from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.resource_manager.models import (
     APP_LABEL,
     COMPONENT_LABEL,
@@ -39,6 +40,7 @@ from agent_runtime.resource_manager.models import (
     K8sApiError,
 )
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
+from agent_runtime.resource_manager.pod_manifest import build_pod_body
 from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
 from agent_runtime.resource_manager.sweeper import ResourceSweeper
 from agent_runtime.session_manager.facade import SessionManagerFacade
@@ -206,7 +208,7 @@ async def test_name_clash_409_takes_a_new_name(
     foreign = sim.pod("default", taken)
     assert foreign is not None
     names = iter([taken, "agent-fresh00000-bbbbb"])
-    monkeypatch.setattr(k8s_module, "new_pod_name", lambda _: next(names))
+    monkeypatch.setattr(k8s_deploy, "new_pod_name", lambda _: next(names))
 
     info = await deploy(client)
 
@@ -224,7 +226,7 @@ async def test_name_clash_three_times_fails(
 ) -> None:
     taken = "agent-taken00000-aaaaa"
     await post_pod(sim, taken, {SCOPE_LABEL: OTHER})
-    monkeypatch.setattr(k8s_module, "new_pod_name", lambda _: taken)
+    monkeypatch.setattr(k8s_deploy, "new_pod_name", lambda _: taken)
     with pytest.raises(DeployFailed, match="pod name taken 3 times"):
         await deploy(client)
     assert sim.pod("default", taken) is not None and ours(sim) == []

@@ -24,7 +24,8 @@ from redis.asyncio import Redis
 from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.clusters import read_clusters
 from agent_runtime.resource_manager.identity import Ownership
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, RealK8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.resource_manager.models import DeployFailed, K8sApiError
 from agent_runtime.util import scope_id_of
 from helpers import IDENTITY, envelope, running_app, sync_body

@@ -23,7 +23,8 @@ from redis.asyncio import Redis
 
 from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.identity import INCARNATION_ANNOTATION
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, RealK8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.util import scope_id_of
 from agent_runtime.wiring import Services
 from helpers import envelope, fake_only, running_app, sync_body

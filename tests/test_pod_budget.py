@@ -22,7 +22,8 @@ from sqlalchemy import create_engine, insert, inspect, select
 from agent_runtime.db import schema
 from agent_runtime.db.engine import Database
 from agent_runtime.db.tables import routing_rule
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, PodDeployInfo
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.resource_manager.models import PodDeployInfo
 from agent_runtime.session_manager import config_repo
 from agent_runtime.session_manager.models import RoutingRuleItem, TemplateItem
 from agent_runtime.util import rule_id_of, scope_id_of

@@ -35,13 +35,10 @@ from agent_runtime.resource_manager.identity import (
     Ownership,
     PodIdentity,
 )
-from agent_runtime.resource_manager.k8s import (
-    FakeK8sPodClient,
-    RealK8sPodClient,
-    pod_status,
-    pod_status_from_json,
-)
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.resource_manager.models import DEPLOY_VER_LABEL, SCOPE_LABEL, DeployFailed
+from agent_runtime.resource_manager.pod_reading import pod_status, pod_status_from_json
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.wiring import load_pod_identity
 from helpers import IDENTITY, make_settings, make_sql_backend

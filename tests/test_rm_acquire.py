@@ -22,7 +22,7 @@ from agent_runtime.resource_manager.facade import (
     MaxPodsReached,
     ResourceManagerFacade,
 )
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.state import (
     REGISTERED_PATTERN,

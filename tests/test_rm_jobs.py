@@ -30,9 +30,10 @@ from agent_runtime.resource_manager.facade import (
     MaxPodsReached,
     ResourceManagerFacade,
 )
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, pod_labels
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.models import PodStatus
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
+from agent_runtime.resource_manager.pod_manifest import pod_labels
 from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
 from agent_runtime.resource_manager.sweeper import ResourceSweeper
 from agent_runtime.session_manager.facade import SessionManagerFacade

@@ -29,7 +29,8 @@ from agent_runtime.resource_manager.facade import (
     ResourceManagerFacade,
 )
 from agent_runtime.resource_manager.identity import Ownership
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, OnCreated
+from agent_runtime.resource_manager.k8s import OnCreated
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.models import PodDeployInfo
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState

@@ -16,7 +16,7 @@ from agent_runtime.db.engine import Database
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager import state as rms
 from agent_runtime.resource_manager.facade import ResourceManagerFacade
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.session_manager import state as sms

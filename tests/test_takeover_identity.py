@@ -20,7 +20,7 @@ import pytest
 from redis.asyncio import Redis
 
 from agent_runtime.resource_manager.identity import INCARNATION_ANNOTATION, Ownership
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from helpers import IDENTITY
 from kubesim import KubeSim
 from test_faults import wipe

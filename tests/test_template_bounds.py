@@ -31,7 +31,8 @@ from agent_runtime import logs
 from agent_runtime.config import ConfigError
 from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.clusters import read_clusters
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, RealK8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.session_manager import config_repo as repo
 from agent_runtime.session_manager.models import TemplateItem
 from agent_runtime.util import scope_id_of

@@ -29,12 +29,10 @@ from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.clusters import read_clusters
 from agent_runtime.resource_manager.facade import ResourceManagerFacade
 from agent_runtime.resource_manager.identity import PodIdentity
-from agent_runtime.resource_manager.k8s import (
-    FakeK8sPodClient,
-    K8sPodClient,
-    MeteredK8sPodClient,
-    RealK8sPodClient,
-)
+from agent_runtime.resource_manager.k8s import K8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_metered import MeteredK8sPodClient
+from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.resource_manager.orchestrator import DeployBounds, ResourceOrchestrator
 from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
 from agent_runtime.resource_manager.sweeper import ResourceSweeper
