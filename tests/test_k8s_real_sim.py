@@ -41,8 +41,8 @@ from agent_runtime.resource_manager.models import (
 )
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.pod_manifest import build_pod_body
+from agent_runtime.resource_manager.pool_jobs import PoolJobs
 from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
-from agent_runtime.resource_manager.sweeper import ResourceSweeper
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
 from helpers import IDENTITY, envelope, running_app, sync_body
@@ -507,7 +507,7 @@ async def test_an_expired_continue_token_restarts_the_list_once(
 class Rm:
     state: ResourceState
     facade: ResourceManagerFacade
-    sweeper: ResourceSweeper
+    pool_jobs: PoolJobs
 
 
 @pytest.fixture
@@ -519,7 +519,7 @@ async def rm(client: RealK8sPodClient) -> AsyncIterator[Rm]:
     orchestrator = ResourceOrchestrator(
         state=state, k8s=client, notifier=notifier, default_namespace="default", identity=IDENTITY
     )
-    sweeper = ResourceSweeper(
+    pool_jobs = PoolJobs(
         state=state,
         k8s=client,
         orchestrator=orchestrator,
@@ -528,9 +528,9 @@ async def rm(client: RealK8sPodClient) -> AsyncIterator[Rm]:
         identity=IDENTITY,
     )
     try:
-        yield Rm(state, ResourceManagerFacade(orchestrator=orchestrator), sweeper)
+        yield Rm(state, ResourceManagerFacade(orchestrator=orchestrator), pool_jobs)
     finally:
-        await sweeper.wait_for_warm_deploys()
+        await pool_jobs.wait_for_warm_deploys()
         await orchestrator.close()
         await notifier.stop()
         await redis.aclose()
@@ -543,16 +543,16 @@ def pool(*, min_idle: int = 0, max_pods: int = 4) -> dict[str, int]:
 async def test_watch_cleans_dead_and_half_dead_pods(sim: KubeSim, rm: Rm) -> None:
     pod_spec = spec()
     await rm.facade.update_pool_config(SCOPE, pool(min_idle=3), pod_spec)
-    assert await rm.sweeper.autoscale_once() == 3
-    await rm.sweeper.wait_for_warm_deploys()
+    assert await rm.pool_jobs.autoscale_once() == 3
+    await rm.pool_jobs.wait_for_warm_deploys()
     dead, half, healthy = sorted(await rm.state.all_pods())
     assert sorted(ours(sim)) == [dead, half, healthy]
 
     await sim.kill("default", dead, "fail")
     sim.faults.add("health", mode="500", name=half)
-    assert await rm.sweeper.watch_once() == 1, "dead at once; half-dead after two failures"
-    assert await rm.sweeper.watch_once() == 1
-    assert await rm.sweeper.watch_once() == 0
+    assert await rm.pool_jobs.watch_once() == 1, "dead at once; half-dead after two failures"
+    assert await rm.pool_jobs.watch_once() == 1
+    assert await rm.pool_jobs.watch_once() == 0
     assert sorted(await rm.state.all_pods()) == [healthy]
     await until(lambda: ours(sim) == [healthy], "the cleaned pods deleted in Kubernetes")
 
@@ -710,7 +710,7 @@ async def test_lost_reply_orphan_is_found_by_reconcile(sim: KubeSim, rm: Rm) -> 
     )
 
     sim.faults.clear()
-    counts = await rm.sweeper.reconcile_once()
+    counts = await rm.pool_jobs.reconcile_once()
     assert counts == {
         "purged": 0,
         "released": 0,

@@ -33,8 +33,8 @@ from agent_runtime.resource_manager.k8s import OnCreated
 from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.models import PodDeployInfo
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
+from agent_runtime.resource_manager.pool_jobs import PoolJobs
 from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
-from agent_runtime.resource_manager.sweeper import ResourceSweeper
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
 from helpers import IDENTITY, GatedK8s, other_client
@@ -197,9 +197,9 @@ async def lapsed(redis: Redis) -> bool:
     return not await redis.exists(LOCK) and not await live_placeholders(redis)
 
 
-def sweeper_of(replica: Replica, k8s: Any) -> ResourceSweeper:
+def pool_jobs_of(replica: Replica, k8s: Any) -> PoolJobs:
     """The jobs of a replica (ticked by hand)."""
-    return ResourceSweeper(
+    return PoolJobs(
         state=replica.state,
         k8s=k8s,
         orchestrator=replica.orchestrator,
@@ -327,13 +327,13 @@ async def test_reconcile_adopts_a_dead_leader_s_pod_when_no_route_comes(redis: R
         orphan = await started_leading(dying, redis)
 
         await eventually(lambda: lapsed(redis), "the dead leader's lease lapsed")
-        sweeper = sweeper_of(b, k8s)
+        pool_jobs = pool_jobs_of(b, k8s)
         assert ownership(k8s, orphan) is Ownership.UNFINISHED
-        counts = await sweeper.reconcile_once()
+        counts = await pool_jobs.reconcile_once()
         assert counts["adopted"] == 1
         assert await redis.sismember(rm("idle"), orphan), "adopted into the warm pool"
         assert ownership(k8s, orphan) is Ownership.OURS, "signed under the deploy's lease"
-        await sweeper.prune_once()  # what the dead replica left (adopting swept some)
+        await pool_jobs.prune_once()  # what the dead replica left (adopting swept some)
         assert await redis.scard(rm("deploying")) == 0
         assert not await redis.exists(RECORD), "its pod is registered: the record is done"
         assert not await redis.sismember("resource_manager:resource:leased_scopes", SCOPE)
@@ -357,13 +357,13 @@ async def test_reconcile_leaves_a_dead_leader_s_starting_pod_to_a_takeover(
         orphan = await started_leading(dying, redis)
 
         await eventually(lambda: lapsed(redis), "the dead leader's lease lapsed")
-        sweeper = sweeper_of(b, k8s)
-        counts = await sweeper.reconcile_once()
+        pool_jobs = pool_jobs_of(b, k8s)
+        counts = await pool_jobs.reconcile_once()
         assert counts["adopted"] == counts["deleted"] == 0
         assert orphan in k8s.pods and await redis.hget(RECORD, "pod_id") == orphan
         assert ownership(k8s, orphan) is Ownership.UNFINISHED, "unfinished, yet left alone"
         k8s.never_ready = False  # it comes up
-        assert (await sweeper.reconcile_once())["adopted"] == 1
+        assert (await pool_jobs.reconcile_once())["adopted"] == 1
         assert await redis.sismember(rm("idle"), orphan)
         assert ownership(k8s, orphan) is Ownership.OURS
         await finished(leading)

@@ -367,7 +367,7 @@ async def test_over_http_a_scope_whose_last_pod_is_reclaimed_expires_and_routes_
         async def reclaimed() -> bool:
             await svc.session_sweeper.sweep_once()
             await svc.session_sweeper.wait_for_notices()
-            await svc.sweeper.reclaim_once()
+            await svc.pool_jobs.reclaim_once()
             return not await redis.exists(rms.scope_pods_key(sid))
 
         for _ in range(60):

@@ -32,10 +32,10 @@ from test_rm_takeover import (
     finished,
     lapsed,
     ownership,
+    pool_jobs_of,
     rm,
     spec,
     started_leading,
-    sweeper_of,
 )
 
 PODS_ALL = "resource_manager:resource:pods:all"
@@ -57,7 +57,7 @@ async def test_a_taken_over_pod_is_signed_so_a_later_redis_data_loss_adopts_it(
         await finished(leading)
 
         await wipe(redis)
-        counts = await sweeper_of(b, k8s).reconcile_once()
+        counts = await pool_jobs_of(b, k8s).reconcile_once()
         assert (counts["adopted"], counts["deleted"]) == (1, 0)
         assert orphan in k8s.pods and k8s.deleted == []
         assert await redis.sismember(PODS_ALL, orphan)
@@ -87,7 +87,7 @@ async def test_a_pod_re_created_under_the_recorded_name_is_not_inherited(redis: 
         assert not await redis.sismember(PODS_ALL, orphan)
         await finished(leading)
 
-        counts = await sweeper_of(b, k8s).reconcile_once()
+        counts = await pool_jobs_of(b, k8s).reconcile_once()
         assert (counts["adopted"], counts["deleted"]) == (0, 1)
         assert orphan not in k8s.pods and got["pod_id"] in k8s.pods
 
@@ -109,7 +109,7 @@ async def test_reconcile_does_not_adopt_a_re_created_pod_under_a_dead_leader_s_r
             annotations=dict(original.annotations),
         )  # fmt: skip
         await eventually(lambda: lapsed(redis), "the dead leader's lease lapsed")
-        counts = await sweeper_of(b, k8s).reconcile_once()
+        counts = await pool_jobs_of(b, k8s).reconcile_once()
         assert (counts["adopted"], counts["deleted"]) == (0, 1)
         assert orphan not in k8s.pods and not await redis.sismember(PODS_ALL, orphan)
         assert await redis.zcard(rm("pods")) == 0
@@ -151,7 +151,7 @@ async def test_on_kubesim_the_taker_patches_the_incarnation_and_a_data_loss_keep
             await finished(leading)
 
             await wipe(redis)
-            counts = await sweeper_of(b, client).reconcile_once()
+            counts = await pool_jobs_of(b, client).reconcile_once()
             assert (counts["adopted"], counts["deleted"]) == (1, 0)
             assert sim.pod("default", orphan) is not None
             assert await redis.sismember(PODS_ALL, orphan)

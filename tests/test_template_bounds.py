@@ -441,7 +441,7 @@ async def test_reconcile_never_hunts_orphans_off_the_allow_list(redis: Redis, db
         orphan = k8s.add_pod(
             scope_id=scope_id_of("g2", "b2"), deploy_ver="other", namespace="team", **signed
         ).pod_id
-        counts = await svc.sweeper.reconcile_once()
+        counts = await svc.pool_jobs.reconcile_once()
         assert theirs in k8s.pods
         assert orphan not in k8s.pods and counts["deleted"] == 1
 

@@ -34,8 +34,8 @@ from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.k8s_metered import MeteredK8sPodClient
 from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.resource_manager.orchestrator import DeployBounds, ResourceOrchestrator
+from agent_runtime.resource_manager.pool_jobs import PoolJobs
 from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
-from agent_runtime.resource_manager.sweeper import ResourceSweeper
 from agent_runtime.session_manager.config_store import ConfigStore
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.handler_deps import HandlerDeps
@@ -218,7 +218,7 @@ class Services:
     orchestrator: ResourceOrchestrator
     resources: ResourceManagerFacade
     sessions: SessionManagerFacade
-    sweeper: ResourceSweeper
+    pool_jobs: PoolJobs
     session_orchestrator: SessionOrchestrator
     session_sweeper: SessionSweeper
     jobs: JobRunner
@@ -284,7 +284,7 @@ class Services:
         """Reverse order: no new ticks, then running deploys finish or clean up."""
         await self.jobs.stop()
         await self.session_sweeper.wait_for_notices()
-        await self.sweeper.wait_for_warm_deploys()
+        await self.pool_jobs.wait_for_warm_deploys()
         await self.orchestrator.close()
         await self.notifier.stop()
 
@@ -323,7 +323,7 @@ def wire(
     )
     resources = ResourceManagerFacade(orchestrator=orchestrator)
     sessions = SessionManagerFacade(state=session_state)
-    sweeper = ResourceSweeper(
+    pool_jobs = PoolJobs(
         state=resource_state,
         k8s=k8s,
         orchestrator=orchestrator,
@@ -351,10 +351,10 @@ def wire(
         jobs=[
             Job("sm_sweep", settings.sweep_interval, session_sweeper.sweep_once),
             Job("scope_expiry", settings.scope_expiry_interval, session_sweeper.expire_scopes_once),
-            Job("rm_autoscale", settings.autoscale_interval, sweeper.autoscale_once),
-            Job("rm_reclaim", settings.reclaim_interval, sweeper.reclaim_and_prune_once),
-            Job("rm_watch", settings.watch_interval, sweeper.watch_once),
-            Job("rm_reconcile", settings.reconcile_interval, sweeper.reconcile_once),
+            Job("rm_autoscale", settings.autoscale_interval, pool_jobs.autoscale_once),
+            Job("rm_reclaim", settings.reclaim_interval, pool_jobs.reclaim_and_prune_once),
+            Job("rm_watch", settings.watch_interval, pool_jobs.watch_once),
+            Job("rm_reconcile", settings.reconcile_interval, pool_jobs.reconcile_once),
         ],
     )
     return Services(
@@ -366,7 +366,7 @@ def wire(
         orchestrator=orchestrator,
         resources=resources,
         sessions=sessions,
-        sweeper=sweeper,
+        pool_jobs=pool_jobs,
         session_orchestrator=SessionOrchestrator(
             state=session_state,
             config_store=config_store,

@@ -1,6 +1,7 @@
-"""The resource manager's four background jobs: autoscale, reclaim (+ prune), watch, reconcile.
+"""``PoolJobs``: the pools' four periodic jobs — autoscale, reclaim (+ prune), watch, reconcile.
 
-Each is one ``*_once`` tick run by ``jobs.JobRunner`` under its leader lock. Invariant for
+Each is one ``*_once`` tick run by ``jobs.JobRunner`` under its leader lock (``rm_autoscale``,
+``rm_reclaim``, ``rm_watch``, ``rm_reconcile``). Invariant for
 all of them: a pod with a live session is never deleted, except when Kubernetes says it is
 dead or it failed its health checks twice. Hazard: reads of Redis and Kubernetes are not one
 snapshot, so their order matters (see ``reconcile_once``), and a LIST that failed is never
@@ -50,7 +51,7 @@ MAX_WARM_DEPLOYS = 8  # per replica at once
 DEFAULT_ADOPTED_POD_TTL = 600.0
 
 
-class ResourceSweeper:
+class PoolJobs:
     def __init__(
         self,
         *,
