@@ -42,6 +42,7 @@ from agent_runtime.resource_manager.models import (
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.pod_manifest import build_pod_body
 from agent_runtime.resource_manager.pool_jobs import PoolJobs
+from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
@@ -545,7 +546,7 @@ async def test_watch_cleans_dead_and_half_dead_pods(sim: KubeSim, rm: Rm) -> Non
     await rm.facade.update_pool_config(SCOPE, pool(min_idle=3), pod_spec)
     assert await rm.pool_jobs.autoscale_once() == 3
     await rm.pool_jobs.wait_for_warm_deploys()
-    dead, half, healthy = sorted(await rm.state.all_pods())
+    dead, half, healthy = sorted(await PoolJobsState(rm.state).all_pods())
     assert sorted(ours(sim)) == [dead, half, healthy]
 
     await sim.kill("default", dead, "fail")
@@ -553,7 +554,7 @@ async def test_watch_cleans_dead_and_half_dead_pods(sim: KubeSim, rm: Rm) -> Non
     assert await rm.pool_jobs.watch_once() == 1, "dead at once; half-dead after two failures"
     assert await rm.pool_jobs.watch_once() == 1
     assert await rm.pool_jobs.watch_once() == 0
-    assert sorted(await rm.state.all_pods()) == [healthy]
+    assert sorted(await PoolJobsState(rm.state).all_pods()) == [healthy]
     await until(lambda: ours(sim) == [healthy], "the cleaned pods deleted in Kubernetes")
 
 
@@ -703,7 +704,7 @@ async def test_lost_reply_orphan_is_found_by_reconcile(sim: KubeSim, rm: Rm) -> 
     with pytest.raises(DeployFailed):
         await rm.facade.acquire(SCOPE, pod_spec, pool(), "r-1")
     (orphan,) = ours(sim)
-    assert await rm.state.all_pods() == []
+    assert await PoolJobsState(rm.state).all_pods() == []
     assert "agent-runtime/incarnation" not in sim.pod("default", orphan)["metadata"]["annotations"]
     await until(
         lambda: bool((sim.pod("default", orphan) or {}).get("status", {}).get("podIP")), "ip"
@@ -719,5 +720,5 @@ async def test_lost_reply_orphan_is_found_by_reconcile(sim: KubeSim, rm: Rm) -> 
         "expired": 0,
         "foreign": 0,
     }
-    assert await rm.state.all_pods() == []
+    assert await PoolJobsState(rm.state).all_pods() == []
     await until(lambda: not ours(sim), "the unfinished orphan gone")

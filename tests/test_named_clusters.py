@@ -27,6 +27,9 @@ from agent_runtime.resource_manager.identity import Ownership
 from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.resource_manager.models import DeployFailed, K8sApiError
+from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
+from agent_runtime.resource_manager.state_values import PodPlace
+from agent_runtime.resource_manager.views import ResourceViews
 from agent_runtime.util import scope_id_of
 from helpers import IDENTITY, envelope, running_app, sync_body
 from kubesim import KubeSim
@@ -114,9 +117,9 @@ async def test_a_pod_s_info_names_its_cluster_and_a_default_one_has_no_field(env
     home = await add_warm(env, V1, scope=OTHER_SCOPE)
     assert (await info(env.redis, east))["cluster"] == "east"
     assert "cluster" not in await info(env.redis, home), "absent: the default (as before)"
-    assert await env.state.pod_places([east, home]) == {
-        east: ("east", "default"),
-        home: (None, "default"),
+    assert await PoolJobsState(env.state).pod_places([east, home]) == {
+        east: PodPlace("east", "default"),
+        home: PodPlace(None, "default"),
     }
 
 
@@ -154,7 +157,7 @@ async def test_a_cluster_that_cannot_be_asked_keeps_its_pods(
         env.k8s.unreachable_clusters.add("east")
     else:
         env.k8s.clusters = {"west"}  # the operator removed it from AGENT_RUNTIME_CLUSTERS
-    with caplog.at_level(logging.WARNING, logger="agent_runtime.resource_manager.pool_jobs"):
+    with caplog.at_level(logging.WARNING, logger="agent_runtime.resource_manager.places"):
         assert await env.pool_jobs.watch_once() == 0
         counts = await env.pool_jobs.reconcile_once()
     assert counts["purged"] == counts["deleted"] == counts["adopted"] == 0, counts
@@ -212,7 +215,7 @@ async def test_reconcile_adopts_and_deletes_orphans_in_their_own_cluster(env: En
     assert ours in await warm_set(env.redis)
     assert env.k8s.deleted_in == [("east", dead)]
     assert theirs in env.k8s.pods_in("east")
-    _, report = await env.state.foreign_pods()
+    _, report = await ResourceViews(env.state).foreign_pods()
     assert [(p["cluster"], p["pod_id"]) for p in report] == [("east", theirs)]
     # adopted with its cluster: the next pass lists it there, and reclaim deletes it there
     assert await env.pool_jobs.watch_once() == 0
@@ -249,7 +252,7 @@ async def test_a_taker_adopts_a_dead_leader_s_pod_in_the_recorded_cluster(redis:
         assert orphan in k8s.pods_in("east") and k8s.pods == {}
         got = await b.acquire("r-b", pod_spec=takeover_spec())
         await finished(leading)
-        assert got["pod_id"] == orphan and k8s.deploy_calls == 1
+        assert got.pod_id == orphan and k8s.deploy_calls == 1
         pod = k8s.pods_in("east")[orphan]
         assert IDENTITY.verify(pod).ownership is Ownership.OURS, "signed in its cluster"
         assert (await info(redis, orphan))["cluster"] == "east"

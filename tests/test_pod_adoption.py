@@ -25,6 +25,7 @@ from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.identity import INCARNATION_ANNOTATION
 from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
+from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.util import scope_id_of
 from agent_runtime.wiring import Services
 from helpers import envelope, fake_only, running_app, sync_body
@@ -244,8 +245,8 @@ async def test_after_redis_lost_everything_our_pods_are_adopted_and_serve(
                 data = await routed(app, group, f"{group}-s{n}")
                 assert data["placement"] == "placed" and data["pod_id"] in before[group]
         assert k8s.deploy_calls == calls and foreign.pod_id in k8s.pods
-        await svc.resource_state.repair_budgets()
-        assert await svc.resource_state.budget_used() == 6
+        await PoolJobsState(svc.resource_state).repair_budgets()
+        assert await svc.resource_views.budget_used() == 6
 
 
 @fake_only
@@ -288,7 +289,7 @@ async def test_an_adopted_pod_whose_scope_never_routes_again_goes_after_adopted_
         await eventually(expired, "the unclaimed adopted pod deleted")
         assert k8s.deleted == [left] and back in k8s.pods
         assert set(await redis.smembers(PODS_ALL)) == {back}
-        assert await svc.resource_state.budget_used() == 1
+        assert await svc.resource_views.budget_used() == 1
 
 
 # --- the same on kubesim, through the real client ----------------------------------------------

@@ -23,8 +23,10 @@ from agent_runtime import spec_fields
 from agent_runtime.jobs import Job, JobRunner
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager import pool_jobs as pool_jobs_module
-from agent_runtime.resource_manager import state as state_module
+from agent_runtime.resource_manager import pool_jobs_state
+from agent_runtime.resource_manager.deploy_state import DeployState
 from agent_runtime.resource_manager.facade import (
+    AcquiredPod,
     DeployInProgress,
     K8sApiError,
     MaxPodsReached,
@@ -35,6 +37,7 @@ from agent_runtime.resource_manager.models import PodStatus
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.pod_manifest import pod_labels
 from agent_runtime.resource_manager.pool_jobs import PoolJobs
+from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
@@ -191,10 +194,12 @@ async def configure(
 
 async def add_warm(env: Env, pod_spec: dict[str, Any] = V1, scope: str = SCOPE) -> str:
     """One warm pod deployed and registered directly (not through autoscale)."""
-    member = await env.state.add_placeholder(scope, f"warm:test-{time.monotonic_ns()}", 60)
+    member = await DeployState(env.state).add_placeholder(
+        scope, f"warm:test-{time.monotonic_ns()}", 60
+    )
     assert member is not None, "test setup: scope at max_pods"
     result = await env.orchestrator.deploy_and_register(scope, pod_spec, member, warm=True)
-    return result["pod_id"]
+    return result.pod_id
 
 
 async def take_in_use(env: Env, request_id: str, pod_spec: dict[str, Any] = V1) -> str:
@@ -207,7 +212,7 @@ async def take_in_use(env: Env, request_id: str, pod_spec: dict[str, Any] = V1) 
         "pod_ttl": config.pod_ttl,
         "pod_concurrency": config.pod_concurrency,
     }
-    return (await env.facade.acquire(SCOPE, pod_spec, pool_config, request_id))["pod_id"]
+    return (await env.facade.acquire(SCOPE, pod_spec, pool_config, request_id)).pod_id
 
 
 async def redis_now(redis: Redis) -> float:
@@ -387,7 +392,7 @@ async def test_autoscale_respects_max_pods_counting_in_use_pods_and_placeholders
     await configure(env, min_idle=3, max_pods=4)
     in_use = await take_in_use(env, "r-in-use")
     # an acquire's deploy in flight holds a slot too
-    acquire_placeholder = await env.state.add_placeholder(SCOPE, "r-other:tok", 60)
+    acquire_placeholder = await DeployState(env.state).add_placeholder(SCOPE, "r-other:tok", 60)
     assert acquire_placeholder is not None
 
     assert await env.pool_jobs.autoscale_once() == 2, "4 = 1 in use + 1 placeholder + 2 warm"
@@ -399,7 +404,7 @@ async def test_autoscale_respects_max_pods_counting_in_use_pods_and_placeholders
     await assert_in_use(env.redis, in_use)
 
     # the acquire's placeholder goes: one slot frees, the floor (3) is still unmet
-    await env.state.drop_placeholder(SCOPE, acquire_placeholder)
+    await DeployState(env.state).drop_placeholder(SCOPE, acquire_placeholder)
     assert await env.pool_jobs.autoscale_once() == 1
     await env.pool_jobs.wait_for_warm_deploys()
     assert len(await warm_set(env.redis)) == 3
@@ -500,12 +505,12 @@ async def test_a_pool_config_the_scope_index_lacks_is_found_by_reconcile(env: En
     assert await env.pool_jobs.autoscale_once() == 1, "the other scope, indexed by reconcile"
     await env.pool_jobs.wait_for_warm_deploys()
     assert len(await warm_set(env.redis, OTHER_SCOPE)) == 1
-    assert await env.state.index_scopes() == 0, "nothing left to add"
+    assert await PoolJobsState(env.state).index_scopes() == 0, "nothing left to add"
 
 
 async def test_many_scopes_are_served_in_one_tick(env: Env) -> None:
     """More scopes than one read_many call: every one gets its warm pod."""
-    scopes = [f"scope-many-{i}" for i in range(state_module.SCRIPT_BATCH + 20)]
+    scopes = [f"scope-many-{i}" for i in range(pool_jobs_state.SCRIPT_BATCH + 20)]
     for scope in scopes:
         await configure(env, scope=scope, min_idle=1, max_pods=2)
     started = 0
@@ -515,7 +520,7 @@ async def test_many_scopes_are_served_in_one_tick(env: Env) -> None:
         started += n
         await env.pool_jobs.wait_for_warm_deploys()
     assert await env.pool_jobs.autoscale_once() == 0
-    for scope in scopes[:: state_module.SCRIPT_BATCH // 4]:
+    for scope in scopes[:: pool_jobs_state.SCRIPT_BATCH // 4]:
         assert len(await warm_set(env.redis, scope)) == 1
 
 
@@ -597,8 +602,8 @@ async def test_reclaim_never_hands_a_deleted_pod_to_a_concurrent_acquire(env: En
             return_exceptions=True,
         )
         assert isinstance(results[0], int)
-        got = {r["pod_id"] for r in results[1:] if isinstance(r, dict)}
-        assert all(isinstance(r, dict | MaxPodsReached) for r in results[1:]), results
+        got = {r.pod_id for r in results[1:] if isinstance(r, AcquiredPod)}
+        assert all(isinstance(r, AcquiredPod | MaxPodsReached) for r in results[1:]), results
         deleted = set(env.k8s.deleted[deleted_before:])
         assert results[0] == len(deleted)
         assert not got & deleted, "an acquire was handed a pod that reclaim deleted"
@@ -1104,12 +1109,12 @@ async def test_a_dead_pod_whose_delete_failed_in_watch_is_deleted_by_reconcile(
 async def test_a_scope_with_a_deploy_in_flight_is_left_alone(env: Env) -> None:
     await configure(env, max_pods=6)
     stranger = env.k8s.add_pod(identity=IDENTITY, scope_id=SCOPE, deploy_ver=VER1, phase="Pending")
-    placeholder = await env.state.add_placeholder(SCOPE, "r-deploying:tok", 60)
+    placeholder = await DeployState(env.state).add_placeholder(SCOPE, "r-deploying:tok", 60)
     assert placeholder is not None
     counts = await env.pool_jobs.reconcile_once()
     assert counts["adopted"] == counts["deleted"] == 0
     assert stranger.pod_id in env.k8s.pods and env.k8s.deleted == []
-    await env.state.drop_placeholder(SCOPE, placeholder)
+    await DeployState(env.state).drop_placeholder(SCOPE, placeholder)
     assert (await env.pool_jobs.reconcile_once())["deleted"] == 1
 
 
@@ -1340,8 +1345,8 @@ async def test_the_runner_drives_the_sweeper(env: Env) -> None:
     try:
 
         async def floor_of(version: str) -> bool:
-            warm = await env.state.idle_pods(SCOPE)
-            versions = await env.state.pod_versions(list(warm))
+            warm = await PoolJobsState(env.state).idle_pods(SCOPE)
+            versions = await PoolJobsState(env.state).pod_versions(list(warm))
             return sorted(versions.values()) == [version, version]
 
         await eventually(lambda: floor_of(VER1))

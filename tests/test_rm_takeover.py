@@ -24,6 +24,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.facade import (
+    AcquiredPod,
     DeployFailed,
     DeployTimedOut,
     ResourceManagerFacade,
@@ -128,7 +129,7 @@ class Replica:
     notifier: Notifier
     client: Redis
 
-    async def acquire(self, request_id: str, **kw: Any) -> dict[str, str]:
+    async def acquire(self, request_id: str, **kw: Any) -> AcquiredPod:
         return await self.facade.acquire(SCOPE, kw.pop("pod_spec", spec()), POOL, request_id, **kw)
 
 
@@ -241,7 +242,7 @@ async def test_a_follower_takes_over_and_adopts_the_dead_leader_s_pod(redis: Red
         got = await b.acquire("r-b")
         waited = loop.time() - asked
         await finished(leading)
-        assert got["pod_id"] == orphan, "the dead leader's pod, adopted"
+        assert got.pod_id == orphan, "the dead leader's pod, adopted"
         assert ownership(k8s, orphan) is Ownership.OURS, "the taker signed its incarnation"
         assert k8s.deploy_calls == 1, "nothing deployed anew"
         assert waited < READY_TIMEOUT, f"waited {waited:.1f} s: to its deadline, not a lease"
@@ -280,7 +281,7 @@ async def test_a_leader_that_died_before_its_create_is_replaced_by_a_new_deploy(
         await asyncio.wait_for(dying.died.wait(), 15)
         got = await b.acquire("r-b")
         await finished(leading)
-        assert list(k8s.pods) == [got["pod_id"]]
+        assert list(k8s.pods) == [got.pod_id]
         assert k8s.deploy_calls == 1, "the dead one never reached the cluster"
         await assert_nothing_held(redis)
 
@@ -308,9 +309,9 @@ async def test_a_leader_that_lost_its_lease_registers_nothing_of_its_own(redis: 
             killable.dead = False
             k8s.never_ready = False
             got_a, got_b = await asyncio.gather(first, second)
-            assert got_a["pod_id"] == got_b["pod_id"]
-            assert k8s.deploy_calls == 1 and list(k8s.pods) == [got_b["pod_id"]]
-            assert await redis.zrange(rm("pods"), 0, -1) == [got_b["pod_id"]]
+            assert got_a.pod_id == got_b.pod_id
+            assert k8s.deploy_calls == 1 and list(k8s.pods) == [got_b.pod_id]
+            assert await redis.zrange(rm("pods"), 0, -1) == [got_b.pod_id]
             await assert_nothing_held(redis)
     finally:
         await killable.client.aclose()
@@ -338,7 +339,7 @@ async def test_reconcile_adopts_a_dead_leader_s_pod_when_no_route_comes(redis: R
         assert not await redis.exists(RECORD), "its pod is registered: the record is done"
         assert not await redis.sismember("resource_manager:resource:leased_scopes", SCOPE)
         # the next route takes the adopted pod, and the stale record is no orphan any more
-        assert (await b.acquire("r-b"))["pod_id"] == orphan
+        assert (await b.acquire("r-b")).pod_id == orphan
         assert k8s.deploy_calls == 1
         await finished(leading)
         await assert_nothing_held(redis)
@@ -393,7 +394,7 @@ async def test_a_follower_waits_its_own_deadline_once_and_says_how_long(redis: R
                 await b.acquire("r-b2", asked_at=asked)
             assert await redis.exists(LOCK), "the leader goes on"
             k8s.gate.set()
-            assert (await leading)["pod_id"] in k8s.pods
+            assert (await leading).pod_id in k8s.pods
             await assert_nothing_held(redis)
     finally:
         await other.aclose()

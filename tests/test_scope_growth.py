@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 from agent_runtime.db.engine import Database
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager import state as rms
-from agent_runtime.resource_manager.facade import ResourceManagerFacade
+from agent_runtime.resource_manager.facade import PoolConfigUpdate, ResourceManagerFacade
 from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.state import ResourceState
@@ -288,7 +288,7 @@ async def test_a_config_sync_during_another_ones_propagation_is_served_and_both_
     real = env.resources.update_pool_config
     slowed = set(t1)
 
-    async def slow(sid: str, *args: Any, **kwargs: Any) -> dict[str, bool]:
+    async def slow(sid: str, *args: Any, **kwargs: Any) -> PoolConfigUpdate:
         if sid in slowed:
             parked.set()
             await gate.wait()  # the first propagation is stuck mid-walk

@@ -7,8 +7,8 @@ modules' view of it); ``/pods/{pod_id}`` — one pod, ``owned`` false for a fore
 ``/foreign_pods`` — pods with our labels that are not provably ours (reconcile's last pass);
 ``/sessions/{session_id}`` — one binding.
 Read only; each answer costs a bounded number of pipelined reads. They sit here, next to the
-wiring, because they read both modules' state (through their ``state`` objects: key names
-stay there).
+wiring, because they read both modules' state (through the session manager's ``state`` object
+and the resource manager's read-only ``views.ResourceViews``: key names stay in their modules).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from agent_runtime.api.answers import ok
 from agent_runtime.api.ids import ID_MAX, PRINTABLE_PATTERN, is_id
 from agent_runtime.auth import check_bearer
 from agent_runtime.errors import BackendUnavailable, NotFound, ValidationFailed
-from agent_runtime.resource_manager.state import ResourceState
+from agent_runtime.resource_manager.views import ResourceViews
 from agent_runtime.session_manager.state import SessionState
 from agent_runtime.spec_fields import REDACTED, redacted_spec
 
@@ -72,7 +72,7 @@ class AdminDeps:
     """What the admin views read: each module's state, read only, and the admin tokens."""
 
     sessions: SessionState
-    resources: ResourceState
+    resources: ResourceViews
     admin_tokens: Sequence[str]
     serving: Callable[[], bool]  # False while the process starts or stops: 503
 

@@ -33,9 +33,11 @@ from agent_runtime.resource_manager.k8s import K8sPodClient
 from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.k8s_metered import MeteredK8sPodClient
 from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
-from agent_runtime.resource_manager.orchestrator import DeployBounds, ResourceOrchestrator
+from agent_runtime.resource_manager.models import DeployBounds
+from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.pool_jobs import PoolJobs
 from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
+from agent_runtime.resource_manager.views import ResourceViews
 from agent_runtime.session_manager.config_store import ConfigStore
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.handler_deps import HandlerDeps
@@ -214,6 +216,7 @@ class Services:
     backends: Backends
     session_state: SessionState
     resource_state: ResourceState
+    resource_views: ResourceViews
     notifier: Notifier
     orchestrator: ResourceOrchestrator
     resources: ResourceManagerFacade
@@ -244,7 +247,7 @@ class Services:
         """What the admin views read."""
         return AdminDeps(
             sessions=self.session_state,
-            resources=self.resource_state,
+            resources=self.resource_views,
             admin_tokens=tuple(self.settings.admin_tokens),
             serving=lambda: self.ready,
         )
@@ -261,14 +264,14 @@ class Services:
         """Pods by state and live sessions, read from Redis when /metrics is scraped (a few
         pipelined reads, O(pods + scopes)); per scope only with ``scope_metrics``."""
         scopes = list(await self.session_state.known_scopes())
-        phases = await self.resource_state.pod_phases()
+        phases = await self.resource_views.pod_phases()
         metrics.pods.labels("in_use").set(phases.get("in_use", 0))
         metrics.pods.labels("idle").set(phases.get("idle", 0))
-        metrics.pods.labels("deploying").set(await self.resource_state.placeholders(scopes))
+        metrics.pods.labels("deploying").set(await self.resource_views.placeholders(scopes))
         metrics.pods.labels("sunset").set(await self.session_state.sunset_pods())
         metrics.sessions.set(await self.session_state.live_sessions())
-        metrics.pod_budget_used.set(await self.resource_state.budget_used())
-        metrics.foreign_pods_seen.set(await self.resource_state.foreign_pod_count())
+        metrics.pod_budget_used.set(await self.resource_views.budget_used())
+        metrics.foreign_pods_seen.set(await self.resource_views.foreign_pod_count())
         if self.settings.scope_metrics:
             counts = await self.session_state.scope_session_counts(scopes)
             metrics.scope_sessions.clear()
@@ -362,6 +365,7 @@ def wire(
         backends=backends,
         session_state=session_state,
         resource_state=resource_state,
+        resource_views=ResourceViews(resource_state),
         notifier=notifier,
         orchestrator=orchestrator,
         resources=resources,
