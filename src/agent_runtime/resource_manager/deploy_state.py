@@ -50,6 +50,12 @@ def lock_token(owner: str, started: float) -> str:
     return f"{owner}/{uuid.uuid4().hex}@{started!r}"
 
 
+def warm_token() -> str:
+    """A placeholder token of the warm pool's own deploys (autoscale): told from a route's by
+    its prefix (``DeployView.warm``, ``InFlight.warm``)."""
+    return f"{WARM_TOKEN_PREFIX}{uuid.uuid4().hex}"
+
+
 def lock_started(token: str | None) -> float:
     """When a leader's acquire started (Redis seconds), from its token; inf when unknown."""
     _, at, started = (token or "").rpartition("@")

@@ -16,15 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
 from typing import Any
 
 from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.metrics import Metrics
-from agent_runtime.resource_manager.deploy_state import DeployState
+from agent_runtime.resource_manager.deploy_state import DeployState, warm_token
 from agent_runtime.resource_manager.identity import PodIdentity
 from agent_runtime.resource_manager.k8s import K8sPodClient
-from agent_runtime.resource_manager.models import WARM_TOKEN_PREFIX, PodStatus
+from agent_runtime.resource_manager.models import PodStatus
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.orphans import Orphans
 from agent_runtime.resource_manager.places import Places
@@ -111,7 +110,7 @@ class PoolJobs:
             for _ in range(config.min_idle_pods - len(warm_of[scope_id]) - warm_in_flight):
                 if len(self._warm_deploys) >= MAX_WARM_DEPLOYS:
                     return started
-                token = f"{WARM_TOKEN_PREFIX}{uuid.uuid4().hex}"
+                token = warm_token()
                 # the deploy renews it (a lease): a replica that dies frees it within seconds
                 ttl = self._orchestrator.placeholder_ttl
                 outcome = await self._deploy_state.try_placeholder(scope_id, token, ttl)
