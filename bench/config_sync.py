@@ -32,7 +32,7 @@ from agent_runtime.config import Mode, Settings
 from agent_runtime.db.engine import Database
 from agent_runtime.errors import ConfigSyncBusy
 from agent_runtime.resource_manager import state as rms
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.session_manager import state as sm
 from agent_runtime.session_manager.models import ConfigSyncRequest
 from agent_runtime.util import scope_id_of

@@ -34,7 +34,7 @@ from redis.asyncio import Redis
 
 from agent_runtime.config import Mode, Settings
 from agent_runtime.db.engine import Database
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.session_manager import state as sm
 from agent_runtime.session_manager.models import ConfigSyncRequest
@@ -355,10 +355,10 @@ async def profiled(fn: Callable[[], Awaitable[Any]]) -> dict[str, Any]:
 async def ticks(svc: Services, *, profile: bool = False) -> dict[str, Any]:
     jobs: dict[str, Callable[[], Awaitable[Any]]] = {
         "sm_sweep": svc.session_sweeper.sweep_once,
-        "rm_autoscale": svc.sweeper.autoscale_once,
-        "rm_reclaim": svc.sweeper.reclaim_and_prune_once,
-        "rm_watch": svc.sweeper.watch_once,
-        "rm_reconcile": svc.sweeper.reconcile_once,
+        "rm_autoscale": svc.pool_jobs.autoscale_once,
+        "rm_reclaim": svc.pool_jobs.reclaim_and_prune_once,
+        "rm_watch": svc.pool_jobs.watch_once,
+        "rm_reconcile": svc.pool_jobs.reconcile_once,
     }
     out = {name: await timed(fn, profile=profile) for name, fn in jobs.items()}
     await svc.session_sweeper.wait_for_notices()

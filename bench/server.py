@@ -204,7 +204,7 @@ def build_app(args: argparse.Namespace) -> tuple[FastAPI, Any]:
     from agent_runtime.config import Mode, Settings
     from agent_runtime.db.engine import Database
     from agent_runtime.main import create_app
-    from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+    from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
     from agent_runtime.wiring import Backends, build_redis
 
     settings = Settings(  # type: ignore[call-arg]

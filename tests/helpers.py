@@ -25,7 +25,8 @@ from agent_runtime.config import Mode, Settings
 from agent_runtime.db.engine import Database, normalize_url
 from agent_runtime.main import create_app
 from agent_runtime.resource_manager.identity import PodIdentity
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, PodDeployInfo
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.resource_manager.models import PodDeployInfo
 from agent_runtime.session_manager.replies import PLACING, Placement, RoutePlacement
 from agent_runtime.wiring import Backends
 

@@ -12,7 +12,7 @@ import pytest
 from redis.asyncio import Redis
 
 from agent_runtime.db.engine import Database
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from helpers import envelope, running_app, sync_body
 
 ADMIN = {"Authorization": "Bearer adm-tok"}

@@ -23,7 +23,8 @@ from redis.asyncio import Redis
 
 from agent_runtime import label_selector
 from agent_runtime.db.engine import Database
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, RealK8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.wiring import build_redis
 from helpers import (
     IDENTITY,

@@ -22,7 +22,7 @@ from agent_runtime.errors import (
 )
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.facade import ResourceManagerFacade
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.resource_manager.state import scope_config_key as rm_config_key

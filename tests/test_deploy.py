@@ -4,10 +4,10 @@ the Kubernetes adapter calls, and render_and_apply.sh — all offline, no cluste
 Every overlay under deploy/k8s/overlays (and the NodePort component) is rendered with
 ``kubectl kustomize`` and every object validated against the Kubernetes OpenAPI schemas that
 kubernetes-validate bundles (strict: unknown fields fail). The API calls of ``RealK8sPodClient``
-are read from k8s.py itself (and cross-checked by recording a driven client through its
-``api_factory`` seam); each must be allowed by the rendered RBAC, and the RBAC may grant
-nothing else. With no usable kubectl the tests skip, or fail under ``CI=true`` (as an
-unreachable backend does in conftest.py).
+are read from its source, k8s_real.py and k8s_deploy.py (and cross-checked by recording a
+driven client through its ``api_factory`` seam); each must be allowed by the rendered RBAC,
+and the RBAC may grant nothing else. With no usable kubectl the tests skip, or fail under
+``CI=true`` (as an unreachable backend does in conftest.py).
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ from kubernetes_validate import utils as kv_utils
 import helpers
 from agent_runtime.cli import WATCHDOG_MARGIN
 from agent_runtime.config import Settings
-from agent_runtime.resource_manager import k8s as k8s_module
-from agent_runtime.resource_manager.k8s import RealK8sPodClient, pod_labels
+from agent_runtime.resource_manager import k8s_deploy, k8s_real
+from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.resource_manager.models import DeployFailed
+from agent_runtime.resource_manager.pod_manifest import pod_labels
 from helpers import IDENTITY
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -333,7 +334,7 @@ def test_the_schema_check_catches_a_typo(overlays: dict[str, list[dict[str, Any]
         kubernetes_validate.validate(deployment, K8S_VERSIONS[0], strict=True)
 
 
-# --- RBAC against k8s.py -----------------------------------------------------------------------
+# --- RBAC against the real client's source (k8s_real.py, k8s_deploy.py) ------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,7 +392,8 @@ def _is_false(node: ast.expr) -> bool:
     return isinstance(node, ast.Constant) and not node.value
 
 
-K8S_SOURCE = Path(k8s_module.__file__).read_text()
+# the real client's calls: its own module and its deploy steps
+K8S_SOURCE = "\n".join(Path(m.__file__).read_text() for m in (k8s_real, k8s_deploy))
 
 
 def k8s_calls(source: str = K8S_SOURCE) -> dict[tuple[str, str], bool]:

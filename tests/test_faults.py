@@ -37,8 +37,10 @@ from sqlalchemy.engine import make_url
 from agent_runtime import lua
 from agent_runtime.db.engine import Database
 from agent_runtime.db.tables import routing_rule, service_config_template
-from agent_runtime.resource_manager import k8s as k8s_module
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, K8sPodClient, RealK8sPodClient
+from agent_runtime.resource_manager import k8s_deploy as k8s_module
+from agent_runtime.resource_manager.k8s import K8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.resource_manager.models import SCOPE_LABEL
 from agent_runtime.session_manager.state import ROUTE_LEASE
 from agent_runtime.wiring import REDIS_RETRIES, Services, build_redis, redis_pool_size
@@ -845,12 +847,12 @@ async def test_k8s_watch_and_reconcile_while_list_answers_500_delete_nothing(
     await configure_k8s(c, scope_concurrency=2, pod_concurrency=1, ready_timeout=5)
     pods = {s: pod_of(await route(c.app, s)) for s in ("k-w-1", "k-w-2")}
     assert c.ours() == sorted(pods.values())
-    sweeper = services(c.app).sweeper
+    pool_jobs = services(c.app).pool_jobs
 
     c.sim.faults.add("api_error", status=500, verb="list")
     for _ in range(3):  # more than the two passes that make a pod half-dead
-        assert await sweeper.watch_once() == 0
-        counts = await sweeper.reconcile_once()
+        assert await pool_jobs.watch_once() == 0
+        counts = await pool_jobs.reconcile_once()
         assert counts["purged"] == counts["deleted"] == 0, counts
     assert c.sim.injected["api_error 500"] >= 6
     assert c.sim.requests["delete pods"] == 0
@@ -860,7 +862,7 @@ async def test_k8s_watch_and_reconcile_while_list_answers_500_delete_nothing(
         await assert_four_places(c.redis, session_id, pod)
 
     c.sim.faults.clear()
-    assert await sweeper.watch_once() == 0  # the pods are fine: nothing to clean
+    assert await pool_jobs.watch_once() == 0  # the pods are fine: nothing to clean
     for session_id, pod in pods.items():
         resp = await route(c.app, session_id)
         assert pod_of(resp) == pod and resp.json()["data"]["placement"] == "refresh"

@@ -35,19 +35,11 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from agent_runtime import label_selector as selectors
 from agent_runtime.label_selector import Requirement
-from agent_runtime.resource_manager import k8s as k8s_module
+from agent_runtime.resource_manager import k8s_real as k8s_module
 from agent_runtime.resource_manager import pod_reading
 from agent_runtime.resource_manager.clusters import ClusterConfig
-from agent_runtime.resource_manager.k8s import (
-    FakeK8sPodClient,
-    RealK8sPodClient,
-    build_pod_body,
-    iter_json_object,
-    new_pod_name,
-    pod_status,
-    pod_status_from_json,
-    read_pod_list,
-)
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.resource_manager.models import (
     APP_LABEL,
     COMPONENT_LABEL,
@@ -57,6 +49,13 @@ from agent_runtime.resource_manager.models import (
     DeployFailed,
     K8sApiError,
     normalize_phase,
+)
+from agent_runtime.resource_manager.pod_manifest import build_pod_body, new_pod_name
+from agent_runtime.resource_manager.pod_reading import (
+    iter_json_object,
+    pod_status,
+    pod_status_from_json,
+    read_pod_list,
 )
 from helpers import IDENTITY
 

@@ -25,9 +25,10 @@ import pytest
 
 from agent_runtime.db.engine import Database
 from agent_runtime.notify import Notifier
-from agent_runtime.resource_manager import k8s as k8s_module
+from agent_runtime.resource_manager import k8s_deploy
+from agent_runtime.resource_manager import k8s_real as k8s_module
 from agent_runtime.resource_manager.facade import ResourceManagerFacade
-from agent_runtime.resource_manager.k8s import RealK8sPodClient, build_pod_body
+from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.resource_manager.models import (
     APP_LABEL,
     COMPONENT_LABEL,
@@ -39,8 +40,10 @@ from agent_runtime.resource_manager.models import (
     K8sApiError,
 )
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
+from agent_runtime.resource_manager.pod_manifest import build_pod_body
+from agent_runtime.resource_manager.pool_jobs import PoolJobs
+from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
-from agent_runtime.resource_manager.sweeper import ResourceSweeper
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
 from helpers import IDENTITY, envelope, running_app, sync_body
@@ -206,7 +209,7 @@ async def test_name_clash_409_takes_a_new_name(
     foreign = sim.pod("default", taken)
     assert foreign is not None
     names = iter([taken, "agent-fresh00000-bbbbb"])
-    monkeypatch.setattr(k8s_module, "new_pod_name", lambda _: next(names))
+    monkeypatch.setattr(k8s_deploy, "new_pod_name", lambda _: next(names))
 
     info = await deploy(client)
 
@@ -224,7 +227,7 @@ async def test_name_clash_three_times_fails(
 ) -> None:
     taken = "agent-taken00000-aaaaa"
     await post_pod(sim, taken, {SCOPE_LABEL: OTHER})
-    monkeypatch.setattr(k8s_module, "new_pod_name", lambda _: taken)
+    monkeypatch.setattr(k8s_deploy, "new_pod_name", lambda _: taken)
     with pytest.raises(DeployFailed, match="pod name taken 3 times"):
         await deploy(client)
     assert sim.pod("default", taken) is not None and ours(sim) == []
@@ -505,7 +508,7 @@ async def test_an_expired_continue_token_restarts_the_list_once(
 class Rm:
     state: ResourceState
     facade: ResourceManagerFacade
-    sweeper: ResourceSweeper
+    pool_jobs: PoolJobs
 
 
 @pytest.fixture
@@ -517,7 +520,7 @@ async def rm(client: RealK8sPodClient) -> AsyncIterator[Rm]:
     orchestrator = ResourceOrchestrator(
         state=state, k8s=client, notifier=notifier, default_namespace="default", identity=IDENTITY
     )
-    sweeper = ResourceSweeper(
+    pool_jobs = PoolJobs(
         state=state,
         k8s=client,
         orchestrator=orchestrator,
@@ -526,9 +529,9 @@ async def rm(client: RealK8sPodClient) -> AsyncIterator[Rm]:
         identity=IDENTITY,
     )
     try:
-        yield Rm(state, ResourceManagerFacade(orchestrator=orchestrator), sweeper)
+        yield Rm(state, ResourceManagerFacade(orchestrator=orchestrator), pool_jobs)
     finally:
-        await sweeper.wait_for_warm_deploys()
+        await pool_jobs.wait_for_warm_deploys()
         await orchestrator.close()
         await notifier.stop()
         await redis.aclose()
@@ -541,17 +544,17 @@ def pool(*, min_idle: int = 0, max_pods: int = 4) -> dict[str, int]:
 async def test_watch_cleans_dead_and_half_dead_pods(sim: KubeSim, rm: Rm) -> None:
     pod_spec = spec()
     await rm.facade.update_pool_config(SCOPE, pool(min_idle=3), pod_spec)
-    assert await rm.sweeper.autoscale_once() == 3
-    await rm.sweeper.wait_for_warm_deploys()
-    dead, half, healthy = sorted(await rm.state.all_pods())
+    assert await rm.pool_jobs.autoscale_once() == 3
+    await rm.pool_jobs.wait_for_warm_deploys()
+    dead, half, healthy = sorted(await PoolJobsState(rm.state).all_pods())
     assert sorted(ours(sim)) == [dead, half, healthy]
 
     await sim.kill("default", dead, "fail")
     sim.faults.add("health", mode="500", name=half)
-    assert await rm.sweeper.watch_once() == 1, "dead at once; half-dead after two failures"
-    assert await rm.sweeper.watch_once() == 1
-    assert await rm.sweeper.watch_once() == 0
-    assert sorted(await rm.state.all_pods()) == [healthy]
+    assert await rm.pool_jobs.watch_once() == 1, "dead at once; half-dead after two failures"
+    assert await rm.pool_jobs.watch_once() == 1
+    assert await rm.pool_jobs.watch_once() == 0
+    assert sorted(await PoolJobsState(rm.state).all_pods()) == [healthy]
     await until(lambda: ours(sim) == [healthy], "the cleaned pods deleted in Kubernetes")
 
 
@@ -701,14 +704,14 @@ async def test_lost_reply_orphan_is_found_by_reconcile(sim: KubeSim, rm: Rm) -> 
     with pytest.raises(DeployFailed):
         await rm.facade.acquire(SCOPE, pod_spec, pool(), "r-1")
     (orphan,) = ours(sim)
-    assert await rm.state.all_pods() == []
+    assert await PoolJobsState(rm.state).all_pods() == []
     assert "agent-runtime/incarnation" not in sim.pod("default", orphan)["metadata"]["annotations"]
     await until(
         lambda: bool((sim.pod("default", orphan) or {}).get("status", {}).get("podIP")), "ip"
     )
 
     sim.faults.clear()
-    counts = await rm.sweeper.reconcile_once()
+    counts = await rm.pool_jobs.reconcile_once()
     assert counts == {
         "purged": 0,
         "released": 0,
@@ -717,5 +720,5 @@ async def test_lost_reply_orphan_is_found_by_reconcile(sim: KubeSim, rm: Rm) -> 
         "expired": 0,
         "foreign": 0,
     }
-    assert await rm.state.all_pods() == []
+    assert await PoolJobsState(rm.state).all_pods() == []
     await until(lambda: not ours(sim), "the unfinished orphan gone")

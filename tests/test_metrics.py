@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from agent_runtime.db.engine import Database
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from helpers import envelope, running_app, sync_body
 
 ROUTE = "/api/session/route"

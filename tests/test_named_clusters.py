@@ -24,8 +24,12 @@ from redis.asyncio import Redis
 from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.clusters import read_clusters
 from agent_runtime.resource_manager.identity import Ownership
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, RealK8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.resource_manager.models import DeployFailed, K8sApiError
+from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
+from agent_runtime.resource_manager.state_values import PodPlace
+from agent_runtime.resource_manager.views import ResourceViews
 from agent_runtime.util import scope_id_of
 from helpers import IDENTITY, envelope, running_app, sync_body
 from kubesim import KubeSim
@@ -51,8 +55,8 @@ from test_rm_takeover import (
     dying_and_healthy,
     finished,
     lapsed,
+    pool_jobs_of,
     started_leading,
-    sweeper_of,
 )
 from test_rm_takeover import spec as takeover_spec
 from test_template_bounds import no_proxy
@@ -113,9 +117,9 @@ async def test_a_pod_s_info_names_its_cluster_and_a_default_one_has_no_field(env
     home = await add_warm(env, V1, scope=OTHER_SCOPE)
     assert (await info(env.redis, east))["cluster"] == "east"
     assert "cluster" not in await info(env.redis, home), "absent: the default (as before)"
-    assert await env.state.pod_places([east, home]) == {
-        east: ("east", "default"),
-        home: (None, "default"),
+    assert await PoolJobsState(env.state).pod_places([east, home]) == {
+        east: PodPlace("east", "default"),
+        home: PodPlace(None, "default"),
     }
 
 
@@ -128,12 +132,12 @@ async def test_watch_keeps_a_named_cluster_s_pod_and_cleans_it_there_once_dead(e
     east = await add_warm(env, EAST)
     home = await add_warm(env, V1, scope=OTHER_SCOPE)
     for _ in range(3):  # listed, probed healthy: never "missing"
-        assert await env.sweeper.watch_once() == 0
+        assert await env.pool_jobs.watch_once() == 0
     assert set(await env.redis.smembers(PODS_ALL)) == {east, home}
     assert env.sessions.dead == [] and env.k8s.deleted == []
 
     env.k8s.kill(east, cluster="east")
-    assert await env.sweeper.watch_once() == 1
+    assert await env.pool_jobs.watch_once() == 1
     assert env.k8s.deleted_in == [("east", east)], "deleted in its own cluster"
     await assert_purged(env.redis, east)
     assert env.sessions.dead == [east]
@@ -153,21 +157,21 @@ async def test_a_cluster_that_cannot_be_asked_keeps_its_pods(
         env.k8s.unreachable_clusters.add("east")
     else:
         env.k8s.clusters = {"west"}  # the operator removed it from AGENT_RUNTIME_CLUSTERS
-    with caplog.at_level(logging.WARNING, logger="agent_runtime.resource_manager.sweeper"):
-        assert await env.sweeper.watch_once() == 0
-        counts = await env.sweeper.reconcile_once()
+    with caplog.at_level(logging.WARNING, logger="agent_runtime.resource_manager.places"):
+        assert await env.pool_jobs.watch_once() == 0
+        counts = await env.pool_jobs.reconcile_once()
     assert counts["purged"] == counts["deleted"] == counts["adopted"] == 0, counts
     assert "cluster east, namespace default: list failed" in caplog.text
     await set_idle_age(env.redis, east, 3600)
-    assert await env.sweeper.reclaim_once() == 0, "its delete failed: back to the pool"
+    assert await env.pool_jobs.reclaim_once() == 0, "its delete failed: back to the pool"
     assert await env.redis.sismember(PODS_ALL, east) and east in await warm_set(env.redis)
     assert east in env.k8s.pods_in("east") and env.sessions.dead == []
 
     env.k8s.unreachable_clusters.clear()
     env.k8s.clusters = {"east", "west"}
-    assert await env.sweeper.watch_once() == 0
+    assert await env.pool_jobs.watch_once() == 0
     await set_idle_age(env.redis, east, 3600)
-    assert await env.sweeper.reclaim_once() == 1
+    assert await env.pool_jobs.reclaim_once() == 1
     assert env.k8s.deleted_in == [("east", east)]
 
 
@@ -180,10 +184,10 @@ async def test_reclaim_deletes_in_the_pod_s_cluster_after_the_template_moved(env
     await configure(env, EAST, pod_ttl=60)
     east = await add_warm(env, EAST)
     await configure(env, WEST, pod_ttl=60)  # same deploy_ver
-    assert await env.sweeper.watch_once() == 0
-    assert (await env.sweeper.reconcile_once())["purged"] == 0
+    assert await env.pool_jobs.watch_once() == 0
+    assert (await env.pool_jobs.reconcile_once())["purged"] == 0
     await set_idle_age(env.redis, east, 3600)
-    assert await env.sweeper.reclaim_once() == 1
+    assert await env.pool_jobs.reclaim_once() == 1
     assert env.k8s.deleted_in == [("east", east)]
     assert env.k8s.pods_in("east") == {} and env.k8s.pods_in("west") == {}
     await assert_purged(env.redis, east)
@@ -205,19 +209,19 @@ async def test_reconcile_adopts_and_deletes_orphans_in_their_own_cluster(env: En
         phase="Failed",
     ).pod_id  # fmt: skip
     theirs = env.k8s.add_pod(scope_id=SCOPE, deploy_ver=VER1, cluster="east").pod_id
-    counts = await env.sweeper.reconcile_once()
+    counts = await env.pool_jobs.reconcile_once()
     assert (counts["adopted"], counts["deleted"], counts["foreign"]) == (1, 1, 1), counts
     assert (await info(env.redis, ours))["cluster"] == "east"
     assert ours in await warm_set(env.redis)
     assert env.k8s.deleted_in == [("east", dead)]
     assert theirs in env.k8s.pods_in("east")
-    _, report = await env.state.foreign_pods()
+    _, report = await ResourceViews(env.state).foreign_pods()
     assert [(p["cluster"], p["pod_id"]) for p in report] == [("east", theirs)]
     # adopted with its cluster: the next pass lists it there, and reclaim deletes it there
-    assert await env.sweeper.watch_once() == 0
-    assert (await env.sweeper.reconcile_once())["purged"] == 0
+    assert await env.pool_jobs.watch_once() == 0
+    assert (await env.pool_jobs.reconcile_once())["purged"] == 0
     await set_idle_age(env.redis, ours, 3600)
-    assert await env.sweeper.reclaim_once() == 1
+    assert await env.pool_jobs.reclaim_once() == 1
     assert env.k8s.deleted_in == [("east", dead), ("east", ours)]
 
 
@@ -227,7 +231,7 @@ async def test_reconcile_purges_a_pod_gone_from_its_own_cluster_only(env: Env) -
     east = await add_warm(env, EAST)
     home = await add_warm(env, V1, scope=OTHER_SCOPE)
     env.k8s.remove(east, cluster="east")
-    assert (await env.sweeper.reconcile_once())["purged"] == 1
+    assert (await env.pool_jobs.reconcile_once())["purged"] == 1
     await assert_purged(env.redis, east)
     assert await env.redis.sismember(PODS_ALL, home)
 
@@ -248,7 +252,7 @@ async def test_a_taker_adopts_a_dead_leader_s_pod_in_the_recorded_cluster(redis:
         assert orphan in k8s.pods_in("east") and k8s.pods == {}
         got = await b.acquire("r-b", pod_spec=takeover_spec())
         await finished(leading)
-        assert got["pod_id"] == orphan and k8s.deploy_calls == 1
+        assert got.pod_id == orphan and k8s.deploy_calls == 1
         pod = k8s.pods_in("east")[orphan]
         assert IDENTITY.verify(pod).ownership is Ownership.OURS, "signed in its cluster"
         assert (await info(redis, orphan))["cluster"] == "east"
@@ -266,7 +270,7 @@ async def test_reconcile_settles_a_dead_leader_s_pod_in_the_recorded_cluster(
         while not await lapsed(redis):
             assert time.monotonic() < deadline, "the dead leader's lease did not lapse"
             await asyncio.sleep(0.05)
-        counts = await sweeper_of(b, k8s).reconcile_once()
+        counts = await pool_jobs_of(b, k8s).reconcile_once()
         assert counts["adopted"] == 1, counts
         assert IDENTITY.verify(k8s.pods_in("east")[orphan]).ownership is Ownership.OURS
         assert (await info(redis, orphan))["cluster"] == "east"
@@ -340,8 +344,8 @@ async def test_on_two_kubesims_a_named_cluster_s_pod_is_watched_and_reclaimed_th
             )
 
             for _ in range(3):  # listed in east, probed healthy: kept
-                assert await svc.sweeper.watch_once() == 0
-            counts = await svc.sweeper.reconcile_once()
+                assert await svc.pool_jobs.watch_once() == 0
+            counts = await svc.pool_jobs.reconcile_once()
             assert (counts["purged"], counts["adopted"], counts["deleted"]) == (0, 0, 0), counts
             again = await route("s-1")
             assert (again["pod_id"], again["placement"]) == (pod_id, "refresh"), "still its pod"
@@ -358,7 +362,7 @@ async def test_on_two_kubesims_a_named_cluster_s_pod_is_watched_and_reclaimed_th
                 await svc.session_sweeper.sweep_once()
                 await svc.session_sweeper.wait_for_notices()
                 await asyncio.sleep(0.1)
-            while await svc.sweeper.reclaim_once() == 0:
+            while await svc.pool_jobs.reclaim_once() == 0:
                 assert time.monotonic() < deadline, "the warm pod was never reclaimed"
                 await asyncio.sleep(0.2)
             assert east.requests["delete pods"] == 1 and home.requests["delete pods"] == 0

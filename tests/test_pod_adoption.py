@@ -23,7 +23,9 @@ from redis.asyncio import Redis
 
 from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.identity import INCARNATION_ANNOTATION
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, RealK8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
+from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.util import scope_id_of
 from agent_runtime.wiring import Services
 from contract_keys import (
@@ -133,9 +135,9 @@ async def test_a_foreign_pod_with_our_labels_is_never_adopted_routed_to_or_delet
         orphan = k8s.add_pod(scope_id=sid, deploy_ver=ver, identity=svc.identity).pod_id
 
         caplog.set_level(logging.WARNING, logger="agent_runtime.resource_manager.orphans")
-        counts = await svc.sweeper.reconcile_once()
+        counts = await svc.pool_jobs.reconcile_once()
         assert (counts["foreign"], counts["adopted"], counts["deleted"]) == (3, 1, 0)
-        assert (await svc.sweeper.reconcile_once())["foreign"] == 3
+        assert (await svc.pool_jobs.reconcile_once())["foreign"] == 3
         assert foreign <= set(k8s.pods) and k8s.deleted == []
         assert set(await redis.smembers(PODS_ALL)) == {first, orphan}
         warned = [r for r in caplog.records if "not provably ours" in r.getMessage()]
@@ -172,7 +174,7 @@ async def test_a_foreign_pod_with_our_labels_is_never_adopted_routed_to_or_delet
         # they leave; the next pass says so
         for pod_id in foreign:
             k8s.remove(pod_id)
-        assert (await svc.sweeper.reconcile_once())["foreign"] == 0
+        assert (await svc.pool_jobs.reconcile_once())["foreign"] == 0
         assert (await admin(app, "/foreign_pods")) == {"count": 0, "pods": []}
 
 
@@ -189,14 +191,14 @@ async def test_a_pod_recreated_under_one_of_our_names_is_deleted_never_adopted(
         sid = scope_id_of("g-r", BOT)
         gone = k8s.pods[(await routed(app, "g-r", "s-1"))["pod_id"]]
         k8s.remove(gone.pod_id)
-        assert (await svc.sweeper.reconcile_once())["purged"] == 1
+        assert (await svc.pool_jobs.reconcile_once())["purged"] == 1
         replay = k8s.add_pod(
             pod_id=gone.pod_id, scope_id=sid, deploy_ver=ver, image=ATTACKER,
             annotations=dict(gone.annotations),
         )  # fmt: skip
         assert replay.uid != gone.uid and INCARNATION_ANNOTATION in replay.annotations
 
-        counts = await svc.sweeper.reconcile_once()
+        counts = await svc.pool_jobs.reconcile_once()
         assert (counts["adopted"], counts["deleted"], counts["foreign"]) == (0, 1, 0)
         assert k8s.deleted == [gone.pod_id] and not await redis.sismember(PODS_ALL, gone.pod_id)
         assert (await routed(app, "g-r", "s-1"))["pod_id"] != gone.pod_id
@@ -224,7 +226,7 @@ async def test_after_redis_lost_everything_our_pods_are_adopted_and_serve(
         calls = k8s.deploy_calls
 
         await wipe(redis)
-        counts = await svc.sweeper.reconcile_once()
+        counts = await svc.pool_jobs.reconcile_once()
         assert (counts["adopted"], counts["deleted"], counts["foreign"]) == (6, 0, 1)
         assert set(await redis.smembers(PODS_ALL)) == pods and k8s.deleted == []
         assert await redis.zcard(BUDGET_PODS) == 6, "the budget counts adopted pods"
@@ -233,7 +235,7 @@ async def test_after_redis_lost_everything_our_pods_are_adopted_and_serve(
             assert set(await redis.smembers(rm_scope(sid, "idle"))) == before[group]
             assert not await redis.exists(rm_scope(sid, "config")), "the next route writes it"
         # a second pass changes nothing (nothing expires before adopted_pod_ttl)
-        again = await svc.sweeper.reconcile_once()
+        again = await svc.pool_jobs.reconcile_once()
         assert (again["adopted"], again["deleted"], again["expired"]) == (0, 0, 0)
 
         # the gateway routes its sessions again: onto the adopted pods, nothing deployed
@@ -242,8 +244,8 @@ async def test_after_redis_lost_everything_our_pods_are_adopted_and_serve(
                 data = await routed(app, group, f"{group}-s{n}")
                 assert data["placement"] == "placed" and data["pod_id"] in before[group]
         assert k8s.deploy_calls == calls and foreign.pod_id in k8s.pods
-        await svc.resource_state.repair_budgets()
-        assert await svc.resource_state.budget_used() == 6
+        await PoolJobsState(svc.resource_state).repair_budgets()
+        assert await svc.resource_views.budget_used() == 6
 
 
 @fake_only
@@ -258,9 +260,9 @@ async def test_an_adopted_pod_of_an_old_version_goes_once_its_scope_is_configure
         current = k8s.pods[(await routed(app, "g-o", "s-1"))["pod_id"]].pod_id
         old = k8s.add_pod(scope_id=sid, deploy_ver="0ld0ld0ld0ld0ld0", identity=svc.identity)
         await wipe(redis)
-        assert (await svc.sweeper.reconcile_once())["adopted"] == 2
+        assert (await svc.pool_jobs.reconcile_once())["adopted"] == 2
         assert (await routed(app, "g-o", "s-1"))["pod_id"] == current  # writes the config
-        assert await svc.sweeper.reclaim_once() == 1, "ours, of an old version, idle: it goes"
+        assert await svc.pool_jobs.reclaim_once() == 1, "ours, of an old version, idle: it goes"
         assert k8s.deleted == [old.pod_id] and ver != "0ld0ld0ld0ld0ld0"
 
 
@@ -275,18 +277,18 @@ async def test_an_adopted_pod_whose_scope_never_routes_again_goes_after_adopted_
         left = (await routed(app, "g-t", "s-1"))["pod_id"]
         back = (await routed(app, "g-u", "s-1"))["pod_id"]
         await wipe(redis)
-        assert (await svc.sweeper.reconcile_once())["adopted"] == 2
+        assert (await svc.pool_jobs.reconcile_once())["adopted"] == 2
         assert (await routed(app, "g-u", "s-1"))["pod_id"] == back  # this scope comes back
-        assert (await svc.sweeper.reconcile_once())["expired"] == 0, "not before the ttl"
+        assert (await svc.pool_jobs.reconcile_once())["expired"] == 0, "not before the ttl"
 
         async def expired() -> bool:
-            await svc.sweeper.reconcile_once()
+            await svc.pool_jobs.reconcile_once()
             return left not in k8s.pods
 
         await eventually(expired, "the unclaimed adopted pod deleted")
         assert k8s.deleted == [left] and back in k8s.pods
         assert set(await redis.smembers(PODS_ALL)) == {back}
-        assert await svc.resource_state.budget_used() == 1
+        assert await svc.resource_views.budget_used() == 1
 
 
 # --- the same on kubesim, through the real client ----------------------------------------------
@@ -344,7 +346,7 @@ async def test_on_kubesim_a_foreign_pod_is_left_alone_and_ours_are_adopted_after
                 return bool(pod.get("status", {}).get("podIP"))
 
             await eventually(attacker_ready, "the attacker's pod Running")
-            counts = await svc.sweeper.reconcile_once()
+            counts = await svc.pool_jobs.reconcile_once()
             assert (counts["foreign"], counts["adopted"], counts["deleted"]) == (1, 0, 0)
             second = (await routed(app, "g-k", "s-2"))["pod_id"]
             assert second not in (first, "x-attacker")
@@ -355,7 +357,7 @@ async def test_on_kubesim_a_foreign_pod_is_left_alone_and_ours_are_adopted_after
 
             creates = sim.requests["create pods"]  # our two, the attacker's
             await wipe(redis)
-            counts = await svc.sweeper.reconcile_once()
+            counts = await svc.pool_jobs.reconcile_once()
             assert (counts["adopted"], counts["deleted"], counts["foreign"]) == (2, 0, 1)
             assert set(await redis.smembers(rm_scope(sid, "idle"))) == {first, second}
             again = (await routed(app, "g-k", "s-1"))["pod_id"]

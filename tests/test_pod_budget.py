@@ -22,7 +22,8 @@ from sqlalchemy import create_engine, insert, inspect, select
 from agent_runtime.db import schema
 from agent_runtime.db.engine import Database
 from agent_runtime.db.tables import routing_rule
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, PodDeployInfo
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.resource_manager.models import PodDeployInfo
 from agent_runtime.session_manager import config_repo
 from agent_runtime.session_manager.items import RoutingRuleItem, TemplateItem
 from agent_runtime.util import rule_id_of, scope_id_of
@@ -265,7 +266,7 @@ async def _two_replicas(
     # the pods die: watch purges them and their units come back
     for pod_id in list(k8s.pods):
         k8s.kill(pod_id)
-    await services(one).sweeper.watch_once()
+    await services(one).pool_jobs.watch_once()
     assert await redis.zcard(BUDGET) == 0
     # failed deploys give their units back as well
     k8s.fail_next_deploys = 3
@@ -285,12 +286,12 @@ async def test_autoscale_stops_at_the_global_budget(redis: Redis, db: Database) 
         await setup_config(client, scope_concurrency=4, min_idle_pods=2)
         for i in range(3):
             assert (await route(client, f"g{i}")).status_code == 200  # 3 pods in use
-        sweeper = services(client).sweeper
-        started = await sweeper.autoscale_once()  # 3 scopes want 2 warm pods each: 2 fit
+        pool_jobs = services(client).pool_jobs
+        started = await pool_jobs.autoscale_once()  # 3 scopes want 2 warm pods each: 2 fit
         assert started == 2
-        await sweeper.wait_for_warm_deploys()
+        await pool_jobs.wait_for_warm_deploys()
         assert len(k8s.pods) == 5 and await redis.zcard(BUDGET) == 5
-        assert await sweeper.autoscale_once() == 0
+        assert await pool_jobs.autoscale_once() == 0
         assert_budget_refusal(await route(client, "g3"))
         # reclaim of a warm pod gives its unit back: the next route may deploy
         for pod_id in list(k8s.pods):
@@ -299,7 +300,7 @@ async def test_autoscale_stops_at_the_global_budget(redis: Redis, db: Database) 
         for group_id in ("g0", "g1", "g2"):  # no floor any more: the warm pods may go
             key = f"resource_manager:resource:scope:{_scope(group_id)}:config"
             await redis.hset(key, "min_idle_pods", 0)
-        assert await sweeper.reclaim_once() == 2
+        assert await pool_jobs.reclaim_once() == 2
         assert await redis.zcard(BUDGET) == 3
         assert (await route(client, "g3")).status_code == 200
 
@@ -317,7 +318,7 @@ async def test_reconcile_rebuilds_the_budget_after_redis_lost_it(
         assert [(await route(c, f"g{i}")).status_code for i in range(3)] == [200] * 3
         await redis.delete(BUDGET)  # drift: the counter lost, the pods still there
         assert (await route(c, "g3")).status_code == 200  # the budget cannot see them...
-        await services(c).sweeper.reconcile_once()  # ...until reconcile repairs it
+        await services(c).pool_jobs.reconcile_once()  # ...until reconcile repairs it
         assert set(await redis.zrange(BUDGET, 0, -1)) == set(k8s.pods)
         assert len(k8s.pods) == 4
         assert_budget_refusal(await route(c, "g4"))

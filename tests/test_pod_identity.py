@@ -27,6 +27,7 @@ from agent_runtime.db import installation, schema
 from agent_runtime.db.engine import Database
 from agent_runtime.db.tables import installation_secret
 from agent_runtime.resource_manager import identity as identity_module
+from agent_runtime.resource_manager.deploy_state import DeployState
 from agent_runtime.resource_manager.identity import (
     IDENTITY_ANNOTATION,
     INCARNATION_ANNOTATION,
@@ -35,14 +36,14 @@ from agent_runtime.resource_manager.identity import (
     Ownership,
     PodIdentity,
 )
-from agent_runtime.resource_manager.k8s import (
-    FakeK8sPodClient,
-    RealK8sPodClient,
-    pod_status,
-    pod_status_from_json,
-)
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.resource_manager.models import DEPLOY_VER_LABEL, SCOPE_LABEL, DeployFailed
+from agent_runtime.resource_manager.pod_reading import pod_status, pod_status_from_json
+from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.state import ResourceState
+from agent_runtime.resource_manager.state_values import BudgetRepair
+from agent_runtime.resource_manager.views import ResourceViews
 from agent_runtime.wiring import load_pod_identity
 from helpers import IDENTITY, make_settings, make_sql_backend
 from test_k8s import Opened, ScriptedCoreApi, api_error, as_json, spec
@@ -324,7 +325,7 @@ POD_SPEC = {"image": "agentserver:1", "sse_port": 8080, "sse_path": "/sse"}
 
 
 async def adopt(state: ResourceState, pod_id: str, *, scope: str = SCOPE, ver: str = VER) -> Any:
-    return await state.adopt(
+    return await PoolJobsState(state).adopt(
         scope_id=scope,
         pod_id=pod_id,
         pod_sse_url=f"http://10.0.0.1:8080/sse#{pod_id}",
@@ -353,8 +354,8 @@ async def test_adopt_without_a_pool_config_registers_warm_and_counts_the_budget(
     info = await redis.hgetall("resource_manager:resource:pod:agent-a:info")
     assert info["phase"] == "idle" and info["deploy_ver"] == VER and info["scope_id"] == SCOPE
     assert await redis.exists("resource_manager:resource:pod:agent-a:idle_since")
-    assert await state.budget_used() == 2
-    assert await state.repair_budgets() == (0, 0), "nothing for the repair to fix"
+    assert await ResourceViews(state).budget_used() == 2
+    assert await PoolJobsState(state).repair_budgets() == BudgetRepair(0, 0), "nothing to fix"
 
 
 async def test_adopt_with_a_pool_config_keeps_max_pods_the_version_and_the_budgets(
@@ -364,11 +365,11 @@ async def test_adopt_with_a_pool_config_keeps_max_pods_the_version_and_the_budge
     await state.write_pool_config(SCOPE, POOL, deploy_ver=VER, pod_spec=POD_SPEC)
     assert (await adopt(state, "agent-old", ver="0000000000000000")).action == "old_version"
     assert (await adopt(state, "agent-a")).detail == "configured"
-    expired = await state.add_placeholder(SCOPE, "dead-deployer", -5)  # already past
+    expired = await DeployState(state).add_placeholder(SCOPE, "dead-deployer", -5)  # already past
     assert expired is not None
     assert (await adopt(state, "agent-b")).detail == "configured", "an expired one holds nothing"
     assert (await adopt(state, "agent-c")).action == "max_reached"
-    assert await state.budget_used() == 2
+    assert await ResourceViews(state).budget_used() == 2
 
     other = "fedcba9876543210fedcba9876543210"
     await state.write_pool_config(other, {**POOL, "max_pods": 5}, deploy_ver=VER, pod_spec=POD_SPEC)
@@ -384,7 +385,8 @@ async def test_adopt_counts_against_the_rule_the_scope_is_linked_to(redis: Redis
     await state.write_pool_config(SCOPE, {**POOL, "max_pods": 5}, deploy_ver=VER, pod_spec=POD_SPEC)
     await state.acquire(SCOPE, "r-link", "tok", 30, rule_id="g/*", rule_pod_budget=2)  # links
     assert (await adopt(state, "agent-a")).action == "adopted"
-    assert await state.budget_used("g/*") == 2, "the acquire's placeholder and the pod"
+    views = ResourceViews(state)
+    assert await views.budget_used("g/*") == 2, "the acquire's placeholder and the pod"
     refused = await adopt(state, "agent-b")
     assert (refused.action, refused.detail) == ("budget_reached", "rule")
 
@@ -397,7 +399,8 @@ async def test_a_scope_adopted_without_config_moves_its_units_to_its_rule_at_its
     await state.write_pool_config(SCOPE, POOL, deploy_ver=VER, pod_spec=POD_SPEC)
     outcome = await state.acquire(SCOPE, "r-1", "tok", 30, rule_id="g/b", rule_pod_budget=4)
     assert (outcome.action, outcome.pod_id) == ("reuse", "agent-a")
-    assert await state.budget_used("g/b") == 1 and await state.budget_used() == 1
+    views = ResourceViews(state)
+    assert await views.budget_used("g/b") == 1 and await views.budget_used() == 1
 
 
 # --- foreign_report.lua ------------------------------------------------------------------------
@@ -405,17 +408,18 @@ async def test_a_scope_adopted_without_config_moves_its_units_to_its_rule_at_its
 
 async def test_the_foreign_report_is_replaced_as_a_whole(redis: Redis) -> None:
     state = ResourceState(redis)
-    assert await state.foreign_pods() == (0, [])
+    jobs, views = PoolJobsState(state), ResourceViews(state)
+    assert await views.foreign_pods() == (0, [])
     pods = {f"default/p{i}": {"pod_id": f"p{i}", "namespace": "default"} for i in range(3)}
-    await state.report_foreign(7, pods)
-    count, listed = await state.foreign_pods()
+    await jobs.report_foreign(7, pods)
+    count, listed = await views.foreign_pods()
     assert count == 7 and [p["pod_id"] for p in listed] == ["p0", "p1", "p2"]
-    await state.report_foreign(7, pods)  # a re-sent call: the same report
-    assert await state.foreign_pods() == (count, listed)
-    await state.report_foreign(1, {"team/q": {"pod_id": "q", "namespace": "team"}})
-    assert await state.foreign_pods() == (1, [{"pod_id": "q", "namespace": "team"}])
-    await state.report_foreign(0, {})
-    assert await state.foreign_pods() == (0, []) and await state.foreign_pod_count() == 0
+    await jobs.report_foreign(7, pods)  # a re-sent call: the same report
+    assert await views.foreign_pods() == (count, listed)
+    await jobs.report_foreign(1, {"team/q": {"pod_id": "q", "namespace": "team"}})
+    assert await views.foreign_pods() == (1, [{"pod_id": "q", "namespace": "team"}])
+    await jobs.report_foreign(0, {})
+    assert await views.foreign_pods() == (0, []) and await views.foreign_pod_count() == 0
 
 
 @pytest.mark.timeout(120)

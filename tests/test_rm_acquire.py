@@ -16,13 +16,16 @@ from redis.asyncio import Redis
 from agent_runtime import spec_fields
 from agent_runtime.errors import RequestIdReused
 from agent_runtime.notify import Notifier
+from agent_runtime.resource_manager.deploy_state import DeployState
 from agent_runtime.resource_manager.facade import (
+    AcquiredPod,
     DeployFailed,
+    IdleTransition,
     K8sApiError,
     MaxPodsReached,
     ResourceManagerFacade,
 )
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.state import (
     REGISTERED_PATTERN,
@@ -116,7 +119,7 @@ async def assert_nothing_held(redis: Redis, scope: str = SCOPE) -> None:
     assert not await redis.exists(deploy_lock_key(scope)), "deploy lock leaked"
 
 
-async def acquire(inst: Instance, request_id: str, **kw: Any) -> dict[str, str]:
+async def acquire(inst: Instance, request_id: str, **kw: Any) -> AcquiredPod:
     return await inst.facade.acquire(
         SCOPE, kw.get("pod_spec", spec()), kw.get("pool", pool()), request_id
     )
@@ -129,12 +132,12 @@ async def test_cold_acquire_deploys_and_registers_one_pod(
     rm: Instance, redis: Redis, k8s: FakeK8sPodClient
 ) -> None:
     result = await acquire(rm, "r1")
-    pod_id = result["pod_id"]
+    pod_id = result.pod_id
     assert k8s.deploy_calls == 1 and pod_id.startswith("agent-")
     info = await redis.hgetall(pod_info_key(pod_id))
     assert info["scope_id"] == SCOPE and info["phase"] == "in_use"
     assert info["deploy_ver"] == spec_fields.deploy_ver(spec())
-    assert result["pod_sse_url"] == info["pod_sse_url"] == f"http://{info['pod_ip']}:8080/sse"
+    assert result.pod_sse_url == info["pod_sse_url"] == f"http://{info['pod_ip']}:8080/sse"
     assert info["namespace"] == "default" and float(info["created_ts"]) > 0
     assert await redis.zrange(scope_pods_key(SCOPE), 0, -1) == [pod_id]
     assert await redis.sismember("resource_manager:resource:pods:all", pod_id)
@@ -145,17 +148,17 @@ async def test_cold_acquire_deploys_and_registers_one_pod(
 async def test_the_leader_calls_on_ready_with_its_pod_while_it_holds_the_deploy_lock(
     rm: Instance, redis: Redis
 ) -> None:
-    seen: list[tuple[dict[str, str], bool, str]] = []
+    seen: list[tuple[AcquiredPod, bool, str]] = []
 
-    async def on_ready(pod: dict[str, str]) -> None:
-        info = await redis.hgetall(pod_info_key(pod["pod_id"]))
+    async def on_ready(pod: AcquiredPod) -> None:
+        info = await redis.hgetall(pod_info_key(pod.pod_id))
         seen.append((pod, bool(await redis.exists(deploy_lock_key(SCOPE))), info["phase"]))
 
     result = await rm.facade.acquire(SCOPE, spec(), pool(), "r1", on_ready=on_ready)
     assert seen == [(result, True, "in_use")], "registered, and still under the lock"
     assert not await redis.exists(deploy_lock_key(SCOPE))
     # warm reuse and a replayed answer have no deploy to announce
-    await rm.facade.idle_consider(result["pod_id"], SCOPE)
+    await rm.facade.idle_consider(result.pod_id, SCOPE)
     assert await rm.facade.acquire(SCOPE, spec(), pool(), "r2", on_ready=on_ready) == result
     assert await rm.facade.acquire(SCOPE, spec(), pool(), "r1", on_ready=on_ready) == result
     assert len(seen) == 1
@@ -164,11 +167,11 @@ async def test_the_leader_calls_on_ready_with_its_pod_while_it_holds_the_deploy_
 async def test_a_failing_on_ready_still_hands_out_the_pod_and_releases_everything(
     rm: Instance, redis: Redis, k8s: FakeK8sPodClient
 ) -> None:
-    async def on_ready(pod: dict[str, str]) -> None:
+    async def on_ready(pod: AcquiredPod) -> None:
         raise ConnectionError("the session side lost Redis")
 
     result = await rm.facade.acquire(SCOPE, spec(), pool(), "r1", on_ready=on_ready)
-    assert result["pod_id"] in k8s.pods
+    assert result.pod_id in k8s.pods
     await assert_nothing_held(redis)
 
 
@@ -205,35 +208,35 @@ async def test_warm_pod_of_the_current_version_is_reused(
     rm: Instance, redis: Redis, k8s: FakeK8sPodClient
 ) -> None:
     await rm.facade.update_pool_config(SCOPE, pool(), spec())
-    member = await rm.state.add_placeholder(SCOPE, "warm:1", 60)
+    member = await DeployState(rm.state).add_placeholder(SCOPE, "warm:1", 60)
     assert member is not None
     warm = await rm.orchestrator.deploy_and_register(SCOPE, spec(), member, warm=True)
-    assert await redis.sismember(scope_idle_key(SCOPE), warm["pod_id"])
+    assert await redis.sismember(scope_idle_key(SCOPE), warm.pod_id)
     calls = k8s.deploy_calls
 
     assert await acquire(rm, "r1") == warm
     assert k8s.deploy_calls == calls, "a warm pod must be reused, not a new one deployed"
-    assert not await redis.sismember(scope_idle_key(SCOPE), warm["pod_id"])
-    assert not await redis.exists(pod_idle_since_key(warm["pod_id"]))
-    assert await redis.hget(pod_info_key(warm["pod_id"]), "phase") == "in_use"
+    assert not await redis.sismember(scope_idle_key(SCOPE), warm.pod_id)
+    assert not await redis.exists(pod_idle_since_key(warm.pod_id))
+    assert await redis.hget(pod_info_key(warm.pod_id), "phase") == "in_use"
 
 
 async def test_a_warm_pod_of_an_old_version_is_not_handed_out(
     rm: Instance, redis: Redis, k8s: FakeK8sPodClient
 ) -> None:
     await rm.facade.update_pool_config(SCOPE, pool(), spec())
-    member = await rm.state.add_placeholder(SCOPE, "warm:1", 60)
+    member = await DeployState(rm.state).add_placeholder(SCOPE, "warm:1", 60)
     assert member is not None
     old = await rm.orchestrator.deploy_and_register(SCOPE, spec(), member, warm=True)
     new_spec = spec(image="agentserver:2")
     await rm.facade.update_pool_config(SCOPE, pool(), new_spec)
 
     got = await acquire(rm, "r1", pod_spec=new_spec)
-    assert got["pod_id"] != old["pod_id"]
-    assert await redis.hget(pod_info_key(got["pod_id"]), "deploy_ver") == spec_fields.deploy_ver(
+    assert got.pod_id != old.pod_id
+    assert await redis.hget(pod_info_key(got.pod_id), "deploy_ver") == spec_fields.deploy_ver(
         new_spec
     )
-    assert await redis.sismember(scope_idle_key(SCOPE), old["pod_id"]), "old one stays idle"
+    assert await redis.sismember(scope_idle_key(SCOPE), old.pod_id), "old one stays idle"
 
 
 async def test_max_pods_reached(rm: Instance, redis: Redis, k8s: FakeK8sPodClient) -> None:
@@ -254,7 +257,7 @@ async def test_deploy_failure_gives_everything_back(
     assert await redis.zcard(scope_pods_key(SCOPE)) == 0
     assert not await redis.exists(idem_key("r1"))
     # the scope is not stuck: the next acquire deploys
-    assert (await acquire(rm, "r2"))["pod_id"]
+    assert (await acquire(rm, "r2")).pod_id
 
 
 async def test_never_ready_times_out_and_deletes_the_pod(
@@ -299,7 +302,7 @@ async def test_cold_burst_deploys_exactly_one_pod_and_fills_its_slots(
 ) -> None:
     instances = [rm, rm2][:replicas]
     results = await burst(instances, 20, pool=pool(max_pods=2, pod_concurrency=5))
-    pods = [r["pod_id"] for r in results if isinstance(r, dict)]
+    pods = [r.pod_id for r in results if isinstance(r, AcquiredPod)]
     failures = [r for r in results if isinstance(r, Exception)]
     assert k8s.deploy_calls == 1, "one deploy per scope however many callers"
     assert len(set(pods)) == 1 and len(pods) == 5, "leader + pod_concurrency - 1 followers"
@@ -342,11 +345,11 @@ async def test_thirty_acquires_on_a_warm_pool_take_distinct_pods(
 ) -> None:
     await rm.facade.update_pool_config(SCOPE, pool(max_pods=3), spec())
     for i in range(2):
-        member = await rm.state.add_placeholder(SCOPE, f"warm:{i}", 60)
+        member = await DeployState(rm.state).add_placeholder(SCOPE, f"warm:{i}", 60)
         assert member is not None
         await rm.orchestrator.deploy_and_register(SCOPE, spec(), member, warm=True)
     results = await burst([rm], 30, pool=pool(max_pods=3, pod_concurrency=1))
-    pods = [r["pod_id"] for r in results if isinstance(r, dict)]
+    pods = [r.pod_id for r in results if isinstance(r, AcquiredPod)]
     assert len(pods) == len(set(pods)) == 3, "two warm pods, then one deploy (max_pods 3)"
     assert k8s.deploy_calls == 3
     await assert_nothing_held(redis)
@@ -356,12 +359,16 @@ async def test_thirty_acquires_on_a_warm_pool_take_distinct_pods(
 
 
 async def test_idle_consider_is_idempotent(rm: Instance, redis: Redis) -> None:
-    pod_id = (await acquire(rm, "r1"))["pod_id"]
-    assert await rm.facade.idle_consider(pod_id, SCOPE) == {"transitioned_to_idle": True}
+    pod_id = (await acquire(rm, "r1")).pod_id
+    assert await rm.facade.idle_consider(pod_id, SCOPE) == IdleTransition(transitioned_to_idle=True)
     since = await redis.get(pod_idle_since_key(pod_id))
-    assert await rm.facade.idle_consider(pod_id, SCOPE) == {"transitioned_to_idle": False}
+    assert await rm.facade.idle_consider(pod_id, SCOPE) == IdleTransition(
+        transitioned_to_idle=False
+    )
     assert await redis.get(pod_idle_since_key(pod_id)) == since
-    assert await rm.facade.idle_consider("unknown", SCOPE) == {"transitioned_to_idle": False}
+    assert await rm.facade.idle_consider("unknown", SCOPE) == IdleTransition(
+        transitioned_to_idle=False
+    )
 
 
 async def test_cleanup_deletes_only_agentservers_matching_the_selector(

@@ -22,19 +22,23 @@ from agent_runtime import jobs as jobs_module
 from agent_runtime import spec_fields
 from agent_runtime.jobs import Job, JobRunner
 from agent_runtime.notify import Notifier
-from agent_runtime.resource_manager import state as state_module
-from agent_runtime.resource_manager import sweeper as sweeper_module
+from agent_runtime.resource_manager import pool_jobs as pool_jobs_module
+from agent_runtime.resource_manager import pool_jobs_state
+from agent_runtime.resource_manager.deploy_state import DeployState
 from agent_runtime.resource_manager.facade import (
+    AcquiredPod,
     DeployInProgress,
     K8sApiError,
     MaxPodsReached,
     ResourceManagerFacade,
 )
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, pod_labels
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.models import PodStatus
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
+from agent_runtime.resource_manager.pod_manifest import pod_labels
+from agent_runtime.resource_manager.pool_jobs import PoolJobs
+from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
-from agent_runtime.resource_manager.sweeper import ResourceSweeper
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
 from contract_keys import (
@@ -120,7 +124,7 @@ class Env:
     orchestrator: ResourceOrchestrator
     facade: ResourceManagerFacade
     sessions: SpySessions
-    sweeper: ResourceSweeper
+    pool_jobs: PoolJobs
     notifier: Notifier
 
 
@@ -138,7 +142,7 @@ async def env(redis: Redis, k8s: FakeK8sPodClient) -> AsyncIterator[Env]:
         state=state, k8s=k8s, notifier=notifier, default_namespace="default", identity=IDENTITY
     )
     sessions = SpySessions(state=SessionState(redis))
-    sweeper = ResourceSweeper(
+    pool_jobs = PoolJobs(
         state=state,
         k8s=k8s,
         orchestrator=orchestrator,
@@ -153,13 +157,13 @@ async def env(redis: Redis, k8s: FakeK8sPodClient) -> AsyncIterator[Env]:
         orchestrator,
         ResourceManagerFacade(orchestrator=orchestrator),
         sessions,
-        sweeper,
+        pool_jobs,
         notifier,
     )
     try:
         yield instance
     finally:
-        await sweeper.wait_for_warm_deploys()
+        await pool_jobs.wait_for_warm_deploys()
         await orchestrator.close()
         await notifier.stop()
 
@@ -172,10 +176,12 @@ async def configure(
 
 async def add_warm(env: Env, pod_spec: dict[str, Any] = V1, scope: str = SCOPE) -> str:
     """One warm pod deployed and registered directly (not through autoscale)."""
-    member = await env.state.add_placeholder(scope, f"warm:test-{time.monotonic_ns()}", 60)
+    member = await DeployState(env.state).add_placeholder(
+        scope, f"warm:test-{time.monotonic_ns()}", 60
+    )
     assert member is not None, "test setup: scope at max_pods"
     result = await env.orchestrator.deploy_and_register(scope, pod_spec, member, warm=True)
-    return result["pod_id"]
+    return result.pod_id
 
 
 async def take_in_use(env: Env, request_id: str, pod_spec: dict[str, Any] = V1) -> str:
@@ -188,7 +194,7 @@ async def take_in_use(env: Env, request_id: str, pod_spec: dict[str, Any] = V1) 
         "pod_ttl": config.pod_ttl,
         "pod_concurrency": config.pod_concurrency,
     }
-    return (await env.facade.acquire(SCOPE, pod_spec, pool_config, request_id))["pod_id"]
+    return (await env.facade.acquire(SCOPE, pod_spec, pool_config, request_id)).pod_id
 
 
 async def redis_now(redis: Redis) -> float:
@@ -330,8 +336,8 @@ async def wipe_rm_pod_state(redis: Redis) -> None:
 
 async def test_autoscale_fills_the_floor_with_current_version_warm_pods(env: Env) -> None:
     await configure(env, min_idle=2, max_pods=4)
-    assert await env.sweeper.autoscale_once() == 2
-    await env.sweeper.wait_for_warm_deploys()
+    assert await env.pool_jobs.autoscale_once() == 2
+    await env.pool_jobs.wait_for_warm_deploys()
 
     assert env.k8s.deploy_calls == 2
     warm = await warm_set(env.redis)
@@ -341,8 +347,8 @@ async def test_autoscale_fills_the_floor_with_current_version_warm_pods(env: Env
         assert env.k8s.pods[pod_id].labels["agent-runtime/deploy-ver"] == VER1
     assert await env.redis.scard(rm_scope(SCOPE, "deploying")) == 0, "placeholders given back"
 
-    assert await env.sweeper.autoscale_once() == 0, "floor met: nothing more"
-    await env.sweeper.wait_for_warm_deploys()
+    assert await env.pool_jobs.autoscale_once() == 0, "floor met: nothing more"
+    await env.pool_jobs.wait_for_warm_deploys()
     assert env.k8s.deploy_calls == 2
     await assert_pool_consistent(env.redis)
 
@@ -350,12 +356,12 @@ async def test_autoscale_fills_the_floor_with_current_version_warm_pods(env: Env
 async def test_in_flight_warm_deploys_count_towards_the_floor(env: Env) -> None:
     env.k8s.ready_delay = 0.2
     await configure(env, min_idle=2, max_pods=6)
-    assert await env.sweeper.autoscale_once() == 2
+    assert await env.pool_jobs.autoscale_once() == 2
     # the deploys are still running: their placeholders are in `deploying`
     assert await env.redis.scard(rm_scope(SCOPE, "deploying")) == 2
-    assert await env.sweeper.autoscale_once() == 0
-    assert await env.sweeper.autoscale_once() == 0
-    await env.sweeper.wait_for_warm_deploys()
+    assert await env.pool_jobs.autoscale_once() == 0
+    assert await env.pool_jobs.autoscale_once() == 0
+    await env.pool_jobs.wait_for_warm_deploys()
     assert env.k8s.deploy_calls == 2
     assert len(await warm_set(env.redis)) == 2
     assert await env.redis.scard(rm_scope(SCOPE, "deploying")) == 0
@@ -368,21 +374,21 @@ async def test_autoscale_respects_max_pods_counting_in_use_pods_and_placeholders
     await configure(env, min_idle=3, max_pods=4)
     in_use = await take_in_use(env, "r-in-use")
     # an acquire's deploy in flight holds a slot too
-    acquire_placeholder = await env.state.add_placeholder(SCOPE, "r-other:tok", 60)
+    acquire_placeholder = await DeployState(env.state).add_placeholder(SCOPE, "r-other:tok", 60)
     assert acquire_placeholder is not None
 
-    assert await env.sweeper.autoscale_once() == 2, "4 = 1 in use + 1 placeholder + 2 warm"
-    await env.sweeper.wait_for_warm_deploys()
+    assert await env.pool_jobs.autoscale_once() == 2, "4 = 1 in use + 1 placeholder + 2 warm"
+    await env.pool_jobs.wait_for_warm_deploys()
     assert len(await warm_set(env.redis)) == 2
-    assert await env.sweeper.autoscale_once() == 0, "at max_pods"
-    await env.sweeper.wait_for_warm_deploys()
+    assert await env.pool_jobs.autoscale_once() == 0, "at max_pods"
+    await env.pool_jobs.wait_for_warm_deploys()
     assert env.k8s.deploy_calls == 3  # the acquire + 2 warm
     await assert_in_use(env.redis, in_use)
 
     # the acquire's placeholder goes: one slot frees, the floor (3) is still unmet
-    await env.state.drop_placeholder(SCOPE, acquire_placeholder)
-    assert await env.sweeper.autoscale_once() == 1
-    await env.sweeper.wait_for_warm_deploys()
+    await DeployState(env.state).drop_placeholder(SCOPE, acquire_placeholder)
+    assert await env.pool_jobs.autoscale_once() == 1
+    await env.pool_jobs.wait_for_warm_deploys()
     assert len(await warm_set(env.redis)) == 3
     assert await env.redis.zcard(rm_scope(SCOPE, "pods")) == 4
     await assert_pool_consistent(env.redis)
@@ -390,14 +396,14 @@ async def test_autoscale_respects_max_pods_counting_in_use_pods_and_placeholders
 
 async def test_old_version_warm_pods_do_not_count_towards_the_floor(env: Env) -> None:
     await configure(env, min_idle=2, max_pods=6)
-    await env.sweeper.autoscale_once()
-    await env.sweeper.wait_for_warm_deploys()
+    await env.pool_jobs.autoscale_once()
+    await env.pool_jobs.wait_for_warm_deploys()
     old = await warm_set(env.redis)
     assert len(old) == 2
 
     await configure(env, V2, min_idle=2, max_pods=6)
-    assert await env.sweeper.autoscale_once() == 2
-    await env.sweeper.wait_for_warm_deploys()
+    assert await env.pool_jobs.autoscale_once() == 2
+    await env.pool_jobs.wait_for_warm_deploys()
     new = await warm_set(env.redis) - old
     assert len(new) == 2
     for pod_id in new:
@@ -405,20 +411,20 @@ async def test_old_version_warm_pods_do_not_count_towards_the_floor(env: Env) ->
         assert env.k8s.pods[pod_id].labels["agent-runtime/deploy-ver"] == VER2
     for pod_id in old:
         await assert_warm(env.redis, pod_id, VER1)  # reclaim's business, not autoscale's
-    assert await env.sweeper.autoscale_once() == 0
+    assert await env.pool_jobs.autoscale_once() == 0
 
 
 async def test_old_version_pods_holding_the_cap_are_replaced_after_reclaim(env: Env) -> None:
     await configure(env, min_idle=2, max_pods=2)
-    await env.sweeper.autoscale_once()
-    await env.sweeper.wait_for_warm_deploys()
+    await env.pool_jobs.autoscale_once()
+    await env.pool_jobs.wait_for_warm_deploys()
     old = await warm_set(env.redis)
 
     await configure(env, V2, min_idle=2, max_pods=2)
-    assert await env.sweeper.autoscale_once() == 0, "the old pods still hold max_pods"
-    assert await env.sweeper.reclaim_once() == 2
-    assert await env.sweeper.autoscale_once() == 2
-    await env.sweeper.wait_for_warm_deploys()
+    assert await env.pool_jobs.autoscale_once() == 0, "the old pods still hold max_pods"
+    assert await env.pool_jobs.reclaim_once() == 2
+    assert await env.pool_jobs.autoscale_once() == 2
+    await env.pool_jobs.wait_for_warm_deploys()
     warm = await warm_set(env.redis)
     assert len(warm) == 2 and not warm & old
     for pod_id in warm:
@@ -429,15 +435,15 @@ async def test_old_version_pods_holding_the_cap_are_replaced_after_reclaim(env: 
 async def test_a_failed_warm_deploy_gives_its_placeholder_back(env: Env) -> None:
     await configure(env, min_idle=1, max_pods=1)
     env.k8s.fail_next_deploys = 1
-    assert await env.sweeper.autoscale_once() == 1
-    await env.sweeper.wait_for_warm_deploys()
+    assert await env.pool_jobs.autoscale_once() == 1
+    await env.pool_jobs.wait_for_warm_deploys()
     assert await env.redis.scard(rm_scope(SCOPE, "deploying")) == 0
     assert await env.redis.zcard(rm_scope(SCOPE, "pods")) == 0
     assert env.k8s.pods == {}
 
     # max_pods is 1: a leaked placeholder would block this retry
-    assert await env.sweeper.autoscale_once() == 1
-    await env.sweeper.wait_for_warm_deploys()
+    assert await env.pool_jobs.autoscale_once() == 1
+    await env.pool_jobs.wait_for_warm_deploys()
     assert len(await warm_set(env.redis)) == 1
     assert env.k8s.deploy_calls == 2
 
@@ -445,8 +451,8 @@ async def test_a_failed_warm_deploy_gives_its_placeholder_back(env: Env) -> None
 async def test_a_never_ready_warm_deploy_leaves_no_pod_and_no_placeholder(env: Env) -> None:
     env.k8s.never_ready = True
     await configure(env, spec(ready_timeout=0.2), min_idle=1, max_pods=1)
-    assert await env.sweeper.autoscale_once() == 1
-    await env.sweeper.wait_for_warm_deploys()
+    assert await env.pool_jobs.autoscale_once() == 1
+    await env.pool_jobs.wait_for_warm_deploys()
     assert env.k8s.pods == {} and len(env.k8s.deleted) == 1
     assert await env.redis.scard(rm_scope(SCOPE, "deploying")) == 0
     assert await env.redis.zcard(rm_scope(SCOPE, "pods")) == 0
@@ -455,8 +461,8 @@ async def test_a_never_ready_warm_deploy_leaves_no_pod_and_no_placeholder(env: E
 async def test_scopes_without_a_floor_or_a_pod_spec_are_left_alone(env: Env) -> None:
     await configure(env, min_idle=0, max_pods=4)
     await configure(env, None, scope=OTHER_SCOPE, min_idle=2, max_pods=4)
-    assert await env.sweeper.autoscale_once() == 0
-    await env.sweeper.wait_for_warm_deploys()
+    assert await env.pool_jobs.autoscale_once() == 0
+    await env.pool_jobs.wait_for_warm_deploys()
     assert env.k8s.deploy_calls == 0
     for scope in (SCOPE, OTHER_SCOPE):
         assert await env.redis.scard(rm_scope(scope, "deploying")) == 0
@@ -475,28 +481,28 @@ async def test_a_pool_config_the_scope_index_lacks_is_found_by_reconcile(env: En
             "pod_spec_json": json.dumps(V1),
         },
     )
-    assert await env.sweeper.autoscale_once() == 1, "only the indexed scope"
-    await env.sweeper.wait_for_warm_deploys()
-    await env.sweeper.reconcile_once()
-    assert await env.sweeper.autoscale_once() == 1, "the other scope, indexed by reconcile"
-    await env.sweeper.wait_for_warm_deploys()
+    assert await env.pool_jobs.autoscale_once() == 1, "only the indexed scope"
+    await env.pool_jobs.wait_for_warm_deploys()
+    await env.pool_jobs.reconcile_once()
+    assert await env.pool_jobs.autoscale_once() == 1, "the other scope, indexed by reconcile"
+    await env.pool_jobs.wait_for_warm_deploys()
     assert len(await warm_set(env.redis, OTHER_SCOPE)) == 1
-    assert await env.state.index_scopes() == 0, "nothing left to add"
+    assert await PoolJobsState(env.state).index_scopes() == 0, "nothing left to add"
 
 
 async def test_many_scopes_are_served_in_one_tick(env: Env) -> None:
     """More scopes than one read_many call: every one gets its warm pod."""
-    scopes = [f"scope-many-{i}" for i in range(state_module.SCRIPT_BATCH + 20)]
+    scopes = [f"scope-many-{i}" for i in range(pool_jobs_state.SCRIPT_BATCH + 20)]
     for scope in scopes:
         await configure(env, scope=scope, min_idle=1, max_pods=2)
     started = 0
     while started < len(scopes):  # MAX_WARM_DEPLOYS per tick at once
-        n = await env.sweeper.autoscale_once()
+        n = await env.pool_jobs.autoscale_once()
         assert n > 0
         started += n
-        await env.sweeper.wait_for_warm_deploys()
-    assert await env.sweeper.autoscale_once() == 0
-    for scope in scopes[:: state_module.SCRIPT_BATCH // 4]:
+        await env.pool_jobs.wait_for_warm_deploys()
+    assert await env.pool_jobs.autoscale_once() == 0
+    for scope in scopes[:: pool_jobs_state.SCRIPT_BATCH // 4]:
         assert len(await warm_set(env.redis, scope)) == 1
 
 
@@ -513,14 +519,14 @@ async def test_old_version_idle_pods_are_reclaimed_at_once(env: Env) -> None:
     await configure(env, V2, min_idle=2, max_pods=6, pod_ttl=3600)
     current = await add_warm(env, V2)
 
-    assert await env.sweeper.reclaim_once() == 2
+    assert await env.pool_jobs.reclaim_once() == 2
     assert sorted(env.k8s.deleted) == sorted(old)
     for pod_id in old:
         await assert_purged(env.redis, pod_id)
         await assert_sessions_evicted(env.redis, pod_id, [])
     assert sorted(env.sessions.dead) == sorted(old)
     await assert_warm(env.redis, current, VER2)
-    assert await env.sweeper.reclaim_once() == 0
+    assert await env.pool_jobs.reclaim_once() == 0
     await assert_pool_consistent(env.redis)
 
 
@@ -533,28 +539,28 @@ async def test_current_idle_pods_above_the_floor_go_after_pod_ttl_keeping_the_lo
     for pod_id, age in ages.items():
         await set_idle_age(env.redis, pod_id, age)
 
-    assert await env.sweeper.reclaim_once() == 1
+    assert await env.pool_jobs.reclaim_once() == 1
     # the floor keeps the two longest-idle; of the rest only the one past pod_ttl goes
     assert env.k8s.deleted == [pods[2]]
     await assert_purged(env.redis, pods[2])
     assert env.sessions.dead == [pods[2]]
     assert await warm_set(env.redis) == {pods[0], pods[1], pods[3]}
 
-    assert await env.sweeper.reclaim_once() == 0, "the last one is still under pod_ttl"
+    assert await env.pool_jobs.reclaim_once() == 0, "the last one is still under pod_ttl"
     await set_idle_age(env.redis, pods[3], 31)
-    assert await env.sweeper.reclaim_once() == 1
+    assert await env.pool_jobs.reclaim_once() == 1
     assert await warm_set(env.redis) == {pods[0], pods[1]}, "the floor stays"
-    assert await env.sweeper.reclaim_once() == 0
+    assert await env.pool_jobs.reclaim_once() == 0
     await assert_pool_consistent(env.redis)
 
 
 async def test_ttl_reclaim_runs_on_the_redis_clock(env: Env) -> None:
     await configure(env, min_idle=0, max_pods=2, pod_ttl=1)
     pod_id = await add_warm(env)
-    assert await env.sweeper.reclaim_once() == 0, "just went idle"
+    assert await env.pool_jobs.reclaim_once() == 0, "just went idle"
 
     async def reclaimed() -> bool:
-        return await env.sweeper.reclaim_once() == 1
+        return await env.pool_jobs.reclaim_once() == 1
 
     await eventually(reclaimed, within=4.0)
     assert env.k8s.deleted == [pod_id]
@@ -570,7 +576,7 @@ async def test_reclaim_never_hands_a_deleted_pod_to_a_concurrent_acquire(env: En
             await set_idle_age(env.redis, pod_id, 100)
         deleted_before = len(env.k8s.deleted)
         results = await asyncio.gather(
-            env.sweeper.reclaim_once(),
+            env.pool_jobs.reclaim_once(),
             *(
                 env.facade.acquire(SCOPE, V1, pool(max_pods=60, pod_ttl=1, pod_concurrency=1), r)
                 for r in [f"race-{round_}-{i}" for i in range(8)]
@@ -578,8 +584,8 @@ async def test_reclaim_never_hands_a_deleted_pod_to_a_concurrent_acquire(env: En
             return_exceptions=True,
         )
         assert isinstance(results[0], int)
-        got = {r["pod_id"] for r in results[1:] if isinstance(r, dict)}
-        assert all(isinstance(r, dict | MaxPodsReached) for r in results[1:]), results
+        got = {r.pod_id for r in results[1:] if isinstance(r, AcquiredPod)}
+        assert all(isinstance(r, AcquiredPod | MaxPodsReached) for r in results[1:]), results
         deleted = set(env.k8s.deleted[deleted_before:])
         assert results[0] == len(deleted)
         assert not got & deleted, "an acquire was handed a pod that reclaim deleted"
@@ -601,14 +607,14 @@ async def test_a_failed_kubernetes_delete_puts_the_pod_back_into_the_warm_pool(e
     await set_idle_age(env.redis, pod_id, 100)
     env.k8s.forbidden_namespaces.add("team")
 
-    assert await env.sweeper.reclaim_once() == 0
+    assert await env.pool_jobs.reclaim_once() == 0
     assert pod_id in env.k8s.pods and env.k8s.deleted == []
     await assert_warm(env.redis, pod_id, spec_fields.deploy_ver(spec(namespace="team")))
     assert env.sessions.dead == [], "nothing to tell the session side: the pod lives"
 
     env.k8s.forbidden_namespaces.clear()
     await set_idle_age(env.redis, pod_id, 100)  # back in the pool restarted its clock
-    assert await env.sweeper.reclaim_once() == 1
+    assert await env.pool_jobs.reclaim_once() == 1
     assert env.k8s.deleted == [pod_id]
     await assert_purged(env.redis, pod_id)
 
@@ -617,7 +623,7 @@ async def test_reclaim_leaves_in_use_pods_alone(env: Env) -> None:
     await configure(env, min_idle=0, max_pods=4, pod_ttl=0)
     pod_id = await take_in_use(env, "r1")
     await configure(env, V2, min_idle=0, max_pods=4, pod_ttl=0)  # even an old version
-    assert await env.sweeper.reclaim_once() == 0
+    assert await env.pool_jobs.reclaim_once() == 0
     await assert_in_use(env.redis, pod_id)
     assert env.k8s.deleted == []
 
@@ -634,13 +640,13 @@ async def test_a_pod_removed_behind_our_back_is_purged_and_notified(env: Env) ->
     await add_sessions(env.redis, gone, ["s1", "s2"], candidate=True)
     env.k8s.remove(gone)
 
-    assert await env.sweeper.watch_once() == 1
+    assert await env.pool_jobs.watch_once() == 1
     await assert_purged(env.redis, gone)
     assert env.sessions.dead == [gone] and env.sessions.evicted[gone] == 2
     await assert_sessions_evicted(env.redis, gone, ["s1", "s2"])
     assert env.k8s.deleted == [], "nothing left to delete"
     await assert_warm(env.redis, kept, VER1)
-    assert await env.sweeper.watch_once() == 0
+    assert await env.pool_jobs.watch_once() == 0
 
 
 @pytest.mark.parametrize(
@@ -663,7 +669,7 @@ async def test_a_dead_pod_is_deleted_purged_and_its_sessions_evicted(
     await add_sessions(env.redis, healthy, ["s3"], candidate=True)
     env.k8s.set_phase(pod_id, phase, reason)
 
-    assert await env.sweeper.watch_once() == 1
+    assert await env.pool_jobs.watch_once() == 1
     assert env.k8s.deleted == [pod_id] and pod_id not in env.k8s.pods
     await assert_purged(env.redis, pod_id)
     assert env.sessions.dead == [pod_id]
@@ -676,7 +682,7 @@ async def test_kill_is_dead(env: Env) -> None:
     await configure(env, max_pods=2)
     pod_id = await add_warm(env)
     env.k8s.kill(pod_id)
-    assert await env.sweeper.watch_once() == 1
+    assert await env.pool_jobs.watch_once() == 1
     assert env.k8s.deleted == [pod_id]
     await assert_purged(env.redis, pod_id)
 
@@ -688,7 +694,7 @@ async def test_pending_is_not_dead(env: Env) -> None:
     env.k8s.set_phase(pod_id, "Pending")
     env.k8s.unhealthy.add(pod_id)  # not Running: not probed either
     for _ in range(3):
-        assert await env.sweeper.watch_once() == 0
+        assert await env.pool_jobs.watch_once() == 0
     assert env.k8s.deleted == [] and env.sessions.dead == []
     await assert_in_use(env.redis, pod_id)
     assert not await env.redis.exists(rm_pod(pod_id, "health_fails"))
@@ -701,12 +707,12 @@ async def test_two_failed_probes_in_a_row_make_a_pod_half_dead(env: Env) -> None
     await add_sessions(env.redis, pod_id, ["s1"], candidate=True)
     env.k8s.unhealthy.add(pod_id)
 
-    assert await env.sweeper.watch_once() == 0
+    assert await env.pool_jobs.watch_once() == 0
     assert await env.redis.get(rm_pod(pod_id, "health_fails")) == "1"
     assert env.k8s.deleted == [] and env.sessions.dead == []
     await assert_sessions_alive(env.redis, pod_id, ["s1"])
 
-    assert await env.sweeper.watch_once() == 1
+    assert await env.pool_jobs.watch_once() == 1
     assert env.k8s.deleted == [pod_id]
     await assert_purged(env.redis, pod_id)
     assert env.sessions.dead == [pod_id]
@@ -717,15 +723,15 @@ async def test_a_healthy_probe_resets_the_failure_count(env: Env) -> None:
     await configure(env, max_pods=2)
     pod_id = await take_in_use(env, "r1")
     env.k8s.unhealthy.add(pod_id)
-    assert await env.sweeper.watch_once() == 0
+    assert await env.pool_jobs.watch_once() == 0
     assert await env.redis.get(rm_pod(pod_id, "health_fails")) == "1"
 
     env.k8s.unhealthy.discard(pod_id)
-    assert await env.sweeper.watch_once() == 0
+    assert await env.pool_jobs.watch_once() == 0
     assert not await env.redis.exists(rm_pod(pod_id, "health_fails"))
 
     env.k8s.unhealthy.add(pod_id)
-    assert await env.sweeper.watch_once() == 0, "fail, ok, fail is not two in a row"
+    assert await env.pool_jobs.watch_once() == 0, "fail, ok, fail is not two in a row"
     assert await env.redis.get(rm_pod(pod_id, "health_fails")) == "1"
     assert env.k8s.deleted == []
     await assert_in_use(env.redis, pod_id)
@@ -750,9 +756,9 @@ async def test_probes_run_at_most_probe_concurrency_at_once(
         return True
 
     monkeypatch.setattr(env.k8s, "probe_health", probe)
-    assert await env.sweeper.watch_once() == 0
+    assert await env.pool_jobs.watch_once() == 0
     assert sorted(probed) == sorted(pods), "each pod probed exactly once"
-    assert peak == sweeper_module.PROBE_CONCURRENCY
+    assert peak == pool_jobs_module.PROBE_CONCURRENCY
 
 
 async def test_a_running_pod_that_kubernetes_reports_not_ready_is_still_probed(env: Env) -> None:
@@ -766,9 +772,9 @@ async def test_a_running_pod_that_kubernetes_reports_not_ready_is_still_probed(e
     assert env.k8s.pods[sick].pod_ip and not env.k8s.pods[sick].ready
     env.k8s.unhealthy.add(sick)
 
-    assert await env.sweeper.watch_once() == 0
+    assert await env.pool_jobs.watch_once() == 0
     assert await env.redis.get(rm_pod(sick, "health_fails")) == "1"
-    assert await env.sweeper.watch_once() == 1
+    assert await env.pool_jobs.watch_once() == 1
     assert env.k8s.deleted == [sick]
     await assert_purged(env.redis, sick)
     await assert_sessions_evicted(env.redis, sick, ["s1"])
@@ -787,8 +793,8 @@ async def test_a_failed_list_purges_nothing(env: Env) -> None:
     env.k8s.unhealthy.add(pods[0])
 
     for _ in range(3):
-        assert await env.sweeper.watch_once() == 0
-        assert (await env.sweeper.reconcile_once())["purged"] == 0
+        assert await env.pool_jobs.watch_once() == 0
+        assert (await env.pool_jobs.reconcile_once())["purged"] == 0
     assert env.sessions.dead == [] and env.k8s.deleted == []
     await assert_in_use(env.redis, pods[0])
     await assert_warm(env.redis, pods[1], spec_fields.deploy_ver(team))
@@ -796,7 +802,7 @@ async def test_a_failed_list_purges_nothing(env: Env) -> None:
     await assert_sessions_alive(env.redis, pods[0], ["s1"])
 
     env.k8s.forbidden_namespaces.clear()
-    assert await env.sweeper.watch_once() == 1
+    assert await env.pool_jobs.watch_once() == 1
     await assert_purged(env.redis, pods[1])
 
 
@@ -822,7 +828,7 @@ async def test_watch_is_one_list_per_namespace(env: Env, monkeypatch: pytest.Mon
 
     monkeypatch.setattr(env.k8s, "list_pods", counting)
     monkeypatch.setattr(env.k8s, "get_pod", no_get)
-    assert await env.sweeper.watch_once() == 0
+    assert await env.pool_jobs.watch_once() == 0
     assert sorted(calls) == ["default", "team"]
 
 
@@ -841,11 +847,11 @@ async def test_no_job_deletes_or_releases_a_pod_with_live_sessions(env: Env) -> 
     await configure(env, V2, min_idle=1, max_pods=6, pod_ttl=0)
 
     for _ in range(3):
-        await env.sweeper.autoscale_once()
-        await env.sweeper.wait_for_warm_deploys()
-        await env.sweeper.reclaim_once()
-        await env.sweeper.watch_once()
-        await env.sweeper.reconcile_once()
+        await env.pool_jobs.autoscale_once()
+        await env.pool_jobs.wait_for_warm_deploys()
+        await env.pool_jobs.reclaim_once()
+        await env.pool_jobs.watch_once()
+        await env.pool_jobs.reconcile_once()
     assert sunset in env.k8s.pods and serving in env.k8s.pods
     assert sunset not in env.k8s.deleted and serving not in env.k8s.deleted
     assert env.sessions.dead == []
@@ -856,16 +862,16 @@ async def test_no_job_deletes_or_releases_a_pod_with_live_sessions(env: Env) -> 
 
     # once the sunset pod's sessions end: released on the second reconcile, then reclaimed
     await end_sessions(env.redis, sunset, ["s1", "s2"])
-    assert (await env.sweeper.reconcile_once())["released"] == 0
-    assert (await env.sweeper.reconcile_once())["released"] == 1
+    assert (await env.pool_jobs.reconcile_once())["released"] == 0
+    assert (await env.pool_jobs.reconcile_once())["released"] == 1
     await assert_warm(env.redis, sunset, VER1)
-    assert await env.sweeper.reclaim_once() == 1
+    assert await env.pool_jobs.reclaim_once() == 1
     assert sunset in env.k8s.deleted
     await assert_purged(env.redis, sunset)
 
     # the dead rule does delete a pod with sessions
     env.k8s.kill(serving)
-    assert await env.sweeper.watch_once() == 1
+    assert await env.pool_jobs.watch_once() == 1
     await assert_sessions_evicted(env.redis, serving, ["s3"])
     await assert_pool_consistent(env.redis)
 
@@ -885,7 +891,7 @@ async def test_a_pod_in_redis_but_not_in_kubernetes_is_purged_and_notified(env: 
     env.k8s.remove(gone)
     env.k8s.remove(gone_warm)
 
-    counts = await env.sweeper.reconcile_once()
+    counts = await env.pool_jobs.reconcile_once()
     assert counts["purged"] == 2 and counts["deleted"] == 0 and counts["adopted"] == 0
     for pod_id in (gone, gone_warm):
         await assert_purged(env.redis, pod_id)
@@ -893,7 +899,7 @@ async def test_a_pod_in_redis_but_not_in_kubernetes_is_purged_and_notified(env: 
     await assert_sessions_evicted(env.redis, gone, ["s1"])
     await assert_in_use(env.redis, kept)
     await assert_sessions_alive(env.redis, kept, ["s2"])
-    assert (await env.sweeper.reconcile_once())["purged"] == 0
+    assert (await env.pool_jobs.reconcile_once())["purged"] == 0
 
 
 async def test_unused_in_use_pods_are_released_on_the_second_pass_only(env: Env) -> None:
@@ -905,21 +911,21 @@ async def test_unused_in_use_pods_are_released_on_the_second_pass_only(env: Env)
     await add_sessions(env.redis, with_sessions, ["s1"], candidate=False)
     await add_sessions(env.redis, candidate, [], candidate=True)
 
-    first = await env.sweeper.reconcile_once()
+    first = await env.pool_jobs.reconcile_once()
     assert first["released"] == 0, "the first pass only notes"
     for pod_id in (unused, with_sessions, candidate, late):
         await assert_in_use(env.redis, pod_id)
 
     # the session side registers `late` between the passes (acquire → register_pod)
     await add_sessions(env.redis, late, [], candidate=True)
-    second = await env.sweeper.reconcile_once()
+    second = await env.pool_jobs.reconcile_once()
     assert second["released"] == 1
     await assert_warm(env.redis, unused, VER1)
     for pod_id in (with_sessions, candidate, late):
         await assert_in_use(env.redis, pod_id)
 
     for _ in range(2):
-        assert (await env.sweeper.reconcile_once())["released"] == 0
+        assert (await env.pool_jobs.reconcile_once())["released"] == 0
     await assert_sessions_alive(env.redis, with_sessions, ["s1"])
     assert env.k8s.deleted == [] and env.sessions.dead == []
     await assert_pool_consistent(env.redis)
@@ -928,13 +934,13 @@ async def test_unused_in_use_pods_are_released_on_the_second_pass_only(env: Env)
 async def test_a_pod_used_again_between_passes_needs_two_new_passes(env: Env) -> None:
     await configure(env, max_pods=2)
     pod_id = await take_in_use(env, "r1")
-    assert (await env.sweeper.reconcile_once())["released"] == 0
+    assert (await env.pool_jobs.reconcile_once())["released"] == 0
     await add_sessions(env.redis, pod_id, ["s1"], candidate=True)
-    assert (await env.sweeper.reconcile_once())["released"] == 0
+    assert (await env.pool_jobs.reconcile_once())["released"] == 0
     await end_sessions(env.redis, pod_id, ["s1"])
     await env.redis.zrem(sm_scope(SCOPE, "pods"), pod_id)
-    assert (await env.sweeper.reconcile_once())["released"] == 0, "unused for one pass only"
-    assert (await env.sweeper.reconcile_once())["released"] == 1
+    assert (await env.pool_jobs.reconcile_once())["released"] == 0, "unused for one pass only"
+    assert (await env.pool_jobs.reconcile_once())["released"] == 1
     await assert_warm(env.redis, pod_id, VER1)
 
 
@@ -943,14 +949,14 @@ async def test_after_a_redis_wipe_ready_current_pods_are_adopted_as_warm(env: En
     ver = spec_fields.deploy_ver(team)
     await configure(env, team, min_idle=2, max_pods=3)
     in_use = await take_in_use(env, "r1", team)
-    await env.sweeper.autoscale_once()
-    await env.sweeper.wait_for_warm_deploys()
+    await env.pool_jobs.autoscale_once()
+    await env.pool_jobs.wait_for_warm_deploys()
     pods = sorted([*await warm_set(env.redis), in_use])
     urls = {p: await env.redis.hget(rm_pod(p, "info"), "pod_sse_url") for p in pods}
     await wipe_rm_pod_state(env.redis)
     assert await env.state.pool_config(SCOPE) is not None
 
-    counts = await env.sweeper.reconcile_once()
+    counts = await env.pool_jobs.reconcile_once()
     assert counts == {
         "purged": 0,
         "released": 0,
@@ -969,7 +975,7 @@ async def test_after_a_redis_wipe_ready_current_pods_are_adopted_as_warm(env: En
         assert info["pod_sse_url"] == urls[pod_id]
     assert await env.redis.scard(rm_scope(SCOPE, "deploying")) == 0
 
-    assert await env.sweeper.reconcile_once() == {
+    assert await env.pool_jobs.reconcile_once() == {
         "purged": 0,
         "released": 0,
         "adopted": 0,
@@ -986,13 +992,13 @@ async def test_after_a_redis_wipe_ready_current_pods_are_adopted_as_warm(env: En
 
 async def test_after_a_redis_wipe_pods_over_max_pods_are_deleted(env: Env) -> None:
     await configure(env, min_idle=3, max_pods=3)
-    await env.sweeper.autoscale_once()
-    await env.sweeper.wait_for_warm_deploys()
+    await env.pool_jobs.autoscale_once()
+    await env.pool_jobs.wait_for_warm_deploys()
     pods = await warm_set(env.redis)
     await wipe_rm_pod_state(env.redis)
     await configure(env, min_idle=2, max_pods=2)
 
-    counts = await env.sweeper.reconcile_once()
+    counts = await env.pool_jobs.reconcile_once()
     assert counts["adopted"] == 2 and counts["deleted"] == 1
     adopted = await warm_set(env.redis)
     assert len(adopted) == 2 and adopted < pods
@@ -1011,7 +1017,7 @@ async def test_unknown_pods_of_an_old_version_or_not_ready_are_deleted(env: Env)
     pending = env.k8s.add_pod(identity=IDENTITY, scope_id=SCOPE, deploy_ver=VER1, phase="Pending")
     good = env.k8s.add_pod(identity=IDENTITY, scope_id=SCOPE, deploy_ver=VER1)
 
-    counts = await env.sweeper.reconcile_once()
+    counts = await env.pool_jobs.reconcile_once()
     assert counts["adopted"] == 1 and counts["deleted"] == 3
     assert sorted(env.k8s.deleted) == sorted(p.pod_id for p in (old, not_ready, pending))
     await assert_warm(env.redis, good.pod_id, VER1)
@@ -1025,11 +1031,11 @@ async def test_an_unknown_pod_that_still_holds_sessions_is_kept_in_use(env: Env)
     old-version pod of a full scope. It is re-adopted in use, never deleted."""
     await configure(env, max_pods=1)
     full = env.k8s.add_pod(identity=IDENTITY, scope_id=SCOPE, deploy_ver=VER1)
-    await env.sweeper.reconcile_once()  # adopted warm: the scope is at max_pods now
+    await env.pool_jobs.reconcile_once()  # adopted warm: the scope is at max_pods now
     old = env.k8s.add_pod(identity=IDENTITY, scope_id=SCOPE, deploy_ver=VER2)
     await add_sessions(env.redis, old.pod_id, ["s1", "s2"], candidate=False)
 
-    counts = await env.sweeper.reconcile_once()
+    counts = await env.pool_jobs.reconcile_once()
     assert counts["adopted"] == 1 and counts["deleted"] == 0
     assert old.pod_id in env.k8s.pods and old.pod_id not in env.k8s.deleted
     await assert_in_use(env.redis, old.pod_id)
@@ -1048,7 +1054,7 @@ async def test_an_unknown_dead_pod_is_not_adopted_but_deleted(env: Env) -> None:
     terminating = env.k8s.add_pod(identity=IDENTITY, scope_id=SCOPE, deploy_ver=VER1)
     env.k8s.set_phase(terminating.pod_id, "Terminating", ready=True)
 
-    counts = await env.sweeper.reconcile_once()
+    counts = await env.pool_jobs.reconcile_once()
     assert counts["adopted"] == 0
     for pod in (crashing, failed, terminating):
         await assert_purged(env.redis, pod.pod_id)
@@ -1071,13 +1077,13 @@ async def test_a_dead_pod_whose_delete_failed_in_watch_is_deleted_by_reconcile(
 
     with monkeypatch.context() as patched:
         patched.setattr(env.k8s, "delete", refuse)
-        assert await env.sweeper.watch_once() == 1
+        assert await env.pool_jobs.watch_once() == 1
     # Redis and the session side forget it at once; Kubernetes still has it
     await assert_purged(env.redis, pod_id)
     await assert_sessions_evicted(env.redis, pod_id, ["s1"])
     assert pod_id in env.k8s.pods
 
-    counts = await env.sweeper.reconcile_once()
+    counts = await env.pool_jobs.reconcile_once()
     assert counts["deleted"] == 1 and counts["adopted"] == 0
     assert env.k8s.deleted == [pod_id] and pod_id not in env.k8s.pods
 
@@ -1085,13 +1091,13 @@ async def test_a_dead_pod_whose_delete_failed_in_watch_is_deleted_by_reconcile(
 async def test_a_scope_with_a_deploy_in_flight_is_left_alone(env: Env) -> None:
     await configure(env, max_pods=6)
     stranger = env.k8s.add_pod(identity=IDENTITY, scope_id=SCOPE, deploy_ver=VER1, phase="Pending")
-    placeholder = await env.state.add_placeholder(SCOPE, "r-deploying:tok", 60)
+    placeholder = await DeployState(env.state).add_placeholder(SCOPE, "r-deploying:tok", 60)
     assert placeholder is not None
-    counts = await env.sweeper.reconcile_once()
+    counts = await env.pool_jobs.reconcile_once()
     assert counts["adopted"] == counts["deleted"] == 0
     assert stranger.pod_id in env.k8s.pods and env.k8s.deleted == []
-    await env.state.drop_placeholder(SCOPE, placeholder)
-    assert (await env.sweeper.reconcile_once())["deleted"] == 1
+    await DeployState(env.state).drop_placeholder(SCOPE, placeholder)
+    assert (await env.pool_jobs.reconcile_once())["deleted"] == 1
 
 
 async def test_reconcile_during_a_real_deploy_does_not_touch_its_pod(env: Env) -> None:
@@ -1105,7 +1111,7 @@ async def test_reconcile_during_a_real_deploy_does_not_touch_its_pod(env: Env) -
     await eventually(pending_pod_listed)
     (pod_id,) = env.k8s.pods
     assert env.k8s.pods[pod_id].phase == "Pending"
-    counts = await env.sweeper.reconcile_once()
+    counts = await env.pool_jobs.reconcile_once()
     assert counts["adopted"] == counts["deleted"] == 0
     assert await task == pod_id
     assert env.k8s.deleted == []
@@ -1123,11 +1129,11 @@ async def test_pods_without_our_scope_label_are_never_touched(env: Env) -> None:
     env.k8s.pods[foreign.pod_id] = foreign
 
     for _ in range(2):
-        await env.sweeper.autoscale_once()
-        await env.sweeper.wait_for_warm_deploys()
-        await env.sweeper.reclaim_once()
-        await env.sweeper.watch_once()
-        await env.sweeper.reconcile_once()
+        await env.pool_jobs.autoscale_once()
+        await env.pool_jobs.wait_for_warm_deploys()
+        await env.pool_jobs.reclaim_once()
+        await env.pool_jobs.watch_once()
+        await env.pool_jobs.reconcile_once()
     assert env.k8s.pods[foreign.pod_id] == foreign
     assert not_agentserver.pod_id in env.k8s.pods
     assert foreign.pod_id not in env.k8s.deleted and not_agentserver.pod_id not in env.k8s.deleted
@@ -1313,16 +1319,16 @@ async def test_the_runner_drives_the_sweeper(env: Env) -> None:
     runner = JobRunner(
         redis=env.redis,
         jobs=[
-            Job("rm_autoscale", 0.05, env.sweeper.autoscale_once),
-            Job("rm_reclaim", 0.05, env.sweeper.reclaim_once),
+            Job("rm_autoscale", 0.05, env.pool_jobs.autoscale_once),
+            Job("rm_reclaim", 0.05, env.pool_jobs.reclaim_once),
         ],
     )
     runner.start()
     try:
 
         async def floor_of(version: str) -> bool:
-            warm = await env.state.idle_pods(SCOPE)
-            versions = await env.state.pod_versions(list(warm))
+            warm = await PoolJobsState(env.state).idle_pods(SCOPE)
+            versions = await PoolJobsState(env.state).pod_versions(list(warm))
             return sorted(versions.values()) == [version, version]
 
         await eventually(lambda: floor_of(VER1))
@@ -1331,7 +1337,7 @@ async def test_the_runner_drives_the_sweeper(env: Env) -> None:
         await eventually(lambda: floor_of(VER2))
     finally:
         await runner.stop()
-        await env.sweeper.wait_for_warm_deploys()
+        await env.pool_jobs.wait_for_warm_deploys()
     assert old <= set(env.k8s.deleted), "the old version was reclaimed"
     for name in ("rm_autoscale", "rm_reclaim"):
         assert runner.jobs[name].failures == 0
@@ -1354,11 +1360,11 @@ async def test_a_pod_reclaimed_during_the_reconcile_pass_is_not_adopted_back(
     ) -> list[Any]:
         listed = await list_pods(namespace, selector, cluster=cluster)
         await set_idle_age(env.redis, pod_id, 3600)  # reclaim runs on another replica now
-        await env.sweeper.reclaim_once()
+        await env.pool_jobs.reclaim_once()
         return listed
 
     monkeypatch.setattr(env.k8s, "list_pods", list_then_reclaim)
-    counts = await env.sweeper.reconcile_once()
+    counts = await env.pool_jobs.reconcile_once()
     assert counts["adopted"] == 0, counts
     assert pod_id not in await warm_set(env.redis)
     assert not await env.redis.exists(rm_pod(pod_id, "info"))
@@ -1378,7 +1384,7 @@ async def test_an_orphan_that_is_terminating_by_now_is_left_to_go(
         return dataclasses.replace(found, phase="Terminating") if found else None
 
     monkeypatch.setattr(env.k8s, "get_pod", terminating)
-    counts = await env.sweeper.reconcile_once()
+    counts = await env.pool_jobs.reconcile_once()
     assert counts["adopted"] == 0 and counts["deleted"] == 0, counts
     assert pod_id not in await warm_set(env.redis)
 
@@ -1390,10 +1396,10 @@ async def test_a_cold_acquire_at_the_cap_does_not_follow_a_warm_deploy(env: Env)
     await configure(env, min_idle=1, max_pods=2, pod_concurrency=2)
     env.k8s.ready_delay = 0.3
     in_use = await take_in_use(env, "r1")
-    await env.sweeper.autoscale_once()  # the warm deploy starts
+    await env.pool_jobs.autoscale_once()  # the warm deploy starts
     assert await env.redis.scard(rm_scope(SCOPE, "deploying")) == 1
     with pytest.raises(DeployInProgress):
         await take_in_use(env, "r2")
-    await env.sweeper.wait_for_warm_deploys()
+    await env.pool_jobs.wait_for_warm_deploys()
     second = await take_in_use(env, "r3")
     assert second != in_use and env.k8s.deploy_calls == 2

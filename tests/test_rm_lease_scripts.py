@@ -12,7 +12,10 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from agent_runtime.resource_manager.state import OrphanPod, ResourceState
+from agent_runtime.resource_manager.deploy_state import DeployState
+from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
+from agent_runtime.resource_manager.state import ResourceState
+from agent_runtime.resource_manager.state_values import LeasePrune, OrphanPod
 from helpers import other_client
 
 RULE_PREFIX = "resource_manager:budget:rule:"
@@ -51,13 +54,23 @@ def rs(redis: Redis) -> ResourceState:
     return ResourceState(redis)
 
 
+@pytest.fixture
+def ds(rs: ResourceState) -> DeployState:
+    return DeployState(rs)
+
+
+@pytest.fixture
+def js(rs: ResourceState) -> PoolJobsState:
+    return PoolJobsState(rs)
+
+
 async def configure(rs: ResourceState, sid: str = SID, *, max_pods: int = 2) -> None:
     pool = {"min_idle_pods": 0, "max_pods": max_pods, "pod_ttl": 60, "pod_concurrency": 4}
     await rs.write_pool_config(sid, pool, deploy_ver="v1", pod_spec={"image": "img:1"})
 
 
 async def placeholder(rs: ResourceState, token: str, sid: str = SID) -> str:
-    member = await rs.add_placeholder(sid, token, 60)
+    member = await DeployState(rs).add_placeholder(sid, token, 60)
     assert member is not None, "test setup: the scope is at max_pods"
     return member
 
@@ -83,15 +96,15 @@ def deadline_of(member: str) -> int:
 
 
 async def test_take_makes_one_leader_and_tells_the_others_who_leads(
-    rs: ResourceState, redis: Redis
+    ds: DeployState, redis: Redis
 ) -> None:
-    first = await rs.take_deploy_lease(SID, "tok-a@1.5", LEASE)
+    first = await ds.take_deploy_lease(SID, "tok-a@1.5", LEASE)
     assert first.leader and first.orphan is None
     assert await redis.get(K.lock()) == "tok-a@1.5"
     assert 0 < await redis.pttl(K.lock()) <= LEASE * 1000
-    second = await rs.take_deploy_lease(SID, "tok-b@2.0", LEASE)
+    second = await ds.take_deploy_lease(SID, "tok-b@2.0", LEASE)
     assert not second.leader and second.holder == "tok-a@1.5"
-    again = await rs.take_deploy_lease(SID, "tok-a@1.5", LEASE)  # a re-sent call
+    again = await ds.take_deploy_lease(SID, "tok-a@1.5", LEASE)  # a re-sent call
     assert again.leader and await redis.get(K.lock()) == "tok-a@1.5"
 
 
@@ -101,8 +114,8 @@ async def test_a_lapsed_leader_s_pod_passes_to_exactly_one_of_many_takers(redis:
     rs = ResourceState(redis)
     await configure(rs)
     member = await placeholder(rs, "dead-ph")
-    assert (await rs.take_deploy_lease(SID, "dead@1.0", 0.3)).leader
-    assert await rs.renew_deploy_lease(
+    assert (await DeployState(rs).take_deploy_lease(SID, "dead@1.0", 0.3)).leader
+    assert await DeployState(rs).renew_deploy_lease(
         SID, "dead-ph", "dead@1.0", 0.3, pod=("agent-x", "ns-1", "uid-x"), record_ttl=60
     )
     assert await redis.hget(K.record(), "pod_id") == "agent-x"
@@ -113,7 +126,7 @@ async def test_a_lapsed_leader_s_pod_passes_to_exactly_one_of_many_takers(redis:
     try:
         takes = await asyncio.gather(
             *(
-                ResourceState(c).take_deploy_lease(SID, f"t{i}@9.0", LEASE)
+                DeployState(ResourceState(c)).take_deploy_lease(SID, f"t{i}@9.0", LEASE)
                 for i, c in enumerate(clients)
             )
         )
@@ -131,17 +144,17 @@ async def test_a_lapsed_leader_s_pod_passes_to_exactly_one_of_many_takers(redis:
 
 
 async def test_take_inherits_neither_a_failure_notice_nor_a_registered_pod(
-    rs: ResourceState, redis: Redis
+    ds: DeployState, redis: Redis
 ) -> None:
     await redis.hset(K.record(), mapping={"token": "old@1", "failed": "1"})
-    took = await rs.take_deploy_lease(SID, "new@2", LEASE)
+    took = await ds.take_deploy_lease(SID, "new@2", LEASE)
     assert took.leader and took.orphan is None
     assert not await redis.exists(K.record())
-    await rs.end_deploy_lease(SID, "new@2", "ok", 1)
+    await ds.end_deploy_lease(SID, "new@2", "ok", 1)
 
     await redis.hset(K.record(), mapping={"token": "old@1", "pod_id": "agent-r", "namespace": "n"})
     await redis.sadd(K.PODS_ALL, "agent-r")  # registered meanwhile (e.g. adopted by reconcile)
-    took = await rs.take_deploy_lease(SID, "new@3", LEASE)
+    took = await ds.take_deploy_lease(SID, "new@3", LEASE)
     assert took.leader and took.orphan is None
     assert not await redis.exists(K.record())
 
@@ -150,14 +163,14 @@ async def test_take_inherits_neither_a_failure_notice_nor_a_registered_pod(
 
 
 async def test_renew_moves_the_placeholder_deadline_and_the_lock_with_its_budget_units(
-    rs: ResourceState, redis: Redis
+    rs: ResourceState, ds: DeployState, redis: Redis
 ) -> None:
     await configure(rs)
     await rs.acquire(SID, "r1", "warmup", 60, rule_id="rule-1")  # links the scope to rule-1
     member = await placeholder(rs, "ph-1")
-    assert (await rs.take_deploy_lease(SID, "lk@1", 0.5)).leader
+    assert (await ds.take_deploy_lease(SID, "lk@1", 0.5)).leader
     before = await redis.pttl(K.lock())
-    renewed = await rs.renew_deploy_lease(SID, "ph-1", "lk@1", 30)
+    renewed = await ds.renew_deploy_lease(SID, "ph-1", "lk@1", 30)
     assert renewed is not None and renewed.startswith("ph-1@")
     assert deadline_of(renewed) >= await rnow(redis) + 29
     assert member not in await redis.smembers(K.deploying())
@@ -168,84 +181,86 @@ async def test_renew_moves_the_placeholder_deadline_and_the_lock_with_its_budget
     assert await redis.zscore(K.rule("rule-1"), unit) == deadline_of(renewed)
     assert await redis.zscore(K.BUDGET, f"{SID}:{member}") is None, "the old unit moved"
     # a re-sent call renews the same placeholder again: still one
-    again = await rs.renew_deploy_lease(SID, "ph-1", "lk@1", 30)
+    again = await ds.renew_deploy_lease(SID, "ph-1", "lk@1", 30)
     assert again is not None
     assert [m for m in await redis.smembers(K.deploying()) if m.startswith("ph-1@")] == [again]
 
 
 async def test_only_the_lock_owner_renews_a_loser_stops_claiming(
-    rs: ResourceState, redis: Redis
+    rs: ResourceState, ds: DeployState, redis: Redis
 ) -> None:
     await configure(rs)
     await placeholder(rs, "ph-old")
     await redis.set(K.lock(), "new-leader@2", px=5000)  # took over after our lease lapsed
-    assert await rs.renew_deploy_lease(SID, "ph-old", "old@1", LEASE, pod=("p", "n", "u")) is None
+    assert await ds.renew_deploy_lease(SID, "ph-old", "old@1", LEASE, pod=("p", "n", "u")) is None
     assert await redis.get(K.lock()) == "new-leader@2"
     assert not await redis.exists(K.record()), "a loser records nothing"
     assert await redis.scard(K.deploying()) == 0, "the loser's placeholder is given back"
     assert await redis.zcard(K.BUDGET) == 0
 
 
-async def test_a_lapse_nobody_took_is_taken_again(rs: ResourceState, redis: Redis) -> None:
+async def test_a_lapse_nobody_took_is_taken_again(
+    rs: ResourceState, ds: DeployState, redis: Redis
+) -> None:
     """Renewals failed for longer than the lease (Redis away) and nobody took over: the next
     renewal that gets through takes the lock again; a swept placeholder comes back within the
     cap, and not beyond it."""
     await configure(rs, max_pods=1)
     await placeholder(rs, "ph-1")
-    assert (await rs.take_deploy_lease(SID, "lk@1", 0.2)).leader
+    assert (await ds.take_deploy_lease(SID, "lk@1", 0.2)).leader
     await lapsed(redis, K.lock())
-    assert await rs.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE) is not None
+    assert await ds.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE) is not None
     assert await redis.get(K.lock()) == "lk@1"
 
     await redis.delete(K.deploying())  # swept (an acquire dropped it after it expired)
-    back = await rs.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE)
+    back = await ds.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE)
     assert back is not None and await redis.smembers(K.deploying()) == {back}
 
     await redis.delete(K.deploying())
     await placeholder(rs, "someone-else")  # took the only slot meanwhile
-    assert await rs.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE) is None
+    assert await ds.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE) is None
     assert {m.rpartition("@")[0] for m in await redis.smembers(K.deploying())} == {"someone-else"}
 
 
 async def test_renew_records_the_pod_under_its_own_lock_once(
-    rs: ResourceState, redis: Redis
+    rs: ResourceState, ds: DeployState, redis: Redis
 ) -> None:
     await configure(rs)
     await placeholder(rs, "ph-1")
-    assert (await rs.take_deploy_lease(SID, "lk@1", LEASE)).leader
+    assert (await ds.take_deploy_lease(SID, "lk@1", LEASE)).leader
     pod = ("agent-p", "ns-a", "uid-p")
-    assert await rs.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE, pod=pod, record_ttl=40)
+    assert await ds.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE, pod=pod, record_ttl=40)
     record = await redis.hgetall(K.record())
     assert record["token"] == "lk@1" and record["pod_id"] == "agent-p"
     assert record["namespace"] == "ns-a" and int(record["created"]) <= await rnow(redis)
     assert record["uid"] == "uid-p", "the incarnation: a pod re-created under the name is not it"
-    assert await rs.deploy_record(SID) == OrphanPod(
+    assert await ds.deploy_record(SID) == OrphanPod(
         "agent-p", "ns-a", int(record["created"]), "uid-p"
     )
     assert 30 < await redis.ttl(K.record()) <= 40
     await redis.hset(K.record(), "created", "1")  # so that a rewrite would show
-    assert await rs.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE, pod=pod, record_ttl=40)
+    assert await ds.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE, pod=pod, record_ttl=40)
     assert await redis.hget(K.record(), "created") == "1", "a replay keeps the first record"
 
 
 async def test_the_record_names_the_pod_s_cluster_and_a_taker_inherits_it(
-    rs: ResourceState, redis: Redis
+    rs: ResourceState, ds: DeployState, redis: Redis
 ) -> None:
     """A pod created in a named cluster is recorded with it (a taker looks for the pod
     there); a record without the field (the default cluster, or written before pods recorded
     their cluster) reads as None."""
     await configure(rs)
     await placeholder(rs, "ph-1")
-    assert (await rs.take_deploy_lease(SID, "lk@1", 0.3)).leader
+    assert (await ds.take_deploy_lease(SID, "lk@1", 0.3)).leader
     pod = ("agent-e", "ns-a", "uid-e")
-    assert await rs.renew_deploy_lease(
+    assert await ds.renew_deploy_lease(
         SID, "ph-1", "lk@1", 0.3, pod=pod, record_ttl=40, cluster="east"
     )
     assert await redis.hget(K.record(), "cluster") == "east"
-    recorded = await rs.deploy_record(SID)
+    recorded = await ds.deploy_record(SID)
     assert recorded is not None and recorded.cluster == "east"
     await lapsed(redis, K.lock())
-    took = await rs.take_deploy_lease(SID, "lk@2", LEASE)
+    took = await ds.take_deploy_lease(SID, "lk@2", LEASE)
     assert took.leader and took.orphan is not None
     assert (took.orphan.pod_id, took.orphan.uid, took.orphan.cluster) == (
         "agent-e",
@@ -254,18 +269,18 @@ async def test_the_record_names_the_pod_s_cluster_and_a_taker_inherits_it(
     )
 
     await redis.hdel(K.record(), "cluster")  # a record of the default cluster, or an old one
-    recorded = await rs.deploy_record(SID)
+    recorded = await ds.deploy_record(SID)
     assert recorded is not None and recorded.cluster is None
-    again = await rs.take_deploy_lease(SID, "lk@2", LEASE)  # the holder asks again
+    again = await ds.take_deploy_lease(SID, "lk@2", LEASE)  # the holder asks again
     assert again.orphan is not None and again.orphan.cluster is None
 
 
 async def test_a_warm_deploy_renews_its_placeholder_and_touches_no_lock(
-    rs: ResourceState, redis: Redis
+    rs: ResourceState, ds: DeployState, redis: Redis
 ) -> None:
     await configure(rs)
     member = await placeholder(rs, "warm:abc")
-    renewed = await rs.renew_deploy_lease(SID, "warm:abc", "", 20, pod=("ignored", "n", "u"))
+    renewed = await ds.renew_deploy_lease(SID, "warm:abc", "", 20, pod=("ignored", "n", "u"))
     assert renewed is not None and renewed != member
     assert deadline_of(renewed) >= await rnow(redis) + 19
     assert not await redis.exists(K.lock()) and not await redis.exists(K.record())
@@ -275,45 +290,47 @@ async def test_a_warm_deploy_renews_its_placeholder_and_touches_no_lock(
 # --- deploy_lease_end --------------------------------------------------------------------------
 
 
-async def test_end_gives_back_only_its_own_lock_and_record(rs: ResourceState, redis: Redis) -> None:
-    assert (await rs.take_deploy_lease(SID, "lk@1", LEASE)).leader
+async def test_end_gives_back_only_its_own_lock_and_record(ds: DeployState, redis: Redis) -> None:
+    assert (await ds.take_deploy_lease(SID, "lk@1", LEASE)).leader
     await redis.hset(K.record(), mapping={"token": "lk@1", "pod_id": "p", "namespace": "n"})
-    assert await rs.end_deploy_lease(SID, "lk@1", "ok", 3)
+    assert await ds.end_deploy_lease(SID, "lk@1", "ok", 3)
     assert not await redis.exists(K.lock()) and not await redis.exists(K.record())
-    assert not await rs.end_deploy_lease(SID, "lk@1", "ok", 3), "a replay: no longer ours"
+    assert not await ds.end_deploy_lease(SID, "lk@1", "ok", 3), "a replay: no longer ours"
 
     await redis.set(K.lock(), "other@2", px=5000)
     await redis.hset(K.record(), mapping={"token": "other@2", "pod_id": "q", "namespace": "n"})
-    assert not await rs.end_deploy_lease(SID, "lk@1", "failed", 3)
+    assert not await ds.end_deploy_lease(SID, "lk@1", "failed", 3)
     assert await redis.get(K.lock()) == "other@2"
     assert await redis.hget(K.record(), "pod_id") == "q", "the new leader's record is kept"
 
 
-async def test_a_failed_end_leaves_a_short_notice(rs: ResourceState, redis: Redis) -> None:
-    assert (await rs.take_deploy_lease(SID, "lk@1", LEASE)).leader
+async def test_a_failed_end_leaves_a_short_notice(ds: DeployState, redis: Redis) -> None:
+    assert (await ds.take_deploy_lease(SID, "lk@1", LEASE)).leader
     await redis.hset(K.record(), mapping={"token": "lk@1", "pod_id": "p", "namespace": "n"})
-    assert await rs.end_deploy_lease(SID, "lk@1", "failed", 2)
+    assert await ds.end_deploy_lease(SID, "lk@1", "failed", 2)
     assert await redis.hgetall(K.record()) == {"token": "lk@1", "failed": "1"}
     assert 0 < await redis.pttl(K.record()) <= 2000
-    view = await rs.deploy_view(SID)
+    view = await ds.deploy_view(SID)
     assert view.leader is None and view.failed
     # a stopped or taken-over leader leaves none: its followers take over instead
-    assert (await rs.take_deploy_lease(SID, "lk@2", LEASE)).leader
-    assert await rs.end_deploy_lease(SID, "lk@2", "none", 2)
+    assert (await ds.take_deploy_lease(SID, "lk@2", LEASE)).leader
+    assert await ds.end_deploy_lease(SID, "lk@2", "none", 2)
     assert not await redis.exists(K.record())
 
 
 # --- deploy_view and live placeholders -------------------------------------------------------
 
 
-async def test_deploy_view_counts_only_live_placeholders(rs: ResourceState, redis: Redis) -> None:
+async def test_deploy_view_counts_only_live_placeholders(
+    ds: DeployState, js: PoolJobsState, redis: Redis
+) -> None:
     now = await rnow(redis)
     await redis.sadd(K.deploying(), f"dead@{now - 1}", f"warm:w@{now + 30}")
-    view = await rs.deploy_view(SID)
+    view = await ds.deploy_view(SID)
     assert view.leader is None and not view.failed and not view.cold and view.warm
     await redis.sadd(K.deploying(), f"r1:cold@{now + 30}")
-    assert (await rs.deploy_view(SID)).cold
-    live = await rs.live_deploying_of([SID, "other"])
+    assert (await ds.deploy_view(SID)).cold
+    live = await js.live_deploying_of([SID, "other"])
     assert sorted(live[SID]) == sorted([f"warm:w@{now + 30}", f"r1:cold@{now + 30}"])
     assert live["other"] == []
 
@@ -322,14 +339,14 @@ async def test_deploy_view_counts_only_live_placeholders(rs: ResourceState, redi
 
 
 async def test_prune_drops_expired_seats_and_placeholders_and_keeps_live_ones(
-    rs: ResourceState, redis: Redis
+    rs: ResourceState, ds: DeployState, redis: Redis
 ) -> None:
     await configure(rs)
     await configure(rs, "scope-m")
     linked = await rs.acquire(SID, "r0", "link", 60, rule_id="rule-1")  # a live one too
     live = await placeholder(rs, "alive")
-    assert await rs.take_follower_seat(SID, "f-live", 30, 3)
-    assert await rs.take_follower_seat("scope-m", "f-dead", 30, 3)
+    assert await ds.take_follower_seat(SID, "f-live", 30, 3)
+    assert await ds.take_follower_seat("scope-m", "f-dead", 30, 3)
     now = await rnow(redis)
     dead = f"dead@{now - 2}"
     await redis.sadd(K.deploying(), dead)
@@ -339,18 +356,18 @@ async def test_prune_drops_expired_seats_and_placeholders_and_keeps_live_ones(
     await redis.zadd(K.followers("scope-m"), {"f-dead": now - 2})
     assert await redis.smembers(K.LEASED) == {SID, "scope-m"}
 
-    assert await rs.prune_leases() == (2, 1)
+    assert await ds.prune_leases() == LeasePrune(2, 1)
     assert await redis.smembers(K.deploying()) == {live, linked.placeholder}
     assert await redis.zrange(K.followers(), 0, -1) == ["f-live"]
     assert await redis.zscore(K.BUDGET, f"{SID}:{dead}") is None
     assert await redis.zscore(K.rule("rule-1"), f"{SID}:{dead}") is None
     assert await redis.zscore(K.BUDGET, f"{SID}:{live}") is not None
     assert await redis.smembers(K.LEASED) == {SID}, "an empty scope leaves the index"
-    assert await rs.prune_leases() == (0, 0), "a second pass finds nothing more"
+    assert await ds.prune_leases() == LeasePrune(0, 0), "a second pass finds nothing more"
 
 
 async def test_prune_works_through_more_scopes_than_one_slice(
-    rs: ResourceState, redis: Redis
+    ds: DeployState, redis: Redis
 ) -> None:
     now = await rnow(redis)
     n = 230  # more than two slices of LEASE_PRUNE_BATCH
@@ -360,18 +377,18 @@ async def test_prune_works_through_more_scopes_than_one_slice(
             pipe.sadd(K.deploying(f"s{i}"), f"gone@{now - 1}")
             pipe.sadd(K.LEASED, f"s{i}")
         await pipe.execute()
-    assert await rs.prune_leases() == (n, n)
+    assert await ds.prune_leases() == LeasePrune(n, n)
     assert await redis.scard(K.LEASED) == 0
     assert not await redis.exists(K.followers("s0"), K.deploying(f"s{n - 1}"))
 
 
 async def test_gates_and_placeholders_put_their_scope_in_the_index(
-    rs: ResourceState, redis: Redis
+    rs: ResourceState, ds: DeployState, redis: Redis
 ) -> None:
     await configure(rs, "scope-a")
     await configure(rs, "scope-b")
     assert (await rs.acquire("scope-a", "r1", "t1", 60)).action == "need_deploy"
-    assert await rs.add_placeholder("scope-b", "warm:1", 60)
-    assert await rs.take_follower_seat("scope-c", "f1", 30, 2)
-    assert not await rs.take_follower_seat("scope-d", "f1", 30, 0), "refused: not indexed"
+    assert await ds.add_placeholder("scope-b", "warm:1", 60)
+    assert await ds.take_follower_seat("scope-c", "f1", 30, 2)
+    assert not await ds.take_follower_seat("scope-d", "f1", 30, 0), "refused: not indexed"
     assert await redis.smembers(K.LEASED) == {"scope-a", "scope-b", "scope-c"}

@@ -29,11 +29,12 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from agent_runtime.errors import RequestIdReused
-from agent_runtime.resource_manager.state import (
-    POD_PREFIX,
-    AcquireOutcome,
-    ResourceState,
-)
+from agent_runtime.resource_manager.deploy_state import DeployState
+from agent_runtime.resource_manager.models import AcquiredPod
+from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
+from agent_runtime.resource_manager.state import POD_PREFIX, ResourceState
+from agent_runtime.resource_manager.state_values import AcquireOutcome, BudgetRepair
+from agent_runtime.resource_manager.views import ResourceViews
 from helpers import real_redis_url, run_redis_state_machine
 
 T = TypeVar("T")
@@ -99,6 +100,16 @@ def rs(redis: Redis) -> ResourceState:
     return ResourceState(redis)
 
 
+@pytest.fixture
+def ds(rs: ResourceState) -> DeployState:
+    return DeployState(rs)
+
+
+@pytest.fixture
+def js(rs: ResourceState) -> PoolJobsState:
+    return PoolJobsState(rs)
+
+
 def sse(pod: str) -> str:
     return f"http://10.0.0.1:8080/sse/{pod}"
 
@@ -117,7 +128,7 @@ async def add_pod(
     rs: ResourceState, sid: str, pod: str, *, ver: str = "v1", warm: bool = False
 ) -> None:
     """The normal path: a placeholder, then register with it."""
-    member = await rs.add_placeholder(sid, f"tok-{pod}", TTL)
+    member = await DeployState(rs).add_placeholder(sid, f"tok-{pod}", TTL)
     assert member is not None, "test setup: the scope is at max_pods"
     held = await register(rs, sid, pod, member, ver=ver, warm=warm)
     assert held
@@ -269,11 +280,11 @@ async def test_acquire_result_replays_only_for_its_own_scope(
     assert not await redis.exists(K.deploying("s2"))
     again = await rs.acquire("s1", "r1", "t1-retry", TTL)
     assert again == AcquireOutcome("cached", "p1", sse("p1"), first.deploy_ver)
-    assert await rs.cached_result("s1", "r1") == {
-        "pod_id": "p1",
-        "pod_sse_url": sse("p1"),
-        "deploy_ver": first.deploy_ver or "",
-    }
+    assert await rs.cached_result("s1", "r1") == AcquiredPod(
+        pod_id="p1",
+        pod_sse_url=sse("p1"),
+        deploy_ver=first.deploy_ver or "",
+    )
     # a result cached before results were bound (no scope_id) replays as it did
     await redis.set(K.idem("r-old"), json.dumps({"pod_id": "p9", "pod_sse_url": "u"}), ex=60)
     assert (await rs.acquire("s2", "r-old", "t3", TTL)).action == "cached"
@@ -311,11 +322,11 @@ async def test_acquire_hands_out_the_most_recently_idle_pod_first(
 
 
 async def test_acquire_max_reached_counts_pods_and_placeholders(
-    rs: ResourceState, redis: Redis
+    rs: ResourceState, ds: DeployState, redis: Redis
 ) -> None:
     await configure(rs, "s1", max_pods=3)
     await add_pod(rs, "s1", "p1")  # in use
-    assert await rs.add_placeholder("s1", "other", TTL) is not None
+    assert await ds.add_placeholder("s1", "other", TTL) is not None
     third = await rs.acquire("s1", "r1", "t1", TTL)
     assert third.action == "need_deploy"  # 1 pod + 1 placeholder + this one = 3 = max_pods
     assert await redis.zcard(K.pods("s1")) + await redis.scard(K.deploying("s1")) == 3
@@ -461,70 +472,76 @@ async def test_acquire_concurrent_reuses_each_warm_pod_once_then_reserves_up_to_
 # --- placeholder -------------------------------------------------------------------------------
 
 
-async def test_placeholder_without_config_is_none(rs: ResourceState, redis: Redis) -> None:
-    assert await rs.add_placeholder("s1", "t1", TTL) is None
+async def test_placeholder_without_config_is_none(ds: DeployState, redis: Redis) -> None:
+    assert await ds.add_placeholder("s1", "t1", TTL) is None
     assert not await redis.exists(K.deploying("s1"))
 
 
 async def test_placeholder_caps_at_max_pods_and_never_touches_idle(
-    rs: ResourceState, redis: Redis
+    rs: ResourceState, ds: DeployState, redis: Redis
 ) -> None:
     await configure(rs, "s1", max_pods=3)
     await add_pod(rs, "s1", "w1", warm=True)
     before = await redis.get(K.idle_since("w1"))
-    a = await rs.add_placeholder("s1", "a", TTL)
-    b = await rs.add_placeholder("s1", "b", TTL)
+    a = await ds.add_placeholder("s1", "a", TTL)
+    b = await ds.add_placeholder("s1", "b", TTL)
     assert a is not None
     assert b is not None
     assert a.startswith("a@")
-    assert await rs.add_placeholder("s1", "c", TTL) is None  # 1 pod + 2 placeholders = 3
+    assert await ds.add_placeholder("s1", "c", TTL) is None  # 1 pod + 2 placeholders = 3
     assert await smembers(redis, K.deploying("s1")) == {a, b}
     assert await smembers(redis, K.idle("s1")) == {"w1"}  # the warm pod was not consumed
     assert await redis.get(K.idle_since("w1")) == before
     assert await redis.hget(K.info("w1"), "phase") == "idle"
 
 
-async def test_placeholder_replay_returns_the_same_member(rs: ResourceState, redis: Redis) -> None:
+async def test_placeholder_replay_returns_the_same_member(
+    rs: ResourceState, ds: DeployState, redis: Redis
+) -> None:
     await configure(rs, "s1", max_pods=1)
     keys = [K.config("s1"), K.pods("s1"), K.deploying("s1")]
     keys += [K.BUDGET, K.BUDGET_RULES, K.BUDGET_LIMITS, K.LEASED]
     args = ["t1", TTL, "s1", "resource_manager:budget:rule:", 1000]
-    first_reply = await rs._placeholder(keys=keys, args=args)
-    second_reply = await rs._placeholder(keys=keys, args=args)  # at the cap, but ours
+    first_reply = await ds._placeholder(keys=keys, args=args)
+    second_reply = await ds._placeholder(keys=keys, args=args)  # at the cap, but ours
     assert first_reply == second_reply
     first = first_reply[1]
     assert await smembers(redis, K.deploying("s1")) == {first}
-    assert await rs.add_placeholder("s1", "t1", TTL) == first
-    assert await rs.add_placeholder("s1", "t2", TTL) is None
+    assert await ds.add_placeholder("s1", "t1", TTL) == first
+    assert await ds.add_placeholder("s1", "t2", TTL) is None
 
 
-async def test_placeholder_drops_expired_ones_first(rs: ResourceState, redis: Redis) -> None:
+async def test_placeholder_drops_expired_ones_first(
+    rs: ResourceState, ds: DeployState, redis: Redis
+) -> None:
     await configure(rs, "s1", max_pods=1)
     now = await rnow(redis)
     await redis.sadd(K.deploying("s1"), f"crashed@{now - 1}")
-    member = await rs.add_placeholder("s1", "t1", TTL)
+    member = await ds.add_placeholder("s1", "t1", TTL)
     assert member is not None
     assert await smembers(redis, K.deploying("s1")) == {member}
 
 
-async def test_drop_placeholder_frees_the_slot(rs: ResourceState, redis: Redis) -> None:
+async def test_drop_placeholder_frees_the_slot(
+    rs: ResourceState, ds: DeployState, redis: Redis
+) -> None:
     await configure(rs, "s1", max_pods=1)
-    member = await rs.add_placeholder("s1", "t1", TTL)
+    member = await ds.add_placeholder("s1", "t1", TTL)
     assert member is not None
-    await rs.drop_placeholder("s1", member)
+    await ds.drop_placeholder("s1", member)
     assert not await redis.exists(K.deploying("s1"))
-    await rs.drop_placeholder("s1", member)  # idempotent
-    assert await rs.add_placeholder("s1", "t2", TTL) is not None
+    await ds.drop_placeholder("s1", member)  # idempotent
+    assert await ds.add_placeholder("s1", "t2", TTL) is not None
 
 
 # --- register ----------------------------------------------------------------------------------
 
 
 async def test_register_writes_info_pods_and_pods_all_and_gives_back_the_placeholder(
-    rs: ResourceState, redis: Redis
+    rs: ResourceState, ds: DeployState, redis: Redis
 ) -> None:
     await configure(rs, "s1", max_pods=1)
-    member = await rs.add_placeholder("s1", "t1", TTL)
+    member = await ds.add_placeholder("s1", "t1", TTL)
     before = await rnow(redis)
     held = await register(rs, "s1", "p1", member, ver="v1", warm=False)
     after = await rnow(redis)
@@ -547,9 +564,11 @@ async def test_register_writes_info_pods_and_pods_all_and_gives_back_the_placeho
     assert await redis.zcard(K.pods("s1")) + await redis.scard(K.deploying("s1")) == 1
 
 
-async def test_register_warm_goes_straight_into_the_pool(rs: ResourceState, redis: Redis) -> None:
+async def test_register_warm_goes_straight_into_the_pool(
+    rs: ResourceState, ds: DeployState, redis: Redis
+) -> None:
     await configure(rs, "s1")
-    member = await rs.add_placeholder("s1", "t1", TTL)
+    member = await ds.add_placeholder("s1", "t1", TTL)
     assert await register(rs, "s1", "p1", member, warm=True)
     assert await smembers(redis, K.idle("s1")) == {"p1"}
     created = await redis.hget(K.info("p1"), "created_ts")
@@ -558,10 +577,10 @@ async def test_register_warm_goes_straight_into_the_pool(rs: ResourceState, redi
 
 
 async def test_register_replay_keeps_the_first_values_and_answer(
-    rs: ResourceState, redis: Redis
+    rs: ResourceState, ds: DeployState, redis: Redis
 ) -> None:
     await configure(rs, "s1")
-    member = await rs.add_placeholder("s1", "t1", TTL)
+    member = await ds.add_placeholder("s1", "t1", TTL)
     assert member is not None
     keys = [
         K.info("p1"),
@@ -596,10 +615,10 @@ async def test_register_replay_keeps_the_first_values_and_answer(
 
 
 async def test_register_replay_never_puts_a_taken_pod_back_into_the_pool(
-    rs: ResourceState, redis: Redis
+    rs: ResourceState, ds: DeployState, redis: Redis
 ) -> None:
     await configure(rs, "s1")
-    member = await rs.add_placeholder("s1", "t1", TTL)
+    member = await ds.add_placeholder("s1", "t1", TTL)
     assert await register(rs, "s1", "p1", member, warm=True)
     assert (await rs.acquire("s1", "r1", "t-acq", TTL)).pod_id == "p1"  # handed out meanwhile
     assert await register(rs, "s1", "p1", member, warm=True) is True  # a late re-send
@@ -693,31 +712,31 @@ async def test_release_of_a_pod_not_in_the_scope_writes_nothing(
 
 
 async def test_pod_fields_reads_the_asked_fields_of_each_pod_in_order(
-    rs: ResourceState, redis: Redis
+    rs: ResourceState, js: PoolJobsState, redis: Redis
 ) -> None:
     await configure(rs, "s1")
     await configure(rs, "s2")
     await add_pod(rs, "s1", "p1", warm=True)
     await add_pod(rs, "s2", "p2", ver="v1", warm=False)
     await redis.hdel(K.info("p2"), "namespace")
-    got = await rs.pod_fields(["p2", "ghost", "p1"], "phase", "scope_id", "namespace")
+    got = await js.pod_fields(["p2", "ghost", "p1"], "phase", "scope_id", "namespace")
     assert list(got) == ["p2", "ghost", "p1"]
     assert got["p1"] == ["idle", "s1", await redis.hget(K.info("p1"), "namespace")]
     assert got["p2"] == ["in_use", "s2", None], "a missing field is None, the row keeps its place"
     assert got["ghost"] == [None, None, None], "an unknown pod: all None"
-    assert await rs.pod_fields([], "phase") == {}
-    assert await rs.pod_versions(["p1", "ghost"]) == {"p1": "v1", "ghost": None}
+    assert await js.pod_fields([], "phase") == {}
+    assert await js.pod_versions(["p1", "ghost"]) == {"p1": "v1", "ghost": None}
 
 
 async def test_pod_fields_over_more_pods_than_one_call(
-    rs: ResourceState, redis: Redis, monkeypatch: pytest.MonkeyPatch
+    js: PoolJobsState, redis: Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from agent_runtime.resource_manager import state as state_module
+    from agent_runtime.resource_manager import pool_jobs_state as state_module
 
     monkeypatch.setattr(state_module, "SCRIPT_BATCH", 3)
     for i in range(8):
         await redis.hset(K.info(f"q{i}"), mapping={"phase": "in_use", "scope_id": f"s{i}"})
-    got = await rs.pod_fields([f"q{i}" for i in range(8)], "scope_id")
+    got = await js.pod_fields([f"q{i}" for i in range(8)], "scope_id")
     assert got == {f"q{i}": [f"s{i}"] for i in range(8)}
 
 
@@ -725,21 +744,21 @@ async def test_pod_fields_over_more_pods_than_one_call(
 
 
 async def test_read_many_reads_each_key_in_order_and_refuses_other_commands(
-    rs: ResourceState, redis: Redis
+    rs: ResourceState, js: PoolJobsState, redis: Redis
 ) -> None:
     await configure(rs, "s1", max_pods=2)
     await add_pod(rs, "s1", "p1", warm=True)
     config = await redis.hgetall(K.config("s1"))
-    flat = await rs._read_many_script(keys=[K.config("s1"), K.config("nope")], args=["HGETALL"])
+    flat = await js._read_many_script(keys=[K.config("s1"), K.config("nope")], args=["HGETALL"])
     assert dict(zip(flat[0][::2], flat[0][1::2], strict=True)) == config and flat[1] == []
-    sets = await rs._read_many_script(keys=[K.idle("s1"), K.idle("nope")], args=["SMEMBERS"])
+    sets = await js._read_many_script(keys=[K.idle("s1"), K.idle("nope")], args=["SMEMBERS"])
     assert sets == [["p1"], []]
     for command in ("DEL", "SET", "hgetall"):
         with pytest.raises(ResponseError, match="read_many serves"):
-            await rs._read_many_script(keys=[K.config("s1")], args=[command])
+            await js._read_many_script(keys=[K.config("s1")], args=[command])
     assert await redis.hgetall(K.config("s1")) == config, "nothing written"
-    assert await rs.pool_configs(["nope", "s1"]) == {"s1": await rs.pool_config("s1")}
-    assert await rs.idle_pods_of(["s1", "nope"]) == {
+    assert await js.pool_configs(["nope", "s1"]) == {"s1": await rs.pool_config("s1")}
+    assert await js.idle_pods_of(["s1", "nope"]) == {
         "s1": {"p1": float(await redis.get(K.idle_since("p1")))},
         "nope": {},
     }
@@ -748,94 +767,100 @@ async def test_read_many_reads_each_key_in_order_and_refuses_other_commands(
 # --- purge -------------------------------------------------------------------------------------
 
 
-async def test_purge_forgets_every_key_of_the_pod(rs: ResourceState, redis: Redis) -> None:
+async def test_purge_forgets_every_key_of_the_pod(
+    rs: ResourceState, js: PoolJobsState, redis: Redis
+) -> None:
     await configure(rs, "s1")
     await add_pod(rs, "s1", "p1", warm=True)
     await add_pod(rs, "s1", "p2", warm=True)
-    await rs.count_health_failure("p1")
+    await js.count_health_failure("p1")
     assert await pod_keys(redis, "p1") == {K.info("p1"), K.idle_since("p1"), K.health_fails("p1")}
 
-    assert await rs.purge("p1") == "s1"
+    assert await js.purge("p1") == "s1"
     assert await pod_keys(redis, "p1") == set()
     assert await zmembers(redis, K.pods("s1")) == {"p2"}
     assert await smembers(redis, K.idle("s1")) == {"p2"}
     assert await smembers(redis, K.PODS_ALL) == {"p2"}
 
-    assert await rs.purge("p1") is None  # again
-    assert await rs.purge("never") is None
+    assert await js.purge("p1") is None  # again
+    assert await js.purge("never") is None
     assert await pod_keys(redis, "never") == set()
     assert await redis.exists(K.info("p2"), K.idle_since("p2")) == 2
 
 
-async def test_purge_of_an_in_use_pod(rs: ResourceState, redis: Redis) -> None:
+async def test_purge_of_an_in_use_pod(
+    rs: ResourceState, ds: DeployState, js: PoolJobsState, redis: Redis
+) -> None:
     await configure(rs, "s1", max_pods=1)
     await add_pod(rs, "s1", "p1", warm=False)
-    assert await rs.purge("p1") == "s1"
+    assert await js.purge("p1") == "s1"
     assert not await redis.exists(K.pods("s1"), K.PODS_ALL, K.info("p1"))
-    assert await rs.add_placeholder("s1", "t1", TTL) is not None  # its slot is free again
+    assert await ds.add_placeholder("s1", "t1", TTL) is not None  # its slot is free again
 
 
-async def test_take_out_of_idle_only_while_idle(rs: ResourceState, redis: Redis) -> None:
+async def test_take_out_of_idle_only_while_idle(
+    rs: ResourceState, js: PoolJobsState, redis: Redis
+) -> None:
     await configure(rs, "s1")
     await add_pod(rs, "s1", "p1", warm=True)
-    assert await rs.take_out_of_idle("s1", "p1") is True
+    assert await js.take_out_of_idle("s1", "p1") is True
     assert not await redis.exists(K.idle("s1"), K.idle_since("p1"))
-    assert await rs.take_out_of_idle("s1", "p1") is False
+    assert await js.take_out_of_idle("s1", "p1") is False
     assert (await rs.acquire("s1", "r1", "t1", TTL)).action == "need_deploy"
 
 
 # --- deploy_follower_gate ----------------------------------------------------------------------
 
 
-async def test_follower_gate_seats_up_to_the_limit(rs: ResourceState, redis: Redis) -> None:
+async def test_follower_gate_seats_up_to_the_limit(ds: DeployState, redis: Redis) -> None:
     before = await rnow(redis)
-    seated = [await rs.take_follower_seat("s1", f"f{i}", HOLD, 3) for i in range(5)]
+    seated = [await ds.take_follower_seat("s1", f"f{i}", HOLD, 3) for i in range(5)]
     after = await rnow(redis)
     assert seated == [True, True, True, False, False]
     room = dict(await redis.zrange(K.followers("s1"), 0, -1, withscores=True))
     assert set(room) == {"f0", "f1", "f2"}  # the refused ones did not stay
     assert all(before + HOLD <= score <= after + HOLD for score in room.values())
 
-    await rs.leave_follower_seat("s1", "f1")
-    assert await rs.take_follower_seat("s1", "f3", HOLD, 3) is True
+    await ds.leave_follower_seat("s1", "f1")
+    assert await ds.take_follower_seat("s1", "f3", HOLD, 3) is True
     assert await zmembers(redis, K.followers("s1")) == {"f0", "f2", "f3"}
 
 
-async def test_follower_gate_drops_expired_seats(rs: ResourceState, redis: Redis) -> None:
+async def test_follower_gate_drops_expired_seats(ds: DeployState, redis: Redis) -> None:
     now = await rnow(redis)
     await redis.zadd(K.followers("s1"), {"crashed": now - 5, "alive": now + 100})
-    assert await rs.take_follower_seat("s1", "me", HOLD, 2) is True
+    assert await ds.take_follower_seat("s1", "me", HOLD, 2) is True
     assert await zmembers(redis, K.followers("s1")) == {"alive", "me"}
-    assert await rs.take_follower_seat("s1", "late", HOLD, 2) is False
+    assert await ds.take_follower_seat("s1", "late", HOLD, 2) is False
 
 
-async def test_follower_gate_deadline_bound_is_exclusive(rs: ResourceState, redis: Redis) -> None:
+async def test_follower_gate_deadline_bound_is_exclusive(ds: DeployState, redis: Redis) -> None:
     """ZREMRANGEBYSCORE '(now': a seat whose deadline is this very second is still held."""
 
     async def act(now: int) -> bool:
         await redis.delete(K.followers("s1"))  # a retry starts from an empty room
         await redis.zadd(K.followers("s1"), {f"edge{now}": now})
-        return await rs.take_follower_seat("s1", f"me{now}", HOLD, 1)
+        return await ds.take_follower_seat("s1", f"me{now}", HOLD, 1)
 
     now, seated = await same_second(redis, act)
     assert seated is False  # the edge seat still counts, so the room (limit 1) is full
     assert await zmembers(redis, K.followers("s1")) == {f"edge{now}"}
 
 
-async def test_follower_gate_limit_zero_refuses_everyone(rs: ResourceState, redis: Redis) -> None:
-    assert await rs.take_follower_seat("s1", "f1", HOLD, 0) is False
-    assert await rs.take_follower_seat("s1", "f1", HOLD, 0) is False
+async def test_follower_gate_limit_zero_refuses_everyone(ds: DeployState, redis: Redis) -> None:
+    assert await ds.take_follower_seat("s1", "f1", HOLD, 0) is False
+    assert await ds.take_follower_seat("s1", "f1", HOLD, 0) is False
     assert not await redis.exists(K.followers("s1"))
 
 
-async def test_follower_gate_replay_of_a_seated_member(rs: ResourceState, redis: Redis) -> None:
-    assert await rs.take_follower_seat("s1", "f1", HOLD, 2) is True
-    assert await rs.take_follower_seat("s1", "f2", HOLD, 2) is True
+async def test_follower_gate_replay_of_a_seated_member(ds: DeployState, redis: Redis) -> None:
+    assert await ds.take_follower_seat("s1", "f1", HOLD, 2) is True
+    assert await ds.take_follower_seat("s1", "f2", HOLD, 2) is True
     keys, args = [K.followers("s1"), K.LEASED], ["f1", HOLD, 2, "s1"]
-    assert await rs._follower_gate(keys=keys, args=args) == 1
-    assert await rs._follower_gate(keys=keys, args=args) == 1
+    assert await ds._follower_gate(keys=keys, args=args) == 1
+    assert await ds._follower_gate(keys=keys, args=args) == 1
     assert await redis.zcard(K.followers("s1")) == 2
-    assert await rs.take_follower_seat("s1", "f3", HOLD, 2) is False
+    assert await ds.take_follower_seat("s1", "f3", HOLD, 2) is False
 
 
 @pytest.mark.parametrize("clients", [1, 2])
@@ -843,7 +868,7 @@ async def test_follower_gate_under_real_concurrency(
     rs: ResourceState, redis: Redis, clients: int
 ) -> None:
     async with second_client(redis) as other:
-        states = [rs, ResourceState(other)][:clients]
+        states = [DeployState(rs), DeployState(ResourceState(other))][:clients]
         seated = await asyncio.gather(
             *(states[i % clients].take_follower_seat("s1", f"f{i}", HOLD, 4) for i in range(50))
         )
@@ -883,14 +908,14 @@ async def test_acquire_refuses_past_the_global_budget_without_a_placeholder(
     assert await redis.zscore(K.BUDGET, "p1") == float("inf")
     assert (await rs.acquire("s3", "r4", "t4", TTL)).action == "budget_reached"
     # a failed deploy gives its unit back, and so does a purged pod
-    await rs.drop_placeholder("s2", str(b.placeholder))
+    await DeployState(rs).drop_placeholder("s2", str(b.placeholder))
     assert await units(redis, K.BUDGET) == {"p1"}
     c = await rs.acquire("s3", "r5", "t5", TTL)
     assert c.action == "need_deploy"
     assert (await rs.acquire("s2", "r6", "t6", TTL)).action == "budget_reached"
-    assert await rs.purge("p1") == "s1"
+    assert await PoolJobsState(rs).purge("p1") == "s1"
     assert await units(redis, K.BUDGET) == {f"s3:{c.placeholder}"}
-    assert await rs.budget_used() == 1
+    assert await ResourceViews(rs).budget_used() == 1
 
 
 async def test_a_warm_pod_is_handed_out_at_the_budget(redis: Redis) -> None:
@@ -910,7 +935,7 @@ async def test_expired_placeholders_stop_counting_against_a_budget(redis: Redis)
     # a crashed deployer of another scope: its placeholder and unit outlived their deadline
     await redis.sadd(K.deploying("s1"), f"crashed@{now - 1}")
     await redis.zadd(K.BUDGET, {f"s1:crashed@{now - 1}": now - 1})
-    assert await rs.budget_used() == 0
+    assert await ResourceViews(rs).budget_used() == 0
     out = await rs.acquire("s2", "r1", "t1", TTL)
     assert out.action == "need_deploy"
     assert await units(redis, K.BUDGET) == {f"s2:{out.placeholder}"}
@@ -953,8 +978,8 @@ async def test_rule_budget_counts_the_scopes_of_its_rule_and_follows_the_link(
         f"c:{other.placeholder}",
     }
     # purge and drop give back to the rule the scope is linked to
-    assert await rs.purge("pb") == "b"
-    await rs.drop_placeholder("b", str(moved.placeholder))
+    assert await PoolJobsState(rs).purge("pb") == "b"
+    await DeployState(rs).drop_placeholder("b", str(moved.placeholder))
     assert await units(redis, K.rule_budget("S")) == set()
     assert await redis.zcard(K.BUDGET) == 2
 
@@ -964,13 +989,15 @@ async def test_placeholder_respects_both_budgets_and_says_which(redis: Redis) ->
     await configure(rs, "s1", max_pods=5)
     await configure(rs, "s2", max_pods=5)
     assert (await rs.acquire("s1", "r1", "t1", TTL, rule_id="R", rule_pod_budget=1)).placeholder
-    refused = await rs.try_placeholder("s1", "warm:1", TTL)  # autoscale: the link's budget
+    refused = await DeployState(rs).try_placeholder(
+        "s1", "warm:1", TTL
+    )  # autoscale: the link's budget
     assert (refused.member, refused.refused, refused.budget) == (None, "budget_reached", "rule")
-    assert await rs.add_placeholder("s2", "warm:2", TTL) is not None
-    assert await rs.add_placeholder("s2", "warm:3", TTL) is not None
-    full = await rs.try_placeholder("s2", "warm:4", TTL)
+    assert await DeployState(rs).add_placeholder("s2", "warm:2", TTL) is not None
+    assert await DeployState(rs).add_placeholder("s2", "warm:3", TTL) is not None
+    full = await DeployState(rs).try_placeholder("s2", "warm:4", TTL)
     assert (full.member, full.budget) == (None, "global")
-    assert (await rs.try_placeholder("nope", "warm:5", TTL)).refused == "no_config"
+    assert (await DeployState(rs).try_placeholder("nope", "warm:5", TTL)).refused == "no_config"
     assert await redis.zcard(K.BUDGET) == 3
 
 
@@ -979,7 +1006,7 @@ async def test_drop_placeholders_of_a_token_gives_back_their_units(redis: Redis)
     await configure(rs, "s1")
     out = await rs.acquire("s1", "r1", "tok:1", TTL, rule_id="R", rule_pod_budget=5)
     assert out.action == "need_deploy"
-    assert await rs.drop_placeholders_of("s1", "tok:1") == 1
+    assert await DeployState(rs).drop_placeholders_of("s1", "tok:1") == 1
     assert not await redis.exists(K.deploying("s1"))
     assert await redis.zcard(K.BUDGET) == await redis.zcard(K.rule_budget("R")) == 0
 
@@ -1014,7 +1041,7 @@ async def test_repair_budgets_rebuilds_lost_units_and_drops_stale_ones(redis: Re
     assert await units(redis, K.BUDGET) == expected
     # Redis lost the budgets (or an older version never wrote them)
     await redis.delete(K.BUDGET, K.rule_budget("R"), K.BUDGET_RULES)
-    assert await rs.repair_budgets() == (2, 0)
+    assert await PoolJobsState(rs).repair_budgets() == BudgetRepair(2, 0)
     assert await units(redis, K.BUDGET) == await units(redis, K.rule_budget("R")) == expected
     assert await smembers(redis, K.BUDGET_RULES) == {"R"}
     # units that stand for nothing: a pod no longer registered, a placeholder given back, a
@@ -1022,11 +1049,11 @@ async def test_repair_budgets_rebuilds_lost_units_and_drops_stale_ones(redis: Re
     await redis.zadd(K.BUDGET, {"ghost": float("inf"), "s1:gone@99999999999": 99999999999})
     await redis.zadd(K.rule_budget("Q"), {"p1": float("inf")})
     await redis.sadd(K.BUDGET_RULES, "Q")
-    assert await rs.repair_budgets() == (0, 3)
+    assert await PoolJobsState(rs).repair_budgets() == BudgetRepair(0, 3)
     assert await units(redis, K.BUDGET) == expected
     assert not await redis.exists(K.rule_budget("Q"))
     assert await smembers(redis, K.BUDGET_RULES) == {"R"}
-    assert await rs.repair_budgets() == (0, 0)  # nothing left to repair
+    assert await PoolJobsState(rs).repair_budgets() == BudgetRepair(0, 0)  # nothing left to repair
 
 
 # --- the pool as a state machine ---------------------------------------------------------------
@@ -1042,6 +1069,7 @@ class PoolMachine(RuleBasedStateMachine):
         super().__init__()
         self.loop, self.redis = loop, redis
         self.rs = ResourceState(redis)
+        self.ds, self.js = DeployState(self.rs), PoolJobsState(self.rs)
         self.sid = f"hyp-{uuid.uuid4().hex[:10]}"
         self.max_pods = 0
         self.configured = False
@@ -1113,20 +1141,20 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(replay=st.booleans())
     def add_placeholder(self, replay: bool) -> None:
         token = self.next_id("t")
-        member = self.run(self.rs.add_placeholder(self.sid, token, TTL))
+        member = self.run(self.ds.add_placeholder(self.sid, token, TTL))
         if not self.configured or self.used() >= self.max_pods:
             assert member is None
         else:
             assert member is not None
             self.placeholders[token] = member
         if replay:
-            assert self.run(self.rs.add_placeholder(self.sid, token, TTL)) == member
+            assert self.run(self.ds.add_placeholder(self.sid, token, TTL)) == member
 
     @precondition(lambda self: self.placeholders)
     @rule(data=st.data())
     def drop_placeholder(self, data: st.DataObject) -> None:
         token = data.draw(st.sampled_from(sorted(self.placeholders)))
-        self.run(self.rs.drop_placeholder(self.sid, self.placeholders.pop(token)))
+        self.run(self.ds.drop_placeholder(self.sid, self.placeholders.pop(token)))
 
     @precondition(lambda self: self.placeholders)
     @rule(data=st.data(), warm=st.booleans(), old=st.booleans(), replay=st.booleans())
@@ -1154,7 +1182,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def purge(self, data: st.DataObject) -> None:
         pod = self.any_pod(data)
-        assert self.run(self.rs.purge(pod)) == (self.sid if pod in self.pods else None)
+        assert self.run(self.js.purge(pod)) == (self.sid if pod in self.pods else None)
         self.pods.pop(pod, None)
         if not pod.endswith("-unknown"):
             self.gone.add(pod)
@@ -1164,7 +1192,7 @@ class PoolMachine(RuleBasedStateMachine):
     def take_out_of_idle(self, data: st.DataObject) -> None:
         pod = data.draw(st.sampled_from(sorted(self.pods)))
         ver, idle = self.pods[pod]
-        assert self.run(self.rs.take_out_of_idle(self.sid, pod)) is idle
+        assert self.run(self.js.take_out_of_idle(self.sid, pod)) is idle
         self.pods[pod] = (ver, False)
 
     @invariant()

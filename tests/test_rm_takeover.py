@@ -24,16 +24,18 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.facade import (
+    AcquiredPod,
     DeployFailed,
     DeployTimedOut,
     ResourceManagerFacade,
 )
 from agent_runtime.resource_manager.identity import Ownership
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, OnCreated
+from agent_runtime.resource_manager.k8s import OnCreated
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.models import PodDeployInfo
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
+from agent_runtime.resource_manager.pool_jobs import PoolJobs
 from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
-from agent_runtime.resource_manager.sweeper import ResourceSweeper
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
 from helpers import IDENTITY, GatedK8s, other_client
@@ -127,7 +129,7 @@ class Replica:
     notifier: Notifier
     client: Redis
 
-    async def acquire(self, request_id: str, **kw: Any) -> dict[str, str]:
+    async def acquire(self, request_id: str, **kw: Any) -> AcquiredPod:
         return await self.facade.acquire(SCOPE, kw.pop("pod_spec", spec()), POOL, request_id, **kw)
 
 
@@ -196,9 +198,9 @@ async def lapsed(redis: Redis) -> bool:
     return not await redis.exists(LOCK) and not await live_placeholders(redis)
 
 
-def sweeper_of(replica: Replica, k8s: Any) -> ResourceSweeper:
+def pool_jobs_of(replica: Replica, k8s: Any) -> PoolJobs:
     """The jobs of a replica (ticked by hand)."""
-    return ResourceSweeper(
+    return PoolJobs(
         state=replica.state,
         k8s=k8s,
         orchestrator=replica.orchestrator,
@@ -240,7 +242,7 @@ async def test_a_follower_takes_over_and_adopts_the_dead_leader_s_pod(redis: Red
         got = await b.acquire("r-b")
         waited = loop.time() - asked
         await finished(leading)
-        assert got["pod_id"] == orphan, "the dead leader's pod, adopted"
+        assert got.pod_id == orphan, "the dead leader's pod, adopted"
         assert ownership(k8s, orphan) is Ownership.OURS, "the taker signed its incarnation"
         assert k8s.deploy_calls == 1, "nothing deployed anew"
         assert waited < READY_TIMEOUT, f"waited {waited:.1f} s: to its deadline, not a lease"
@@ -279,7 +281,7 @@ async def test_a_leader_that_died_before_its_create_is_replaced_by_a_new_deploy(
         await asyncio.wait_for(dying.died.wait(), 15)
         got = await b.acquire("r-b")
         await finished(leading)
-        assert list(k8s.pods) == [got["pod_id"]]
+        assert list(k8s.pods) == [got.pod_id]
         assert k8s.deploy_calls == 1, "the dead one never reached the cluster"
         await assert_nothing_held(redis)
 
@@ -307,9 +309,9 @@ async def test_a_leader_that_lost_its_lease_registers_nothing_of_its_own(redis: 
             killable.dead = False
             k8s.never_ready = False
             got_a, got_b = await asyncio.gather(first, second)
-            assert got_a["pod_id"] == got_b["pod_id"]
-            assert k8s.deploy_calls == 1 and list(k8s.pods) == [got_b["pod_id"]]
-            assert await redis.zrange(rm("pods"), 0, -1) == [got_b["pod_id"]]
+            assert got_a.pod_id == got_b.pod_id
+            assert k8s.deploy_calls == 1 and list(k8s.pods) == [got_b.pod_id]
+            assert await redis.zrange(rm("pods"), 0, -1) == [got_b.pod_id]
             await assert_nothing_held(redis)
     finally:
         await killable.client.aclose()
@@ -326,18 +328,18 @@ async def test_reconcile_adopts_a_dead_leader_s_pod_when_no_route_comes(redis: R
         orphan = await started_leading(dying, redis)
 
         await eventually(lambda: lapsed(redis), "the dead leader's lease lapsed")
-        sweeper = sweeper_of(b, k8s)
+        pool_jobs = pool_jobs_of(b, k8s)
         assert ownership(k8s, orphan) is Ownership.UNFINISHED
-        counts = await sweeper.reconcile_once()
+        counts = await pool_jobs.reconcile_once()
         assert counts["adopted"] == 1
         assert await redis.sismember(rm("idle"), orphan), "adopted into the warm pool"
         assert ownership(k8s, orphan) is Ownership.OURS, "signed under the deploy's lease"
-        await sweeper.prune_once()  # what the dead replica left (adopting swept some)
+        await pool_jobs.prune_once()  # what the dead replica left (adopting swept some)
         assert await redis.scard(rm("deploying")) == 0
         assert not await redis.exists(RECORD), "its pod is registered: the record is done"
         assert not await redis.sismember("resource_manager:resource:leased_scopes", SCOPE)
         # the next route takes the adopted pod, and the stale record is no orphan any more
-        assert (await b.acquire("r-b"))["pod_id"] == orphan
+        assert (await b.acquire("r-b")).pod_id == orphan
         assert k8s.deploy_calls == 1
         await finished(leading)
         await assert_nothing_held(redis)
@@ -356,13 +358,13 @@ async def test_reconcile_leaves_a_dead_leader_s_starting_pod_to_a_takeover(
         orphan = await started_leading(dying, redis)
 
         await eventually(lambda: lapsed(redis), "the dead leader's lease lapsed")
-        sweeper = sweeper_of(b, k8s)
-        counts = await sweeper.reconcile_once()
+        pool_jobs = pool_jobs_of(b, k8s)
+        counts = await pool_jobs.reconcile_once()
         assert counts["adopted"] == counts["deleted"] == 0
         assert orphan in k8s.pods and await redis.hget(RECORD, "pod_id") == orphan
         assert ownership(k8s, orphan) is Ownership.UNFINISHED, "unfinished, yet left alone"
         k8s.never_ready = False  # it comes up
-        assert (await sweeper.reconcile_once())["adopted"] == 1
+        assert (await pool_jobs.reconcile_once())["adopted"] == 1
         assert await redis.sismember(rm("idle"), orphan)
         assert ownership(k8s, orphan) is Ownership.OURS
         await finished(leading)
@@ -392,7 +394,7 @@ async def test_a_follower_waits_its_own_deadline_once_and_says_how_long(redis: R
                 await b.acquire("r-b2", asked_at=asked)
             assert await redis.exists(LOCK), "the leader goes on"
             k8s.gate.set()
-            assert (await leading)["pod_id"] in k8s.pods
+            assert (await leading).pod_id in k8s.pods
             await assert_nothing_held(redis)
     finally:
         await other.aclose()

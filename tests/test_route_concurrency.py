@@ -28,7 +28,8 @@ from fakeredis import FakeAsyncRedis
 from redis.asyncio import BlockingConnectionPool, Redis
 
 from agent_runtime.db.engine import Database
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, PodDeployInfo
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.resource_manager.models import PodDeployInfo
 from agent_runtime.session_manager import slow_route
 from agent_runtime.wiring import Services, build_redis, redis_pool_size
 from contract_keys import (

@@ -27,7 +27,7 @@ import pytest
 from redis.asyncio import Redis
 
 from agent_runtime.db.engine import Database
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.session_manager.replies import RoutePlacement
 from agent_runtime.wiring import Services
 from contract_keys import (
@@ -168,8 +168,8 @@ class World:
         return result
 
     async def autoscale(self) -> int:
-        started = await self.svc.sweeper.autoscale_once()
-        await self.svc.sweeper.wait_for_warm_deploys()
+        started = await self.svc.pool_jobs.autoscale_once()
+        await self.svc.pool_jobs.wait_for_warm_deploys()
         return started
 
     # --- Redis ---
@@ -759,7 +759,7 @@ async def test_g_dead_pod_sessions_are_evicted_and_rebound_on_another_pod(
         assert (await w.routed("s2"))["pod_id"] == dead
 
         w.k8s.kill(dead)  # phase Failed
-        assert await w.svc.sweeper.watch_once() == 1
+        assert await w.svc.pool_jobs.watch_once() == 1
 
         await w.assert_gone("s1", dead)
         await w.assert_gone("s2", dead)
@@ -795,7 +795,7 @@ async def test_g_a_pod_death_frees_slots_for_waiting_routes(
         await eventually(w.waiting(1), "s3 waits: the scope is full")
 
         w.k8s.kill(dead)
-        assert await w.svc.sweeper.watch_once() == 1
+        assert await w.svc.pool_jobs.watch_once() == 1
         resp = await asyncio.wait_for(waiter, DEADLINE)
 
         assert resp.status_code == 200, resp.text
@@ -901,11 +901,11 @@ async def test_j_pods_deleted_behind_our_back_or_crash_looping_are_cleaned(
         removed = (await w.routed("s1"))["pod_id"]
         looping = (await w.routed("s2"))["pod_id"]
         healthy = (await w.routed("s3"))["pod_id"]
-        assert await w.svc.sweeper.watch_once() == 0, "nothing wrong yet"
+        assert await w.svc.pool_jobs.watch_once() == 0, "nothing wrong yet"
 
         w.k8s.remove(removed)  # someone else deleted it
         w.k8s.set_phase(looping, "Running", "CrashLoopBackOff")
-        assert await w.svc.sweeper.watch_once() == 2
+        assert await w.svc.pool_jobs.watch_once() == 2
 
         for session_id, pod_id in (("s1", removed), ("s2", looping)):
             await w.assert_gone(session_id, pod_id)
@@ -914,7 +914,7 @@ async def test_j_pods_deleted_behind_our_back_or_crash_looping_are_cleaned(
         await w.assert_live("s3", healthy)
         await w.assert_pod_known(healthy)
         assert await w.candidates() == [healthy]
-        assert await w.svc.sweeper.watch_once() == 0, "idempotent"
+        assert await w.svc.pool_jobs.watch_once() == 0, "idempotent"
 
         # their sessions come back on a new pod and are told so
         r1 = await w.routed("s1")
@@ -939,13 +939,13 @@ async def test_k_idle_pods_above_the_floor_are_deleted_after_pod_ttl(
             await w.age_pod(pod)
         assert (await w.sweep())["idle"] == 3
         assert await w.warm() == set(pods)
-        assert await w.svc.sweeper.reclaim_once() == 0, "idle for less than pod_ttl"
+        assert await w.svc.pool_jobs.reclaim_once() == 0, "idle for less than pod_ttl"
 
         # idle for longer than pod_ttl; pods[1] the longest: the floor of one keeps it
         now = int(await w.now())
         for pod, ago in zip(pods, (100, 300, 200), strict=True):
             await redis.set(rm_pod(pod, "idle_since"), str(now - ago))
-        assert await w.svc.sweeper.reclaim_once() == 2
+        assert await w.svc.pool_jobs.reclaim_once() == 2
 
         kept = pods[1]
         assert sorted(w.k8s.deleted) == sorted([pods[0], pods[2]])
@@ -954,7 +954,7 @@ async def test_k_idle_pods_above_the_floor_are_deleted_after_pod_ttl(
             await w.assert_pod_forgotten(pod)
         assert await w.warm() == {kept}
         await w.assert_pod_known(kept)
-        assert await w.svc.sweeper.reclaim_once() == 0, "the floor is never reclaimed"
+        assert await w.svc.pool_jobs.reclaim_once() == 0, "the floor is never reclaimed"
 
         s4 = await w.routed("s4")
         assert s4["pod_id"] == kept and w.k8s.deploy_calls == 3
@@ -973,7 +973,7 @@ async def test_l_a_redis_pod_missing_in_kubernetes_is_purged(redis: Redis, db: D
         kept = (await w.routed("s2"))["pod_id"]
         w.k8s.remove(gone)
 
-        counts = await w.svc.sweeper.reconcile_once()
+        counts = await w.svc.pool_jobs.reconcile_once()
 
         assert counts == {
             "purged": 1,
@@ -1015,7 +1015,7 @@ async def test_l_after_a_resource_manager_wipe_a_ready_current_pod_is_adopted_as
         assert data["affected_scopes"] == 1
         assert await redis.exists(rm_scope(SCOPE, "config"))
 
-        counts = await w.svc.sweeper.reconcile_once()
+        counts = await w.svc.pool_jobs.reconcile_once()
 
         assert counts == {
             "purged": 0,
@@ -1032,7 +1032,7 @@ async def test_l_after_a_resource_manager_wipe_a_ready_current_pod_is_adopted_as
         assert info["phase"] == "idle" and info["pod_sse_url"] == url
         assert info["deploy_ver"] == w.k8s.pods[pod].labels["agent-runtime/deploy-ver"]
         assert await redis.sismember(RM_PODS_ALL, pod)
-        assert (await w.svc.sweeper.reconcile_once())["adopted"] == 0, "adopted once"
+        assert (await w.svc.pool_jobs.reconcile_once())["adopted"] == 0, "adopted once"
 
         # the adopted pod serves the next session that needs a pod
         s2 = await w.routed("s2")
@@ -1064,9 +1064,9 @@ async def test_l_an_unused_in_use_pod_is_released_after_two_passes(
         assert await redis.hget(rm_pod(unused, "info"), "phase") == "in_use"
         assert await w.warm() == set()
 
-        first = await w.svc.sweeper.reconcile_once()
+        first = await w.svc.pool_jobs.reconcile_once()
         assert first["released"] == 0, "one pass is not enough"
-        second = await w.svc.sweeper.reconcile_once()
+        second = await w.svc.pool_jobs.reconcile_once()
         assert second["released"] == 1
 
         assert await w.warm() == {unused}
@@ -1140,7 +1140,7 @@ async def test_m_policy_and_deploy_changes_take_effect_on_the_next_route(
             assert await w.touch(session_id, eos=True) == {"touched": True, "released": True}
         await w.age_pod(old)
         assert (await w.sweep())["idle"] == 1
-        assert await w.svc.sweeper.reclaim_once() == 1
+        assert await w.svc.pool_jobs.reclaim_once() == 1
         assert old in w.k8s.deleted and old not in w.k8s.pods
         await w.assert_pod_forgotten(old)
         await w.assert_pod_known(new)
@@ -1170,7 +1170,7 @@ async def test_m_a_deploy_change_replaces_the_warm_pool(redis: Redis, db: Databa
         new_ver = await redis.hget(rm_scope(SCOPE, "config"), "deploy_ver")
         # the old warm pod is never handed out: a new session gets a pod of the new version
         # (max_pods 2 = the in-use pod and the old warm one: the old one goes first)
-        assert await w.svc.sweeper.reclaim_once() == 1
+        assert await w.svc.pool_jobs.reclaim_once() == 1
         assert old_warm in w.k8s.deleted
         await w.assert_pod_forgotten(old_warm)
         assert await w.autoscale() == 1, "the floor is refilled with the new version"
@@ -1236,7 +1236,7 @@ async def test_m_sunset_pods_holding_max_pods_give_no_pod_available(
         assert await w.touch("s1", eos=True) == {"touched": True, "released": True}
         await w.age_pod(old)
         assert (await w.sweep())["idle"] == 1
-        assert await w.svc.sweeper.reclaim_once() == 1
+        assert await w.svc.pool_jobs.reclaim_once() == 1
         s2 = await w.routed("s2")
         assert s2["pod_id"] != old and w.k8s.deploy_calls == 2
         await w.assert_consistent()
@@ -1256,18 +1256,18 @@ async def test_n_a_pod_failing_health_twice_is_cleaned_and_its_sessions_rebound(
         assert (await w.routed("s2"))["pod_id"] == sick
         w.k8s.unhealthy.add(sick)  # Running, but GET /health fails
 
-        assert await w.svc.sweeper.watch_once() == 0, "one failed probe is not enough"
+        assert await w.svc.pool_jobs.watch_once() == 0, "one failed probe is not enough"
         assert await redis.get(rm_pod(sick, "health_fails")) == "1"
         await w.assert_live("s1", sick)
 
         # a probe in between that passes starts the count again
         w.k8s.unhealthy.discard(sick)
-        assert await w.svc.sweeper.watch_once() == 0
+        assert await w.svc.pool_jobs.watch_once() == 0
         assert not await redis.exists(rm_pod(sick, "health_fails"))
         w.k8s.unhealthy.add(sick)
-        assert await w.svc.sweeper.watch_once() == 0
+        assert await w.svc.pool_jobs.watch_once() == 0
 
-        assert await w.svc.sweeper.watch_once() == 1
+        assert await w.svc.pool_jobs.watch_once() == 1
 
         assert sick in w.k8s.deleted and sick not in w.k8s.pods
         await w.assert_pod_forgotten(sick)
@@ -1287,8 +1287,8 @@ async def test_n_a_running_pod_that_is_not_ready_is_probed_too(redis: Redis, db:
         # its readiness probe fails: Kubernetes turns Ready false but it stays Running
         w.k8s.set_phase(sick, "Running", ready=False)
         w.k8s.unhealthy.add(sick)
-        assert await w.svc.sweeper.watch_once() == 0
-        assert await w.svc.sweeper.watch_once() == 1
+        assert await w.svc.pool_jobs.watch_once() == 0
+        assert await w.svc.pool_jobs.watch_once() == 1
         await w.assert_gone("s1", sick)
         await w.assert_pod_forgotten(sick)
         assert (await w.routed("s1"))["placement"] == "rebound"
@@ -1304,11 +1304,11 @@ async def test_n_a_probe_that_races_the_pods_purge_leaves_no_failure_count(
         async def probe_while_purged(pod_ip: str, port: int) -> bool:
             # while watch probes the pod, it vanishes and reconcile forgets it
             w.k8s.remove(pod)
-            assert (await w.svc.sweeper.reconcile_once())["purged"] == 1
+            assert (await w.svc.pool_jobs.reconcile_once())["purged"] == 1
             return False  # so the probe fails
 
         monkeypatch.setattr(w.k8s, "probe_health", probe_while_purged)
-        assert await w.svc.sweeper.watch_once() == 0
+        assert await w.svc.pool_jobs.watch_once() == 0
 
         await w.assert_gone("s1", pod)
         await w.assert_pod_forgotten(pod)  # no health_fails counter of a forgotten pod
@@ -1387,7 +1387,7 @@ async def test_cleanup_deletes_agentserver_pods_and_leaves_redis_to_watch(
             await w.assert_pod_known(pod_id)
         await w.assert_live("s1", first)
         # ... watch notices the deleted pods
-        assert await w.svc.sweeper.watch_once() == 2
+        assert await w.svc.pool_jobs.watch_once() == 2
         for session_id, pod_id in (("s1", first), ("s2", second)):
             await w.assert_gone(session_id, pod_id)
             await w.assert_pod_forgotten(pod_id)

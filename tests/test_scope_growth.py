@@ -15,8 +15,8 @@ from redis.asyncio import Redis
 from agent_runtime.db.engine import Database
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager import state as rms
-from agent_runtime.resource_manager.facade import ResourceManagerFacade
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from agent_runtime.resource_manager.facade import PoolConfigUpdate, ResourceManagerFacade
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.session_manager import state as sms
@@ -290,7 +290,7 @@ async def test_a_config_sync_during_another_ones_propagation_is_served_and_both_
     real = env.resources.update_pool_config
     slowed = set(t1)
 
-    async def slow(sid: str, *args: Any, **kwargs: Any) -> dict[str, bool]:
+    async def slow(sid: str, *args: Any, **kwargs: Any) -> PoolConfigUpdate:
         if sid in slowed:
             parked.set()
             await gate.wait()  # the first propagation is stuck mid-walk
@@ -369,7 +369,7 @@ async def test_over_http_a_scope_whose_last_pod_is_reclaimed_expires_and_routes_
         async def reclaimed() -> bool:
             await svc.session_sweeper.sweep_once()
             await svc.session_sweeper.wait_for_notices()
-            await svc.sweeper.reclaim_once()
+            await svc.pool_jobs.reclaim_once()
             return not await redis.exists(rms.scope_pods_key(sid))
 
         for _ in range(60):

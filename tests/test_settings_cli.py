@@ -22,7 +22,7 @@ from agent_runtime.config import ConfigError, Mode, Settings
 from agent_runtime.db import schema
 from agent_runtime.db.engine import Database
 from agent_runtime.db.tables import routing_rule
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.wiring import Backends, check_backends
 from helpers import REDIS_URL, make_sql_backend, unavailable
 

@@ -20,7 +20,7 @@ import pytest
 from redis.asyncio import Redis
 
 from agent_runtime.resource_manager.identity import INCARNATION_ANNOTATION, Ownership
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from helpers import IDENTITY
 from kubesim import KubeSim
 from test_faults import wipe
@@ -32,10 +32,10 @@ from test_rm_takeover import (
     finished,
     lapsed,
     ownership,
+    pool_jobs_of,
     rm,
     spec,
     started_leading,
-    sweeper_of,
 )
 
 PODS_ALL = "resource_manager:resource:pods:all"
@@ -52,12 +52,12 @@ async def test_a_taken_over_pod_is_signed_so_a_later_redis_data_loss_adopts_it(
         leading = asyncio.create_task(a.acquire("r-a"))
         orphan = await started_leading(dying, redis)
         assert ownership(k8s, orphan) is Ownership.UNFINISHED
-        assert (await b.acquire("r-b"))["pod_id"] == orphan
+        assert (await b.acquire("r-b")).pod_id == orphan
         assert ownership(k8s, orphan) is Ownership.OURS
         await finished(leading)
 
         await wipe(redis)
-        counts = await sweeper_of(b, k8s).reconcile_once()
+        counts = await pool_jobs_of(b, k8s).reconcile_once()
         assert (counts["adopted"], counts["deleted"]) == (1, 0)
         assert orphan in k8s.pods and k8s.deleted == []
         assert await redis.sismember(PODS_ALL, orphan)
@@ -81,15 +81,15 @@ async def test_a_pod_re_created_under_the_recorded_name_is_not_inherited(redis: 
         assert replay.uid != original.uid
 
         got = await b.acquire("r-b")
-        assert got["pod_id"] != orphan and k8s.deploy_calls == 2, "deployed anew"
+        assert got.pod_id != orphan and k8s.deploy_calls == 2, "deployed anew"
         assert orphan in k8s.pods and orphan not in k8s.deleted, "left alone by the taker"
         assert INCARNATION_ANNOTATION not in k8s.pods[orphan].annotations, "never signed"
         assert not await redis.sismember(PODS_ALL, orphan)
         await finished(leading)
 
-        counts = await sweeper_of(b, k8s).reconcile_once()
+        counts = await pool_jobs_of(b, k8s).reconcile_once()
         assert (counts["adopted"], counts["deleted"]) == (0, 1)
-        assert orphan not in k8s.pods and got["pod_id"] in k8s.pods
+        assert orphan not in k8s.pods and got.pod_id in k8s.pods
 
 
 async def test_reconcile_does_not_adopt_a_re_created_pod_under_a_dead_leader_s_record(
@@ -109,7 +109,7 @@ async def test_reconcile_does_not_adopt_a_re_created_pod_under_a_dead_leader_s_r
             annotations=dict(original.annotations),
         )  # fmt: skip
         await eventually(lambda: lapsed(redis), "the dead leader's lease lapsed")
-        counts = await sweeper_of(b, k8s).reconcile_once()
+        counts = await pool_jobs_of(b, k8s).reconcile_once()
         assert (counts["adopted"], counts["deleted"]) == (0, 1)
         assert orphan not in k8s.pods and not await redis.sismember(PODS_ALL, orphan)
         assert await redis.zcard(rm("pods")) == 0
@@ -142,7 +142,7 @@ async def test_on_kubesim_the_taker_patches_the_incarnation_and_a_data_loss_keep
             assert IDENTITY.verify(found).ownership is Ownership.UNFINISHED
             patches = sim.requests["patch pods"]
 
-            assert (await b.acquire("r-b", pod_spec=pod_spec))["pod_id"] == orphan
+            assert (await b.acquire("r-b", pod_spec=pod_spec)).pod_id == orphan
             assert sim.requests["patch pods"] == patches + 1, "one PATCH, by the taker"
             signed = await client.get_pod(orphan, "default")
             assert signed is not None and signed.uid == found.uid
@@ -151,7 +151,7 @@ async def test_on_kubesim_the_taker_patches_the_incarnation_and_a_data_loss_keep
             await finished(leading)
 
             await wipe(redis)
-            counts = await sweeper_of(b, client).reconcile_once()
+            counts = await pool_jobs_of(b, client).reconcile_once()
             assert (counts["adopted"], counts["deleted"]) == (1, 0)
             assert sim.pod("default", orphan) is not None
             assert await redis.sismember(PODS_ALL, orphan)

@@ -31,7 +31,8 @@ from agent_runtime import logs
 from agent_runtime.config import ConfigError
 from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.clusters import read_clusters
-from agent_runtime.resource_manager.k8s import FakeK8sPodClient, RealK8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.session_manager import config_repo as repo
 from agent_runtime.session_manager.items import TemplateItem
 from agent_runtime.util import scope_id_of
@@ -440,7 +441,7 @@ async def test_reconcile_never_hunts_orphans_off_the_allow_list(redis: Redis, db
         orphan = k8s.add_pod(
             scope_id=scope_id_of("g2", "b2"), deploy_ver="other", namespace="team", **signed
         ).pod_id
-        counts = await svc.sweeper.reconcile_once()
+        counts = await svc.pool_jobs.reconcile_once()
         assert theirs in k8s.pods
         assert orphan not in k8s.pods and counts["deleted"] == 1
 

@@ -7,8 +7,9 @@ modules' view of it); ``/pods/{pod_id}`` — one pod, ``owned`` false for a fore
 ``/foreign_pods`` — pods with our labels that are not provably ours (reconcile's last pass);
 ``/sessions/{session_id}`` — one binding.
 Read only; each answer costs a bounded number of pipelined reads. They sit here, next to the
-wiring, because they read both modules' state (the session side's ``SessionViews``, the
-resource side's ``state``: key names stay in each module's ``state.py``).
+wiring, because they read both modules' state, through their read-only views (the session
+side's ``SessionViews``, the resource side's ``ResourceViews``: key names stay in each
+module's ``state.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from agent_runtime.api.answers import ok
 from agent_runtime.api.ids import ID_MAX, PRINTABLE_PATTERN, is_id
 from agent_runtime.auth import check_bearer
 from agent_runtime.errors import BackendUnavailable, NotFound, ValidationFailed
-from agent_runtime.resource_manager.state import ResourceState
+from agent_runtime.resource_manager.views import ResourceViews
 from agent_runtime.session_manager.views import SessionViews
 from agent_runtime.spec_fields import REDACTED, redacted_spec
 
@@ -72,7 +73,7 @@ class AdminDeps:
     """What the admin views read: each module's state, read only, and the admin tokens."""
 
     sessions: SessionViews
-    resources: ResourceState
+    resources: ResourceViews
     admin_tokens: Sequence[str]
     serving: Callable[[], bool]  # False while the process starts or stops: 503
 

@@ -29,15 +29,15 @@ from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.clusters import read_clusters
 from agent_runtime.resource_manager.facade import ResourceManagerFacade
 from agent_runtime.resource_manager.identity import PodIdentity
-from agent_runtime.resource_manager.k8s import (
-    FakeK8sPodClient,
-    K8sPodClient,
-    MeteredK8sPodClient,
-    RealK8sPodClient,
-)
-from agent_runtime.resource_manager.orchestrator import DeployBounds, ResourceOrchestrator
+from agent_runtime.resource_manager.k8s import K8sPodClient
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.resource_manager.k8s_metered import MeteredK8sPodClient
+from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
+from agent_runtime.resource_manager.models import DeployBounds
+from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
+from agent_runtime.resource_manager.pool_jobs import PoolJobs
 from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
-from agent_runtime.resource_manager.sweeper import ResourceSweeper
+from agent_runtime.resource_manager.views import ResourceViews
 from agent_runtime.session_manager.config_store import ConfigStore
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.handler_deps import HandlerDeps
@@ -220,11 +220,12 @@ class Services:
     scope_state: ScopeState
     session_views: SessionViews
     resource_state: ResourceState
+    resource_views: ResourceViews
     notifier: Notifier
     orchestrator: ResourceOrchestrator
     resources: ResourceManagerFacade
     sessions: SessionManagerFacade
-    sweeper: ResourceSweeper
+    pool_jobs: PoolJobs
     session_orchestrator: SessionOrchestrator
     session_sweeper: SessionSweeper
     jobs: JobRunner
@@ -250,7 +251,7 @@ class Services:
         """What the admin views read."""
         return AdminDeps(
             sessions=self.session_views,
-            resources=self.resource_state,
+            resources=self.resource_views,
             admin_tokens=tuple(self.settings.admin_tokens),
             serving=lambda: self.ready,
         )
@@ -267,14 +268,14 @@ class Services:
         """Pods by state and live sessions, read from Redis when /metrics is scraped (a few
         pipelined reads, O(pods + scopes)); per scope only with ``scope_metrics``."""
         scopes = await self.session_views.known_scopes()
-        phases = await self.resource_state.pod_phases()
+        phases = await self.resource_views.pod_phases()
         metrics.pods.labels("in_use").set(phases.get("in_use", 0))
         metrics.pods.labels("idle").set(phases.get("idle", 0))
-        metrics.pods.labels("deploying").set(await self.resource_state.placeholders(scopes))
+        metrics.pods.labels("deploying").set(await self.resource_views.placeholders(scopes))
         metrics.pods.labels("retiring").set(await self.session_views.retiring_pods())
         metrics.sessions.set(await self.session_views.live_sessions())
-        metrics.pod_budget_used.set(await self.resource_state.budget_used())
-        metrics.foreign_pods_seen.set(await self.resource_state.foreign_pod_count())
+        metrics.pod_budget_used.set(await self.resource_views.budget_used())
+        metrics.foreign_pods_seen.set(await self.resource_views.foreign_pod_count())
         if self.settings.scope_metrics:
             counts = await self.session_views.scope_session_counts(scopes)
             metrics.scope_sessions.clear()
@@ -290,7 +291,7 @@ class Services:
         """Reverse order: no new ticks, then running deploys finish or clean up."""
         await self.jobs.stop()
         await self.session_sweeper.wait_for_notices()
-        await self.sweeper.wait_for_warm_deploys()
+        await self.pool_jobs.wait_for_warm_deploys()
         await self.orchestrator.close()
         await self.notifier.stop()
 
@@ -330,7 +331,7 @@ def wire(
     )
     resources = ResourceManagerFacade(orchestrator=orchestrator)
     sessions = SessionManagerFacade(state=session_state)
-    sweeper = ResourceSweeper(
+    pool_jobs = PoolJobs(
         state=resource_state,
         k8s=k8s,
         orchestrator=orchestrator,
@@ -362,10 +363,10 @@ def wire(
         jobs=[
             Job("sm_sweep", settings.sweep_interval, session_sweeper.sweep_once),
             Job("scope_expiry", settings.scope_expiry_interval, session_sweeper.expire_scopes_once),
-            Job("rm_autoscale", settings.autoscale_interval, sweeper.autoscale_once),
-            Job("rm_reclaim", settings.reclaim_interval, sweeper.reclaim_and_prune_once),
-            Job("rm_watch", settings.watch_interval, sweeper.watch_once),
-            Job("rm_reconcile", settings.reconcile_interval, sweeper.reconcile_once),
+            Job("rm_autoscale", settings.autoscale_interval, pool_jobs.autoscale_once),
+            Job("rm_reclaim", settings.reclaim_interval, pool_jobs.reclaim_and_prune_once),
+            Job("rm_watch", settings.watch_interval, pool_jobs.watch_once),
+            Job("rm_reconcile", settings.reconcile_interval, pool_jobs.reconcile_once),
         ],
     )
     return Services(
@@ -375,11 +376,12 @@ def wire(
         scope_state=scope_state,
         session_views=SessionViews(session_state, scope_state),
         resource_state=resource_state,
+        resource_views=ResourceViews(resource_state),
         notifier=notifier,
         orchestrator=orchestrator,
         resources=resources,
         sessions=sessions,
-        sweeper=sweeper,
+        pool_jobs=pool_jobs,
         session_orchestrator=SessionOrchestrator(
             state=session_state,
             config_store=config_store,

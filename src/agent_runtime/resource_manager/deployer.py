@@ -24,17 +24,20 @@ from agent_runtime import admission, logs, spec_fields
 from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.clusters import template_cluster
+from agent_runtime.resource_manager.deploy_state import DeployState
 from agent_runtime.resource_manager.identity import Ownership, PodIdentity
 from agent_runtime.resource_manager.k8s import K8sPodClient
 from agent_runtime.resource_manager.lease import DeployLease
 from agent_runtime.resource_manager.models import (
+    AcquiredPod,
     DeployBounds,
     DeployFailed,
     LeaseLost,
     PodDeployInfo,
     PodGone,
 )
-from agent_runtime.resource_manager.state import OrphanPod, ResourceState, registered_channel
+from agent_runtime.resource_manager.state import ResourceState, registered_channel
+from agent_runtime.resource_manager.state_values import OrphanPod
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,7 @@ class Deployer:
         self,
         *,
         state: ResourceState,
+        deploys: DeployState,
         k8s: K8sPodClient,
         notifier: Notifier,
         default_namespace: str,
@@ -60,6 +64,7 @@ class Deployer:
         identity: PodIdentity,
     ) -> None:
         self._state = state
+        self._deploy_state = deploys
         self._k8s = k8s
         self._notifier = notifier
         self._default_namespace = default_namespace
@@ -79,7 +84,7 @@ class Deployer:
         warm: bool,
         requester: Requester | None = None,
         orphan: OrphanPod | None = None,
-    ) -> dict[str, str]:
+    ) -> AcquiredPod:
         """Deploy one pod (or adopt ``orphan``: the pod a leader whose lease lapsed created)
         and register it; the claim (a placeholder member, or a cold deploy's lease) is renewed
         meanwhile and given back on every path. ``LeaseLost``: another leader took the claim
@@ -87,7 +92,7 @@ class Deployer:
         lease = (
             placeholder
             if isinstance(placeholder, DeployLease)
-            else DeployLease(self._state, scope_id, placeholder, seconds=self._lease)
+            else DeployLease(self._deploy_state, scope_id, placeholder, seconds=self._lease)
         )
         version = spec_fields.deploy_ver(pod_spec)
         logs.add_secret_values(spec_fields.clear_env_values(pod_spec))  # an error may echo them
@@ -153,7 +158,7 @@ class Deployer:
         log.info(
             "scope %s: pod %s registered (%s)", scope_id, info.pod_id, "warm" if warm else "in use"
         )
-        return {"pod_id": info.pod_id, "pod_sse_url": info.pod_sse_url, "deploy_ver": version}
+        return AcquiredPod(info.pod_id, info.pod_sse_url, version)
 
     async def _bring_pod(
         self,

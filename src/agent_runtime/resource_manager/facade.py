@@ -1,31 +1,40 @@
 """``ResourceManagerFacade``: the only way the session manager reaches the resource manager.
 
-Thin on purpose: the work is in ``orchestrator``. The resource manager's own failures are
-re-exported here, so the session side can map them without importing anything else.
+Thin on purpose: the work is in ``orchestrator``. Every method gives a small typed value
+(``AcquiredPod``, ``IdleTransition``, ``PoolConfigUpdate``, a bool or a count), never a dict.
+Those values and the resource manager's own failures are re-exported here, so the session side
+imports nothing else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 
+from agent_runtime.resource_manager.followers import OnReady
 from agent_runtime.resource_manager.models import (
+    AcquiredPod,
     DeployFailed,
     DeployInProgress,
     DeployTimedOut,
+    IdleTransition,
     K8sApiError,
     MaxPodsReached,
     PodBudgetReached,
+    PoolConfigUpdate,
 )
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 
 __all__ = [
+    "AcquiredPod",
     "DeployFailed",
     "DeployInProgress",
     "DeployTimedOut",
+    "IdleTransition",
     "K8sApiError",
     "MaxPodsReached",
+    "OnReady",
     "PodBudgetReached",
+    "PoolConfigUpdate",
     "ResourceManagerFacade",
 ]
 
@@ -41,13 +50,12 @@ class ResourceManagerFacade:
         pool_config: dict[str, int],
         request_id: str,
         *,
-        on_ready: Callable[[dict[str, str]], Awaitable[object]] | None = None,
+        on_ready: OnReady | None = None,
         rule_id: str = "",
         rule_pod_budget: int = 0,
         asked_at: float | None = None,
-    ) -> dict[str, str]:
-        """``{pod_id, pod_sse_url, deploy_ver}`` of a warm pod or of one new deploy (followers
-        share it).
+    ) -> AcquiredPod:
+        """A warm pod, or the pod of one new deploy (followers share it).
 
         ``on_ready(pod)``: called by a deploy leader with its new pod before it lets go of
         the scope's deploy lock, so the caller can publish the pod before another acquire
@@ -80,7 +88,7 @@ class ResourceManagerFacade:
         that do not route meanwhile sees it at once (an acquire also refreshes it)."""
         await self._orchestrator.set_rule_pod_budget(rule_id, limit)
 
-    async def idle_consider(self, pod_id: str, scope_id: str) -> dict[str, bool]:
+    async def idle_consider(self, pod_id: str, scope_id: str) -> IdleTransition:
         """The session side saw the pod empty: into the warm pool (idempotent)."""
         return await self._orchestrator.idle_consider(pod_id, scope_id)
 
@@ -91,7 +99,7 @@ class ResourceManagerFacade:
         pod_spec: dict[str, Any] | None = None,
         *,
         generation: int | None = None,
-    ) -> dict[str, bool]:
+    ) -> PoolConfigUpdate:
         """Set the scope's pool parameters; with a pod spec also its ``deploy_ver`` (computed
         here with ``spec_fields.deploy_ver``, so the two sides never disagree). With the
         config_sync's ``generation``: ``updated`` False when a later config_sync already

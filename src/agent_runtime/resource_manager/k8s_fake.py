@@ -1,5 +1,5 @@
 """``FakeK8sPodClient``: the in-memory Kubernetes of local mode and the tests. It implements
-``k8s.K8sPodClient`` exactly (and ``k8s.py`` re-exports it); faults are plain public knobs.
+``k8s.K8sPodClient`` exactly; faults are plain public knobs.
 """
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ import dataclasses
 import math
 import uuid
 from collections.abc import Collection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agent_runtime import label_selector as selectors
 from agent_runtime.resource_manager.clusters import template_cluster
 from agent_runtime.resource_manager.identity import IDENTITY_ANNOTATION, PodIdentity
+from agent_runtime.resource_manager.k8s import OnCreated
 from agent_runtime.resource_manager.models import (
     DeployFailed,
     K8sApiError,
@@ -30,9 +31,6 @@ from agent_runtime.resource_manager.pod_manifest import (
     sse_url,
 )
 from agent_runtime.resource_manager.pod_reading import LIST_PAGE_SIZE
-
-if TYPE_CHECKING:
-    from agent_runtime.resource_manager.k8s import OnCreated
 
 
 class FakeK8sPodClient:

@@ -18,8 +18,10 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+from agent_runtime.resource_manager.deploy_state import DeployState
 from agent_runtime.resource_manager.models import LeaseLost
-from agent_runtime.resource_manager.state import LeaseTake, ResourceState, placeholder_token
+from agent_runtime.resource_manager.state import placeholder_token
+from agent_runtime.resource_manager.state_values import LeaseTake
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,7 @@ class DeployLease:
 
     def __init__(
         self,
-        state: ResourceState,
+        state: DeployState,
         scope_id: str,
         member: str,
         *,

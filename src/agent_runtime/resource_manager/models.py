@@ -1,4 +1,5 @@
-"""Resource manager data: pod views, labels, the dead-pod rules (contract §5), and its errors."""
+"""Resource manager data: pod views, labels, the dead-pod rules (contract §5), the values its
+facade gives (``AcquiredPod``, ``IdleTransition``, ``PoolConfigUpdate``), and its errors."""
 
 from __future__ import annotations
 
@@ -31,6 +32,32 @@ class PodDeployInfo:
     pod_ip: str
     pod_sse_url: str
     cluster: str | None = None  # where it runs (None: the process default)
+
+
+@dataclass(frozen=True, slots=True)
+class AcquiredPod:
+    """A pod handed to a caller: by acquire (warm, deployed, followed or replayed), and to
+    ``on_ready`` by a deploy leader before it lets go of the scope's deploy lock."""
+
+    pod_id: str
+    pod_sse_url: str
+    deploy_ver: str = ""  # "" only in a replay of a result cached before versions were
+
+
+@dataclass(frozen=True, slots=True)
+class IdleTransition:
+    """``idle_consider``: whether the pod went into the warm pool now (False: it already was,
+    or it is not known)."""
+
+    transitioned_to_idle: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfigUpdate:
+    """``update_pool_config``: False when a later config_sync already wrote the scope's pool
+    config (overlapping propagations converge to the later one)."""
+
+    updated: bool
 
 
 # placeholders of the warm pool's own deploys (autoscale): their pods register as idle, so a

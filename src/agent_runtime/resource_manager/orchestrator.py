@@ -2,15 +2,14 @@
 
 Concurrent cold acquires of one scope (on any replica) race for the scope's deploy lease
 (``lock:rm:deploy:{sid}``, lease.py). The winner deploys; the others give back their
-placeholder and wait in the follower room (at most ``pod_concurrency - 1`` seats: what the new
-pod can still hold) for the leader's pod, woken by the registration signal. A follower that sees
-its leader's lease lapse (the leader's replica died) runs its acquire again: one caller takes
-the lease over, and with it the pod the dead leader had created (adopted once Ready, deleted if
-it fails). Followers never take over a failed deploy: the leader leaves a notice (same image,
-same failure). A caller waits at most its own deadline (``ready_timeout + FOLLOWER_MARGIN``
-from when it first asked), once, however many rounds it takes. Hazard: every exit path must
-give back what it took — the placeholder, the follower seat, the lease — and a pod created by
-a failed deploy is deleted.
+placeholder and wait in the follower room (followers.py) for the leader's pod. A follower
+that sees its leader's lease lapse (the leader's replica died) runs its acquire again: one
+caller takes the lease over, and with it the pod the dead leader had created (adopted once
+Ready, deleted if it fails). Followers never take over a failed deploy: the leader leaves a
+notice (same image, same failure). A caller waits at most its own deadline (``ready_timeout +
+FOLLOWER_MARGIN`` from when it first asked), once, however many rounds it takes. Hazard:
+every exit path must give back what it took — the placeholder, the follower seat, the lease —
+and a pod created by a failed deploy is deleted.
 """
 
 from __future__ import annotations
@@ -21,81 +20,47 @@ import dataclasses
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
-from agent_runtime import admission, spec_fields
 from agent_runtime import label_selector as selectors
+from agent_runtime import spec_fields
 from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
+from agent_runtime.resource_manager.deploy_state import DeployState, lock_token
 from agent_runtime.resource_manager.deployer import Deployer, Requester
+from agent_runtime.resource_manager.followers import (
+    AcquireCall,
+    FollowerRoom,
+    LeaderGone,
+    OnReady,
+)
 from agent_runtime.resource_manager.identity import PodIdentity
 from agent_runtime.resource_manager.k8s import K8sPodClient
 from agent_runtime.resource_manager.lease import DeployLease
 from agent_runtime.resource_manager.models import (
     OWN_PODS_SELECTOR,
+    AcquiredPod,
     DeployBounds,
     DeployFailed,
     DeployInProgress,
     DeployTimedOut,
+    IdleTransition,
     LeaseLost,
     MaxPodsReached,
     PodBudgetReached,
+    PoolConfigUpdate,
 )
-from agent_runtime.resource_manager.state import OrphanPod, ResourceState, registered_channel
+from agent_runtime.resource_manager.state import ResourceState
+from agent_runtime.resource_manager.state_values import AcquireOutcome, OrphanPod
 
 log = logging.getLogger(__name__)
 
-FOLLOWER_MARGIN = 10  # seconds a caller waits beyond ready_timeout (registration overhead)
 LOCK_MARGIN = 30  # seconds a recorded pod outlives ready_timeout
-FOLLOWER_POLL = 0.25  # safety net under the registration signal
 DEFAULT_DEPLOY_LEASE = 5.0
 MAX_ROUNDS = 20  # acquire rounds of one call (takeovers, lost leases): bounded even so
 CLEANUP_CONCURRENCY = 10
 POOL_CONFIG_FIELDS = ("min_idle_pods", "max_pods", "pod_ttl", "pod_concurrency")
-
-OnReady = Callable[[dict[str, str]], Awaitable[object]]
-
-
-@dataclass(frozen=True)
-class _Acquire:
-    """One acquire call: what its deploy or its follower wait needs."""
-
-    scope_id: str
-    pod_spec: dict[str, Any]
-    pool_config: dict[str, int]
-    request_id: str
-    started_at: float  # Redis seconds: every pod registered since may be ours to share
-    on_ready: OnReady | None
-    rule_id: str = ""  # the rule whose pod budget a new pod counts against ("" = none)
-    rule_pod_budget: int = 0  # 0 = unbounded
-    asked_at: float = 0.0  # event-loop time the caller first asked for a pod
-
-    @property
-    def ready_timeout(self) -> float:
-        return float(self.pod_spec.get("ready_timeout") or 300)
-
-    @property
-    def deadline(self) -> float:
-        """Event-loop time after which the caller waits no longer, whatever is on its way."""
-        return self.asked_at + self.ready_timeout + FOLLOWER_MARGIN
-
-
-class _LeaderGone(Exception):
-    """The leader's lease lapsed and it left no result: acquire again (one caller takes over)."""
-
-
-def _started_of(token: str | None) -> float:
-    """When a leader's acquire started (Redis seconds), from its lock token
-    ``{replica}/{uuid}@{start}``: every pod it brings was registered at or after that. inf
-    when unknown."""
-    _, at, started = (token or "").rpartition("@")
-    try:
-        return float(started) if at else math.inf
-    except ValueError:
-        return math.inf
 
 
 class ResourceOrchestrator:
@@ -119,13 +84,13 @@ class ResourceOrchestrator:
         the deploy lock's token, so an operator sees which replica leads a deploy."""
         metrics = metrics or Metrics()
         self._acquired = metrics.acquires
-        self._follower_waits = metrics.follower_waits
         self._state = state
+        self._deploy_state = DeployState(state)
         self._k8s = k8s
-        self._notifier = notifier
         self._default_namespace = default_namespace
         self._deployer = Deployer(
             state=state,
+            deploys=self._deploy_state,
             k8s=k8s,
             notifier=notifier,
             default_namespace=default_namespace,
@@ -134,10 +99,17 @@ class ResourceOrchestrator:
             lease=deploy_lease,
             identity=identity,
         )
+        self._followers = FollowerRoom(
+            state=state,
+            deploys=self._deploy_state,
+            notifier=notifier,
+            waits=metrics.follower_waits,
+            deploy_lease=deploy_lease,
+            seat_hold=math.ceil(deploy_lease),
+        )
         self._deploys = BackgroundTasks()
         self.deploy_lease = deploy_lease
         self._instance_id = instance_id
-        self._stopping = False
 
     @property
     def placeholder_ttl(self) -> int:
@@ -147,7 +119,7 @@ class ResourceOrchestrator:
     def drain(self) -> None:
         """The replica is stopping: followers leave their seats at their next look (their
         routes were answered already); deploys run on, within the stop bound."""
-        self._stopping = True
+        self._followers.stopping = True
 
     # --- acquire -------------------------------------------------------------------------------
 
@@ -162,10 +134,10 @@ class ResourceOrchestrator:
         rule_id: str = "",
         rule_pod_budget: int = 0,
         asked_at: float | None = None,
-    ) -> dict[str, str]:
+    ) -> AcquiredPod:
         source = "failed"
         try:
-            call = _Acquire(
+            call = AcquireCall(
                 scope_id,
                 pod_spec,
                 pool_config,
@@ -193,7 +165,7 @@ class ResourceOrchestrator:
         finally:
             self._acquired.labels(source).inc()
 
-    async def _acquire(self, call: _Acquire) -> tuple[dict[str, str], str]:
+    async def _acquire(self, call: AcquireCall) -> tuple[AcquiredPod, str]:
         """The pod and where it came from: replay, warm, deploy or follower."""
         scope_id, request_id = call.scope_id, call.request_id
         cached = await self._state.cached_result(scope_id, request_id)
@@ -202,8 +174,8 @@ class ResourceOrchestrator:
         call = dataclasses.replace(call, started_at=await self._state.now())
         wrote_config = False
         for _ in range(MAX_ROUNDS):
-            if asyncio.get_running_loop().time() >= call.deadline:
-                raise self._expired(call)
+            if call.remaining() <= 0:
+                raise call.expired()
             token = f"{request_id}:{uuid.uuid4().hex[:8]}"
             try:
                 outcome = await self._state.acquire(
@@ -218,16 +190,11 @@ class ResourceOrchestrator:
                 # the script may have taken a placeholder whose reply never came back (the
                 # caller cancelled, the connection dropped): it would hold a slot of max_pods
                 with contextlib.suppress(Exception):
-                    await self._state.drop_placeholders_of(scope_id, token)
+                    await self._deploy_state.drop_placeholders_of(scope_id, token)
                 raise
             if outcome.action in ("cached", "reuse"):
-                assert outcome.pod_id is not None and outcome.pod_sse_url is not None
-                pod = {
-                    "pod_id": outcome.pod_id,
-                    "pod_sse_url": outcome.pod_sse_url,
-                    "deploy_ver": outcome.deploy_ver or "",
-                }
-                return pod, "replay" if outcome.action == "cached" else "warm"
+                assert outcome.pod is not None
+                return outcome.pod, "replay" if outcome.action == "cached" else "warm"
             if outcome.action == "no_config":
                 if wrote_config:
                     raise DeployFailed(f"scope {scope_id}: pool config vanished during acquire")
@@ -238,17 +205,16 @@ class ResourceOrchestrator:
                 if outcome.action in ("max_reached", "budget_reached"):
                     # no new pod: one on its way may still serve us; else refused (max_pods:
                     # the route waits a moment for a candidate; a budget: answered at once)
-                    return await self._follow_in_flight(call, self._refusal(call, outcome)), (
-                        "follower"
-                    )
+                    refusal = self._refusal(call, outcome)
+                    return await self._followers.follow_in_flight(call, refusal), "follower"
                 assert outcome.placeholder is not None
                 return await self._deploy_or_follow(call, outcome.placeholder)
-            except (_LeaderGone, LeaseLost) as exc:
+            except (LeaderGone, LeaseLost) as exc:
                 log.info("scope %s: %s; acquiring again", scope_id, exc)
         raise DeployFailed(f"scope {scope_id}: no pod after {MAX_ROUNDS} acquire rounds")
 
     @staticmethod
-    def _refusal(call: _Acquire, outcome: Any) -> Exception:
+    def _refusal(call: AcquireCall, outcome: AcquireOutcome) -> Exception:
         if outcome.action == "max_reached":
             return MaxPodsReached(f"scope {call.scope_id} is at max_pods")
         budget = outcome.budget or "global"
@@ -256,41 +222,17 @@ class ResourceOrchestrator:
             f"scope {call.scope_id}: the {budget} pod budget is reached", budget=budget
         )
 
-    @staticmethod
-    def _expired(call: _Acquire) -> DeployTimedOut:
-        waited = asyncio.get_running_loop().time() - call.asked_at
-        return DeployTimedOut(
-            f"scope {call.scope_id}: no pod within {waited:.1f} s (ready_timeout "
-            f"{call.ready_timeout:g} s + {FOLLOWER_MARGIN} s from the first ask)",
-            waited=waited,
-        )
-
-    async def _follow_in_flight(self, call: _Acquire, refusal: Exception) -> dict[str, str]:
-        """The scope may not grow: follow a deploy in flight (its pod may have room for us),
-        wait for a warm one, or raise ``refusal``."""
-        view = await self._state.deploy_view(call.scope_id)
-        if view.leader is None and not view.cold and view.warm:
-            # only the warm pool's deploys hold the cap: their pods come as warm pods, to be
-            # taken by a later acquire, never handed to a follower
-            raise DeployInProgress(f"scope {call.scope_id}: a warm pod is being deployed")
-        if view.leader is not None or view.cold:
-            # the leader's start, read now: a leader that registered its pod just before we
-            # started may end its lease before _follow looks
-            return await self._follow(call, min(call.started_at, _started_of(view.leader)))
-        raise refusal
-
     async def _deploy_or_follow(
-        self, call: _Acquire, placeholder: str
-    ) -> tuple[dict[str, str], str]:
+        self, call: AcquireCall, placeholder: str
+    ) -> tuple[AcquiredPod, str]:
         scope_id = call.scope_id
         lease = DeployLease(
-            self._state,
+            self._deploy_state,
             scope_id,
             placeholder,
             seconds=self.deploy_lease,
-            # "{replica}/{uuid}@{start}": who leads, and when its acquire started, for the
-            # followers (_started_of)
-            lock_token=f"{self._instance_id}/{uuid.uuid4().hex}@{call.started_at!r}",
+            # who leads, and when its acquire started, for the followers (deploy_state)
+            lock_token=lock_token(self._instance_id, call.started_at),
             record_ttl=math.ceil(call.ready_timeout) + LOCK_MARGIN,
         )
         try:
@@ -305,8 +247,8 @@ class ResourceOrchestrator:
             raise
         if not took.leader:
             await lease.give_back()
-            since = min(call.started_at, _started_of(took.holder))
-            return await self._follow(call, since), "follower"
+            since = min(call.started_at, took.holder_started)
+            return await self._followers.follow(call, since), "follower"
         requester = Requester()
         # Our own task: a caller that disconnects (or whose deadline passes) does not abort a
         # deploy half-way (that would leave a pod nobody tracks, or a lease given back while
@@ -315,22 +257,22 @@ class ResourceOrchestrator:
             self._lead(call, lease, took.orphan, requester), name=f"deploy:{scope_id}"
         )
         try:
-            done, _ = await asyncio.wait({task}, timeout=max(call.deadline - _now(), 0.0))
+            done, _ = await asyncio.wait({task}, timeout=max(call.remaining(), 0.0))
         except asyncio.CancelledError:
             requester.gone = True  # the pod, once Ready, goes to the warm pool
             raise
         if task not in done:
             requester.gone = True
-            raise self._expired(call)
+            raise call.expired()
         return task.result(), "deploy"
 
     async def _lead(
         self,
-        call: _Acquire,
+        call: AcquireCall,
         lease: DeployLease,
         orphan: OrphanPod | None,
         requester: Requester,
-    ) -> dict[str, str]:
+    ) -> AcquiredPod:
         scope_id = call.scope_id
         outcome = "failed"  # the followers' notice: same image, same failure
         try:
@@ -338,7 +280,9 @@ class ResourceOrchestrator:
             # room for us (never with pod_concurrency 1: it is full with its own session); an
             # inherited pod is ours to adopt or delete, whatever else exists
             shareable = int(call.pool_config.get("pod_concurrency", 1)) > 1 and orphan is None
-            fresh = await self._registered_since(scope_id, call.started_at) if shareable else None
+            fresh = None
+            if shareable:
+                fresh = await self._state.in_use_pod_since(scope_id, call.started_at)
             if fresh is not None:
                 await lease.give_back()
                 outcome = "ok"
@@ -375,77 +319,16 @@ class ResourceOrchestrator:
         warm: bool,
         requester: Requester | None = None,
         orphan: OrphanPod | None = None,
-    ) -> dict[str, str]:
+    ) -> AcquiredPod:
         """See ``Deployer.deploy_and_register`` (autoscale's warm deploys come here too)."""
         return await self._deployer.deploy_and_register(
             scope_id, pod_spec, placeholder, warm=warm, requester=requester, orphan=orphan
         )
 
-    async def _follow(self, call: _Acquire, since: float) -> dict[str, str]:
-        """Wait in the follower room for the leader's pod (registered since ``since``); the
-        seat is a lease too, renewed while we wait. ``_LeaderGone`` when the leader's lease
-        lapsed without a result: the caller acquires again and may take over."""
-        scope_id, request_id = call.scope_id, call.request_id
-        limit = max(int(call.pool_config.get("pod_concurrency", 1)) - 1, 0)
-        entered = renewed = _now()
-        try:
-            # inside the try: a cancellation while the gate's reply is in flight still gives
-            # the seat back (ZREM of a seat we never got is harmless)
-            if not await self._take_seat(call, limit):
-                raise DeployInProgress(
-                    f"scope {scope_id}: a deploy is running and its room is full"
-                )
-            async with self._notifier.listen(registered_channel(scope_id)) as listener:
-                while True:
-                    if self._stopping:
-                        raise MaxPodsReached(f"scope {scope_id}: this replica is stopping")
-                    # the leader first, then the pods: a leader registers its pod before it
-                    # gives back its lease, so one that is gone left its pod visible by now
-                    view = await self._state.deploy_view(scope_id)
-                    since = min(since, _started_of(view.leader))
-                    fresh = await self._registered_since(scope_id, since)
-                    if fresh is not None:
-                        return fresh
-                    if view.leader is None and view.failed:
-                        raise DeployFailed(f"scope {scope_id}: the leader's deploy failed")
-                    if view.leader is None and not view.cold:
-                        # no leader, and no caller on its way to the lock: the leader died
-                        raise _LeaderGone(f"scope {scope_id}: the deploy leader's lease lapsed")
-                    remaining = call.deadline - _now()
-                    if remaining <= 0:
-                        raise self._expired(call)
-                    if _now() - renewed >= self.deploy_lease / 3:
-                        if not await self._take_seat(call, limit):
-                            raise DeployInProgress(f"scope {scope_id}: the room filled up")
-                        renewed = _now()
-                    with admission.parked():  # waits on the leader, holds no connection
-                        await listener.wait(min(FOLLOWER_POLL, remaining))
-        finally:
-            self._follower_waits.observe(_now() - entered)
-            with contextlib.suppress(Exception):
-                await self._state.leave_follower_seat(scope_id, request_id)
-
-    async def _take_seat(self, call: _Acquire, limit: int) -> bool:
-        return await self._state.take_follower_seat(
-            call.scope_id, call.request_id, self.placeholder_ttl, limit
-        )
-
-    async def _registered_since(self, scope_id: str, since: float) -> dict[str, str] | None:
-        """The newest in-use pod of the scope registered since ``since`` (Redis seconds)."""
-        for pod_id in await self._state.pods_registered_since(scope_id, since):
-            info = await self._state.pod_info(pod_id)
-            if info.get("pod_sse_url") and info.get("phase") == "in_use":
-                return {
-                    "pod_id": pod_id,
-                    "pod_sse_url": info["pod_sse_url"],
-                    "deploy_ver": info.get("deploy_ver", ""),
-                }
-        return None
-
     # --- the rest of the facade ----------------------------------------------------------------
 
-    async def idle_consider(self, pod_id: str, scope_id: str) -> dict[str, bool]:
-        return {"transitioned_to_idle": await self._state.release(scope_id, pod_id)}
+    async def idle_consider(self, pod_id: str, scope_id: str) -> IdleTransition:
+        return IdleTransition(await self._state.release(scope_id, pod_id))
 
     async def set_rule_pod_budget(self, rule_id: str, limit: int) -> None:
         await self._state.set_rule_pod_budget(rule_id, limit)
@@ -457,7 +340,7 @@ class ResourceOrchestrator:
         pod_spec: dict[str, Any] | None = None,
         *,
         generation: int | None = None,
-    ) -> dict[str, bool]:
+    ) -> PoolConfigUpdate:
         missing = [f for f in POOL_CONFIG_FIELDS if f not in pool_config]
         if missing:
             raise ValueError(f"pool_config lacks {', '.join(missing)}")
@@ -466,7 +349,7 @@ class ResourceOrchestrator:
         updated = await self._state.write_pool_config(
             scope_id, config, deploy_ver=version, pod_spec=pod_spec, generation=generation
         )
-        return {"updated": updated}
+        return PoolConfigUpdate(updated)
 
     async def expire_scope(self, scope_id: str) -> bool:
         return await self._state.expire_scope(scope_id)
@@ -493,9 +376,5 @@ class ResourceOrchestrator:
 
     async def close(self) -> None:
         """Let running deploys finish or clean up (they give back their placeholders)."""
-        self._stopping = True
+        self._followers.stopping = True
         await self._deploys.wait()
-
-
-def _now() -> float:
-    return asyncio.get_running_loop().time()

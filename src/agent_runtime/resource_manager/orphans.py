@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import uuid
 from collections import OrderedDict
 from typing import Any
 
 from agent_runtime.metrics import Metrics
+from agent_runtime.resource_manager.deploy_state import DeployState, lock_token
 from agent_runtime.resource_manager.identity import Ownership, PodIdentity, Verdict
 from agent_runtime.resource_manager.k8s import K8sPodClient
 from agent_runtime.resource_manager.models import DeployFailed, PodGone, PodStatus
+from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.session_side import SessionSide
 from agent_runtime.resource_manager.state import ResourceState
 
@@ -44,6 +45,8 @@ class Orphans:
         self,
         *,
         state: ResourceState,
+        deploys: DeployState,
+        jobs_state: PoolJobsState,
         k8s: K8sPodClient,
         sessions: SessionSide,
         identity: PodIdentity,
@@ -51,6 +54,8 @@ class Orphans:
         deploy_lease: float,
     ) -> None:
         self._state = state
+        self._deploy_state = deploys
+        self._jobs_state = jobs_state
         self._k8s = k8s
         self._sessions = sessions
         self._identity = identity
@@ -109,7 +114,7 @@ class Orphans:
     async def end_pass(self) -> int:
         """Write the pass's report; returns how many foreign pods it saw."""
         shown = dict(sorted(self._seen.items())[:REPORT_LIMIT])
-        await self._state.report_foreign(len(self._seen), shown)
+        await self._jobs_state.report_foreign(len(self._seen), shown)
         return len(self._seen)
 
     async def _dead_leaders_pod(
@@ -123,15 +128,15 @@ class Orphans:
         one is deleted as any other)."""
         if status.dead or not status.scope_id:
             return None
-        record = await self._state.deploy_record(status.scope_id)
+        record = await self._deploy_state.deploy_record(status.scope_id)
         if record is None or (record.pod_id, record.uid, record.cluster) != (
             status.pod_id, status.uid, cluster
         ):  # fmt: skip
             return None
         if not status.ready:
             return "left"
-        token = f"reconcile/{uuid.uuid4().hex}@{await self._state.now()!r}"
-        took = await self._state.take_deploy_lease(status.scope_id, token, self._lease)
+        token = lock_token("reconcile", await self._state.now())
+        took = await self._deploy_state.take_deploy_lease(status.scope_id, token, self._lease)
         if not took.leader:
             return "left"  # a route took the deploy over: the pod is its leader's
         try:
@@ -160,7 +165,7 @@ class Orphans:
                 await self._k8s.delete(status.pod_id, status.namespace, cluster=cluster)
             return "deleted"
         finally:
-            await self._state.end_deploy_lease(status.scope_id, token, "none", self._lease)
+            await self._deploy_state.end_deploy_lease(status.scope_id, token, "none", self._lease)
 
     # --- foreign pods --------------------------------------------------------------------------
 
@@ -211,7 +216,7 @@ class Orphans:
         is Ready (adopt.lua decides the rest: version and room when the scope has a config)."""
         if not (status.ready and status.pod_ip and status.scope_id):
             return False
-        outcome = await self._state.adopt(
+        outcome = await self._jobs_state.adopt(
             scope_id=status.scope_id,
             pod_id=status.pod_id,
             pod_sse_url=verdict.sse_url(status.pod_ip),

@@ -31,6 +31,7 @@ from agent_runtime.errors import (
 )
 from agent_runtime.notify import Listener, Notifier
 from agent_runtime.resource_manager.facade import (
+    AcquiredPod,
     DeployFailed,
     DeployInProgress,
     DeployTimedOut,
@@ -208,20 +209,16 @@ class SlowRoute:
             log.info("scope %s: %s (rule %s)", self.scope_id, exc, config.rule_id)
             raise NoPodAvailable("no pod can be had now: a pod budget is reached") from None
         registered = await self.ctx.state.register_pod(
-            self.scope_id, pod["pod_id"], pod["pod_sse_url"], pod.get("deploy_ver", "")
+            self.scope_id, pod.pod_id, pod.pod_sse_url, pod.deploy_ver
         )
         if not registered:
-            log.info(
-                "scope %s: pod %s is of an old version; not used", self.scope_id, pod["pod_id"]
-            )
+            log.info("scope %s: pod %s is of an old version; not used", self.scope_id, pod.pod_id)
         return True
 
-    async def _make_candidate(self, pod: dict[str, str]) -> None:
+    async def _make_candidate(self, pod: AcquiredPod) -> None:
         """Called by the deploy leader before it lets go of the deploy lock: a route that
         looks in between finds the pod as a candidate instead of deploying another."""
-        await self.ctx.state.register_pod(
-            self.scope_id, pod["pod_id"], pod["pod_sse_url"], pod.get("deploy_ver", "")
-        )
+        await self.ctx.state.register_pod(self.scope_id, pod.pod_id, pod.pod_sse_url, pod.deploy_ver)
 
     async def wait(
         self,

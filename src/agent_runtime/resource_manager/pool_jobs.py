@@ -1,15 +1,14 @@
-"""The resource manager's four background jobs: autoscale, reclaim (+ prune), watch, reconcile.
+"""``PoolJobs``: the pools' four periodic jobs — autoscale, reclaim (+ prune), watch, reconcile.
 
-Each is one ``*_once`` tick run by ``jobs.JobRunner`` under its leader lock. Invariant for
-all of them: a pod with a live session is never deleted, except when Kubernetes says it is
-dead or it failed its health checks twice. Hazard: reads of Redis and Kubernetes are not one
-snapshot, so their order matters (see ``reconcile_once``), and a LIST that failed is never
-taken to mean "no pods".
+Each is one ``*_once`` tick run by ``jobs.JobRunner`` under its leader lock (``rm_autoscale``,
+``rm_reclaim``, ``rm_watch``, ``rm_reconcile``). Invariant for all of them: a pod with a live
+session is never deleted, except when Kubernetes says it is dead or it failed its health
+checks twice. Hazard: reads of Redis and Kubernetes are not one snapshot, so their order
+matters (see ``reconcile_once``), and a LIST that failed is never taken to mean "no pods".
 
-Watch and reconcile go per place, a (cluster, namespace) pair: each pod is looked for in the
-cluster it was recorded in (None: the process default), deleted there, and its adoption
-records it. A cluster that cannot be asked (down, or a name since removed from the settings)
-is skipped for the pass like any failed LIST: its pods are neither forgotten nor deleted.
+Watch and reconcile go per place, a (cluster, namespace) pair (``places.py``): each pod is
+looked for in the cluster it was recorded in (None: the process default), deleted there, and
+its adoption records it; reconcile's orphans are ``orphans.py``'s.
 """
 
 from __future__ import annotations
@@ -17,30 +16,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
-from collections import defaultdict
 from typing import Any
 
 from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.metrics import Metrics
-from agent_runtime.resource_manager.clusters import template_cluster
+from agent_runtime.resource_manager.deploy_state import DeployState, warm_token
 from agent_runtime.resource_manager.identity import PodIdentity
 from agent_runtime.resource_manager.k8s import K8sPodClient
-from agent_runtime.resource_manager.models import (
-    OWN_PODS_SELECTOR,
-    WARM_TOKEN_PREFIX,
-    K8sApiError,
-    PodStatus,
-)
+from agent_runtime.resource_manager.models import PodStatus
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.orphans import Orphans
+from agent_runtime.resource_manager.places import Places
+from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.session_side import SessionSide
-from agent_runtime.resource_manager.state import PoolConfig, ResourceState, info_cluster
+from agent_runtime.resource_manager.state import ResourceState
+from agent_runtime.resource_manager.state_values import PoolConfig
 
 log = logging.getLogger(__name__)
-
-# where pods are listed: (cluster, namespace); cluster None is the process default
-Place = tuple[str | None, str]
 
 # YIELD_NOTE: the jobs run in the serving process; a loop over every pod (10k) between two
 # awaits holds requests for its whole length, so the long ones yield now and then.
@@ -50,7 +42,7 @@ MAX_WARM_DEPLOYS = 8  # per replica at once
 DEFAULT_ADOPTED_POD_TTL = 600.0
 
 
-class ResourceSweeper:
+class PoolJobs:
     def __init__(
         self,
         *,
@@ -68,15 +60,24 @@ class ResourceSweeper:
         pods are (None: wherever pool configs say); ``identity``: tells our pods from others;
         ``adopted_pod_ttl``: how long a warm pod of a scope without a pool config is kept."""
         self._state = state
+        self._deploy_state = DeployState(state)
+        self._jobs_state = PoolJobsState(state)
         self._k8s = k8s
         self._orchestrator = orchestrator
         self._sessions = sessions
+        self._places = Places(
+            jobs_state=self._jobs_state,
+            k8s=k8s,
+            default_namespace=default_namespace,
+            namespaces=namespaces,
+        )
         self._default_namespace = default_namespace
-        self._namespaces = namespaces
         self._metrics = metrics or Metrics()
         self._adopted_pod_ttl = adopted_pod_ttl
         self._orphans = Orphans(
             state=state,
+            deploys=self._deploy_state,
+            jobs_state=self._jobs_state,
             k8s=k8s,
             sessions=sessions,
             identity=identity,
@@ -99,20 +100,20 @@ class ResourceSweeper:
             if config.pod_spec is not None and config.min_idle_pods > 0
         }
         warm_of = await self._current_idle(configs)
-        deploying = await self._state.live_deploying_of(list(configs))
+        in_flight = await self._jobs_state.in_flight_of(list(configs))
         spent_rules: set[str] = set()  # rules whose pod budget refused this tick
         for scope_id, config in configs.items():
             assert config.pod_spec is not None
             if config.budget_rule and config.budget_rule in spent_rules:
                 continue
-            in_flight = sum(1 for m in deploying[scope_id] if m.startswith(WARM_TOKEN_PREFIX))
-            for _ in range(config.min_idle_pods - len(warm_of[scope_id]) - in_flight):
+            warm_in_flight = in_flight[scope_id].warm
+            for _ in range(config.min_idle_pods - len(warm_of[scope_id]) - warm_in_flight):
                 if len(self._warm_deploys) >= MAX_WARM_DEPLOYS:
                     return started
-                token = f"{WARM_TOKEN_PREFIX}{uuid.uuid4().hex}"
+                token = warm_token()
                 # the deploy renews it (a lease): a replica that dies frees it within seconds
                 ttl = self._orchestrator.placeholder_ttl
-                outcome = await self._state.try_placeholder(scope_id, token, ttl)
+                outcome = await self._deploy_state.try_placeholder(scope_id, token, ttl)
                 if outcome.budget == "global":
                     return started  # the installation's pod budget: no scope may grow now
                 if outcome.budget == "rule":
@@ -148,13 +149,13 @@ class ResourceSweeper:
     async def _idle_with_versions(
         self, scope_ids: list[str]
     ) -> tuple[dict[str, dict[str, float]], dict[str, str | None]]:
-        idle = await self._state.idle_pods_of(scope_ids)
-        versions = await self._state.pod_versions([p for pods in idle.values() for p in pods])
+        idle = await self._jobs_state.idle_pods_of(scope_ids)
+        versions = await self._jobs_state.pod_versions([p for pods in idle.values() for p in pods])
         return idle, versions
 
     async def _pool_configs(self) -> dict[str, PoolConfig]:
         """Every scope's pool config: its index, then the configs, pipelined."""
-        return await self._state.pool_configs(await self._state.scopes_with_config())
+        return await self._jobs_state.pool_configs(await self._jobs_state.scopes_with_config())
 
     # --- reclaim (scenario K) ------------------------------------------------------------------
 
@@ -164,8 +165,9 @@ class ResourceSweeper:
         now = await self._state.now()
         reclaimed = 0
         # warm pods first: only the scopes that have some need their config read
-        idle_of, versions = await self._idle_with_versions(await self._state.scopes_with_config())
-        configs = await self._state.pool_configs([s for s, idle in idle_of.items() if idle])
+        scopes = await self._jobs_state.scopes_with_config()
+        idle_of, versions = await self._idle_with_versions(scopes)
+        configs = await self._jobs_state.pool_configs([s for s, idle in idle_of.items() if idle])
         for scope_id, config in configs.items():
             idle = idle_of[scope_id]
             old = [p for p in idle if versions.get(p) != config.deploy_ver]
@@ -188,21 +190,22 @@ class ResourceSweeper:
     async def prune_once(self) -> int:
         """Follower seats and placeholders whose lease ran out (their replica died) leave
         every scope that took one (``lease_prune``); how many were dropped."""
-        seats, placeholders = await self._state.prune_leases()
-        if seats or placeholders:
+        pruned = await self._deploy_state.prune_leases()
+        if pruned.seats or pruned.placeholders:
             log.info(
-                "pruned %d follower seats and %d placeholders past their lease", seats, placeholders
-            )
-        return seats + placeholders
+                "pruned %d follower seats and %d placeholders past their lease",
+                pruned.seats, pruned.placeholders,
+            )  # fmt: skip
+        return pruned.seats + pruned.placeholders
 
     async def _reclaim(self, scope_id: str, pod_id: str) -> bool:
         # out of the pool first (only if still there), so no acquire can get a pod being deleted
-        if not await self._state.take_out_of_idle(scope_id, pod_id):
+        if not await self._jobs_state.take_out_of_idle(scope_id, pod_id):
             return False
         info = await self._state.pod_info(pod_id)
-        namespace = info.get("namespace") or self._default_namespace
+        namespace = (info.namespace if info else None) or self._default_namespace
         try:
-            await self._k8s.delete(pod_id, namespace, cluster=info_cluster(info))
+            await self._k8s.delete(pod_id, namespace, cluster=info.cluster if info else None)
         except Exception as exc:
             log.warning("pod %s: reclaim delete failed (%s); back to the pool", pod_id, exc)
             await self._state.release(scope_id, pod_id)
@@ -212,7 +215,7 @@ class ResourceSweeper:
 
     async def _forget(self, pod_id: str) -> None:
         """Purge the pod's RM keys and tell the session side (both idempotent)."""
-        await self._state.purge(pod_id)
+        await self._jobs_state.purge(pod_id)
         try:
             await self._sessions.notify_pod_dead(pod_id)
         except Exception as exc:  # reconcile repeats it
@@ -225,8 +228,8 @@ class ResourceSweeper:
         two passes in a row; returns pods cleaned. One LIST per place (cluster, namespace)
         that holds pods we know, the places listed at once (a slow cluster delays no other);
         a place whose LIST failed is skipped."""
-        known = await self._pods_by_place()
-        listings = await self._list_all(list(known))
+        known = await self._places.pods_by_place()
+        listings = await self._places.list_all(list(known))
         cleaned = 0
         probes: list[tuple[str, PodStatus, str | None]] = []
         for (cluster, namespace), pods in known.items():
@@ -268,7 +271,7 @@ class ResourceSweeper:
                     continue
                 if await self._k8s.probe_health(status.pod_ip, port):
                     healthy_pods.append(pod_id)  # counters reset below, in one call per batch
-                elif await self._state.count_health_failure(pod_id) >= HEALTH_FAILS_TO_DEAD:
+                elif await self._jobs_state.count_health_failure(pod_id) >= HEALTH_FAILS_TO_DEAD:
                     await self._clean_dead(
                         pod_id, status.namespace, cluster, exists=True, why="half-dead"
                     )
@@ -276,7 +279,7 @@ class ResourceSweeper:
 
         await asyncio.gather(*(worker() for _ in range(min(PROBE_CONCURRENCY, len(probes)))))
         for i in range(0, len(healthy_pods), 500):
-            await self._state.clear_health_failures(*healthy_pods[i : i + 500])
+            await self._jobs_state.clear_health_failures(*healthy_pods[i : i + 500])
         return cleaned
 
     async def _clean_dead(
@@ -301,12 +304,12 @@ class ResourceSweeper:
         only under that deploy's lease (``orphans.py``); a foreign one is counted.
         """
         counts = {"purged": 0, "released": 0, "adopted": 0, "deleted": 0, "expired": 0}
-        indexed = await self._state.index_scopes()
+        indexed = await self._jobs_state.index_scopes()
         if indexed:
             log.info("%d scopes with a pool config were missing from the index; added", indexed)
-        known_before = await self._pods_by_place()
-        places = set(known_before) | await self._config_places()
-        listings = await self._list_all(sorted(places, key=lambda p: (p[0] or "", p[1])))
+        known_before = await self._places.pods_by_place()
+        places = set(known_before) | await self._places.config_places()
+        listings = await self._places.list_all(sorted(places, key=lambda p: (p[0] or "", p[1])))
         for place, pods in known_before.items():
             listed = listings.get(place)
             if listed is None:
@@ -318,8 +321,8 @@ class ResourceSweeper:
         counts["released"] = await self._release_unused()
         counts["expired"] = await self._expire_configless()
         # placeholders past their lease are a dead deployer's: its pod is adopted or deleted
-        deploying = await self._state.live_deploying_of(await self._state.scopes_with_config())
-        known_now = set(await self._state.all_pods())
+        in_flight = await self._jobs_state.in_flight_of(await self._jobs_state.scopes_with_config())
+        known_now = set(await self._jobs_state.all_pods())
         known_at_start = {p for pods in known_before.values() for p in pods}
         self._orphans.begin_pass()
         for (cluster, _), listed in listings.items():
@@ -332,7 +335,7 @@ class ResourceSweeper:
                     continue  # forgotten during this pass (reclaimed, cleaned): not an orphan
                 if self._orphans.foreign(status, cluster):
                     continue  # not provably ours: never adopted, never deleted
-                if deploying.get(status.scope_id or "", []):
+                if (deploys := in_flight.get(status.scope_id or "")) and deploys.total:
                     continue  # a deploy of that scope is in flight: maybe this very pod
                 fate = await self._orphans.settle(status, cluster)
                 if fate in counts:
@@ -341,18 +344,20 @@ class ResourceSweeper:
         for action, n in counts.items():
             self._metrics.reconciled.labels(action).inc(n)
         # last: the pools now match Kubernetes, and the budgets are made to match the pools
-        added, dropped = await self._state.repair_budgets()
-        if added or dropped:
-            log.warning("pod budgets drifted: %d units added, %d dropped", added, dropped)
+        repair = await self._jobs_state.repair_budgets()
+        if repair.added or repair.dropped:
+            log.warning(
+                "pod budgets drifted: %d units added, %d dropped", repair.added, repair.dropped
+            )
         return counts
 
     async def _release_unused(self) -> int:
         """In-use pods the session side neither places on nor has sessions on → warm pool."""
         view: dict[str, str] = {}
-        fields = await self._state.pod_fields(await self._state.all_pods(), "phase", "scope_id")
-        for pod_id, (phase, scope_id) in fields.items():
-            if phase == "in_use" and scope_id:
-                view[pod_id] = scope_id
+        phases = await self._jobs_state.pod_phases(await self._jobs_state.all_pods())
+        for pod_id, pod in phases.items():
+            if pod.phase == "in_use" and pod.scope_id:
+                view[pod_id] = pod.scope_id
         if not view:
             return 0
         await asyncio.sleep(0)  # see YIELD_NOTE
@@ -373,17 +378,17 @@ class ResourceSweeper:
         """Warm pods of a scope without a pool config go once idle for ``adopted_pod_ttl``:
         pods adopted after a Redis data loss whose scope never routed again (its route would
         have written the config, and the normal reclaim rules would apply). O(pods) in slices."""
-        configured = set(await self._state.scopes_with_config())
-        fields = await self._state.pod_fields(await self._state.all_pods(), "phase", "scope_id")
+        configured = set(await self._jobs_state.scopes_with_config())
+        phases = await self._jobs_state.pod_phases(await self._jobs_state.all_pods())
         waiting = {
-            pod_id: scope_id
-            for pod_id, (phase, scope_id) in fields.items()
-            if phase == "idle" and scope_id and scope_id not in configured
+            pod_id: pod.scope_id
+            for pod_id, pod in phases.items()
+            if pod.phase == "idle" and pod.scope_id and pod.scope_id not in configured
         }
         if not waiting:
             return 0
         now = await self._state.now()
-        since = await self._state.idle_since(list(waiting))
+        since = await self._jobs_state.idle_since(list(waiting))
         expired = 0
         for pod_id, scope_id in waiting.items():
             if pod_id in since and now - since[pod_id] >= self._adopted_pod_ttl:
@@ -391,46 +396,3 @@ class ResourceSweeper:
                 if await self._reclaim(scope_id, pod_id):
                     expired += 1
         return expired
-
-    # --- shared reads --------------------------------------------------------------------------
-
-    async def _pods_by_place(self) -> dict[Place, list[str]]:
-        """Redis' pods by the place they were recorded in (no cluster field: the default)."""
-        grouped: dict[Place, list[str]] = defaultdict(list)
-        places = await self._state.pod_places(await self._state.all_pods())
-        for pod_id, (cluster, namespace) in places.items():
-            grouped[cluster, namespace or self._default_namespace].append(pod_id)
-        return grouped
-
-    async def _config_places(self) -> set[Place]:
-        """Where the pool configs' templates deploy (and the default namespace of the default
-        cluster), in allowed namespaces only."""
-        places: set[Place] = {(None, self._default_namespace)}
-        for config in (await self._pool_configs()).values():
-            if config.pod_spec is not None:
-                namespace = config.pod_spec.get("namespace") or self._default_namespace
-                places.add((template_cluster(config.pod_spec), namespace))
-        # a pool config from before the allow-list must not send reconcile where we may not go
-        if self._namespaces is None:
-            return places
-        return {place for place in places if place[1] in self._namespaces}
-
-    async def _list_all(self, places: list[Place]) -> dict[Place, dict[str, PodStatus]]:
-        """The places' LISTs at once; a place whose LIST failed is left out."""
-        listed = await asyncio.gather(
-            *(self._list(namespace, cluster) for cluster, namespace in places)
-        )
-        return {place: pods for place, pods in zip(places, listed, strict=True) if pods is not None}
-
-    async def _list(self, namespace: str, cluster: str | None) -> dict[str, PodStatus] | None:
-        """Our pods in a namespace of a cluster, or None when Kubernetes could not say (never
-        "none"): the cluster is down, not configured (any more), or refused."""
-        try:
-            pods = await self._k8s.list_pods(namespace, OWN_PODS_SELECTOR, cluster=cluster)
-        except (K8sApiError, OSError, TimeoutError) as exc:
-            where = f"namespace {namespace}"
-            if cluster is not None:
-                where = f"cluster {cluster}, {where}"
-            log.warning("%s: list failed (%s); skipped this tick", where, exc)
-            return None
-        return {p.pod_id: p for p in pods}

@@ -1,0 +1,121 @@
+"""``MeteredK8sPodClient``: any ``K8sPodClient``, each call counted and timed (the wiring
+wraps the real or fake client in it; metrics ``agent_runtime_k8s_calls_total`` and
+``agent_runtime_k8s_call_seconds``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from agent_runtime.resource_manager.identity import PodIdentity
+from agent_runtime.resource_manager.k8s import K8sPodClient, OnCreated
+from agent_runtime.resource_manager.models import (
+    DeployFailed,
+    K8sApiError,
+    PodDeployInfo,
+    PodStatus,
+)
+
+T = TypeVar("T")
+
+
+class MeteredK8sPodClient:
+    """Any ``K8sPodClient``, each call counted by verb and outcome and timed (metrics).
+
+    Outcomes: ``ok``, the HTTP status of a refusal (``K8sApiError``), ``deploy_failed``,
+    ``timeout``, ``error``: a small fixed set, whatever the error text.
+    """
+
+    def __init__(self, inner: K8sPodClient, observe: Callable[[str, str, float], None]) -> None:
+        self.inner = inner
+        self._observe = observe
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def _timed(self, verb: str, call: Awaitable[T]) -> T:
+        started = time.perf_counter()
+        status = "error"
+        try:
+            result = await call
+            status = "ok"
+            return result
+        except K8sApiError as exc:
+            status = str(exc.status) if exc.status else "error"
+            raise
+        except DeployFailed:
+            status = "deploy_failed"
+            raise
+        except TimeoutError:
+            status = "timeout"
+            raise
+        finally:
+            self._observe(verb, status, time.perf_counter() - started)
+
+    async def deploy(
+        self,
+        *,
+        scope_id: str,
+        deploy_ver: str,
+        pod_spec: dict[str, Any],
+        identity: PodIdentity,
+        on_created: OnCreated | None = None,
+    ) -> PodDeployInfo:
+        call = self.inner.deploy(
+            scope_id=scope_id, deploy_ver=deploy_ver, pod_spec=pod_spec, identity=identity,
+            on_created=on_created,
+        )  # fmt: skip
+        return await self._timed("deploy", call)
+
+    async def await_ready(
+        self,
+        pod_id: str,
+        namespace: str,
+        pod_spec: dict[str, Any],
+        *,
+        uid: str,
+        within: float,
+        cluster: str | None = None,
+    ) -> PodDeployInfo:
+        call = self.inner.await_ready(
+            pod_id, namespace, pod_spec, uid=uid, within=within, cluster=cluster
+        )
+        return await self._timed("await_ready", call)
+
+    async def sign(
+        self,
+        pod_id: str,
+        namespace: str,
+        pod_spec: dict[str, Any],
+        *,
+        uid: str,
+        annotations: dict[str, str],
+        within: float,
+        cluster: str | None = None,
+    ) -> None:
+        call = self.inner.sign(
+            pod_id, namespace, pod_spec, uid=uid, annotations=annotations, within=within,
+            cluster=cluster,
+        )  # fmt: skip
+        await self._timed("sign", call)
+
+    async def delete(self, pod_id: str, namespace: str, *, cluster: str | None = None) -> bool:
+        return await self._timed("delete", self.inner.delete(pod_id, namespace, cluster=cluster))
+
+    async def get_pod(
+        self, pod_id: str, namespace: str, *, cluster: str | None = None
+    ) -> PodStatus | None:
+        return await self._timed("get", self.inner.get_pod(pod_id, namespace, cluster=cluster))
+
+    async def list_pods(
+        self, namespace: str, label_selector: str, *, cluster: str | None = None
+    ) -> list[PodStatus]:
+        call = self.inner.list_pods(namespace, label_selector, cluster=cluster)
+        return await self._timed("list", call)
+
+    async def probe_health(self, pod_ip: str, port: int) -> bool:
+        return await self._timed("probe_health", self.inner.probe_health(pod_ip, port))

@@ -1,0 +1,354 @@
+"""``RealK8sPodClient``: the ``K8sPodClient`` of a real cluster, over kubernetes_asyncio.
+
+One shared ``ApiClient`` per cluster; reads, deletes and the paged LIST here, a deploy's steps
+(create, sign, wait for Ready, discard) in ``k8s_deploy.py``. A deploy goes to its template's
+cluster (``clusters.template_cluster``); every call on an existing pod takes ``cluster=``,
+the cluster the pod was recorded in (None: the process default). The resource manager never
+sees a kubernetes_asyncio object.
+
+Hazard: ``load_incluster_config`` is a plain function, ``load_kube_config`` a coroutine;
+awaiting the first is a TypeError in-cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from agent_runtime.resource_manager.clusters import ClusterConfig, template_cluster
+from agent_runtime.resource_manager.identity import PodIdentity
+from agent_runtime.resource_manager.k8s import OnCreated
+from agent_runtime.resource_manager.k8s_deploy import (
+    REQUEST_TIMEOUT,
+    Deadline,
+    DeployJob,
+    api_error_text,
+    api_status,
+    create,
+    discard,
+    patch_incarnation,
+    sign_created,
+    wait_ready,
+)
+from agent_runtime.resource_manager.models import (
+    DeployFailed,
+    K8sApiError,
+    PodDeployInfo,
+    PodStatus,
+)
+from agent_runtime.resource_manager.pod_manifest import (
+    HEALTH_PATH,
+    PROBE_TIMEOUT,
+    deploy_timing,
+    sse_url,
+)
+from agent_runtime.resource_manager.pod_reading import LIST_PAGE_SIZE, pod_status, read_pod_list
+
+log = logging.getLogger(__name__)
+
+AWAIT_READY_MIN = 1.0  # seconds await_ready looks for at least (one GET)
+
+# Opens a CoreV1Api-like object for a configured cluster name (None: the process default). It must
+# carry ``api_client`` with an async ``close()``. Tests inject a fake here.
+ApiFactory = Callable[[str | None], Awaitable[Any]]
+
+# kubernetes_asyncio is imported where used: it costs ~0.6 s and local mode never needs it.
+
+
+class RealK8sPodClient:
+    """kubernetes_asyncio with one shared ``ApiClient`` per cluster.
+
+    The process default is the in-cluster service account, else ``kubeconfig``. A template
+    may name one of the operator's ``clusters`` (``clusters.read_clusters``: parsed and checked
+    at startup, opened in ``start``); its new deploys go there. Every call on an existing pod
+    takes the pod's ``cluster`` (None: the default), so watch, reconcile, reclaim and
+    takeovers reach each pod where it runs; cleanup stays on the default. A name that is not
+    configured (a template row from before names, or a cluster since removed) opens and reads
+    nothing: a deploy fails, a read or delete raises ``K8sApiError``.
+    """
+
+    def __init__(
+        self,
+        *,
+        kubeconfig: str | None = None,
+        default_namespace: str = "default",
+        api_factory: ApiFactory | None = None,
+        clusters: Mapping[str, ClusterConfig] | None = None,
+    ) -> None:
+        self._kubeconfig = kubeconfig
+        self._default_namespace = default_namespace
+        self._open_api = api_factory or self._open_real_api
+        self._clusters = dict(clusters or {})
+        self._apis: dict[str | None, Any] = {}
+        self._apis_lock = asyncio.Lock()
+        self._http: aiohttp.ClientSession | None = None
+        self._closed = False
+        self.source: str | None = None
+
+    # lifecycle
+
+    async def start(self) -> None:
+        self._closed = False
+        for name in self._clusters:
+            try:
+                await self._api(name)
+            except K8sApiError as exc:  # its deploys fail (and retry the open) until it heals
+                log.error("cluster %s: %s", name, exc)
+        await self._api(None)
+
+    async def close(self) -> None:
+        self._closed = True
+        apis, self._apis = self._apis, {}
+        for api in apis.values():
+            with contextlib.suppress(Exception):
+                await api.api_client.close()
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    async def _open_real_api(self, cluster: str | None) -> Any:
+        """A CoreV1Api for a configured cluster (its kubeconfig parsed at startup: the file is
+        not read again), or for the process default (read here, once, in ``start``)."""
+        from kubernetes_asyncio import client, config
+        from kubernetes_asyncio.config import ConfigException
+        from kubernetes_asyncio.config.kube_config import KubeConfigLoader
+
+        configuration = client.Configuration()
+        if cluster is not None:
+            known = self._clusters[cluster]
+            loader = KubeConfigLoader(
+                config_dict=known.loader_input(), config_base_path=str(Path(known.path).parent)
+            )
+            await loader.load_and_set(configuration)
+            source = f"cluster {cluster} ({known.path})"
+        else:
+            try:
+                config.load_incluster_config(client_configuration=configuration)
+                source = "in-cluster"
+            except ConfigException:
+                await config.load_kube_config(
+                    config_file=self._kubeconfig, client_configuration=configuration
+                )
+                source = f"kubeconfig {self._kubeconfig or '~/.kube/config'}"
+            self.source = source
+        log.info("kubernetes client ready (%s)", source)
+        return client.CoreV1Api(api_client=client.ApiClient(configuration=configuration))
+
+    async def _api(self, cluster: str | None) -> Any:
+        """The cached API of a cluster (None: the default); opened on first use, so a failed
+        start heals. Only configured names get here."""
+        if self._closed:
+            raise K8sApiError("kubernetes client is closed")
+        api = self._apis.get(cluster)
+        if api is None:
+            async with self._apis_lock:
+                api = self._apis.get(cluster)
+                if api is None:
+                    try:
+                        api = await self._open_api(cluster)
+                    except Exception as exc:
+                        raise K8sApiError(
+                            f"kubernetes client unavailable: {api_error_text(exc)}"
+                        ) from exc
+                    self._apis[cluster] = api
+        return api
+
+    async def _call(self, what: str, coro_fn: Callable[[], Awaitable[Any]]) -> Any:
+        """One API call outside a deploy: bounded, and every failure a ``K8sApiError``."""
+        try:
+            async with asyncio.timeout(REQUEST_TIMEOUT):
+                return await coro_fn()
+        except Exception as exc:
+            raise K8sApiError(f"{what}: {api_error_text(exc)}", status=api_status(exc)) from exc
+
+    # reads and deletes (the pod's cluster)
+
+    async def _pod_api(self, cluster: str | None) -> Any:
+        """The API of an existing pod's cluster; ``K8sApiError`` for a name not configured
+        (removed since the pod was recorded: nothing is opened)."""
+        if cluster is not None and cluster not in self._clusters:
+            raise K8sApiError(f"cluster {cluster[:80]!r} is not configured")
+        return await self._api(cluster)
+
+    async def delete(self, pod_id: str, namespace: str, *, cluster: str | None = None) -> bool:
+        api = await self._pod_api(cluster)
+        try:
+            await self._call(
+                f"delete pod {namespace}/{pod_id}",
+                lambda: api.delete_namespaced_pod(pod_id, namespace),
+            )
+        except K8sApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def get_pod(
+        self, pod_id: str, namespace: str, *, cluster: str | None = None
+    ) -> PodStatus | None:
+        api = await self._pod_api(cluster)
+        try:
+            v1pod = await self._call(
+                f"get pod {namespace}/{pod_id}", lambda: api.read_namespaced_pod(pod_id, namespace)
+            )
+        except K8sApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return pod_status(v1pod)
+
+    async def list_pods(
+        self, namespace: str, label_selector: str, *, cluster: str | None = None
+    ) -> list[PodStatus]:
+        """Paged as client-go's pager: ``limit`` ``LIST_PAGE_SIZE`` and each page's continue
+        token, until a page has none. Each page is one ``_call`` (bounded, every failure a
+        ``K8sApiError``), read as raw JSON (no V1Pod models) a slice at a time. A 404 (the
+        namespace) → []; a 410 of a continued page (its token expired) → the list again from
+        the start, once; any other refusal, or a second 410, is raised."""
+        api = await self._pod_api(cluster)
+        where = namespace if cluster is None else f"{cluster}/{namespace}"
+        what = f"list pods in {where} ({label_selector})"
+        found: list[PodStatus] = []
+        token: str | None = None
+        restarted = False
+        while True:
+            try:
+                text = await self._call(
+                    what, functools.partial(self._list_page, api, namespace, label_selector, token)
+                )
+            except K8sApiError as exc:
+                if exc.status == 404:
+                    return []
+                if exc.status == 410 and token is not None and not restarted:
+                    log.info("%s: continue token expired; listing again from the start", what)
+                    found, token, restarted = [], None, True
+                    continue
+                raise
+            try:
+                token = await read_pod_list(text, found)
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise K8sApiError(f"{what}: a reply that is not a PodList: {exc}") from exc
+            if token is None:
+                return found
+
+    @staticmethod
+    async def _list_page(api: Any, namespace: str, label_selector: str, token: str | None) -> str:
+        """One LIST page as JSON text. ``_preload_content=False`` hands back the aiohttp
+        response unread and unchecked: a refusal is raised here as kubernetes_asyncio raises
+        it (``ApiException`` with status, reason, headers and body)."""
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        resp = await api.list_namespaced_pod(
+            namespace,
+            label_selector=label_selector,
+            limit=LIST_PAGE_SIZE,
+            _continue=token,
+            _preload_content=False,
+        )
+        try:
+            body: bytes = await resp.read()
+        finally:
+            resp.release()
+        if not 200 <= resp.status <= 299:
+            refused = ApiException(status=resp.status, reason=resp.reason)
+            refused.body, refused.headers = body, resp.headers
+            raise refused
+        return body.decode("utf-8")
+
+    async def probe_health(self, pod_ip: str, port: int) -> bool:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT))
+        try:
+            async with self._http.get(f"http://{pod_ip}:{port}{HEALTH_PATH}") as resp:
+                return resp.status == 200
+        except Exception:
+            return False
+
+    # deploy
+
+    async def deploy(
+        self,
+        *,
+        scope_id: str,
+        deploy_ver: str,
+        pod_spec: dict[str, Any],
+        identity: PodIdentity,
+        on_created: OnCreated | None = None,
+    ) -> PodDeployInfo:
+        ready_timeout, poll = deploy_timing(pod_spec)
+        deadline = Deadline(ready_timeout)  # create and readiness together
+        cluster = template_cluster(pod_spec)
+        api = await self._deploy_api(cluster)
+        job = DeployJob(
+            api=api,
+            namespace=pod_spec.get("namespace") or self._default_namespace,
+            scope_id=scope_id,
+            deploy_ver=deploy_ver,
+            pod_spec=pod_spec,
+            deadline=deadline,
+            identity=identity,
+        )
+        try:
+            name, uid, signature = await create(job)
+            if on_created is not None:
+                await on_created(name, job.namespace, uid)
+            await sign_created(job, name, uid, signature)
+            pod_ip = await wait_ready(job, name, uid, poll)
+        except BaseException:  # DeployFailed, and also cancellation: never leave a pod behind
+            for maybe_created in job.sent:
+                await discard(api, maybe_created, job.namespace)
+            raise
+        return PodDeployInfo(name, job.namespace, pod_ip, sse_url(pod_ip, pod_spec), cluster)
+
+    async def await_ready(
+        self,
+        pod_id: str,
+        namespace: str,
+        pod_spec: dict[str, Any],
+        *,
+        uid: str,
+        within: float,
+        cluster: str | None = None,
+    ) -> PodDeployInfo:
+        _, poll = deploy_timing(pod_spec)
+        api = await self._deploy_api(cluster)  # the pod's cluster: where its deploy went
+        # one GET at least, however little of the pod's own deadline is left
+        deadline = Deadline(max(within, AWAIT_READY_MIN))
+        job = DeployJob(api, namespace, "", "", pod_spec, deadline, identity=None)
+        pod_ip = await wait_ready(job, pod_id, uid, poll)
+        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec), cluster)
+
+    async def _deploy_api(self, cluster: str | None) -> Any:
+        """The API of a deploy's cluster, or ``DeployFailed`` (an unknown or down one)."""
+        if cluster is not None and cluster not in self._clusters:
+            # a row written before clusters were names (a path), or a cluster since removed:
+            # nothing is opened or read, and the answer does not echo the template's value
+            log.warning("deploy refused: the template names an unknown cluster %.80r", cluster)
+            raise DeployFailed("the template names a cluster this service does not configure")
+        try:
+            return await self._api(cluster)
+        except K8sApiError as exc:
+            log.warning("deploy to cluster %s: %s", cluster or "(default)", exc)
+            raise DeployFailed("the kubernetes client of the template's cluster is down") from exc
+
+    async def sign(
+        self,
+        pod_id: str,
+        namespace: str,
+        pod_spec: dict[str, Any],
+        *,
+        uid: str,
+        annotations: dict[str, str],
+        within: float,
+        cluster: str | None = None,
+    ) -> None:
+        api = await self._deploy_api(cluster)  # the pod's cluster: where its deploy went
+        deadline = Deadline(max(within, AWAIT_READY_MIN))
+        await patch_incarnation(api, namespace, pod_id, uid, annotations, deadline)

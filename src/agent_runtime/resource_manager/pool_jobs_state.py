@@ -1,0 +1,293 @@
+"""The pools in Redis as the pool jobs (``pool_jobs.py``) use them: every scope and pod read
+in slices, and the jobs' own changes — reclaim's take out of the warm pool, a pod's purge,
+watch's health counters, reconcile's adoption, index and budget repairs, and its report of
+foreign pods. Keys from ``state.py``'s builders; each reply decoded here, once.
+
+Red line 9: a job reads in slices — a read-only script (``read_many``, ``pod_fields``) or an
+MGET per ≤ 200–500 keys, never a pipelined command per key — each holding Redis ≤ ~0.5 ms.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, cast
+
+from agent_runtime.resource_manager.models import WARM_TOKEN_PREFIX
+from agent_runtime.resource_manager.state import (
+    BUDGET_LIMITS_KEY,
+    BUDGET_PODS_KEY,
+    BUDGET_RULE_PREFIX,
+    BUDGET_RULES_KEY,
+    FOREIGN_COUNT_KEY,
+    FOREIGN_PODS_KEY,
+    POD_PREFIX,
+    PODS_ALL_KEY,
+    SCOPE_CONFIG_PATTERN,
+    SCOPE_PREFIX,
+    SCOPES_KEY,
+    ResourceState,
+    budget_rule_pods_key,
+    hash_of,
+    placeholder_deadline,
+    pod_health_fails_key,
+    pod_idle_since_key,
+    pod_info_key,
+    pool_config_of,
+    registration_keys,
+    scope_config_key,
+    scope_deploying_key,
+    scope_idle_key,
+)
+from agent_runtime.resource_manager.state_values import (
+    AdoptOutcome,
+    BudgetRepair,
+    InFlight,
+    PodPhase,
+    PodPlace,
+    PoolConfig,
+)
+
+# The jobs' reads come in slices, a round trip each, so no slice holds the loop for long
+# and no call holds Redis (single-threaded: a route waits behind it) for more than ~0.5 ms.
+BATCH = 500  # keys per MGET / SADD, members per SSCAN page (~0.3 ms in Redis)
+SCRIPT_BATCH = 200  # keys per pod_fields / read_many call (~2–3 µs each inside Redis)
+# reconcile's budget repair: a scope costs ~3 commands + 2 per pod and placeholder, a unit ~4
+FILL_BATCH = 25  # scopes per budget_fill call
+PRUNE_BATCH = 100  # units per budget_prune call
+HEALTH_FAILS_TTL = 3600  # a fail counter nobody clears (its pod forgotten) goes by itself
+
+
+class PoolJobsState:
+    """What the pool jobs read and change, over a ``ResourceState``'s client."""
+
+    def __init__(self, state: ResourceState) -> None:
+        self.redis = state.redis
+        self.pod_budget = state.pod_budget
+        self._pod_fields = state.script("pod_fields")
+        self._read_many_script = state.script("read_many")
+        self._budget_fill = state.script("budget_fill", "_budget")
+        self._budget_prune = state.script("budget_prune", "_budget")
+        self._foreign_report = state.script("foreign_report")
+        self._adopt = state.script("adopt", ("_budget", "_placeholders"))
+        self._purge = state.script("purge", "_budget")
+
+    # --- scopes and their pools, in slices -----------------------------------------------------
+
+    async def scopes_with_config(self) -> list[str]:
+        """Every scope with a pool config: an SSCAN of the index (see SCOPES_KEY)."""
+        return [s async for s in self.redis.sscan_iter(SCOPES_KEY, count=BATCH)]
+
+    async def pool_configs(self, scope_ids: list[str]) -> dict[str, PoolConfig]:
+        """The pool config of many scopes (those without one left out), in slices."""
+        raws = await self._read_many([scope_config_key(s) for s in scope_ids], "HGETALL")
+        return {
+            scope_id: config
+            for scope_id, flat in zip(scope_ids, raws, strict=True)
+            if (config := pool_config_of(hash_of(flat))) is not None
+        }
+
+    async def idle_pods(self, scope_id: str) -> dict[str, float]:
+        """Warm pods → idle_since (Redis seconds)."""
+        return (await self.idle_pods_of([scope_id]))[scope_id]
+
+    async def idle_pods_of(self, scope_ids: list[str]) -> dict[str, dict[str, float]]:
+        """``idle_pods`` of many scopes: SMEMBERS in slices, then MGETs of the warm ones."""
+        members = await self._members_of(scope_ids, scope_idle_key)
+        since = await self.idle_since([p for scope_pods in members.values() for p in scope_pods])
+        return {s: {p: since.get(p, 0.0) for p in scope_pods} for s, scope_pods in members.items()}
+
+    async def live_deploying_of(self, scope_ids: list[str]) -> dict[str, list[str]]:
+        """Each scope's placeholders without those past their deadline (Redis clock): those
+        of a deployer that died, which nothing waits for any more."""
+        members = await self._members_of(scope_ids, scope_deploying_key)
+        seconds, _ = await self.redis.time()
+        return {
+            s: [m for m in ms if placeholder_deadline(m) >= int(seconds)]
+            for s, ms in members.items()
+        }
+
+    async def in_flight_of(self, scope_ids: list[str]) -> dict[str, InFlight]:
+        """Each scope's live placeholders: the warm pool's deploys and the routes'."""
+        in_flight: dict[str, InFlight] = {}
+        for scope_id, live in (await self.live_deploying_of(scope_ids)).items():
+            warm = sum(m.startswith(WARM_TOKEN_PREFIX) for m in live)
+            in_flight[scope_id] = InFlight(warm=warm, cold=len(live) - warm)
+        return in_flight
+
+    async def _members_of(
+        self, scope_ids: list[str], key: Callable[[str], str]
+    ) -> dict[str, list[str]]:
+        sets = await self._read_many([key(s) for s in scope_ids], "SMEMBERS")
+        return {s: sorted(members) for s, members in zip(scope_ids, sets, strict=True)}
+
+    async def _read_many(self, keys: list[str], command: str) -> list[Any]:
+        """One reply per key (``read_many`` script: HGETALL or SMEMBERS), SCRIPT_BATCH keys a
+        call: one round trip and one reply parsed in C instead of a pipelined command each."""
+        replies: list[Any] = []
+        for i in range(0, len(keys), SCRIPT_BATCH):
+            replies += await self._read_many_script(keys=keys[i : i + SCRIPT_BATCH], args=[command])
+        return replies
+
+    # --- pods, in slices -----------------------------------------------------------------------
+
+    async def all_pods(self) -> list[str]:
+        return [p async for p in self.redis.sscan_iter(PODS_ALL_KEY, count=BATCH)]
+
+    async def pod_fields(self, pod_ids: list[str], *fields: str) -> dict[str, list[str | None]]:
+        """Some fields of many pods' infos: the jobs' cheap read, one ``pod_fields`` script
+        per SCRIPT_BATCH pods (each reply a flat list, n values per pod)."""
+        n = len(fields)
+        out: dict[str, list[str | None]] = {}
+        for i in range(0, len(pod_ids), SCRIPT_BATCH):
+            chunk = pod_ids[i : i + SCRIPT_BATCH]
+            flat = await self._pod_fields(keys=[], args=[POD_PREFIX, n, *fields, *chunk])
+            out.update((p, flat[j * n : j * n + n]) for j, p in enumerate(chunk))
+        return out
+
+    async def pod_versions(self, pod_ids: list[str]) -> dict[str, str | None]:
+        return {
+            p: version for p, (version,) in (await self.pod_fields(pod_ids, "deploy_ver")).items()
+        }
+
+    async def pod_places(self, pod_ids: list[str]) -> dict[str, PodPlace]:
+        """Where each pod runs, from its info. In slices."""
+        fields = await self.pod_fields(pod_ids, "cluster", "namespace")
+        return {
+            p: PodPlace(cluster or None, namespace) for p, (cluster, namespace) in fields.items()
+        }
+
+    async def pod_phases(self, pod_ids: list[str]) -> dict[str, PodPhase]:
+        """Each pod's phase (in_use / idle) and scope, from its info. In slices."""
+        fields = await self.pod_fields(pod_ids, "phase", "scope_id")
+        return {p: PodPhase(phase, scope_id) for p, (phase, scope_id) in fields.items()}
+
+    async def idle_since(self, pod_ids: list[str]) -> dict[str, float]:
+        """When each warm pod joined the warm pool (Redis seconds); a pod that is not warm is
+        left out. MGETs of BATCH keys."""
+        since: dict[str, float] = {}
+        for i in range(0, len(pod_ids), BATCH):
+            chunk = pod_ids[i : i + BATCH]
+            values = await self.redis.mget([pod_idle_since_key(p) for p in chunk])
+            since.update((p, float(v)) for p, v in zip(chunk, values, strict=True) if v)
+        return since
+
+    # --- reclaim and watch: one pod ------------------------------------------------------------
+
+    async def take_out_of_idle(self, scope_id: str, pod_id: str) -> bool:
+        """Atomically leave the warm pool, only if still in it (reclaim, before deleting)."""
+        removed = await self.redis.srem(scope_idle_key(scope_id), pod_id)
+        if removed:
+            await self.redis.delete(pod_idle_since_key(pod_id))
+        return bool(removed)
+
+    async def purge(self, pod_id: str) -> str | None:
+        """Forget the pod (purge.lua: its keys, its units back); its scope, None if unknown."""
+        scope = await self._purge(
+            keys=[
+                pod_info_key(pod_id),
+                pod_idle_since_key(pod_id),
+                pod_health_fails_key(pod_id),
+                PODS_ALL_KEY,
+                BUDGET_PODS_KEY,
+            ],
+            args=[pod_id, SCOPE_PREFIX, BUDGET_RULE_PREFIX],
+        )
+        return cast(str | None, scope or None)
+
+    async def count_health_failure(self, pod_id: str) -> int:
+        """One more failed probe; 0 if the pod has been forgotten meanwhile.
+
+        A probe can race the pod's purge (reclaim, watch or reconcile of another tick or
+        replica): checked AFTER the increment, so either the purge comes later and deletes the
+        counter itself, or we see it gone and delete the counter we just made.
+        """
+        key = pod_health_fails_key(pod_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.incr(key)
+            pipe.expire(key, HEALTH_FAILS_TTL)
+            fails, _ = await pipe.execute()
+        if not await self.redis.sismember(PODS_ALL_KEY, pod_id):
+            await self.redis.delete(key)
+            return 0
+        return int(fails)
+
+    async def clear_health_failures(self, *pod_ids: str) -> None:
+        if pod_ids:
+            await self.redis.delete(*(pod_health_fails_key(p) for p in pod_ids))
+
+    # --- reconcile's repairs -------------------------------------------------------------------
+
+    async def adopt(
+        self,
+        *,
+        scope_id: str,
+        pod_id: str,
+        pod_sse_url: str,
+        pod_ip: str,
+        namespace: str,
+        deploy_ver: str,
+        cluster: str | None = None,
+    ) -> AdoptOutcome:
+        """A verified pod of ours that Redis does not know into its scope's warm pool
+        (adopt.lua: within max_pods and the budgets when the scope has a config, as it is
+        when it has none); ``cluster``: where it runs (None: the process default)."""
+        action, *detail = await self._adopt(
+            keys=[*registration_keys(scope_id, pod_id), BUDGET_LIMITS_KEY],
+            args=[
+                pod_id, scope_id, pod_sse_url, pod_ip, namespace, deploy_ver,
+                BUDGET_RULE_PREFIX, self.pod_budget, cluster or "",
+            ],
+        )  # fmt: skip
+        return AdoptOutcome(action, detail[0] if detail else None)
+
+    async def index_scopes(self) -> int:
+        """Add to the index every scope whose config it lacks (a SCAN of the keyspace, never
+        KEYS: run by reconcile, not by every tick); returns how many were added."""
+        prefix, suffix = len(SCOPE_PREFIX), len(":config")
+        found = [
+            key[prefix:-suffix]
+            async for key in self.redis.scan_iter(match=SCOPE_CONFIG_PATTERN, count=BATCH)
+        ]
+        added = 0
+        for i in range(0, len(found), BATCH):
+            added += int(await self.redis.sadd(SCOPES_KEY, *found[i : i + BATCH]))
+        return added
+
+    async def repair_budgets(self) -> BudgetRepair:
+        """Reconcile's repair of the budgets from the pools (which reconcile keeps equal to
+        Kubernetes): missing units added, stale ones dropped, each checked inside a script.
+        O(pods + scopes), in slices (FILL_BATCH, PRUNE_BATCH)."""
+        added = 0
+        scopes = await self.scopes_with_config()
+        for i in range(0, len(scopes), FILL_BATCH):
+            chunk = scopes[i : i + FILL_BATCH]
+            added += int(
+                await self._budget_fill(
+                    keys=[BUDGET_PODS_KEY, BUDGET_RULES_KEY],
+                    args=[SCOPE_PREFIX, BUDGET_RULE_PREFIX, *chunk],
+                )
+            )
+        dropped = await self._prune(BUDGET_PODS_KEY, "")
+        rules = [r async for r in self.redis.sscan_iter(BUDGET_RULES_KEY, count=BATCH)]
+        for rule_id in rules:
+            dropped += await self._prune(budget_rule_pods_key(rule_id), rule_id)
+        return BudgetRepair(added, dropped)
+
+    async def _prune(self, key: str, rule_id: str) -> int:
+        units = [u async for u, _ in self.redis.zscan_iter(key, count=BATCH)]
+        dropped = 0
+        for i in range(0, max(len(units), 1), PRUNE_BATCH):  # once even when empty
+            dropped += int(
+                await self._budget_prune(
+                    keys=[key, PODS_ALL_KEY, BUDGET_RULES_KEY],
+                    args=[rule_id, SCOPE_PREFIX, POD_PREFIX, *units[i : i + PRUNE_BATCH]],
+                )
+            )
+        return dropped
+
+    async def report_foreign(self, count: int, pods: dict[str, dict[str, Any]]) -> None:
+        """Replace reconcile's report: ``count`` foreign pods seen, ``pods`` (a bounded number
+        of them) by "{namespace}/{pod}"."""
+        flat = [x for field, pod in pods.items() for x in (field, json.dumps(pod, sort_keys=True))]
+        await self._foreign_report(keys=[FOREIGN_PODS_KEY, FOREIGN_COUNT_KEY], args=[count, *flat])

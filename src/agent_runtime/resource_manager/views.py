@@ -1,0 +1,111 @@
+"""``ResourceViews``: the resource manager's state for an operator, read only — the admin
+views (``admin.py``: a scope's pool, a pod's info, the foreign pods report) and the gauges
+read when /metrics is scraped (``Services.update_gauges``). Keys from ``state.py``'s builders.
+
+Each answer costs a bounded number of pipelined reads, except the gauges' O(pods) ones, which
+read in slices (``PoolJobsState.pod_phases``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, cast
+
+from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
+from agent_runtime.resource_manager.state import (
+    BUDGET_PODS_KEY,
+    FOREIGN_COUNT_KEY,
+    FOREIGN_PODS_KEY,
+    ResourceState,
+    budget_rule_pods_key,
+    deploy_lock_key,
+    placeholder_deadline,
+    pod_info_key,
+    scope_config_key,
+    scope_deploying_key,
+    scope_followers_key,
+    scope_idle_key,
+    scope_pods_key,
+)
+
+
+class ResourceViews:
+    """Read-only views over a ``ResourceState``'s client."""
+
+    def __init__(self, state: ResourceState) -> None:
+        self.redis = state.redis
+        self._pods = PoolJobsState(state)
+
+    # --- admin views -----------------------------------------------------------------------------
+
+    async def scope_pool(self, scope_id: str) -> dict[str, Any]:
+        """A scope's pool: parameters, pods with their phase, warm pods, live placeholders
+        (deploys in flight), the follower room and the deploy lock (its token names the
+        replica that leads the deploy)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(scope_config_key(scope_id))
+            pipe.zrange(scope_pods_key(scope_id), 0, -1)
+            pipe.smembers(scope_idle_key(scope_id))
+            pipe.smembers(scope_deploying_key(scope_id))
+            pipe.zcard(scope_followers_key(scope_id))
+            pipe.get(deploy_lock_key(scope_id))
+            pipe.time()
+            config, pods, idle, deploying, followers, leader, (now, _) = await pipe.execute()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for pod_id in pods:
+                pipe.hmget(pod_info_key(pod_id), "phase", "deploy_ver", "pod_ip")
+            infos = await pipe.execute()
+        return {
+            "pool_config": config or None,
+            "pods": [
+                {"pod_id": p, "phase": i[0], "deploy_ver": i[1], "pod_ip": i[2]}
+                for p, i in zip(pods, infos, strict=True)
+            ],
+            "idle": sorted(idle),
+            "deploys_in_flight": sum(placeholder_deadline(m) >= int(now) for m in deploying),
+            "followers": int(followers),
+            "deploy_lock_held": leader is not None,
+            "deploy_leader": leader,
+        }
+
+    async def pod_info(self, pod_id: str) -> dict[str, str]:
+        """The pod's info hash as stored (empty: not registered); its ``cluster`` field is
+        absent for the process default."""
+        return cast(dict[str, str], await self.redis.hgetall(pod_info_key(pod_id)))
+
+    async def foreign_pods(self) -> tuple[int, list[dict[str, Any]]]:
+        """Reconcile's last report: how many were seen, and those it holds (sorted by
+        namespace/pod)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.get(FOREIGN_COUNT_KEY)
+            pipe.hgetall(FOREIGN_PODS_KEY)
+            count, pods = await pipe.execute()
+        return int(count or 0), [json.loads(pods[k]) for k in sorted(pods)]
+
+    # --- gauges ----------------------------------------------------------------------------------
+
+    async def pod_phases(self) -> dict[str, int]:
+        """Registered pods by phase (in_use / idle): O(pods), in slices."""
+        counts: dict[str, int] = {"in_use": 0, "idle": 0}
+        for pod in (await self._pods.pod_phases(await self._pods.all_pods())).values():
+            if pod.phase:
+                counts[pod.phase] = counts.get(pod.phase, 0) + 1
+        return counts
+
+    async def placeholders(self, scope_ids: list[str]) -> int:
+        """Deploys in flight (placeholders) over the given scopes: one SCARD each, pipelined."""
+        if not scope_ids:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for scope_id in scope_ids:
+                pipe.scard(scope_deploying_key(scope_id))
+            return sum(int(n) for n in await pipe.execute())
+
+    async def budget_used(self, rule_id: str | None = None) -> int:
+        """Live units of the global budget (or of a rule's): pods + unexpired placeholders."""
+        key = BUDGET_PODS_KEY if rule_id is None else budget_rule_pods_key(rule_id)
+        seconds, _ = await self.redis.time()
+        return int(await self.redis.zcount(key, seconds, "+inf"))
+
+    async def foreign_pod_count(self) -> int:
+        return int(await self.redis.get(FOREIGN_COUNT_KEY) or 0)
