@@ -812,10 +812,16 @@ async def test_take_out_of_idle_only_while_idle(
 # --- deploy_follower_gate ----------------------------------------------------------------------
 
 
+async def rtime(redis: Redis) -> float:
+    """Redis TIME to the microsecond: the shared seat gate's clock (lua_shared/seat_gate.lua)."""
+    seconds, micros = await redis.time()
+    return seconds + micros / 1_000_000
+
+
 async def test_follower_gate_seats_up_to_the_limit(ds: DeployState, redis: Redis) -> None:
-    before = await rnow(redis)
+    before = await rtime(redis)
     seated = [await ds.take_follower_seat("s1", f"f{i}", HOLD, 3) for i in range(5)]
-    after = await rnow(redis)
+    after = await rtime(redis)
     assert seated == [True, True, True, False, False]
     room = dict(await redis.zrange(K.followers("s1"), 0, -1, withscores=True))
     assert set(room) == {"f0", "f1", "f2"}  # the refused ones did not stay
@@ -835,16 +841,15 @@ async def test_follower_gate_drops_expired_seats(ds: DeployState, redis: Redis) 
 
 
 async def test_follower_gate_deadline_bound_is_exclusive(ds: DeployState, redis: Redis) -> None:
-    """ZREMRANGEBYSCORE '(now': a seat whose deadline is this very second is still held."""
-
-    async def act(now: int) -> bool:
-        await redis.delete(K.followers("s1"))  # a retry starts from an empty room
-        await redis.zadd(K.followers("s1"), {f"edge{now}": now})
-        return await ds.take_follower_seat("s1", f"me{now}", HOLD, 1)
-
-    now, seated = await same_second(redis, act)
-    assert seated is False  # the edge seat still counts, so the room (limit 1) is full
-    assert await zmembers(redis, K.followers("s1")) == {f"edge{now}"}
+    """The shared gate's clock is TIME to the microsecond: a seat whose deadline is ahead is
+    held; one a millisecond past it is dropped (a whole-second gate would still count it).
+    The bound itself, and the fractional deadlines, are tests/test_seat_gate.py's."""
+    now = await rtime(redis)
+    await redis.zadd(K.followers("s1"), {"edge": now + 30})
+    assert await ds.take_follower_seat("s1", "me", HOLD, 1) is False
+    await redis.zadd(K.followers("s1"), {"edge": now - 0.001})
+    assert await ds.take_follower_seat("s1", "me", HOLD, 1) is True
+    assert await zmembers(redis, K.followers("s1")) == {"me"}
 
 
 async def test_follower_gate_limit_zero_refuses_everyone(ds: DeployState, redis: Redis) -> None:

@@ -90,7 +90,9 @@ class DeployState:
         placeholders = ("_budget", "_placeholders")
         self._placeholder = state.script("placeholder", placeholders)
         self._drop_placeholder = state.script("drop_placeholder", "_budget")
-        self._follower_gate = state.script("deploy_follower_gate")
+        # the shared seat gate (lua_shared/seat_gate.lua; the session side's wait queue is
+        # the same script), timed as the follower room's
+        self._follower_gate = state.shared_script("seat_gate", label="deploy_follower_gate")
         self._lease_take = state.script("deploy_lease_take")
         self._lease_renew = state.script("deploy_lease", placeholders)
         self._lease_end = state.script("deploy_lease_end")

@@ -145,7 +145,7 @@ class DeployLease:
 
     async def _keep(self) -> None:
         # ends on `_closed`, not only on cancel: fakeredis absorbs a cancellation that lands
-        # inside a command (see _Route._keep_lease)
+        # inside a command (see SlowRoute._keep_lease)
         while not self._closed:
             await asyncio.sleep(self.seconds / 3)
             if self._closed:

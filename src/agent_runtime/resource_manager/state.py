@@ -252,6 +252,11 @@ class ResourceState:
         """A script of the resource manager's ``lua/`` folder on this client (EVALSHA)."""
         return lua.register(self.redis, PACKAGE, name, prelude=prelude, observe=self._observe)
 
+    def shared_script(self, name: str, *, label: str) -> Any:
+        """A script of the shared ground (``agent_runtime/lua_shared/``) on this client, timed
+        under ``label`` (what it does here)."""
+        return lua.register(self.redis, lua.SHARED, name, label=label, observe=self._observe)
+
     # --- pool config ---------------------------------------------------------------------------
 
     async def write_pool_config(

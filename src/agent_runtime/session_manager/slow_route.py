@@ -218,7 +218,9 @@ class SlowRoute:
     async def _make_candidate(self, pod: AcquiredPod) -> None:
         """Called by the deploy leader before it lets go of the deploy lock: a route that
         looks in between finds the pod as a candidate instead of deploying another."""
-        await self.ctx.state.register_pod(self.scope_id, pod.pod_id, pod.pod_sse_url, pod.deploy_ver)
+        await self.ctx.state.register_pod(
+            self.scope_id, pod.pod_id, pod.pod_sse_url, pod.deploy_ver
+        )
 
     async def wait(
         self,
