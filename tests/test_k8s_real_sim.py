@@ -48,6 +48,7 @@ from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
 from helpers import IDENTITY, envelope, running_app, sync_body
 from kubesim import KubeSim
+from kubesim import pod_status as sim_pod_status
 from kubesim import pods as sim_pods
 from kubesim.kubeconfig import render_kubeconfig
 
@@ -412,15 +413,15 @@ def stock(sim: KubeSim, n: int, namespace: str = "default") -> dict[str, tuple[s
         sim.store.create_pod(sim_pods.admit(namespace, body, sim.rng))
 
         def start(pod: dict[str, Any], i: int = i, ip: str = ip) -> None:
-            sim_pods.scheduled(pod)
-            sim_pods.sandbox_ready(pod, ip)
-            sim_pods.running(pod, True)
+            sim_pod_status.scheduled(pod)
+            sim_pod_status.sandbox_ready(pod, ip)
+            sim_pod_status.running(pod, True)
             if i % 97 == 5:
-                sim_pods.failed(pod, "Evicted", "low on memory")
+                sim_pod_status.failed(pod, "Evicted", "low on memory")
             elif i % 89 == 3:
-                sim_pods.crash_loop(pod, 1)
+                sim_pod_status.crash_loop(pod, 1)
             elif i % 101 == 7:
-                sim_pods.mark_deleting(pod, 30, 30.0)
+                sim_pod_status.mark_deleting(pod, 30, 30.0)
 
         sim.store.update_pod(namespace, name, start)
         phase, ready = "Running", True

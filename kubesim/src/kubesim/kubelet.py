@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from kubesim import pods
+from kubesim import pod_status
 from kubesim.agentserver import AgentServer
 from kubesim.faults import Fault, Faults
 from kubesim.store import Obj, Store
@@ -58,7 +58,7 @@ def pod_ports(pod: Obj) -> list[int]:
 def _probe(pod: Obj, *, ready: bool) -> None:
     """A readiness result lands on a Running pod that is not being deleted."""
     if pod["status"].get("phase") == "Running" and not pod["metadata"].get("deletionTimestamp"):
-        pods.set_ready(pod, ready)
+        pod_status.set_ready(pod, ready)
 
 
 class Kubelet:
@@ -156,15 +156,15 @@ class Kubelet:
         crash = None if pull else self._draw("crash_loop", key, runtime)
         never = None if pull or crash else self._draw("never_ready", key, runtime)
         if never is not None and never.params["mode"] == "pending":
-            self._update(key, runtime, pods.unschedulable)
+            self._update(key, runtime, pod_status.unschedulable)
             return
         runtime.never_ready = never is not None
         runtime.ip = self._allocate_ip()
         ip = runtime.ip
 
         def start_sandbox(pod: Obj) -> None:
-            pods.scheduled(pod)
-            pods.sandbox_ready(pod, ip)
+            pod_status.scheduled(pod)
+            pod_status.sandbox_ready(pod, ip)
 
         if self._update(key, runtime, start_sandbox) is None:
             return
@@ -178,7 +178,7 @@ class Kubelet:
             return
         if crash is not None:
             code = int(crash.params["exit_code"])
-            self._update(key, runtime, lambda p: pods.crash_loop(p, code))
+            self._update(key, runtime, lambda p: pod_status.crash_loop(p, code))
             return
         server = AgentServer(
             namespace=key[0],
@@ -194,10 +194,10 @@ class Kubelet:
         except OSError as exc:
             runtime.server = None
             message = f"listen on {ip}: {exc}"
-            self._update(key, runtime, lambda p: pods.crash_loop(p, 1, message))
+            self._update(key, runtime, lambda p: pod_status.crash_loop(p, 1, message))
             return
         ready = self._ready(key, runtime)
-        self._update(key, runtime, lambda p: pods.running(p, ready))
+        self._update(key, runtime, lambda p: pod_status.running(p, ready))
         while True:  # the readiness probe
             await asyncio.sleep(self.probe_period)
             if self._update(key, runtime, partial(_probe, ready=self._ready(key, runtime))) is None:
@@ -206,17 +206,17 @@ class Kubelet:
     async def _fail_pull(self, key: Key, runtime: _Runtime, image: str, reason: str) -> None:
         if reason == "InvalidImageName":
             message = f'Failed to apply default image tag "{image}": invalid reference format'
-            self._update(key, runtime, lambda p: pods.waiting(p, reason, message))
+            self._update(key, runtime, lambda p: pod_status.waiting(p, reason, message))
             return
         pulled = (
             f'Failed to pull image "{image}": rpc error: code = NotFound desc = failed to pull '
             f'and unpack image "{image}": not found'
         )
-        self._update(key, runtime, lambda p: pods.waiting(p, "ErrImagePull", pulled))
+        self._update(key, runtime, lambda p: pod_status.waiting(p, "ErrImagePull", pulled))
         if reason == "ErrImagePull":  # the kubelet then backs off: the two alternate
             await asyncio.sleep(max(self.ready_delay, 0.05))
         backoff = f'Back-off pulling image "{image}"'
-        self._update(key, runtime, lambda p: pods.waiting(p, "ImagePullBackOff", backoff))
+        self._update(key, runtime, lambda p: pod_status.waiting(p, "ImagePullBackOff", backoff))
 
     def _health_mode(self, key: Key, runtime: _Runtime) -> str | None:
         if runtime.never_ready:

@@ -27,7 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kubesim import pods
+from kubesim import pod_status, pods
 from kubesim.api import build_app
 from kubesim.errors import not_found
 from kubesim.faults import Faults
@@ -220,7 +220,7 @@ class KubeSim:
             return pod  # already going: a second delete changes nothing here
         uid = pod["metadata"]["uid"]
         updated = self.store.update_pod(
-            namespace, name, lambda p: pods.mark_deleting(p, grace, wait), uid=uid
+            namespace, name, lambda p: pod_status.mark_deleting(p, grace, wait), uid=uid
         )
         reaper = asyncio.get_running_loop().create_task(
             self._reap(namespace, name, uid, wait), name=f"kubesim-reap:{namespace}/{name}"
@@ -263,9 +263,11 @@ class KubeSim:
         if mode == "fail":
             message = "The node was low on resource: memory."
             return self.store.update_pod(
-                namespace, name, lambda p: pods.failed(p, "Evicted", message), uid=uid
+                namespace, name, lambda p: pod_status.failed(p, "Evicted", message), uid=uid
             )
-        return self.store.update_pod(namespace, name, lambda p: pods.crash_loop(p, 137), uid=uid)
+        return self.store.update_pod(
+            namespace, name, lambda p: pod_status.crash_loop(p, 137), uid=uid
+        )
 
     async def remove_namespace(self, namespace: str) -> None:
         for name in self.store.remove_namespace(namespace):
@@ -308,7 +310,7 @@ class KubeSim:
                     "labels": meta.get("labels") or {},
                     "annotations": meta.get("annotations") or {},
                     "phase": status.get("phase"),
-                    "ready": pods.is_ready(pod),
+                    "ready": pod_status.is_ready(pod),
                     "podIP": status.get("podIP"),
                     "waiting": reasons,
                     "deleting": bool(meta.get("deletionTimestamp")),
