@@ -31,6 +31,11 @@ from agent_runtime.session_manager.replies import PLACING, Placement, RoutePlace
 from agent_runtime.wiring import Backends
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
+# A test's own Redis clients: a test that fires a hundred commands at once makes its client
+# open a hundred connections at once, and on a loaded 2-core machine (the CI box, a busy loop
+# on each core) the event loop gets to some of them seconds later. A refused connect fails at
+# once whatever this says.
+TEST_CONNECT_TIMEOUT = 10.0
 
 REDIS_URL = os.environ.get("AGENT_RUNTIME_TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
 MYSQL_URL = os.environ.get(
@@ -93,7 +98,9 @@ async def claim_real_redis() -> Redis:
     )
     refused = []
     for url in candidates:
-        client = Redis.from_url(url, decode_responses=True, socket_connect_timeout=2)
+        client = Redis.from_url(
+            url, decode_responses=True, socket_connect_timeout=TEST_CONNECT_TIMEOUT
+        )
         try:
             await client.ping()
         except Exception as exc:
@@ -386,7 +393,9 @@ def other_client(redis: Redis) -> Redis:
         import fakeredis
 
         return fakeredis.FakeAsyncRedis(server=kwargs["server"], decode_responses=True)
-    return Redis.from_url(real_redis_url(), decode_responses=True)
+    return Redis.from_url(
+        real_redis_url(), decode_responses=True, socket_connect_timeout=TEST_CONNECT_TIMEOUT
+    )
 
 
 def spelled(placement: RoutePlacement) -> list[Any]:
