@@ -26,6 +26,9 @@ import helpers
 from agent_runtime.db import schema
 from agent_runtime.db.engine import Database
 from agent_runtime.db.tables import installation_secret, routing_rule, service_config_template
+from agent_runtime.resource_manager.deploy_state import DeployState
+from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
+from agent_runtime.resource_manager.state import ResourceState
 from helpers import (
     CLAIM_KEY,
     REDIS_URL,
@@ -75,6 +78,22 @@ async def redis(request: pytest.FixtureRequest) -> AsyncIterator[Redis]:
         # out with nothing wrong (each socket was closed; the db is flushed and marked above)
         with contextlib.suppress(RedisTimeoutError):
             await client.aclose()
+
+
+# the resource manager's state classes over the ``redis`` fixture (its script tests)
+@pytest.fixture
+def rs(redis: Redis) -> ResourceState:
+    return ResourceState(redis)
+
+
+@pytest.fixture
+def ds(rs: ResourceState) -> DeployState:
+    return DeployState(rs)
+
+
+@pytest.fixture
+def js(rs: ResourceState) -> PoolJobsState:
+    return PoolJobsState(rs)
 
 
 @pytest.fixture(scope="session", params=["sqlite", "mariadb", "postgresql"])

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
 from redis.asyncio import Redis
 
 from agent_runtime.resource_manager.deploy_state import DeployState
@@ -47,21 +46,6 @@ class K:
     @staticmethod
     def rule(rule_id: str) -> str:
         return f"{RULE_PREFIX}{rule_id}:pods"
-
-
-@pytest.fixture
-def rs(redis: Redis) -> ResourceState:
-    return ResourceState(redis)
-
-
-@pytest.fixture
-def ds(rs: ResourceState) -> DeployState:
-    return DeployState(rs)
-
-
-@pytest.fixture
-def js(rs: ResourceState) -> PoolJobsState:
-    return PoolJobsState(rs)
 
 
 async def configure(rs: ResourceState, sid: str = SID, *, max_pods: int = 2) -> None:

@@ -95,21 +95,6 @@ class K:
 # --- helpers -----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def rs(redis: Redis) -> ResourceState:
-    return ResourceState(redis)
-
-
-@pytest.fixture
-def ds(rs: ResourceState) -> DeployState:
-    return DeployState(rs)
-
-
-@pytest.fixture
-def js(rs: ResourceState) -> PoolJobsState:
-    return PoolJobsState(rs)
-
-
 def sse(pod: str) -> str:
     return f"http://10.0.0.1:8080/sse/{pod}"
 
