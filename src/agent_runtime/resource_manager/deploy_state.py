@@ -20,6 +20,7 @@ from agent_runtime.resource_manager.state import (
     BUDGET_PODS_KEY,
     BUDGET_RULE_PREFIX,
     BUDGET_RULES_KEY,
+    DEPLOY_RECORD_FIELDS,
     LEASED_SCOPES_KEY,
     PODS_ALL_KEY,
     SCOPE_PREFIX,
@@ -42,7 +43,6 @@ from agent_runtime.resource_manager.state_values import (
 
 BATCH = 500  # members per SSCAN page
 LEASE_PRUNE_BATCH = 20  # scopes per lease_prune call: ~8 commands, 15–30 µs a scope in Redis
-DEPLOY_RECORD_FIELDS = ("pod_id", "namespace", "created", "uid", "failed", "cluster")
 
 
 def lock_token(owner: str, started: float) -> str:

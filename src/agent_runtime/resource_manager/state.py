@@ -108,6 +108,12 @@ def deploy_pod_key(scope_id: str) -> str:
     return f"{SCOPE_PREFIX}{scope_id}:deploy_pod"
 
 
+# the deploy record's fields (deploy_lease*.lua write them), as deploy_state reads them back
+DEPLOY_RECORD_FIELDS = ("pod_id", "namespace", "created", "uid", "failed", "cluster")
+# the pod info fields the admin scope view shows per pod
+POD_VIEW_FIELDS = ("phase", "deploy_ver", "pod_ip")
+
+
 def placeholder_token(member: str) -> str:
     """The token of a placeholder member ``{token}@{deadline}``."""
     return member.rpartition("@")[0]

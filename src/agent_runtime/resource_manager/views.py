@@ -16,6 +16,7 @@ from agent_runtime.resource_manager.state import (
     BUDGET_PODS_KEY,
     FOREIGN_COUNT_KEY,
     FOREIGN_PODS_KEY,
+    POD_VIEW_FIELDS,
     ResourceState,
     budget_rule_pods_key,
     deploy_lock_key,
@@ -53,7 +54,7 @@ class ResourceViews:
             config, pods, idle, deploying, followers, leader, (now, _) = await pipe.execute()
         async with self.redis.pipeline(transaction=False) as pipe:
             for pod_id in pods:
-                pipe.hmget(pod_info_key(pod_id), "phase", "deploy_ver", "pod_ip")
+                pipe.hmget(pod_info_key(pod_id), *POD_VIEW_FIELDS)
             infos = await pipe.execute()
         return {
             "pool_config": config or None,
