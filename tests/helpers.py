@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import socket
+import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -36,6 +38,19 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 # on each core) the event loop gets to some of them seconds later. A refused connect fails at
 # once whatever this says.
 TEST_CONNECT_TIMEOUT = 10.0
+
+
+def venv_tool(name: str) -> str:
+    """A command the test extra installs into the venv (next to this Python), else on PATH;
+    a missing one fails the test: it is a declared test dependency, never a reason to skip."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is missing: install the test extra (requirements.lock)")
+    return found
+
 
 REDIS_URL = os.environ.get("AGENT_RUNTIME_TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
 MYSQL_URL = os.environ.get(

