@@ -11,6 +11,7 @@ import logging
 from collections.abc import Mapping
 
 from agent_runtime.resource_manager.session_side import PodUsage
+from agent_runtime.session_manager.replies import PodCleanup
 from agent_runtime.session_manager.state import SessionState
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,10 @@ class SessionManagerFacade:
         evicted = 0
         for scope_id in await self._state.pod_scopes(pod_id):
             for _ in range(MAX_CLEANUP_ROUNDS):
-                if await self._state.cleanup_pod(scope_id, pod_id) != -1:
+                if (
+                    await self._state.cleanup_pod(scope_id, pod_id)
+                    is not PodCleanup.SESSIONS_REMAIN
+                ):
                     break
                 for session_id in await self._state.pod_sessions(scope_id, pod_id):
                     if await self._state.evict(session_id, pod_died=True) is not None:
