@@ -40,7 +40,7 @@ from agent_runtime.session_manager.state import (
     scope_pods_key,
 )
 from agent_runtime.util import scope_id_of
-from helpers import IDENTITY
+from helpers import IDENTITY, running_app
 
 
 class CountingDatabase:
@@ -485,3 +485,27 @@ async def test_a_retry_after_a_failed_propagation_heals_the_scope(
     new_ver = (await resolve(store, "g", "b")).deploy_ver
     assert (await redis.hgetall(rm_config_key(sid)))["deploy_ver"] == new_ver
     assert await redis.zrange(scope_pods_key(sid), 0, -1) == []
+
+
+async def test_a_template_without_session_ttl_gets_the_default_session_ttl_setting(
+    redis: Redis, db: Database
+) -> None:
+    """AGENT_RUNTIME_DEFAULT_SESSION_TTL: the session_ttl of a template created or synced
+    without one (a fractional value rounds up to whole seconds); one given wins; an update
+    without it keeps the stored one."""
+    async with running_app(redis, db, default_session_ttl=7.5) as client:
+        store: ConfigStore = client.app.state.services.config_store  # type: ignore[attr-defined]
+
+        async def stored_ttl(template_id: str) -> int:
+            row = await db.read(lambda c: config_repo.get_template(c, template_id))
+            assert row is not None
+            return row.session_ttl
+
+        await sync(store, "template", "create", template_id="t-default", image="a:1")
+        assert await stored_ttl("t-default") == 8
+        await sync(store, "template", "create", template_id="t-given", image="a:1", session_ttl=90)
+        assert await stored_ttl("t-given") == 90
+        await sync(store, "template", "update", template_id="t-given", pod_ttl=900)
+        assert await stored_ttl("t-given") == 90  # a partial update keeps it
+        await sync(store, "template", "sync", template_id="t-given", image="a:1")
+        assert await stored_ttl("t-given") == 8  # a sync replaces the whole item

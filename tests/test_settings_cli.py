@@ -63,6 +63,7 @@ def test_defaults_per_contract(clean_env: pytest.MonkeyPatch) -> None:
     assert s.kubeconfig is None
     assert s.default_namespace == "default"
     assert s.scope_full_timeout == 30
+    assert s.default_session_ttl == 60
     assert s.sweep_interval == 1
     assert s.autoscale_interval == 1
     assert s.reclaim_interval == 1
@@ -87,6 +88,7 @@ def test_every_contract_setting_read_from_env(clean_env: pytest.MonkeyPatch) -> 
         "KUBECONFIG": "/etc/kube/config",
         "DEFAULT_NAMESPACE": "agents",
         "SCOPE_FULL_TIMEOUT": "2.5",
+        "DEFAULT_SESSION_TTL": "90.5",
         "SWEEP_INTERVAL": "0.25",
         "AUTOSCALE_INTERVAL": "0.5",
         "RECLAIM_INTERVAL": "0.75",
@@ -108,6 +110,7 @@ def test_every_contract_setting_read_from_env(clean_env: pytest.MonkeyPatch) -> 
     assert s.kubeconfig == "/etc/kube/config"
     assert s.default_namespace == "agents"
     assert s.scope_full_timeout == 2.5
+    assert s.default_session_ttl == 90.5
     assert (s.sweep_interval, s.autoscale_interval, s.reclaim_interval) == (0.25, 0.5, 0.75)
     assert (s.watch_interval, s.reconcile_interval) == (1.5, 0.1)
     assert s.instance_id == "replica-7"

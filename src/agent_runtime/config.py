@@ -104,6 +104,12 @@ class Settings(BaseSettings):
     kubeconfig: str | None = Field(None, description="kubeconfig path when not running in-cluster")
     default_namespace: str = Field("default", description="namespace for pods and cleanup")
     scope_full_timeout: float = Field(30.0, gt=0, description="max wait in a scope's queue (s)")
+    default_session_ttl: float = Field(
+        60.0,
+        gt=0,
+        le=30 * 24 * 3600,
+        description="session_ttl of a template config_sync creates without one (s, whole up)",
+    )
     sweep_interval: float = Field(1.0, gt=0, description="session sweeper tick (s)")
     autoscale_interval: float = Field(1.0, gt=0, description="warm-pool autoscale tick (s)")
     reclaim_interval: float = Field(1.0, gt=0, description="idle reclaim tick (s)")

@@ -10,6 +10,7 @@ import time.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -351,6 +352,8 @@ def wire(
         namespaces=settings.allowed_namespaces(),
         default_namespace=settings.default_namespace,
         wildcard_rule_pod_budget=settings.wildcard_rule_pod_budget,
+        # a template's session_ttl is whole seconds: a fractional setting rounds up
+        default_session_ttl=math.ceil(settings.default_session_ttl),
     )
     session_sweeper = SessionSweeper(
         state=session_state,

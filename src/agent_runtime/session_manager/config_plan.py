@@ -67,10 +67,14 @@ class Plan:
     rule_after: RoutingRuleItem | None = None
 
 
-def parse(request: ConfigSyncRequest) -> Any:
-    """Validate the item for its kind and op; update is partial (validated after merging)."""
+def parse(request: ConfigSyncRequest, *, default_session_ttl: int = 60) -> Any:
+    """Validate the item for its kind and op; update is partial (validated after merging). A
+    template created or synced without ``session_ttl`` gets ``default_session_ttl``
+    (``AGENT_RUNTIME_DEFAULT_SESSION_TTL``); an update keeps the stored one."""
     full: type[BaseModel] = TemplateItem if request.kind == "template" else RoutingRuleItem
     key: type[BaseModel] = TemplateKey if request.kind == "template" else RoutingRuleKey
+    if full is TemplateItem and request.op in ("create", "sync"):
+        return parse_item(full, {"session_ttl": default_session_ttl, **request.item})
     if request.op in ("create", "sync") or (request.op == "update" and full is RoutingRuleItem):
         return parse_item(full, request.item)
     unknown = sorted(set(request.item) - set(full.model_fields))

@@ -64,6 +64,7 @@ class ConfigStore:
         namespaces: frozenset[str] | None = None,
         default_namespace: str = "default",
         wildcard_rule_pod_budget: int = 100,
+        default_session_ttl: int = 60,
     ) -> None:
         """``clusters``: the names a template's ``kubeconfig`` may hold; ``namespaces``: where a
         template may deploy (None: anywhere; the wiring passes the settings' allow-list).
@@ -77,6 +78,7 @@ class ConfigStore:
         self._namespaces = namespaces
         self._default_namespace = default_namespace
         self._wildcard_budget = wildcard_rule_pod_budget
+        self._default_session_ttl = default_session_ttl  # a new template without session_ttl
         # scope → the DB load running for it: a cold burst of one scope reads the DB once
         self._loading: SingleFlight[str, ScopeConfig] = SingleFlight()
 
@@ -133,7 +135,7 @@ class ConfigStore:
     # --- config_sync ---------------------------------------------------------------------------
 
     async def config_sync(self, request: ConfigSyncRequest) -> dict[str, Any]:
-        parsed = config_plan.parse(request)
+        parsed = config_plan.parse(request, default_session_ttl=self._default_session_ttl)
         if request.kind == "template" and request.op != "delete":
             fields = parsed if isinstance(parsed, dict) else parsed.as_dict()
             logs.add_secret_values(clear_env_values(fields))
