@@ -45,6 +45,7 @@ class AgentServer:
         self._health = health
         self._sse_interval = sse_interval
         self._stopping = asyncio.Event()
+        self._turn = asyncio.Lock()  # start() and stop() one at a time
         self._runner: web.AppRunner | None = None
 
     @property
@@ -56,25 +57,30 @@ class AgentServer:
         app = web.Application()
         app.router.add_get(HEALTH_PATH, self._handle_health)
         app.router.add_get("/{tail:.*}", self._handle_sse)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT)
-        await runner.setup()
-        # known before the first bind: a stop() that comes while the ports are being bound (the
-        # pod deleted, the simulator stopping) closes whatever was bound so far
-        self._runner = runner
-        try:
-            for port in self.ports:
-                await web.TCPSite(runner, self.ip, port).start()
-        except BaseException:
-            await runner.cleanup()
-            self._runner = None
-            raise
+        # start and stop take turns: a stop() that came while a port was being bound used to
+        # clean the runner up under the bind, and the listener bound a moment later was left
+        # open for good (aiohttp registers the site before it binds). A stop now waits for the
+        # binds (milliseconds); a start after a stop binds nothing.
+        async with self._turn:
+            if self._stopping.is_set():
+                return
+            runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT)
+            await runner.setup()
+            try:
+                for port in self.ports:
+                    await web.TCPSite(runner, self.ip, port).start()
+            except BaseException:
+                await runner.cleanup()
+                raise
+            self._runner = runner
 
     async def stop(self) -> None:
         """Close the listeners; open /health hangs and SSE streams end at once."""
         self._stopping.set()
-        if self._runner is not None:
-            await self._runner.cleanup()  # interrupted: the next stop() finishes it
-            self._runner = None
+        async with self._turn:
+            if self._runner is not None:
+                await self._runner.cleanup()  # interrupted: the next stop() finishes it
+                self._runner = None
 
     def _identity(self) -> dict[str, Any]:
         return {"pod": self.name, "namespace": self.namespace, "ip": self.ip}
