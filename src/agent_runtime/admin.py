@@ -1,15 +1,21 @@
-"""Admin read views (admin token): what the control plane holds, for an operator.
+"""Admin views and drains (admin token): what the control plane holds, for an operator, and
+the one thing an operator does to it here — drain a pod or a node.
 
 ``GET /api/session/admin/scopes`` — scopes with live sessions, waiters, reservations, pods
 by state and their cached policy, one page at a time (``cursor``, ``limit`` ≤ 200: HSCAN
 over the scope registry, never KEYS); ``/scopes/{scope_id}`` — one scope in detail (both
 modules' view of it); ``/pods/{pod_id}`` — one pod, ``owned`` false for a foreign one;
 ``/foreign_pods`` — pods with our labels that are not provably ours (reconcile's last pass);
-``/sessions/{session_id}`` — one binding.
-Read only; each answer costs a bounded number of pipelined reads. They sit here, next to the
-wiring, because they read both modules' state, through their read-only views (the session
-side's ``SessionViews``, the resource side's ``ResourceViews``: key names stay in each
-module's ``state.py``).
+``/sessions/{session_id}`` — one binding; ``/drains`` — pods under a drain, their deadlines
+and remaining sessions. The views are read only; each answer costs a bounded number of
+pipelined reads.
+
+``POST /pods/{pod_id}/drain`` and ``POST /nodes/{node}/drain`` (body optional:
+``{"deadline_seconds": N}``) drain through the resource manager's facade
+(``ResourceManagerFacade.drain_pod``/``drain_node``; docs/spec/resource-manager.md
+"Drains"). They sit here, next to the wiring, because they read both modules' state,
+through their read-only views (the session side's ``SessionViews``, the resource side's
+``ResourceViews``: key names stay in each module's ``state.py``).
 """
 
 from __future__ import annotations
@@ -23,12 +29,22 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.convertors import PathConvertor, register_url_convertor
 
 from agent_runtime.api.answers import ok
 from agent_runtime.api.ids import ID_MAX, PRINTABLE_PATTERN, is_id
+from agent_runtime.api.json_body import parse_body
+from agent_runtime.api.openapi import documented_responses, inline_schema
+from agent_runtime.api.request import validate_as
 from agent_runtime.auth import check_bearer
-from agent_runtime.errors import BackendUnavailable, NotFound, ValidationFailed
+from agent_runtime.errors import BackendUnavailable, Conflict, K8sError, NotFound, ValidationFailed
+from agent_runtime.resource_manager.facade import (
+    MAX_DRAIN_SECONDS,
+    DrainStatus,
+    K8sApiError,
+    ResourceManagerFacade,
+)
 from agent_runtime.resource_manager.views import ResourceViews
 from agent_runtime.session_manager.views import SessionViews
 from agent_runtime.spec_fields import REDACTED, redacted_spec
@@ -70,10 +86,12 @@ router = APIRouter(prefix="/admin")
 
 @dataclass(frozen=True, slots=True)
 class AdminDeps:
-    """What the admin views read: each module's state, read only, and the admin tokens."""
+    """What the admin views read (each module's state, read only), the resource manager's
+    facade for the drains, and the admin tokens."""
 
     sessions: SessionViews
     resources: ResourceViews
+    control: ResourceManagerFacade  # the drains
     admin_tokens: Sequence[str]
     serving: Callable[[], bool]  # False while the process starts or stops: 503
 
@@ -203,6 +221,9 @@ async def get_pod(request: Request, deps: Admin, pod_id: PodId) -> JSONResponse:
     view["owned"] = bool(info) or not foreign
     if foreign:
         view["foreign"] = foreign
+    drain = await deps.resources.drain(pid)
+    if drain is not None:
+        view["drain"] = {**drain, "deadline_in": await _seconds_left(deps, drain["deadline"])}
     return ok(_request_id(request), view)
 
 
@@ -223,3 +244,158 @@ async def get_session(request: Request, deps: Admin, session_id: SessionId) -> J
     if view is None:
         raise NotFound(f"session {sid} is not known")
     return ok(_request_id(request), {"session_id": sid, **view})
+
+
+# --- drains ---------------------------------------------------------------------------------
+
+_NODE_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a DNS subdomain, as Kubernetes'
+NodeName = Annotated[
+    str,
+    Path(
+        description="a node name (a DNS subdomain, as Kubernetes names nodes)",
+        min_length=1,
+        max_length=253,
+        json_schema_extra={"pattern": _NODE_NAME.pattern},
+    ),
+]
+
+
+class DrainRequest(BaseModel):
+    """The optional body of a drain call."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    deadline_seconds: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_DRAIN_SECONDS,
+        description="seconds from now until the sessions left are rebound and the pod is "
+        "deleted (default AGENT_RUNTIME_DRAIN_TIMEOUT; 0: at once)",
+    )
+
+
+class DrainView(BaseModel):
+    pod_id: str
+    state: str = Field(description="pending (a replacement is warmed first), draining, deleted")
+    trigger: str = Field(description="admin, graceful_delete or cordon")
+    deadline: float = Field(description="Unix seconds: sessions left then are rebound")
+    deadline_in: float = Field(description="seconds until the deadline (0 once past)")
+    started: bool = Field(description="this call began the drain (false: one was under way)")
+    sessions: int = Field(description="live sessions the pod still carries")
+
+
+class DrainPodOk(BaseModel):
+    ok: bool = True
+    request_id: str
+    data: DrainView
+
+
+class DrainNodeData(BaseModel):
+    node: str
+    pods: list[DrainView]
+
+
+class DrainNodeOk(BaseModel):
+    ok: bool = True
+    request_id: str
+    data: DrainNodeData
+
+
+_DRAIN_BODY = {
+    "requestBody": {
+        "required": False,
+        "content": {"application/json": {"schema": inline_schema(DrainRequest)}},
+    },
+    "security": [{"AdminToken": []}],
+}
+
+
+async def _drain_seconds(request: Request) -> int | None:
+    """The body's ``deadline_seconds`` (no body, or none given: the default)."""
+    _only_query(request)
+    raw = await request.body()
+    if not raw.strip():
+        return None
+    return validate_as(DrainRequest, parse_body(raw), prefix=None).deadline_seconds
+
+
+async def _seconds_left(deps: AdminDeps, deadline: float) -> float:
+    return round(max(deadline - await deps.resources.now(), 0.0), 3)
+
+
+async def _drain_view(deps: AdminDeps, status: DrainStatus) -> dict[str, Any]:
+    return {
+        "pod_id": status.pod_id,
+        "state": status.state,
+        "trigger": status.trigger,
+        "deadline": status.deadline,
+        "deadline_in": await _seconds_left(deps, status.deadline),
+        "started": status.started,
+        "sessions": status.sessions,
+    }
+
+
+@router.post(
+    "/pods/{pod_id:anyid}/drain",
+    openapi_extra=_DRAIN_BODY,
+    responses=documented_responses(DrainPodOk, 404, 409, 502),
+)
+async def drain_pod(request: Request, deps: Admin, pod_id: PodId) -> JSONResponse:
+    """Drain a pod of ours: it takes no new session at once, its sessions stay until they
+    end or until the deadline, then are rebound; then it is deleted (at once when empty)."""
+    pid = _checked("pod_id", pod_id)
+    seconds = await _drain_seconds(request)
+    try:
+        status = await deps.control.drain_pod(pid, seconds)
+    except K8sApiError as exc:
+        why = exc.status or "unreachable"
+        raise K8sError(f"kubernetes refused the drain's delete: {why}") from None
+    if status is None:
+        _, reported = await deps.resources.foreign_pods()
+        if any(p.get("pod_id") == pid for p in reported):
+            raise Conflict(f"pod {pid} is not ours (its identity does not verify): not drained")
+        raise NotFound(f"pod {pid} is not known")
+    return ok(_request_id(request), await _drain_view(deps, status))
+
+
+@router.post(
+    "/nodes/{node:anyid}/drain",
+    openapi_extra=_DRAIN_BODY,
+    responses=documented_responses(DrainNodeOk, 502),
+)
+async def drain_node(request: Request, deps: Admin, node: NodeName) -> JSONResponse:
+    """Drain every pod of ours on a node, in every cluster and namespace that holds pods of
+    ours (none: an empty list). Cordons nothing: ``kubectl cordon`` first keeps new pods off
+    the node (and drains ours by itself)."""
+    if not _NODE_NAME.fullmatch(node) or len(node) > 253:
+        raise ValidationFailed("node: a node name is a DNS subdomain of at most 253 characters")
+    seconds = await _drain_seconds(request)
+    try:
+        drained = await deps.control.drain_node(node, seconds)
+    except K8sApiError as exc:
+        why = exc.status or "unreachable"
+        raise K8sError(f"kubernetes could not list the node's pods: {why}") from None
+    pods = [await _drain_view(deps, status) for status in drained]
+    return ok(_request_id(request), {"node": node, "pods": pods})
+
+
+@router.get("/drains")
+async def list_drains(
+    request: Request,
+    deps: Admin,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
+) -> JSONResponse:
+    """Pods under a drain (soonest deadline first, at most ``limit``), each with its
+    state, trigger, deadline, seconds left and the sessions it still carries."""
+    _only_query(request, "limit")
+    count, drains = await deps.resources.drains(limit)
+    pods = []
+    for drain in drains:
+        registrations = await deps.sessions.pod_registrations(drain["pod_id"])
+        pods.append(
+            {
+                **drain,
+                "deadline_in": await _seconds_left(deps, drain["deadline"]),
+                "sessions": sum(r["sessions"] for r in registrations),
+            }
+        )
+    return ok(_request_id(request), {"count": count, "pods": pods})

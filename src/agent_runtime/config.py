@@ -288,6 +288,21 @@ class Settings(BaseSettings):
         description="a warm pod whose scope has no pool config (adopted after a Redis data "
         "loss, before the scope's next route wrote one) is deleted after this long idle (s)",
     )
+    drain_timeout: float = Field(
+        300.0,
+        gt=0,
+        le=86400,
+        description="a drain's deadline when none is given (an admin drain without "
+        "deadline_seconds, a cordoned node's pods): its sessions are rebound after it (s)",
+    )
+    drain_margin: float = Field(
+        2.0,
+        ge=0,
+        le=60,
+        description="a pod Kubernetes deletes gracefully drains until this long before its "
+        "deletionTimestamp, so its sessions move before the kill (s)",
+    )
+    drain_interval: float = Field(1.0, gt=0, description="drain job tick (s)")
 
     # -- answers: replay binding, messages --
 

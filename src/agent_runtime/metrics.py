@@ -113,6 +113,20 @@ class Metrics:
             "replica's reconcile: never adopted, routed to or deleted",
             registry=self.registry,
         )
+        self.drains_started = Counter(
+            "agent_runtime_drains_started",
+            "pod drains begun, by trigger: admin, graceful_delete (Kubernetes deletes the pod "
+            "with a grace period), cordon (its node was cordoned)",
+            ["trigger"],
+            registry=self.registry,
+        )
+        self.drains_finished = Counter(
+            "agent_runtime_drains_finished",
+            "drained pods deleted, by trigger and outcome: empty (its sessions had ended) or "
+            "deadline (the sessions left were rebound)",
+            ["trigger", "outcome"],
+            registry=self.registry,
+        )
         # --- backends
         self.redis_seconds = Histogram(
             "agent_runtime_redis_script_seconds",

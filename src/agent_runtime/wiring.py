@@ -28,6 +28,7 @@ from agent_runtime.jobs import Job, JobRunner
 from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.clusters import read_clusters
+from agent_runtime.resource_manager.drains import Drains
 from agent_runtime.resource_manager.facade import ResourceManagerFacade
 from agent_runtime.resource_manager.identity import PodIdentity
 from agent_runtime.resource_manager.k8s import K8sPodClient
@@ -253,6 +254,7 @@ class Services:
         return AdminDeps(
             sessions=self.session_views,
             resources=self.resource_views,
+            control=self.resources,
             admin_tokens=tuple(self.settings.admin_tokens),
             serving=lambda: self.ready,
         )
@@ -272,6 +274,7 @@ class Services:
         phases = await self.resource_views.pod_phases()
         metrics.pods.labels("in_use").set(phases.get("in_use", 0))
         metrics.pods.labels("idle").set(phases.get("idle", 0))
+        metrics.pods.labels("draining").set(phases.get("draining", 0))
         metrics.pods.labels("deploying").set(await self.resource_views.placeholders(scopes))
         metrics.pods.labels("retiring").set(await self.session_views.retiring_pods())
         metrics.sessions.set(await self.session_views.live_sessions())
@@ -330,8 +333,17 @@ def wire(
         deploy_lease=settings.deploy_lease,
         instance_id=settings.instance_id,
     )
-    resources = ResourceManagerFacade(orchestrator=orchestrator)
     sessions = SessionManagerFacade(state=session_state)
+    drains = Drains(
+        state=resource_state,
+        k8s=k8s,
+        sessions=sessions,
+        default_namespace=settings.default_namespace,
+        metrics=metrics,
+        default_timeout=settings.drain_timeout,
+        margin=settings.drain_margin,
+    )
+    resources = ResourceManagerFacade(orchestrator=orchestrator, drains=drains)
     pool_jobs = PoolJobs(
         state=resource_state,
         k8s=k8s,
@@ -342,6 +354,7 @@ def wire(
         identity=identity,
         metrics=metrics,
         adopted_pod_ttl=settings.adopted_pod_ttl,
+        drains=drains,
     )
     config_store = ConfigStore(
         db=db,
@@ -370,6 +383,7 @@ def wire(
             Job("rm_reclaim", settings.reclaim_interval, pool_jobs.reclaim_and_prune_once),
             Job("rm_watch", settings.watch_interval, pool_jobs.watch_once),
             Job("rm_reconcile", settings.reconcile_interval, pool_jobs.reconcile_once),
+            Job("rm_drains", settings.drain_interval, drains.drains_once),
         ],
     )
     return Services(

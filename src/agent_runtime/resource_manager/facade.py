@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from agent_runtime.resource_manager.drains import MAX_DRAIN_SECONDS, Drains, DrainStatus
 from agent_runtime.resource_manager.followers import OnReady
 from agent_runtime.resource_manager.models import (
     AcquiredPod,
@@ -25,10 +26,12 @@ from agent_runtime.resource_manager.models import (
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 
 __all__ = [
+    "MAX_DRAIN_SECONDS",
     "AcquiredPod",
     "DeployFailed",
     "DeployInProgress",
     "DeployTimedOut",
+    "DrainStatus",
     "IdleTransition",
     "K8sApiError",
     "MaxPodsReached",
@@ -40,8 +43,15 @@ __all__ = [
 
 
 class ResourceManagerFacade:
-    def __init__(self, *, orchestrator: ResourceOrchestrator) -> None:
+    def __init__(self, *, orchestrator: ResourceOrchestrator, drains: Drains | None = None) -> None:
+        """``drains``: the operator's drain calls (None: this facade serves routes only)."""
         self._orchestrator = orchestrator
+        self._drains = drains
+
+    def _drain_control(self) -> Drains:
+        if self._drains is None:
+            raise RuntimeError("this resource manager facade was built without drains")
+        return self._drains
 
     async def acquire(
         self,
@@ -118,3 +128,18 @@ class ResourceManagerFacade:
         """Delete AgentServer pods that carry our scope label (never another tool's); raises
         ``K8sApiError`` when Kubernetes refuses (e.g. 403)."""
         return await self._orchestrator.cleanup(namespace, label_selector)
+
+    async def drain_pod(self, pod_id: str, seconds: float | None = None) -> DrainStatus | None:
+        """Drain a pod of ours: out of the placement candidates at once, its sessions stay
+        until they end or for ``seconds`` (None: the default drain timeout; bounded to
+        ``MAX_DRAIN_SECONDS``), then are rebound and the pod deleted (at once when empty).
+        A warm pod the scope's floor needs drains once a replacement is warm (``pending``).
+        Idempotent (a drain under way is kept; a deadline only comes forward). None: the pod
+        is not registered here."""
+        return await self._drain_control().drain_pod(pod_id, seconds)
+
+    async def drain_node(self, node: str, seconds: float | None = None) -> list[DrainStatus]:
+        """``drain_pod`` for every pod of ours that Kubernetes places on ``node``, in every
+        cluster and namespace that holds pods of ours; ``K8sApiError`` when a pod list
+        failed (no pod is drained then)."""
+        return await self._drain_control().drain_node(node, seconds)

@@ -10,7 +10,8 @@ phase, readiness and IP — and ``read_pod_list``).
 The resource manager never sees a kubernetes_asyncio object. A LIST is paged and parsed a
 slice at a time. A deploy goes to its template's cluster (``clusters.template_cluster``);
 every call on an existing pod (``get_pod``, ``delete``, ``list_pods``, ``await_ready``,
-``sign``) takes ``cluster=``, the cluster the pod was recorded in (None: the process default).
+``sign``) takes ``cluster=``, the cluster the pod was recorded in (None: the process default),
+and so does ``list_nodes``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from agent_runtime.resource_manager.identity import PodIdentity
-from agent_runtime.resource_manager.models import PodDeployInfo, PodStatus
+from agent_runtime.resource_manager.models import NodeStatus, PodDeployInfo, PodStatus
 
 # called by a deploy once its create landed, with the pod's name, namespace and uid
 OnCreated = Callable[[str, str, str], Awaitable[None]]
@@ -101,6 +102,11 @@ class K8sPodClient(Protocol):
     ) -> list[PodStatus]:
         """Every matching pod of ``cluster`` (the real client pages the LIST). A namespace
         that does not exist → []; 403, or a cluster not configured or down → ``K8sApiError``."""
+
+    async def list_nodes(self, *, cluster: str | None = None) -> list[NodeStatus]:
+        """Every node of ``cluster`` with whether it is cordoned (``spec.unschedulable``): how
+        the watch tells a pod on a node being drained. Paged as ``list_pods``; 403 (the
+        service may not read nodes), or a cluster not configured or down → ``K8sApiError``."""
 
     async def probe_health(self, pod_ip: str, port: int) -> bool:
         """``GET http://{pod_ip}:{port}/health`` within 3 s; only a 200 is healthy."""

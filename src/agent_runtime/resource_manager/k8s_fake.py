@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import math
+import time
 import uuid
 from collections.abc import Collection
 from typing import Any
@@ -18,6 +20,7 @@ from agent_runtime.resource_manager.k8s import OnCreated
 from agent_runtime.resource_manager.models import (
     DeployFailed,
     K8sApiError,
+    NodeStatus,
     PodDeployInfo,
     PodGone,
     PodStatus,
@@ -57,6 +60,13 @@ class FakeK8sPodClient:
     delete and list. ``deleted`` holds the pod ids of every cluster, ``deleted_in`` (cluster,
     pod id) pairs.
 
+    Nodes: each cluster has ``nodes`` of them, ``fake-node-0`` …; a pod is put on the next one
+    in turn (``add_pod(node=…)`` names one). ``cordon`` / ``uncordon`` set a node's
+    ``spec.unschedulable``; ``nodes_forbidden`` refuses ``list_nodes`` (403, as a service
+    account without the ClusterRole). ``begin_graceful_delete`` is Kubernetes' graceful
+    deletion (phase Terminating, not Ready, ``deletion_at`` = now + grace): the pod is gone
+    once its grace ran out (seen at the next read). ``delete`` (ours) removes at once.
+
     Pod IPs are loopback: 127.0.1.1 … 127.0.1.254, then 127.0.2.x and so on (one sequence over
     every cluster: no two pods share an IP).
     """
@@ -67,8 +77,13 @@ class FakeK8sPodClient:
         default_namespace: str = "default",
         ready_delay: float = 0.0,
         clusters: Collection[str] | None = None,
+        nodes: int = 1,
     ) -> None:
         self.default_namespace = default_namespace
+        self._node_count = max(nodes, 1)
+        self._nodes: dict[str | None, dict[str, bool]] = {}  # cluster → node → unschedulable
+        self._next_node = itertools.count()
+        self.nodes_forbidden = False
         self.ready_delay = ready_delay
         self.never_ready = False
         self.fail_next_deploys = 0
@@ -124,6 +139,41 @@ class FakeK8sPodClient:
             raise DeployFailed(refusal)
         return self.pods_in(cluster)
 
+    # nodes and graceful deletion
+
+    def nodes_of(self, cluster: str | None = None) -> dict[str, bool]:
+        """The nodes of ``cluster`` → whether cordoned (live: a test may change it)."""
+        if cluster not in self._nodes:
+            self._nodes[cluster] = {f"fake-node-{i}": False for i in range(self._node_count)}
+        return self._nodes[cluster]
+
+    def _place(self, cluster: str | None) -> str:
+        names = sorted(self.nodes_of(cluster))
+        return names[next(self._next_node) % len(names)]
+
+    def cordon(self, node: str, *, cluster: str | None = None) -> None:
+        self.nodes_of(cluster)[node] = True
+
+    def uncordon(self, node: str, *, cluster: str | None = None) -> None:
+        self.nodes_of(cluster)[node] = False
+
+    def begin_graceful_delete(
+        self, pod_id: str, grace_seconds: float, *, cluster: str | None = None
+    ) -> None:
+        """Kubernetes begins a graceful deletion (a ``kubectl delete``, a node drain's
+        eviction): Terminating, not Ready, gone ``grace_seconds`` from now."""
+        pods = self.pods_in(cluster)
+        pods[pod_id] = dataclasses.replace(
+            pods[pod_id], phase="Terminating", ready=False, deletion_at=time.time() + grace_seconds
+        )
+
+    def _reap(self, cluster: str | None) -> None:
+        """Pods whose graceful deletion's time is up are gone (Kubernetes killed them)."""
+        pods = self.pods_in(cluster)
+        now = time.time()
+        for pod_id in [p for p, pod in pods.items() if pod.deletion_at and pod.deletion_at <= now]:
+            del pods[pod_id]
+
     # faults and test helpers
 
     def set_phase(
@@ -171,6 +221,7 @@ class FakeK8sPodClient:
         annotations: dict[str, str] | None = None,
         image: str = "agentserver:found",
         cluster: str | None = None,
+        node: str | None = None,
     ) -> PodStatus:
         """A pod we did not deploy (e.g. found after a Redis wipe); ``labels`` override ours.
         With ``identity`` it carries both signatures (its SSE port and path from ``pod_spec``),
@@ -191,6 +242,7 @@ class FakeK8sPodClient:
             uid=uid,
             annotations={**notes, **(annotations or {})},
             image=image,
+            node=node or self._place(cluster),
         )
         self.pods_in(cluster)[pod_id] = pod
         return pod
@@ -267,7 +319,7 @@ class FakeK8sPodClient:
         body = build_pod_body(pod_id, scope_id, deploy_ver, pod_spec, notes)
         pods[pod_id] = PodStatus(
             pod_id, namespace, "Pending", False, None, body["metadata"]["labels"],
-            uid=uid, annotations=notes, image=pod_spec["image"],
+            uid=uid, annotations=notes, image=pod_spec["image"], node=self._place(cluster),
         )  # fmt: skip
         self._starting[cluster, pod_id] = asyncio.get_running_loop().time()
         try:
@@ -371,6 +423,7 @@ class FakeK8sPodClient:
         pods = self._reached(cluster)
         self._check_namespace(namespace)
         self._kubelet()
+        self._reap(cluster)
         pod = pods.get(pod_id)
         return pod if pod is not None and pod.namespace == namespace else None
 
@@ -382,6 +435,7 @@ class FakeK8sPodClient:
         if namespace in self.missing_namespaces:
             return []
         self._kubelet()
+        self._reap(cluster)
         terms = selectors.parse(label_selector)
         pods = list(in_cluster.values())
         found: list[PodStatus] = []
@@ -393,6 +447,12 @@ class FakeK8sPodClient:
                 p for p in page if p.namespace == namespace and selectors.matches(terms, p.labels)
             ]
         return found
+
+    async def list_nodes(self, *, cluster: str | None = None) -> list[NodeStatus]:
+        self._reached(cluster)
+        if self.nodes_forbidden:
+            raise K8sApiError("fake: nodes is forbidden", status=403)
+        return [NodeStatus(name, cordoned) for name, cordoned in self.nodes_of(cluster).items()]
 
     async def probe_health(self, pod_ip: str, port: int) -> bool:
         cluster, pod_id = self._pod_of_ip.get(pod_ip, (None, ""))

@@ -13,6 +13,7 @@ from agent_runtime.resource_manager.k8s import K8sPodClient, OnCreated
 from agent_runtime.resource_manager.models import (
     DeployFailed,
     K8sApiError,
+    NodeStatus,
     PodDeployInfo,
     PodStatus,
 )
@@ -116,6 +117,9 @@ class MeteredK8sPodClient:
     ) -> list[PodStatus]:
         call = self.inner.list_pods(namespace, label_selector, cluster=cluster)
         return await self._timed("list", call)
+
+    async def list_nodes(self, *, cluster: str | None = None) -> list[NodeStatus]:
+        return await self._timed("list_nodes", self.inner.list_nodes(cluster=cluster))
 
     async def probe_health(self, pod_ip: str, port: int) -> bool:
         return await self._timed("probe_health", self.inner.probe_health(pod_ip, port))

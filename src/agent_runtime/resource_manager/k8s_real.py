@@ -40,6 +40,7 @@ from agent_runtime.resource_manager.k8s_deploy import (
 from agent_runtime.resource_manager.models import (
     DeployFailed,
     K8sApiError,
+    NodeStatus,
     PodDeployInfo,
     PodStatus,
 )
@@ -49,7 +50,12 @@ from agent_runtime.resource_manager.pod_manifest import (
     deploy_timing,
     sse_url,
 )
-from agent_runtime.resource_manager.pod_reading import LIST_PAGE_SIZE, pod_status, read_pod_list
+from agent_runtime.resource_manager.pod_reading import (
+    LIST_PAGE_SIZE,
+    pod_status,
+    read_node_list,
+    read_pod_list,
+)
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +258,46 @@ class RealK8sPodClient:
             _continue=token,
             _preload_content=False,
         )
+        try:
+            body: bytes = await resp.read()
+        finally:
+            resp.release()
+        if not 200 <= resp.status <= 299:
+            refused = ApiException(status=resp.status, reason=resp.reason)
+            refused.body, refused.headers = body, resp.headers
+            raise refused
+        return body.decode("utf-8")
+
+    async def list_nodes(self, *, cluster: str | None = None) -> list[NodeStatus]:
+        """Paged as ``list_pods`` (a 410 of a continued page: listed again, once), read as raw
+        JSON: a node object carries its images and conditions, and only name and
+        ``spec.unschedulable`` are kept."""
+        api = await self._pod_api(cluster)
+        what = "list nodes" if cluster is None else f"list nodes of {cluster}"
+        found: list[NodeStatus] = []
+        token: str | None = None
+        restarted = False
+        while True:
+            try:
+                text = await self._call(what, functools.partial(self._node_page, api, token))
+            except K8sApiError as exc:
+                if exc.status == 410 and token is not None and not restarted:
+                    found, token, restarted = [], None, True
+                    continue
+                raise
+            try:
+                token = await read_node_list(text, found)
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise K8sApiError(f"{what}: a reply that is not a NodeList: {exc}") from exc
+            if token is None:
+                return found
+
+    @staticmethod
+    async def _node_page(api: Any, token: str | None) -> str:
+        """One NodeList page as JSON text (as ``_list_page``)."""
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        resp = await api.list_node(limit=LIST_PAGE_SIZE, _continue=token, _preload_content=False)
         try:
             body: bytes = await resp.read()
         finally:

@@ -85,9 +85,16 @@ class PodStatus:
     uid: str = ""
     annotations: dict[str, str] = field(default_factory=dict)
     image: str = ""  # the first container's (reported for a foreign pod)
+    # a graceful deletion began: when Kubernetes will kill the pod (Unix seconds, from
+    # ``deletionTimestamp``); None when none began or its time cannot be read
+    deletion_at: float | None = None
+    node: str = ""  # spec.nodeName ("" until scheduled)
 
     @property
     def dead(self) -> bool:
+        """Dead by its phase alone (a deploy's poll reads this: a pod being deleted will not
+        serve it). Whether a pod of ours is dead, draining or alive in the watch is
+        ``pod_reading.pod_condition``: a graceful deletion with time left is a drain."""
         return self.phase in DEAD_PHASES
 
     @property
@@ -109,6 +116,14 @@ def normalize_phase(
         if reason in DEAD_WAITING_REASONS:
             return reason
     return phase or "Unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStatus:
+    """Kubernetes' view of one node: its name and whether it is cordoned."""
+
+    name: str
+    unschedulable: bool
 
 
 @dataclass(frozen=True, slots=True)

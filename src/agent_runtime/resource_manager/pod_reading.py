@@ -1,20 +1,25 @@
 """Pods as the API sends them, read: ``pod_status_from_json`` (the one reading of a pod's
-phase, readiness, IP, uid and annotations), ``pod_status`` of a kubernetes_asyncio ``V1Pod``
-through it, a LIST page parsed a slice at a time (``read_pod_list``: 10k pods through the
-generated models held the loop for 6–10 s). Pure (no cluster needed); ``k8s.py`` re-exports
-them. Label selectors: ``agent_runtime.label_selector``, the one parser.
+phase, readiness, IP, uid, annotations, node and deletion time), ``pod_status`` of a
+kubernetes_asyncio ``V1Pod`` through it, a LIST page parsed a slice at a time
+(``read_pod_list``: 10k pods through the generated models held the loop for 6–10 s), and
+``pod_condition``: what state a pod of ours is in — alive, draining (a graceful deletion with
+time left, or a cordoned node) or dead — the one classification the watch pass and the watch
+stream both call. Pure (no cluster needed); ``k8s.py`` re-exports them. Label selectors:
+``agent_runtime.label_selector``, the one parser.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import re
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from agent_runtime.resource_manager.models import PodStatus, normalize_phase
+from agent_runtime.resource_manager.models import NodeStatus, PodStatus, normalize_phase
 
 LIST_PAGE_SIZE = 500  # pods per LIST request (``limit``), as client-go's pager
 LIST_PARSE_SLICE = 0.001  # seconds of parsing a LIST page before yielding to the loop
@@ -31,7 +36,8 @@ def pod_status_from_json(pod: dict[str, Any]) -> PodStatus:
     ]
     waiting = [((cs or {}).get("state") or {}).get("waiting") or {} for cs in containers]
     conditions = status.get("conditions") or []
-    specs = (pod.get("spec") or {}).get("containers") or [{}]
+    spec = pod.get("spec") or {}
+    specs = spec.get("containers") or [{}]
     return PodStatus(
         pod_id=meta.get("name") or "",
         namespace=meta.get("namespace") or "",
@@ -46,7 +52,72 @@ def pod_status_from_json(pod: dict[str, Any]) -> PodStatus:
         uid=meta.get("uid") or "",
         annotations=dict(meta.get("annotations") or {}),
         image=(specs[0] or {}).get("image") or "",
+        deletion_at=_unix_seconds(meta.get("deletionTimestamp")),
+        node=spec.get("nodeName") or "",
     )
+
+
+def _unix_seconds(value: Any) -> float | None:
+    """An RFC 3339 time (``2026-12-03T14:00:00Z``) or a ``datetime`` as Unix seconds; None
+    for none or one that cannot be read (the deletion then counts as due: dead)."""
+    if isinstance(value, datetime.datetime):
+        when = value
+    elif isinstance(value, str) and len(value) <= 64:
+        try:
+            when = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    else:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)
+    return when.timestamp()
+
+
+DrainTrigger = Literal["graceful_delete", "cordon"]
+
+
+@dataclass(frozen=True, slots=True)
+class PodCondition:
+    """What state a pod of ours is in, for the watch (``pod_condition``)."""
+
+    state: Literal["alive", "draining", "dead"]
+    # draining: why, and by when its sessions must be gone (Unix seconds; None: the default
+    # drain timeout from now, a cordon's)
+    trigger: DrainTrigger | None = None
+    deadline: float | None = None
+
+
+ALIVE = PodCondition("alive")
+DEAD = PodCondition("dead")
+
+
+def pod_condition(
+    status: PodStatus | None,
+    now: float,
+    *,
+    margin: float,
+    cordoned_nodes: Collection[str] = (),
+) -> PodCondition:
+    """The one reading of whether a pod of ours is alive, draining or dead (pure).
+
+    Gone (None), failed, succeeded or crash-looping: dead. Being deleted gracefully with more
+    than ``margin`` seconds left before Kubernetes kills it (``deletionTimestamp``): draining,
+    deadline that time minus ``margin`` (its sessions move before the kill); with less left,
+    or a deletion time that cannot be read: dead. On a node in ``cordoned_nodes``
+    (``spec.unschedulable``): draining with no deadline of its own (the default timeout).
+    ``now``: Unix seconds (Redis' clock: the clock the drain deadlines are kept in)."""
+    if status is None:
+        return DEAD
+    if status.phase == "Terminating":
+        if status.deletion_at is not None and status.deletion_at - margin > now:
+            return PodCondition("draining", "graceful_delete", status.deletion_at - margin)
+        return DEAD
+    if status.dead:
+        return DEAD
+    if status.node and status.node in cordoned_nodes:
+        return PodCondition("draining", "cordon")
+    return ALIVE
 
 
 def pod_status(v1pod: Any) -> PodStatus:
@@ -70,8 +141,11 @@ def pod_status(v1pod: Any) -> PodStatus:
                 "deletionTimestamp": meta.deletion_timestamp,
             },
             "spec": None
-            if spec is None or not spec.containers
-            else {"containers": [{"image": spec.containers[0].image}]},
+            if spec is None
+            else {
+                "nodeName": spec.node_name,
+                "containers": [{"image": spec.containers[0].image}] if spec.containers else [],
+            },
             "status": None
             if status is None
             else {
@@ -156,6 +230,28 @@ async def read_pod_list(text: str, into: list[PodStatus]) -> str | None:
             if not isinstance(value, dict):
                 raise ValueError(f"a PodList item is an object, not {type(value).__name__}")
             into.append(pod_status_from_json(value))
+        elif key == "metadata" and isinstance(value, dict):
+            token = value.get("continue") or None
+        if clock() - slice_started >= LIST_PARSE_SLICE:
+            await asyncio.sleep(0)
+            slice_started = clock()
+    return token
+
+
+async def read_node_list(text: str, into: list[NodeStatus]) -> str | None:
+    """One NodeList page (JSON text) into ``into``: each node's name and ``spec.unschedulable``
+    (a cordon); returns its continue token (None: the last page). Yields as ``read_pod_list``."""
+    token: str | None = None
+    clock = time.perf_counter
+    await asyncio.sleep(0)
+    slice_started = clock()
+    for key, value in iter_json_object(text):
+        if key == "items[]":
+            if not isinstance(value, dict):
+                raise ValueError(f"a NodeList item is an object, not {type(value).__name__}")
+            name = (value.get("metadata") or {}).get("name") or ""
+            cordoned = bool((value.get("spec") or {}).get("unschedulable"))
+            into.append(NodeStatus(name, cordoned))
         elif key == "metadata" and isinstance(value, dict):
             token = value.get("continue") or None
         if clock() - slice_started >= LIST_PARSE_SLICE:

@@ -21,12 +21,14 @@ from typing import Any
 from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.metrics import Metrics
 from agent_runtime.resource_manager.deploy_state import DeployState, warm_token
+from agent_runtime.resource_manager.drains import Drains
 from agent_runtime.resource_manager.identity import PodIdentity
 from agent_runtime.resource_manager.k8s import K8sPodClient
 from agent_runtime.resource_manager.models import PodStatus
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.orphans import Orphans
 from agent_runtime.resource_manager.places import Places
+from agent_runtime.resource_manager.pod_reading import pod_condition
 from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.session_side import SessionSide
 from agent_runtime.resource_manager.state import ResourceState
@@ -55,10 +57,12 @@ class PoolJobs:
         identity: PodIdentity,
         metrics: Metrics | None = None,
         adopted_pod_ttl: float = DEFAULT_ADOPTED_POD_TTL,
+        drains: Drains | None = None,
     ) -> None:
         """``namespaces``: the allow-list reconcile may look for orphans in besides where our
         pods are (None: wherever pool configs say); ``identity``: tells our pods from others;
-        ``adopted_pod_ttl``: how long a warm pod of a scope without a pool config is kept."""
+        ``adopted_pod_ttl``: how long a warm pod of a scope without a pool config is kept;
+        ``drains``: where the watch sends pods Kubernetes drains (default: one of its own)."""
         self._state = state
         self._deploy_state = DeployState(state)
         self._jobs_state = PoolJobsState(state)
@@ -84,6 +88,10 @@ class PoolJobs:
             metrics=self._metrics,
             deploy_lease=orchestrator.deploy_lease,
         )
+        self.drains = drains or Drains(
+            state=state, k8s=k8s, sessions=sessions, default_namespace=default_namespace,
+            metrics=self._metrics,
+        )  # fmt: skip
         self._warm_deploys = BackgroundTasks()
         self._unused_last_pass: set[str] = set()
 
@@ -139,10 +147,16 @@ class PoolJobs:
         await self._warm_deploys.wait()
 
     async def _current_idle(self, configs: dict[str, PoolConfig]) -> dict[str, dict[str, float]]:
-        """Each scope's warm pods of its current version → idle_since."""
+        """Each scope's warm pods of its current version → idle_since; a pod under a drain
+        (one pending keeps serving until its replacement is warm) counts for no floor."""
         idle, versions = await self._idle_with_versions(list(configs))
+        leaving = await self.drains.under_drain()
         return {
-            scope_id: {p: t for p, t in idle[scope_id].items() if versions.get(p) == c.deploy_ver}
+            scope_id: {
+                p: t
+                for p, t in idle[scope_id].items()
+                if versions.get(p) == c.deploy_ver and p not in leaving
+            }
             for scope_id, c in configs.items()
         }
 
@@ -225,11 +239,15 @@ class PoolJobs:
 
     async def watch_once(self) -> int:
         """Clean pods Kubernetes reports missing or dead, and pods whose /health failed on
-        two passes in a row; returns pods cleaned. One LIST per place (cluster, namespace)
-        that holds pods we know, the places listed at once (a slow cluster delays no other);
-        a place whose LIST failed is skipped."""
+        two passes in a row; drain pods it deletes gracefully or whose node is cordoned
+        (``pod_reading.pod_condition``: the one reading of a pod's state); returns pods
+        cleaned. One LIST per place (cluster, namespace) that holds pods we know and one node
+        LIST per cluster, the places listed at once (a slow cluster delays no other); a place
+        whose LIST failed is skipped."""
         known = await self._places.pods_by_place()
         listings = await self._places.list_all(list(known))
+        cordoned = await self.drains.cordoned_nodes({cluster for cluster, _ in listings})
+        now = await self._state.now()
         cleaned = 0
         probes: list[tuple[str, PodStatus, str | None]] = []
         for (cluster, namespace), pods in known.items():
@@ -238,13 +256,20 @@ class PoolJobs:
                 continue
             for pod_id in pods:
                 status = listed.get(pod_id)
-                if status is None or status.dead:
+                condition = pod_condition(
+                    status, now, margin=self.drains.margin, cordoned_nodes=cordoned.get(cluster, ())
+                )
+                if condition.state == "dead":
                     reason = "missing" if status is None else status.phase
                     await self._clean_dead(
                         pod_id, namespace, cluster, exists=status is not None, why=reason
                     )
                     cleaned += 1
-                elif status.phase == "Running" and status.pod_ip:
+                    continue
+                if condition.state == "draining":
+                    await self.drains.drain_seen(pod_id, condition)
+                assert status is not None
+                if status.phase == "Running" and status.pod_ip:
                     probes.append((pod_id, status, cluster))
         cleaned += await self._probe_all(probes)
         return cleaned

@@ -2,7 +2,7 @@
 
 The resource manager sits below the session manager and never imports it: it holds a
 ``SessionSide`` that the session manager implements (``SessionManagerFacade``) and the
-app's wiring plugs in. Two questions, both idempotent.
+app's wiring plugs in. Three questions, all idempotent.
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ class SessionSide(Protocol):
     async def notify_pod_dead(self, pod_id: str) -> int:
         """The pod is gone: evict its sessions and drop its registrations. Returns the
         sessions evicted."""
+        ...
+
+    async def retire_pod(self, pod_id: str) -> int:
+        """The pod is being drained: no new session may be placed on it (its sessions stay
+        until they end or are rebound). Returns the live sessions it still carries."""
         ...
 
     async def reconcile_pods(self, view: Mapping[str, str]) -> dict[str, PodUsage]:

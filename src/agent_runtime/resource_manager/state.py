@@ -52,6 +52,9 @@ DEFAULT_POD_BUDGET = 1000
 # Reconcile's report of pods with our labels that are not provably ours (foreign_report.lua)
 FOREIGN_PODS_KEY = f"{P}resource:foreign_pods"
 FOREIGN_COUNT_KEY = f"{P}resource:foreign_pods:count"
+# Drains (drains.py): the pods being drained, pod -> deadline (Redis seconds), beside each
+# pod's ``pod:{pod}:drain`` hash (drain_begin.lua writes both, purge.lua drops both).
+DRAINING_KEY = f"{P}resource:draining"
 IDEM_TTL = 60
 PACKAGE = "agent_runtime.resource_manager"  # where the lua/ folder is
 
@@ -96,6 +99,11 @@ def pod_idle_since_key(pod_id: str) -> str:
 
 def pod_health_fails_key(pod_id: str) -> str:
     return f"{POD_PREFIX}{pod_id}:health_fails"
+
+
+def pod_drain_key(pod_id: str) -> str:
+    """The pod's drain: deadline, trigger, since, state (pending | draining), scope_id."""
+    return f"{POD_PREFIX}{pod_id}:drain"
 
 
 def deploy_lock_key(scope_id: str) -> str:

@@ -164,3 +164,29 @@ class BudgetRepair:
 
     added: int
     dropped: int
+
+
+# --- drains (drain_state.py) -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """One pod's drain (``pod:{pod}:drain``)."""
+
+    pod_id: str
+    scope_id: str
+    state: Literal["pending", "draining"]  # pending: its replacement is being warmed first
+    trigger: str  # admin | graceful_delete | cordon
+    deadline: float  # Redis seconds: its sessions are rebound from then on, the pod deleted
+    since: float
+
+
+@dataclass(frozen=True, slots=True)
+class DrainBegun:
+    """What ``drain_begin`` did: ``started`` False when a drain was already under way (its
+    deadline may have come forward)."""
+
+    started: bool
+    state: Literal["pending", "draining"]
+    deadline: float
+    trigger: str

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, cast
 
+from agent_runtime.resource_manager.drain_state import DrainState
 from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.state import (
     BUDGET_PODS_KEY,
@@ -28,6 +29,7 @@ from agent_runtime.resource_manager.state import (
     scope_idle_key,
     scope_pods_key,
 )
+from agent_runtime.resource_manager.state_values import Drain
 
 
 class ResourceViews:
@@ -36,6 +38,7 @@ class ResourceViews:
     def __init__(self, state: ResourceState) -> None:
         self.redis = state.redis
         self._pods = PoolJobsState(state)
+        self._drains = DrainState(state)
 
     # --- admin views -----------------------------------------------------------------------------
 
@@ -83,10 +86,25 @@ class ResourceViews:
             count, pods = await pipe.execute()
         return int(count or 0), [json.loads(pods[k]) for k in sorted(pods)]
 
+    async def drain(self, pod_id: str) -> dict[str, Any] | None:
+        """The pod's drain (None: none under way): state, trigger, deadline, since."""
+        drain = await self._drains.drain_of(pod_id)
+        return None if drain is None else _drain_view(drain)
+
+    async def drains(self, limit: int) -> tuple[int, list[dict[str, Any]]]:
+        """How many pods are under a drain, and up to ``limit`` of them, soonest deadline
+        first, each with its scope and the seconds left (Redis clock)."""
+        pods = await self._drains.draining_pods()
+        return len(pods), [_drain_view(d) for d in await self._drains.drains(pods[:limit])]
+
+    async def now(self) -> float:
+        seconds, micros = await self.redis.time()
+        return float(seconds) + micros / 1_000_000
+
     # --- gauges ----------------------------------------------------------------------------------
 
     async def pod_phases(self) -> dict[str, int]:
-        """Registered pods by phase (in_use / idle): O(pods), in slices."""
+        """Registered pods by phase (in_use / idle / draining): O(pods), in slices."""
         counts: dict[str, int] = {"in_use": 0, "idle": 0}
         for pod in (await self._pods.pod_phases(await self._pods.all_pods())).values():
             if pod.phase:
@@ -110,3 +128,14 @@ class ResourceViews:
 
     async def foreign_pod_count(self) -> int:
         return int(await self.redis.get(FOREIGN_COUNT_KEY) or 0)
+
+
+def _drain_view(drain: Drain) -> dict[str, Any]:
+    return {
+        "pod_id": drain.pod_id,
+        "scope_id": drain.scope_id,
+        "state": drain.state,
+        "trigger": drain.trigger,
+        "deadline": drain.deadline,
+        "since": drain.since,
+    }

@@ -1,7 +1,7 @@
 """``SessionManagerFacade``: the session side's answers to what the resource manager asks.
 
 The resource manager declares the questions (``resource_manager.session_side.SessionSide``)
-and never reads session keys; this class answers them. Keep it small: two questions, both
+and never reads session keys; this class answers them. Keep it small: three questions, all
 idempotent.
 """
 
@@ -43,6 +43,11 @@ class SessionManagerFacade:
             else:
                 log.warning("pod %s in scope %s: sessions keep arriving", pod_id, scope_id)
         return evicted
+
+    async def retire_pod(self, pod_id: str) -> int:
+        """The pod is being drained: it leaves the placement candidates of every scope (as a
+        sunset pod: its sessions stay); returns the live sessions it still carries."""
+        return await self._state.retire_pod(pod_id)
 
     async def reconcile_pods(self, view: Mapping[str, str]) -> dict[str, PodUsage]:
         """For each ``pod_id → scope_id``: is it a placement candidate, how many sessions."""

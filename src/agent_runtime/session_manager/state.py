@@ -196,6 +196,7 @@ class SessionState:
         self._sweep_idle_notify = script("sweep_idle_notify")
         self._register_pod = script("register_pod")
         self._cleanup_pod = script("cleanup_pod")
+        self._retire_pod = script("retire_pod")
         # the shared seat gate (lua_shared/seat_gate.lua), timed as the wait queue's
         self._waiter_gate = lua.register(
             redis, lua.SHARED, "seat_gate", label="waiter_gate", observe=observe
@@ -316,6 +317,10 @@ class SessionState:
                 )
             )
         )
+
+    async def retire_pod(self, pod_id: str) -> int:
+        """A drained pod leaves every scope's candidates (retire_pod.lua); its live sessions."""
+        return int(await self._retire_pod(keys=[pod_scopes_key(pod_id)], args=[P, pod_id]))
 
     # --- the sweeper's passes (scripts) --------------------------------------------------------
 

@@ -6,6 +6,8 @@
 -- KEYS[3] resource:pod:{pod}:health_fails  STRING
 -- KEYS[4] resource:pods:all                SET
 -- KEYS[5] budget:pods                      ZSET every budget unit
+-- KEYS[6] resource:pod:{pod}:drain         HASH its drain, if one was under way
+-- KEYS[7] resource:draining                ZSET pod -> drain deadline
 -- ARGV[1] pod_id
 -- ARGV[2] scope key prefix, e.g. "resource_manager:resource:scope:" (derives
 --         {prefix}{sid}:pods, {prefix}{sid}:idle and {prefix}{sid}:config from the pod's scope_id)
@@ -15,8 +17,9 @@
 --
 -- invariant: afterwards no RM key names the pod; idempotent.
 local scope = redis.call('HGET', KEYS[1], 'scope_id')
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[6])
 redis.call('SREM', KEYS[4], ARGV[1])
+redis.call('ZREM', KEYS[7], ARGV[1])
 redis.call('ZREM', KEYS[5], ARGV[1])
 if not scope then return false end
 local rule = redis.call('HGET', ARGV[2] .. scope .. ':config', 'budget_rule')
