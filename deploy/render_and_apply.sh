@@ -277,6 +277,10 @@ patches:
       kind: RoleBinding
       labelSelector: app.kubernetes.io/component=agentserver-rbac
     patch: '[{"op": "replace", "path": "/subjects/0/namespace", "value": "$namespace"}]'
+  - target:
+      kind: ClusterRoleBinding
+      labelSelector: app.kubernetes.io/component=node-reader-rbac
+    patch: '[{"op": "replace", "path": "/subjects/0/namespace", "value": "$namespace"}, {"op": "replace", "path": "/metadata/name", "value": "agent-runtime-node-reader-$namespace"}]'
 EOF
   if [[ $nodeport =~ ^[0-9]+$ ]]; then
     cat <<EOF

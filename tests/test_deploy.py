@@ -304,6 +304,8 @@ def test_overlay_objects_match_the_kubernetes_schemas(
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(
         [
+            "ClusterRole",
+            "ClusterRoleBinding",
             "ConfigMap",
             "Deployment",
             "PodDisruptionBudget",
@@ -627,9 +629,22 @@ def _check_rbac(docs: list[dict[str, Any]], needed: set[Permission] | None = Non
     needed = needed_permissions() if needed is None else needed
     missing = [p for p in needed if not allowed(docs, sa_ns, p, target_ns)]
     assert not missing, f"k8s.py calls these without RBAC in {target_ns}: {missing}"
-    # least privilege: nothing granted anywhere that k8s.py does not use
+    # least privilege: nothing granted anywhere that k8s.py does not use; cluster-wide only
+    # what is cluster-scoped itself (the node list)
     used = {(p.group, p.resource, p.verb) for p in needed}
-    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    cluster_scoped = {
+        (p.group, p.resource, p.verb) for p in needed if not p.namespaced and not p.names_namespace
+    }
+    for rule in _rules_for_sa(docs, sa_ns, None):  # ClusterRoleBindings only
+        assert not rule.get("resourceNames"), rule
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    assert (group, resource, verb) in cluster_scoped, (
+                        f"RBAC grants {verb} {resource!r} (group {group!r}) cluster-wide"
+                    )
+    bound = {d["roleRef"]["name"] for d in docs if d["kind"] == "ClusterRoleBinding"}
+    assert {d["metadata"]["name"] for d in docs if d["kind"] == "ClusterRole"} <= bound
     namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] == "RoleBinding"}
     for ns in namespaces:
         for rule in _rules_for_sa(docs, sa_ns, ns):
@@ -848,6 +863,12 @@ def test_render_complete_env_file(rendered_complete: Run) -> None:
     assert "AGENT_RUNTIME_RECONCILE_INTERVAL" not in configmap["data"]
     for doc in docs:
         component = doc["metadata"]["labels"]["app.kubernetes.io/component"]
+        if component == "node-reader-rbac":  # cluster-scoped: the binding names ours
+            assert "namespace" not in doc["metadata"], doc["metadata"]
+            if doc["kind"] == "ClusterRoleBinding":
+                assert doc["metadata"]["name"] == "agent-runtime-node-reader-ar-prod"
+                assert doc["subjects"][0]["namespace"] == "ar-prod"
+            continue
         expected = "agentservers-prod" if component == "agentserver-rbac" else "ar-prod"
         assert doc["metadata"]["namespace"] == expected, doc["metadata"]
     binding = _one(docs, "RoleBinding")
@@ -873,7 +894,8 @@ def test_render_one_namespace_and_digest(kubectl: str, tmp_path: Path) -> None:
     docs = run.docs()
     _validate_all(docs)
     _check_rbac(docs)
-    assert {d["metadata"]["namespace"] for d in docs} == {"agents"}
+    namespaced = [d for d in docs if not d["kind"].startswith("Cluster")]
+    assert {d["metadata"]["namespace"] for d in namespaced} == {"agents"}
     assert _container(docs)["image"] == f"registry.example.com:5000/agent-runtime@{digest}"
     assert _deployment(docs)["spec"]["replicas"] == 2
     assert _secret_data(_env_sources(docs)[1])["AGENT_RUNTIME_GATEWAY_TOKENS"] == ""
