@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kubesim.errors import bad_request
 from kubesim.labels import FieldRequirement, Selector, fields_match
 
 Obj = dict[str, Any]
@@ -249,6 +251,36 @@ class WatchHub:
             "counts": dict(self.counts),
             "closed": dict(self.closed),
         }
+
+
+# --- the request's parameters -------------------------------------------------------------------
+
+
+def is_flag(raw: str | None) -> bool:
+    return raw in ("1", "true", "True")
+
+
+def resource_version_param(raw: str | None) -> int | None:
+    """A watch's ``resourceVersion``: absent or "0" is "from now, with the current state"."""
+    if not raw or raw == "0":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise bad_request(f'invalid resource version: "{raw}"') from None
+
+
+def timeout_seconds(raw: str | None, server_max: float, rng: random.Random) -> float:
+    """``timeoutSeconds`` as asked (never beyond twice the server's maximum); absent or 0, a
+    random share of ``[max, 2 × max)`` as the API server spreads its watch timeouts."""
+    if raw:
+        try:
+            asked = int(raw)
+        except ValueError:
+            raise bad_request(f'invalid value for timeoutSeconds: "{raw}"') from None
+        if asked > 0:
+            return min(float(asked), 2 * server_max)
+    return server_max * (1 + rng.random())
 
 
 # --- the HTTP stream ------------------------------------------------------------------------------
