@@ -7,18 +7,23 @@
 ``GET /api/v1/pods``                         pods of every namespace
 ``GET /api/v1/namespaces/{ns}/pods``         PodList; ``labelSelector``, ``fieldSelector``,
                                              ``limit`` and ``continue`` (``paging.py``)
+``GET .../pods?watch=1`` (both of the above)  a watch stream (``watch.py``):
+                                             ``resourceVersion``, ``timeoutSeconds``,
+                                             ``allowWatchBookmarks``, the selectors; 429
+                                             over the cap, 410 in-stream when too old
 ``POST /api/v1/namespaces/{ns}/pods``        201 Pod; 409 AlreadyExists, 422 Invalid, 404 ns
 ``GET /api/v1/namespaces/{ns}/pods/{name}``  Pod; 404 NotFound
 ``PATCH .../pods/{name}``                    200 Pod: a merge (or strategic merge) patch of
                                              ``metadata.labels`` / ``annotations``; 409 stale
                                              resourceVersion, 422 immutable (``uid``), 415
 ``DELETE .../pods/{name}``                   200 Pod (``gracePeriodSeconds`` query or body)
+``/api/v1/nodes[/{name}]``                   GET, PATCH, watch (``api_nodes.py``)
 ``/_sim/...``                                the control endpoint (``control.py``)
 ==========================================  ==================================================
 
 Every failure is a ``Status`` (``errors.py``). Each request of the API passes the gate first:
 fault latency, then injected errors (429 / 5xx), then the namespace's RBAC (403).
-Not served: watches, PUT, JSON patches and server-side apply.
+Not served: PUT, JSON patches and server-side apply.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from kubesim import pods
+from kubesim import pods, watch
+from kubesim.api_nodes import add_node_routes
 from kubesim.control import add_control_routes
 from kubesim.errors import (
     PATCH_TYPES,
@@ -43,11 +49,22 @@ from kubesim.errors import (
     not_found,
     path_not_found,
     server_error,
+    too_many_requests,
     unauthorized,
     unsupported_media_type,
 )
 from kubesim.labels import SelectorError, parse_field_selector, parse_selector
 from kubesim.store import Obj
+from kubesim.watch import (
+    Event,
+    Expired,
+    Filter,
+    TooManyWatches,
+    Watcher,
+    is_flag,
+    resource_version_param,
+    timeout_seconds,
+)
 
 if TYPE_CHECKING:
     from kubesim.sim import KubeSim
@@ -115,6 +132,7 @@ def build_app(sim: KubeSim) -> web.Application:
     app.router.add_get("/api/v1/namespaces/{namespace}/pods/{name}", api.get_pod)
     app.router.add_patch("/api/v1/namespaces/{namespace}/pods/{name}", api.patch_pod)
     app.router.add_delete("/api/v1/namespaces/{namespace}/pods/{name}", api.delete_pod)
+    add_node_routes(app, sim, api.gate, api.watch)
     return app
 
 
@@ -124,7 +142,7 @@ class _Api:
 
     # --- the gate every API request passes ---------------------------------------------------
 
-    async def _gate(
+    async def gate(
         self,
         verb: str,
         resource: str,
@@ -220,7 +238,10 @@ class _Api:
                 "groupVersion": "v1",
                 "resources": [
                     resource("namespaces", "Namespace", False, ["get", "list"]),
-                    resource("pods", "Pod", True, ["create", "delete", "get", "list", "patch"]),
+                    resource("nodes", "Node", False, ["get", "list", "patch", "watch"]),
+                    resource(
+                        "pods", "Pod", True, ["create", "delete", "get", "list", "patch", "watch"]
+                    ),
                 ],
             }
         )
@@ -228,7 +249,7 @@ class _Api:
     # --- namespaces -----------------------------------------------------------------------------
 
     async def list_namespaces(self, request: web.Request) -> web.Response:
-        await self._gate("list", "namespaces", None)
+        await self.gate("list", "namespaces", None)
         items = [
             ns
             for name, ns in sorted(self.sim.store.namespaces.items())
@@ -245,24 +266,25 @@ class _Api:
 
     async def get_namespace(self, request: web.Request) -> web.Response:
         namespace = request.match_info["namespace"]
-        await self._gate("get", "namespaces", namespace, namespace)
+        await self.gate("get", "namespaces", namespace, namespace)
         if not self.sim.namespace_exists(namespace):
             raise not_found("namespaces", namespace)
         return _json(self.sim.store.namespaces[namespace])
 
     # --- pods -------------------------------------------------------------------------------------
 
-    async def list_pods(self, request: web.Request) -> web.Response:
+    async def list_pods(self, request: web.Request) -> web.StreamResponse:
         namespace = request.match_info.get("namespace")
         query = request.query
-        await self._gate("list", "pods", namespace)
-        if query.get("watch") in ("1", "true", "True"):
-            raise bad_request("kubesim does not serve watches")
+        watching = is_flag(query.get("watch"))
+        await self.gate("watch" if watching else "list", "pods", namespace)
         try:
             selector = parse_selector(query.get("labelSelector"))
             fields = parse_field_selector(query.get("fieldSelector"))
         except SelectorError as exc:
             raise bad_request(str(exc)) from None
+        if watching:
+            return await self.watch(request, Filter("pods", namespace, selector, fields), "Pod")
         limit = _limit(query.get("limit"))
         sim = self.sim
 
@@ -299,6 +321,44 @@ class _Api:
             content_type="application/json",
         )
 
+    async def watch(self, request: web.Request, what: Filter, kind: str) -> web.StreamResponse:
+        """A watch (``watch.py``): parameters checked, the watcher opened (429 over the cap),
+        then the stream; a version older than the history is the in-stream 410."""
+        sim, query = self.sim, request.query
+        since = resource_version_param(query.get("resourceVersion"))
+        timeout = timeout_seconds(query.get("timeoutSeconds"), sim.watch_timeout, sim.rng)
+        bookmarks = sim.bookmark_interval if is_flag(query.get("allowWatchBookmarks")) else None
+        opened: tuple[Watcher, list[Event]] | Expired
+        try:
+            if what.resource == "nodes":
+                current = sim.store.list_nodes(what.selector, what.fields)
+            else:
+                current = [
+                    pod
+                    for pod in sim.store.list_pods(what.namespace, what.selector, what.fields)
+                    if sim.namespace_exists(pod["metadata"]["namespace"])
+                ]
+            opened = sim.watches.open(what, since, current if since is None else [])
+        except TooManyWatches:
+            sim.injected["watch refused"] += 1
+            raise too_many_requests(1) from None
+        except Expired as exc:
+            opened = exc
+
+        def visible(event: Event) -> bool:
+            namespace = event.namespace
+            return namespace is None or sim.namespace_exists(namespace)
+
+        return await watch.stream(
+            request,
+            kind=kind,
+            opened=opened,
+            seconds=timeout,
+            bookmarks=bookmarks,
+            visible=visible,
+            stopping=sim.stopping,
+        )
+
     async def create_pod(self, request: web.Request) -> web.Response:
         namespace = request.match_info["namespace"]
         try:
@@ -308,7 +368,7 @@ class _Api:
         meta = body.get("metadata") if isinstance(body, dict) else None
         name = meta.get("name") if isinstance(meta, dict) else None
         labels = meta.get("labels") if isinstance(meta, dict) else None
-        await self._gate(
+        await self.gate(
             "create",
             "pods",
             namespace,
@@ -323,14 +383,14 @@ class _Api:
 
     async def get_pod(self, request: web.Request) -> web.Response:
         namespace, name = request.match_info["namespace"], request.match_info["name"]
-        await self._gate("get", "pods", namespace, name, self._stored_labels(namespace, name))
+        await self.gate("get", "pods", namespace, name, self._stored_labels(namespace, name))
         if not self.sim.namespace_exists(namespace):
             raise not_found("pods", name)
         return _json(self.sim.store.require_pod(namespace, name))
 
     async def patch_pod(self, request: web.Request) -> web.Response:
         namespace, name = request.match_info["namespace"], request.match_info["name"]
-        await self._gate("patch", "pods", namespace, name, self._stored_labels(namespace, name))
+        await self.gate("patch", "pods", namespace, name, self._stored_labels(namespace, name))
         if request.content_type not in PATCH_TYPES:
             raise unsupported_media_type(request.content_type)
         try:
@@ -345,7 +405,7 @@ class _Api:
 
     async def delete_pod(self, request: web.Request) -> web.Response:
         namespace, name = request.match_info["namespace"], request.match_info["name"]
-        await self._gate("delete", "pods", namespace, name, self._stored_labels(namespace, name))
+        await self.gate("delete", "pods", namespace, name, self._stored_labels(namespace, name))
         grace = await _grace_seconds(request)
         if not self.sim.namespace_exists(namespace):
             raise not_found("pods", name)

@@ -1,20 +1,31 @@
 """The control endpoint: how a test or a person steers the simulator (no auth; loopback only).
 
 =====================================================  ==========================================
-``GET /_sim/state``                                    pods, namespaces, faults, request counts
+``GET /_sim/state``                                    pods, nodes, namespaces, watches, faults,
+                                                       request counts
 ``GET /_sim/faults``                                   the fault rules
 ``POST /_sim/faults``                                  add one (JSON, see ``faults.py``) → 201
 ``DELETE /_sim/faults``                                remove all
 ``DELETE /_sim/faults/{id}``                           remove one (404 if unknown)
 ``POST /_sim/pods/{ns}/{name}/kill``                   ``{"mode": "vanish"|"fail"|"crash"}``
+``POST /_sim/pods/{ns}/{name}/delete``                 a graceful delete waiting exactly
+                                                       ``{"grace_seconds": N}`` (not capped by
+                                                       ``grace_period``; default: the pod's)
+``POST /_sim/nodes/{name}/cordon``, ``/uncordon``      ``spec.unschedulable`` true / removed
 ``POST /_sim/namespaces/{ns}``                         create a namespace
 ``DELETE /_sim/namespaces/{ns}``                       remove it and its pods
 ``POST /_sim/settings``                                ``ready_delay``, ``jitter``,
                                                        ``grace_period``, ``probe_period``
 ``POST /_sim/reset``                                   drop every pod, fault and counter
+``POST /_sim/watches/drop``                            end every open watch stream now;
+                                                       ``{"mode": "close"}`` (default: the stream
+                                                       ends cleanly) or ``"reset"`` (the
+                                                       connection is cut) → ``{"dropped": n}``
+``POST /_sim/watches/compact``                         forget the event history: a watch resumed
+                                                       from an older version gets 410
 =====================================================  ==========================================
 
-Refusals are ``{"error": "..."}`` with 400 (bad input) or 404 (no such fault, pod).
+Refusals are ``{"error": "..."}`` with 400 (bad input) or 404 (no such fault, pod, node).
 """
 
 from __future__ import annotations
@@ -26,11 +37,13 @@ from aiohttp import web
 
 from kubesim.errors import ApiError
 from kubesim.labels import dns1123_label_errors
+from kubesim.watch import DROP_MODES
 
 if TYPE_CHECKING:
     from kubesim.sim import KubeSim
 
 PREFIX = "/_sim"
+MAX_GRACE_SECONDS = 3600  # a control delete's longest grace: bounded like every input
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -88,6 +101,28 @@ def add_control_routes(app: web.Application, sim: KubeSim) -> None:
             return _refuse(exc.message, exc.code)
         return _json({"killed": name, "mode": mode, "pod": pod})
 
+    async def delete_pod(request: web.Request) -> web.Response:
+        namespace, name = request.match_info["namespace"], request.match_info["name"]
+        try:
+            raw = (await _body(request)).get("grace_seconds")
+            grace = None if raw is None else int(raw)
+            if grace is not None and not 0 <= grace <= MAX_GRACE_SECONDS:
+                raise ValueError(f"grace_seconds must be between 0 and {MAX_GRACE_SECONDS}")
+            pod = await sim.delete_pod(namespace, name, grace, capped=False)
+        except (ValueError, TypeError) as exc:
+            return _refuse(str(exc))
+        except ApiError as exc:
+            return _refuse(exc.message, exc.code)
+        return _json({"deleting": name, "grace_seconds": grace, "pod": pod})
+
+    async def cordon(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        flag = request.match_info["action"] == "cordon"
+        try:
+            return _json(sim.nodes.cordon(name, flag))
+        except ApiError as exc:
+            return _refuse(exc.message, exc.code)
+
     async def add_namespace(request: web.Request) -> web.Response:
         namespace = request.match_info["namespace"]
         errors = dns1123_label_errors(namespace)
@@ -115,6 +150,18 @@ def add_control_routes(app: web.Application, sim: KubeSim) -> None:
         await sim.reset()
         return _json({"reset": True})
 
+    async def drop_watches(request: web.Request) -> web.Response:
+        try:
+            mode = str((await _body(request)).get("mode") or "close")
+        except ValueError as exc:
+            return _refuse(str(exc))
+        if mode not in DROP_MODES:
+            return _refuse(f"drop mode must be one of {', '.join(DROP_MODES)}")
+        return _json({"dropped": sim.watches.close_all("dropped" if mode == "close" else mode)})
+
+    async def compact_watches(request: web.Request) -> web.Response:
+        return _json({"oldest_resource_version": str(sim.watches.compact())})
+
     router = app.router
     router.add_get(f"{PREFIX}/state", state)
     router.add_get(f"{PREFIX}/faults", list_faults)
@@ -122,7 +169,11 @@ def add_control_routes(app: web.Application, sim: KubeSim) -> None:
     router.add_delete(f"{PREFIX}/faults", clear_faults)
     router.add_delete(f"{PREFIX}/faults/{{id}}", remove_fault)
     router.add_post(f"{PREFIX}/pods/{{namespace}}/{{name}}/kill", kill)
+    router.add_post(f"{PREFIX}/pods/{{namespace}}/{{name}}/delete", delete_pod)
+    router.add_post(f"{PREFIX}/nodes/{{name}}/{{action:cordon|uncordon}}", cordon)
     router.add_post(f"{PREFIX}/namespaces/{{namespace}}", add_namespace)
     router.add_delete(f"{PREFIX}/namespaces/{{namespace}}", remove_namespace)
     router.add_post(f"{PREFIX}/settings", settings)
     router.add_post(f"{PREFIX}/reset", reset)
+    router.add_post(f"{PREFIX}/watches/drop", drop_watches)
+    router.add_post(f"{PREFIX}/watches/compact", compact_watches)
