@@ -331,8 +331,10 @@ async def test_the_drain_calls_are_documented(redis: Redis, db: Database) -> Non
         for path in (f"{BASE}/pods/{{pod_id}}/drain", f"{BASE}/nodes/{{node}}/drain"):
             op = schema["paths"][path]["post"]
             assert op["requestBody"]["required"] is False
-            assert {"200", "400", "401", "502"} <= set(op["responses"])
-        assert "404" in schema["paths"][f"{BASE}/pods/{{pod_id}}/drain"]["post"]["responses"]
+            assert {"200", "400", "401"} <= set(op["responses"])
+        pod_drain = schema["paths"][f"{BASE}/pods/{{pod_id}}/drain"]["post"]["responses"]
+        assert {"404", "409"} <= set(pod_drain)
+        assert "502" in schema["paths"][f"{BASE}/nodes/{{node}}/drain"]["post"]["responses"]
         assert "get" in schema["paths"][f"{BASE}/drains"]
 
 

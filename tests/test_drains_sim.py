@@ -16,6 +16,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
+import test_k8s_real_sim as real_sim
 from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.resource_manager.models import COMPONENT_SELECTOR
@@ -23,23 +24,19 @@ from agent_runtime.wiring import Services
 from helpers import envelope, running_app, sync_body
 from kubesim import KubeSim
 
+# the fixtures of test_k8s_real_sim: no proxy for the local simulator; the real client on `sim`
+_no_proxy = real_sim._no_proxy
+client = real_sim.client
+
 ADMIN = {"Authorization": "Bearer adm"}
 BASE = "/api/session/admin"
 GROUP, BOT = "g-drain", "b-drain"
 DEADLINE = 30.0
 
 
-@pytest.fixture(autouse=True)
-def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """kubernetes_asyncio honours proxy variables (trust_env): the simulator is local."""
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("all_proxy", raising=False)
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-
-
 @pytest.fixture
 async def sim() -> AsyncIterator[KubeSim]:
+    """Two nodes (``client`` from test_k8s_real_sim opens the real client on this one)."""
     async with KubeSim(
         ready_delay=0.1,
         grace_period=0.3,
@@ -49,16 +46,6 @@ async def sim() -> AsyncIterator[KubeSim]:
         seed=5,
     ) as s:
         yield s
-
-
-@pytest.fixture
-async def client(sim: KubeSim) -> AsyncIterator[RealK8sPodClient]:
-    real = RealK8sPodClient(kubeconfig=str(sim.kubeconfig_path), default_namespace="default")
-    await real.start()
-    try:
-        yield real
-    finally:
-        await real.close()
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:

@@ -220,93 +220,64 @@ class RealK8sPodClient:
         the start, once; any other refusal, or a second 410, is raised."""
         api = await self._pod_api(cluster)
         where = namespace if cluster is None else f"{cluster}/{namespace}"
-        what = f"list pods in {where} ({label_selector})"
+
+        def page(token: str | None) -> Awaitable[Any]:
+            return api.list_namespaced_pod(
+                namespace, label_selector=label_selector, limit=LIST_PAGE_SIZE,
+                _continue=token, _preload_content=False,
+            )  # fmt: skip
+
         found: list[PodStatus] = []
-        token: str | None = None
-        restarted = False
-        while True:
-            try:
-                text = await self._call(
-                    what, functools.partial(self._list_page, api, namespace, label_selector, token)
-                )
-            except K8sApiError as exc:
-                if exc.status == 404:
-                    return []
-                if exc.status == 410 and token is not None and not restarted:
-                    log.info("%s: continue token expired; listing again from the start", what)
-                    found, token, restarted = [], None, True
-                    continue
-                raise
-            try:
-                token = await read_pod_list(text, found)
-            except (ValueError, TypeError, AttributeError) as exc:
-                raise K8sApiError(f"{what}: a reply that is not a PodList: {exc}") from exc
-            if token is None:
-                return found
-
-    @staticmethod
-    async def _list_page(api: Any, namespace: str, label_selector: str, token: str | None) -> str:
-        """One LIST page as JSON text. ``_preload_content=False`` hands back the aiohttp
-        response unread and unchecked: a refusal is raised here as kubernetes_asyncio raises
-        it (``ApiException`` with status, reason, headers and body)."""
-        from kubernetes_asyncio.client.exceptions import ApiException
-
-        resp = await api.list_namespaced_pod(
-            namespace,
-            label_selector=label_selector,
-            limit=LIST_PAGE_SIZE,
-            _continue=token,
-            _preload_content=False,
-        )
-        try:
-            body: bytes = await resp.read()
-        finally:
-            resp.release()
-        if not 200 <= resp.status <= 299:
-            refused = ApiException(status=resp.status, reason=resp.reason)
-            refused.body, refused.headers = body, resp.headers
-            raise refused
-        return body.decode("utf-8")
+        what = f"list pods in {where} ({label_selector})"
+        if not await self._paged(
+            what, page, lambda text: read_pod_list(text, found), found, "PodList"
+        ):
+            return []
+        return found
 
     async def list_nodes(self, *, cluster: str | None = None) -> list[NodeStatus]:
-        """Paged as ``list_pods`` (a 410 of a continued page: listed again, once), read as raw
-        JSON: a node object carries its images and conditions, and only name and
-        ``spec.unschedulable`` are kept."""
+        """Paged as ``list_pods``, read as raw JSON: a node object carries its images and
+        conditions, and only its name and ``spec.unschedulable`` are kept."""
         api = await self._pod_api(cluster)
-        what = "list nodes" if cluster is None else f"list nodes of {cluster}"
+
+        def page(token: str | None) -> Awaitable[Any]:
+            return api.list_node(limit=LIST_PAGE_SIZE, _continue=token, _preload_content=False)
+
         found: list[NodeStatus] = []
+        what = "list nodes" if cluster is None else f"list nodes of {cluster}"
+        await self._paged(what, page, lambda text: read_node_list(text, found), found, "NodeList")
+        return found
+
+    async def _paged(
+        self,
+        what: str,
+        page: Callable[[str | None], Awaitable[Any]],
+        read: Callable[[str], Awaitable[str | None]],
+        found: list[Any],
+        kind: str,
+    ) -> bool:
+        """Every page of a LIST into ``found`` (``read`` parses one and gives its continue
+        token); False for a 404 (a namespace that does not exist: nothing found)."""
         token: str | None = None
         restarted = False
         while True:
             try:
-                text = await self._call(what, functools.partial(self._node_page, api, token))
+                text = await self._call(what, functools.partial(_page_text, page, token))
             except K8sApiError as exc:
+                if exc.status == 404:
+                    return False
                 if exc.status == 410 and token is not None and not restarted:
-                    found, token, restarted = [], None, True
+                    log.info("%s: continue token expired; listing again from the start", what)
+                    found.clear()
+                    token, restarted = None, True
                     continue
                 raise
             try:
-                token = await read_node_list(text, found)
+                token = await read(text)
             except (ValueError, TypeError, AttributeError) as exc:
-                raise K8sApiError(f"{what}: a reply that is not a NodeList: {exc}") from exc
+                raise K8sApiError(f"{what}: a reply that is not a {kind}: {exc}") from exc
             if token is None:
-                return found
-
-    @staticmethod
-    async def _node_page(api: Any, token: str | None) -> str:
-        """One NodeList page as JSON text (as ``_list_page``)."""
-        from kubernetes_asyncio.client.exceptions import ApiException
-
-        resp = await api.list_node(limit=LIST_PAGE_SIZE, _continue=token, _preload_content=False)
-        try:
-            body: bytes = await resp.read()
-        finally:
-            resp.release()
-        if not 200 <= resp.status <= 299:
-            refused = ApiException(status=resp.status, reason=resp.reason)
-            refused.body, refused.headers = body, resp.headers
-            raise refused
-        return body.decode("utf-8")
+                return True
 
     async def probe_health(self, pod_ip: str, port: int) -> bool:
         if self._http is None:
@@ -398,3 +369,21 @@ class RealK8sPodClient:
         api = await self._deploy_api(cluster)  # the pod's cluster: where its deploy went
         deadline = Deadline(max(within, AWAIT_READY_MIN))
         await patch_incarnation(api, namespace, pod_id, uid, annotations, deadline)
+
+
+async def _page_text(page: Callable[[str | None], Awaitable[Any]], token: str | None) -> str:
+    """One LIST page as JSON text. ``_preload_content=False`` hands back the aiohttp response
+    unread and unchecked: a refusal is raised here as kubernetes_asyncio raises it
+    (``ApiException`` with status, reason, headers and body)."""
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    resp = await page(token)
+    try:
+        body: bytes = await resp.read()
+    finally:
+        resp.release()
+    if not 200 <= resp.status <= 299:
+        refused = ApiException(status=resp.status, reason=resp.reason)
+        refused.body, refused.headers = body, resp.headers
+        raise refused
+    return body.decode("utf-8")

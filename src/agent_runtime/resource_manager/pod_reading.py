@@ -15,7 +15,7 @@ import datetime
 import json
 import re
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -221,6 +221,21 @@ def iter_json_object(text: str, stream: str = "items") -> Iterator[tuple[str, An
 async def read_pod_list(text: str, into: list[PodStatus]) -> str | None:
     """One PodList page (JSON text) into ``into``; returns its continue token (None: the last
     page). Yields to the loop every ``LIST_PARSE_SLICE`` s, so a page never blocks it for long."""
+    return await _read_list(text, lambda item: into.append(pod_status_from_json(item)), "PodList")
+
+
+async def read_node_list(text: str, into: list[NodeStatus]) -> str | None:
+    """One NodeList page (JSON text) into ``into``: each node's name and ``spec.unschedulable``
+    (a cordon); returns its continue token (None: the last page). Yields as ``read_pod_list``."""
+
+    def node(item: dict[str, Any]) -> None:
+        name = (item.get("metadata") or {}).get("name") or ""
+        into.append(NodeStatus(name, bool((item.get("spec") or {}).get("unschedulable"))))
+
+    return await _read_list(text, node, "NodeList")
+
+
+async def _read_list(text: str, take: Callable[[dict[str, Any]], None], kind: str) -> str | None:
     token: str | None = None
     clock = time.perf_counter
     await asyncio.sleep(0)  # reading and decoding the page was a slice already
@@ -228,30 +243,8 @@ async def read_pod_list(text: str, into: list[PodStatus]) -> str | None:
     for key, value in iter_json_object(text):
         if key == "items[]":
             if not isinstance(value, dict):
-                raise ValueError(f"a PodList item is an object, not {type(value).__name__}")
-            into.append(pod_status_from_json(value))
-        elif key == "metadata" and isinstance(value, dict):
-            token = value.get("continue") or None
-        if clock() - slice_started >= LIST_PARSE_SLICE:
-            await asyncio.sleep(0)
-            slice_started = clock()
-    return token
-
-
-async def read_node_list(text: str, into: list[NodeStatus]) -> str | None:
-    """One NodeList page (JSON text) into ``into``: each node's name and ``spec.unschedulable``
-    (a cordon); returns its continue token (None: the last page). Yields as ``read_pod_list``."""
-    token: str | None = None
-    clock = time.perf_counter
-    await asyncio.sleep(0)
-    slice_started = clock()
-    for key, value in iter_json_object(text):
-        if key == "items[]":
-            if not isinstance(value, dict):
-                raise ValueError(f"a NodeList item is an object, not {type(value).__name__}")
-            name = (value.get("metadata") or {}).get("name") or ""
-            cordoned = bool((value.get("spec") or {}).get("unschedulable"))
-            into.append(NodeStatus(name, cordoned))
+                raise ValueError(f"a {kind} item is an object, not {type(value).__name__}")
+            take(value)
         elif key == "metadata" and isinstance(value, dict):
             token = value.get("continue") or None
         if clock() - slice_started >= LIST_PARSE_SLICE:
