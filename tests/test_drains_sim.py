@@ -7,9 +7,7 @@ cordoned node's pods drained, and the admin node drain finding a node's pods by
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -23,6 +21,7 @@ from agent_runtime.resource_manager.models import COMPONENT_SELECTOR
 from agent_runtime.wiring import Services
 from helpers import envelope, running_app, sync_body
 from kubesim import KubeSim
+from test_scenarios import eventually
 
 # the fixtures of test_k8s_real_sim: no proxy for the local simulator; the real client on `sim`
 _no_proxy = real_sim._no_proxy
@@ -46,14 +45,6 @@ async def sim() -> AsyncIterator[KubeSim]:
         seed=5,
     ) as s:
         yield s
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE
-    while not await check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {DEADLINE:g} s: {what}")
-        await asyncio.sleep(0.05)
 
 
 def node_of(sim: KubeSim, pod_id: str) -> str:
@@ -118,7 +109,7 @@ async def test_kubernetes_drains_move_sessions_before_the_kill(
         async def moved() -> bool:
             return await drains.drains_once() >= 1
 
-        await eventually(moved, "the graceful deletion's drain deadline")
+        await eventually(moved, "the graceful deletion's drain deadline", DEADLINE)
         assert any(p["metadata"]["name"] == first for p in sim.pods("default")), (
             "the sessions moved before Kubernetes killed the pod"
         )
@@ -148,7 +139,7 @@ async def test_kubernetes_drains_move_sessions_before_the_kill(
             await drains.drains_once()
             return not any(p["metadata"]["name"] == second for p in sim.pods("default"))
 
-        await eventually(second_moved, "the cordon's drain deadline")
+        await eventually(second_moved, "the cordon's drain deadline", DEADLINE)
         rebound = await route(app, "s2")
         assert rebound["placement"] == "rebound" and rebound["previous_pod_id"] == second
         assert node_of(sim, rebound["pod_id"]) != node, "the new pod is not on the cordoned node"
