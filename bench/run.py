@@ -45,6 +45,7 @@ ORDER = [
     "scale_out",
     "loop_check",
     "overload",
+    "drains",
 ]
 NEEDS_BASELINE = {"refresh", "placed", "touch"}
 THROUGHPUT = ["baseline", "refresh", "placed", "touch", "baseline_after"]
@@ -437,6 +438,19 @@ def details(results: dict[str, Any]) -> list[str]:
                 f"scale-out {name}: one replica {s['one_replica']['rps']} req/s, two replicas "
                 f"{s['two_replicas']['rps']} req/s → × {s['ratio']}"
             )
+    drains = results.get("drains")
+    if drains and "error" not in drains:
+        costs = drains["script_us"]
+        out += [
+            "",
+            f"drains: drain_begin p50 {costs['drain_begin_p50']} / p99 "
+            f"{costs['drain_begin_p99']} µs, retire_pod p50 {costs['retire_pod_p50']} / p99 "
+            f"{costs['retire_pod_p99']} µs; a node drain of {drains['pods']} pods × "
+            f"{drains['sessions_per_pod']} sessions {drains['node_drain_ms']} ms; their deadline "
+            f"tick {drains['tick_ms']} ms ({drains['tick_ms_per_pod']} ms a pod, longest loop "
+            f"hold {drains['tick_longest_loop_hold_ms']} ms), {drains['sessions_moved']} "
+            f"sessions moved, {drains['pods_deleted']} pods deleted",
+        ]
     loop = results.get("loop_check")
     if loop and "error" not in loop:
         out += [
