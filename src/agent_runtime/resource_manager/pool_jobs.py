@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Collection
 from typing import Any
 
 from agent_runtime.jobs import BackgroundTasks
@@ -256,23 +257,37 @@ class PoolJobs:
                 continue
             for pod_id in pods:
                 status = listed.get(pod_id)
-                condition = pod_condition(
-                    status, now, margin=self.drains.margin, cordoned_nodes=cordoned.get(cluster, ())
-                )
-                if condition.state == "dead":
-                    reason = "missing" if status is None else status.phase
-                    await self._clean_dead(
-                        pod_id, namespace, cluster, exists=status is not None, why=reason
-                    )
+                nodes = cordoned.get(cluster, ())
+                if await self.judge(pod_id, status, namespace, cluster, now, nodes) == "dead":
                     cleaned += 1
-                    continue
-                if condition.state == "draining":
-                    await self.drains.drain_seen(pod_id, condition)
-                assert status is not None
-                if status.phase == "Running" and status.pod_ip:
+                elif status is not None and status.phase == "Running" and status.pod_ip:
                     probes.append((pod_id, status, cluster))
         cleaned += await self._probe_all(probes)
         return cleaned
+
+    async def judge(
+        self,
+        pod_id: str,
+        status: PodStatus | None,
+        namespace: str,
+        cluster: str | None,
+        now: float,
+        cordoned_nodes: Collection[str] = (),
+    ) -> str:
+        """What Kubernetes' view of one pod of ours (None: gone) means, acted on: dead →
+        cleaned (deleted if it still exists, forgotten, its sessions rebound); draining (a
+        graceful deletion with time left, a cordoned node) → drained; else alive. Returns
+        ``pod_condition``'s state. ``now``: Redis seconds. The watch pass calls it per pod; a
+        watch stream calls it per event."""
+        condition = pod_condition(
+            status, now, margin=self.drains.margin, cordoned_nodes=cordoned_nodes
+        )
+        if condition.state == "dead":
+            why = "missing" if status is None else status.phase
+            await self._clean_dead(pod_id, namespace, cluster, exists=status is not None, why=why)
+        elif condition.state == "draining":
+            await self.drains.drain_seen(pod_id, condition)
+        return condition.state
 
     async def _probe_all(self, probes: list[tuple[str, PodStatus, str | None]]) -> int:
         """PROBE_CONCURRENCY workers over the list (not a task per pod: 10k of them would be
