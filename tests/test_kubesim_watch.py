@@ -255,6 +255,11 @@ async def test_selectors_filter_the_stream(
     assert bad_version.status_code == 400
     for stream in (by_label, by_field, everywhere):
         stream.response.close()
+    deadline = asyncio.get_running_loop().time() + WAIT
+    while sim.watches.open_watches:  # a client that goes frees its place in the cap
+        await asyncio.sleep(0.02)
+        assert asyncio.get_running_loop().time() < deadline, sim.watches.describe()
+    assert sim.watches.describe()["closed"] == {"gone": 3}
 
 
 async def test_the_cap_on_open_watches_is_429_and_frees_up(
