@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import httpx
 import pytest
-from kubernetes_asyncio import client, config
+from kubernetes_asyncio import client, config, watch
 
 from kubesim import KubeSim
 from kubesim.runner import add_arguments, build_sim
@@ -298,3 +298,24 @@ def test_cli_nodes_flag() -> None:
     assert sim.nodes.names[-1] == "kubesim-node-4"
     with pytest.raises(ValueError):
         build_sim(parser.parse_args(["--nodes", "0"]))
+
+
+async def test_kubernetes_asyncio_watches_nodes(
+    sim: KubeSim, http: httpx.AsyncClient, _no_proxy: None
+) -> None:
+    configuration = client.Configuration()
+    await config.load_kube_config(
+        config_file=str(sim.kubeconfig_path), client_configuration=configuration
+    )
+    async with client.ApiClient(configuration) as api:
+        v1 = client.CoreV1Api(api)
+        version = (await v1.list_node()).metadata.resource_version
+        await http.post("/_sim/nodes/kubesim-node/cordon")
+        w = watch.Watch()
+        async with asyncio.timeout(WAIT):
+            async for event in w.stream(v1.list_node, resource_version=version, timeout_seconds=5):
+                assert event["type"] == "MODIFIED"
+                assert event["object"].metadata.name == "kubesim-node"
+                assert event["object"].spec.unschedulable is True
+                w.stop()
+        await w.close()

@@ -329,16 +329,17 @@ class _Api:
         timeout = timeout_seconds(query.get("timeoutSeconds"), sim.watch_timeout, sim.rng)
         bookmarks = sim.bookmark_interval if is_flag(query.get("allowWatchBookmarks")) else None
         opened: tuple[Watcher, list[Event]] | Expired
+        current: list[Obj] = []
+        if since is None and what.resource == "nodes":
+            current = sim.store.list_nodes(what.selector, what.fields)
+        elif since is None:
+            current = [
+                pod
+                for pod in sim.store.list_pods(what.namespace, what.selector, what.fields)
+                if sim.namespace_exists(pod["metadata"]["namespace"])
+            ]
         try:
-            if what.resource == "nodes":
-                current = sim.store.list_nodes(what.selector, what.fields)
-            else:
-                current = [
-                    pod
-                    for pod in sim.store.list_pods(what.namespace, what.selector, what.fields)
-                    if sim.namespace_exists(pod["metadata"]["namespace"])
-                ]
-            opened = sim.watches.open(what, since, current if since is None else [])
+            opened = sim.watches.open(what, since, current)
         except TooManyWatches:
             sim.injected["watch refused"] += 1
             raise too_many_requests(1) from None

@@ -121,7 +121,7 @@ class Watcher:
         self._limit = queue
         self._pending: deque[Event] = deque()
         self._wake = asyncio.Event()
-        self.closed: str | None = None  # "dropped", "reset", "overflow", "stopped"
+        self.closed: str | None = None  # dropped, reset, overflow, stopped, timeout, gone
         self.seen = 0  # resourceVersion up to which this stream has taken every event
         self.abort: Callable[[], None] | None = None  # set while a write may block
 
@@ -327,6 +327,7 @@ async def stream(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     next_bookmark = loop.time() + bookmarks if bookmarks is not None else None
+    ended = "timeout"
     try:
         watcher.abort = abort
         await _write(response, [e.line() for e in backlog if visible(e)])
@@ -342,13 +343,17 @@ async def stream(
                 next_bookmark = loop.time() + (bookmarks or 0.0)
             if lines and watcher.closed is None:
                 await _write(response, lines)
+        if stopping.is_set():
+            ended = "stopped"
     except (ConnectionError, RuntimeError):
-        watcher.close("gone")  # the client left (or the connection was cut on purpose)
-        return response
+        ended = "gone"  # the client left (or the connection was cut on purpose)
+    except asyncio.CancelledError:
+        ended = "gone"  # the client closed the connection: aiohttp cancels its handler
+        raise
     finally:
         watcher.abort = None
-        watcher.close(watcher.closed or ("stopped" if stopping.is_set() else "timeout"))
-    if watcher.closed == "reset" or watcher.closed == "overflow":
+        watcher.close(watcher.closed or ended)
+    if watcher.closed in ("reset", "overflow", "gone"):
         return response  # the transport is cut already: nothing more to send
     with contextlib.suppress(ConnectionError, RuntimeError):
         await response.write_eof()
