@@ -7,6 +7,7 @@ cordoned node's pods drained, and the admin node drain finding a node's pods by
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -37,6 +38,9 @@ DEADLINE = 30.0
 async def sim() -> AsyncIterator[KubeSim]:
     """Two nodes (``client`` from test_k8s_real_sim opens the real client on this one)."""
     async with KubeSim(
+        # AgentServers listen on their pod IP's port 8080: a range of this process's own, so
+        # another test run on the machine (the default range starts at 127.0.0.2) takes none
+        first_pod_ip=f"127.{64 + os.getpid() % 128}.7.2",
         ready_delay=0.1,
         grace_period=0.3,
         probe_period=0.05,
