@@ -178,6 +178,30 @@ async def test_a_warm_pod_the_floor_needs_is_replaced_before_it_drains(
         assert await w.autoscale() == 0
 
 
+async def test_a_replacement_that_cannot_come_holds_the_drain_only_a_deploy_time(
+    redis: Redis, db: Database
+) -> None:
+    """At max_pods the replacement cannot be deployed while the old pod exists: the pending
+    drain goes on after the template's ready_timeout + 10 s, and autoscale refills after."""
+    async with drain_world(redis, db) as w:
+        await w.configure(min_idle_pods=1, scope_concurrency=1, pod_concurrency=1)  # max_pods 1
+        pod = (await w.routed("s1"))["pod_id"]
+        await w.touch("s1", eos=True)
+        await w.age_pod(pod)
+        await w.sweep()  # empty: handed back to the warm pool
+        assert await w.warm() == {pod}
+        assert (await w.drain(pod))["state"] == "pending"
+        assert await w.autoscale() == 0  # no room for a replacement
+        assert await w.drains_tick() == 0
+        drain_key = f"resource_manager:resource:pod:{pod}:drain"
+        since = float(await redis.hget(drain_key, "since") or 0)
+        await redis.hset(drain_key, "since", f"{since - 13:.6f}")  # ready_timeout 2 + 10 s ago
+        assert await w.drains_tick() == 1
+        assert pod in w.k8s.deleted
+        assert await w.autoscale() == 1
+        assert len(await w.warm()) == 1
+
+
 async def test_a_pod_in_use_drains_without_a_replacement(redis: Redis, db: Database) -> None:
     async with drain_world(redis, db) as w:
         await w.configure(min_idle_pods=1, scope_concurrency=4, pod_concurrency=1)
