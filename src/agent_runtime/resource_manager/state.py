@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Mapping
 from typing import Any, cast
 
 from redis.asyncio import Redis
@@ -165,6 +166,7 @@ def pool_config_of(raw: dict[str, str]) -> PoolConfig | None:
         deploy_ver=raw.get("deploy_ver"),
         pod_spec=_parsed_spec(spec) if spec else None,
         budget_rule=raw.get("budget_rule", ""),
+        warm_pool=raw.get("warm_pool") or "static",
     )
 
 
@@ -268,7 +270,7 @@ class ResourceState:
     async def write_pool_config(
         self,
         scope_id: str,
-        pool_config: dict[str, int],
+        pool_config: Mapping[str, int | str],
         *,
         deploy_ver: str | None = None,
         pod_spec: dict[str, Any] | None = None,
@@ -278,7 +280,7 @@ class ResourceState:
         the scope joins the index in the same script (pool_config.lua). With a
         ``generation`` (config_sync's), refused (False) when a newer config_sync already
         wrote the config: overlapping propagations converge to the later one."""
-        fields: dict[str, str] = {k: str(int(v)) for k, v in pool_config.items()}
+        fields = {k: v if isinstance(v, str) else str(int(v)) for k, v in pool_config.items()}
         if pod_spec is not None:
             assert deploy_ver is not None
             fields["deploy_ver"] = deploy_ver

@@ -1,0 +1,170 @@
+"""How many warm pods a scope keeps: the template's ``warm_pool`` policy, a pure function.
+
+``static`` (the default) is the fixed floor: ``min_idle_pods`` warm pods of the current
+version, each one above it reclaimed once idle for ``pod_ttl``. ``predictive`` keeps enough
+free capacity to absorb the new sessions expected during one deploy time: a pod asked for now
+is Ready about one deploy time later, so what arrives meanwhile must find a free slot. The
+expected count is ``rate × deploy_time`` (the scope's measured arrival rate of new sessions
+and a recent high percentile of its deploy times); a Poisson upper quantile of it (tail
+``margin``) covers the randomness, which matters most for small tenants whose mean is well
+below one. Routes already waiting (the queue and the reservations) need slots on top. What
+the free slots (``pod_concurrency × (pods + deploys in flight) − live sessions``) do not
+cover is deployed now, clamped by ``max_pods`` and the pod budgets' room, never below the
+static floor. Scale-down is lazy: the target keeps ``max(min_idle_pods, the warm pods the
+need asks for)``; a warm pod above it goes once idle for ``pod_ttl`` (how long nobody needed
+it), so a falling demand lowers the pool one ``pod_ttl`` after it fell.
+
+Everything here is pure (no I/O, no clock): autoscale and reclaim (``warm_targets.py``) and
+the trace-driven simulation (``bench/warm_pool_sim.py``) drive the same functions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import Literal
+
+WarmPool = Literal["static", "predictive"]
+WARM_POOLS: tuple[WarmPool, ...] = ("static", "predictive")
+
+# The arrival measurement (session_manager route_place.lua keeps both EWMAs per scope): a fast
+# one that sees a flash crowd within seconds and a slow one that remembers a small tenant's
+# rare arrivals and lets the target fall one pod_ttl-like span after demand fell.
+ARRIVAL_FAST_WINDOW = 15.0  # seconds, the fast EWMA's time constant
+ARRIVAL_SLOW_WINDOW = 300.0  # seconds, the slow one's
+# How far the fast EWMA must stand above the slow one before it is believed, in standard
+# deviations of its own noise (a Poisson EWMA of rate r and window w: sd = sqrt(r / 2w)):
+# one arrival of a small tenant lifts the fast EWMA by 1/w, which is noise, not a crowd.
+FAST_BELIEF_SD = 2.0
+DEFAULT_MARGIN = 0.05  # the predictive target's tail: P(more arrivals than slots) per deploy
+DEPLOY_TIME_PERCENTILE = 0.9
+DEFAULT_DEPLOY_TIME = 10.0  # seconds, for a scope with no measured deploy yet
+_NORMAL_ABOVE = 100.0  # Poisson means above this use the normal approximation
+
+
+@dataclass(frozen=True, slots=True)
+class WarmInputs:
+    """What the policy looks at for one scope (counts of the current version's pods)."""
+
+    pod_concurrency: int
+    pods: int  # registered pods of the scope, in use and warm
+    idle_pods: int  # of them, warm (current version)
+    sessions: int  # live sessions of the scope
+    in_flight: int  # deploys on their way (warm and cold placeholders)
+    warm_in_flight: int  # of them, the warm pool's own
+    queued: int  # routes waiting for a slot: queue seats + reservations
+    min_idle_pods: int
+    max_pods: int
+    budget_room: int | None = None  # pods the pod budgets still allow (None: unbounded)
+    rate: float = 0.0  # new sessions per second (arrival_rate)
+    deploy_time: float = DEFAULT_DEPLOY_TIME  # a recent high percentile, seconds
+
+
+@dataclass(frozen=True, slots=True)
+class WarmPlan:
+    """The policy's answer: warm pods to keep (reclaim's floor) and pods to deploy now."""
+
+    keep_idle: int
+    deploy: int
+    need_slots: int = 0  # predictive: free slots wanted (0 for static)
+
+
+def plan(mode: str, inputs: WarmInputs, *, margin: float = DEFAULT_MARGIN) -> WarmPlan:
+    """The plan of ``mode`` (an unknown one is static: a row written by a newer version)."""
+    if mode == "predictive":
+        return predictive_plan(inputs, margin=margin)
+    return static_plan(inputs)
+
+
+def static_plan(inputs: WarmInputs) -> WarmPlan:
+    """Today's floor: min_idle_pods warm pods, the warm pool's deploys in flight counted."""
+    short = inputs.min_idle_pods - inputs.idle_pods - inputs.warm_in_flight
+    return WarmPlan(keep_idle=inputs.min_idle_pods, deploy=_room_clamped(inputs, short))
+
+
+def predictive_plan(inputs: WarmInputs, *, margin: float = DEFAULT_MARGIN) -> WarmPlan:
+    """Free slots for the arrivals of one deploy time (upper quantile) plus the routes
+    waiting; what is missing deployed now; never less than the static floor."""
+    pc = max(inputs.pod_concurrency, 1)
+    expected = max(inputs.rate, 0.0) * max(inputs.deploy_time, 0.0)
+    need_slots = poisson_upper(expected, margin) + max(inputs.queued, 0)
+    free_slots = max(pc * (inputs.pods + inputs.in_flight) - inputs.sessions, 0)
+    deploy = math.ceil(max(need_slots - free_slots, 0) / pc)
+    # the warm pods that the need asks for beyond the free slots of the pods in use
+    in_use_free = max(pc * (inputs.pods - inputs.idle_pods) - inputs.sessions, 0)
+    keep_idle = math.ceil(max(need_slots - in_use_free, 0) / pc)
+    floor = inputs.min_idle_pods - inputs.idle_pods - inputs.warm_in_flight
+    return WarmPlan(
+        keep_idle=max(keep_idle, inputs.min_idle_pods),
+        deploy=_room_clamped(inputs, max(deploy, floor)),
+        need_slots=need_slots,
+    )
+
+
+def _room_clamped(inputs: WarmInputs, wanted: int) -> int:
+    room = inputs.max_pods - inputs.pods - inputs.in_flight
+    if inputs.budget_room is not None:
+        room = min(room, inputs.budget_room)
+    return max(min(wanted, room), 0)
+
+
+def reclaimable(
+    keep_idle: int, idle_since: Mapping[str, float], now: float, pod_ttl: float
+) -> list[str]:
+    """Warm pods above ``keep_idle`` idle for ``pod_ttl`` or more. The floor keeps the
+    longest-idle ones (acquire hands out the most recently idle, so those stay warm)."""
+    by_age = sorted((since, pod) for pod, since in idle_since.items())
+    return [pod for since, pod in by_age[max(keep_idle, 0) :] if now - since >= pod_ttl]
+
+
+# --- the measurements, as the policy reads them ------------------------------------------------
+
+
+def arrival_rate(fast: float, slow: float, fast_window: float = ARRIVAL_FAST_WINDOW) -> float:
+    """The rate to plan for: the slow EWMA, or the fast one where it stands clearly above
+    (FAST_BELIEF_SD of its own noise): a crowd is seen within seconds, a single arrival of a
+    small tenant is not taken for one, and the rate falls at the slow EWMA's pace."""
+    fast, slow = max(fast, 0.0), max(slow, 0.0)
+    believed_fast = fast - FAST_BELIEF_SD * math.sqrt(fast / (2.0 * fast_window))
+    return max(slow, believed_fast)
+
+
+def decayed(value: float, at: float, now: float, window: float) -> float:
+    """An EWMA rate read at ``now`` that was last updated at ``at``."""
+    return value * math.exp(-max(now - at, 0.0) / window)
+
+
+def counted_arrival(
+    value: float, at: float, now: float, window: float
+) -> float:  # mirrors route_place.lua
+    """An EWMA rate after one arrival at ``now``: the decayed rate plus 1/window."""
+    return decayed(value, at, now, window) + 1.0 / window
+
+
+def deploy_time_of(samples: Sequence[float], percentile: float = DEPLOY_TIME_PERCENTILE) -> float:
+    """A high percentile (nearest rank) of recent deploy times; DEFAULT_DEPLOY_TIME for none."""
+    values = sorted(s for s in samples if s >= 0 and math.isfinite(s))
+    if not values:
+        return DEFAULT_DEPLOY_TIME
+    rank = max(math.ceil(percentile * len(values)) - 1, 0)
+    return values[min(rank, len(values) - 1)]
+
+
+def poisson_upper(mean: float, margin: float) -> int:
+    """The smallest k with P(N ≤ k) ≥ 1 − margin for N ~ Poisson(mean); 0 for a mean of 0.
+    Above a mean of 100 the normal approximation (bounded work for any rate)."""
+    if mean <= 0.0:
+        return 0
+    margin = min(max(margin, 1e-9), 0.5)
+    if mean > _NORMAL_ABOVE:
+        z = NormalDist().inv_cdf(1.0 - margin)
+        return math.ceil(mean + z * math.sqrt(mean))
+    term = math.exp(-mean)
+    cdf, k = term, 0
+    while cdf < 1.0 - margin:
+        k += 1
+        term *= mean / k
+        cdf += term
+    return k
