@@ -54,6 +54,8 @@ DEFAULT_POD_BUDGET = 1000
 FOREIGN_PODS_KEY = f"{P}resource:foreign_pods"
 FOREIGN_COUNT_KEY = f"{P}resource:foreign_pods:count"
 IDEM_TTL = 60
+DEPLOY_TIMES_KEPT = 32  # a scope's recent deploy times (deploy_time.lua)
+DEPLOY_TIMES_TTL = 86400  # seconds the list outlives the scope's last deploy
 PACKAGE = "agent_runtime.resource_manager"  # where the lua/ folder is
 
 
@@ -79,6 +81,12 @@ def scope_followers_key(scope_id: str) -> str:
 
 def budget_rule_pods_key(rule_id: str) -> str:
     return f"{BUDGET_RULE_PREFIX}{rule_id}:pods"
+
+
+def scope_deploy_times_key(scope_id: str) -> str:
+    """The scope's recent deploy times, seconds, newest first (deploy_time.lua; at most
+    DEPLOY_TIMES_KEPT): a predictive warm pool plans with a high percentile of them."""
+    return f"{SCOPE_PREFIX}{scope_id}:deploy_times"
 
 
 def scope_config_gen_key(scope_id: str) -> str:
@@ -255,6 +263,7 @@ class ResourceState:
         self._release = self.script("release")
         self._pool_config_script = self.script("pool_config")
         self._scope_expire = self.script("scope_expire")
+        self._deploy_time = self.script("deploy_time")
 
     def script(self, name: str, prelude: str | tuple[str, ...] | None = None) -> Any:
         """A script of the resource manager's ``lua/`` folder on this client (EVALSHA)."""
@@ -435,6 +444,13 @@ class ResourceState:
             if info is not None and info.pod_sse_url and info.phase == "in_use":
                 return AcquiredPod(pod_id, info.pod_sse_url, info.deploy_ver)
         return None
+
+    async def record_deploy_time(self, scope_id: str, seconds: float) -> None:
+        """One successful deploy's duration into the scope's recent deploy times."""
+        await self._deploy_time(
+            keys=[scope_deploy_times_key(scope_id)],
+            args=[seconds, DEPLOY_TIMES_KEPT, DEPLOY_TIMES_TTL],
+        )
 
     # --- the clock -----------------------------------------------------------------------------
 

@@ -26,14 +26,11 @@ from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Literal
 
+from agent_runtime.resource_manager.session_side import ARRIVAL_FAST_WINDOW
+
 WarmPool = Literal["static", "predictive"]
 WARM_POOLS: tuple[WarmPool, ...] = ("static", "predictive")
 
-# The arrival measurement (session_manager route_place.lua keeps both EWMAs per scope): a fast
-# one that sees a flash crowd within seconds and a slow one that remembers a small tenant's
-# rare arrivals and lets the target fall one pod_ttl-like span after demand fell.
-ARRIVAL_FAST_WINDOW = 15.0  # seconds, the fast EWMA's time constant
-ARRIVAL_SLOW_WINDOW = 300.0  # seconds, the slow one's
 # How far the fast EWMA must stand above the slow one before it is believed, in standard
 # deviations of its own noise (a Poisson EWMA of rate r and window w: sd = sqrt(r / 2w)):
 # one arrival of a small tenant lifts the fast EWMA by 1/w, which is noise, not a crowd.
