@@ -31,6 +31,7 @@ from agent_runtime.resource_manager.warm_policy import (
     counted_arrival,
     deploy_time_of,
     plan,
+    poisson_lower,
     poisson_upper,
     predictive_plan,
     reclaimable,
@@ -97,6 +98,18 @@ def test_predictive_plan_covers_one_deploy_time_of_arrivals() -> None:
     # never below the static floor
     quiet = predictive_plan(inputs(min_idle_pods=2))
     assert (quiet.deploy, quiet.keep_idle) == (2, 2)
+
+
+def test_sessions_ending_meanwhile_give_slots_back() -> None:
+    # 1/s arriving and (steady state) 1/s ending among 100 live sessions: over 10 s the
+    # arrivals' upper quantile (15) less the endings counted on (P(N >= 5) >= 95 %: 5)
+    steady = predictive_plan(
+        inputs(rate=1.0, departure_rate=1.0, deploy_time=10.0, pods=100, sessions=100)
+    )
+    assert steady.need_slots == 15 - 5 and steady.deploy == 10
+    # no session lives: nothing can end
+    assert predictive_plan(inputs(rate=1.0, departure_rate=1.0, deploy_time=10.0)).deploy == 15
+    assert poisson_lower(0.1, 0.05) == 0 and poisson_lower(10.0, 0.05) == 5
 
 
 def test_predictive_plan_is_clamped_by_max_pods_and_the_budget() -> None:

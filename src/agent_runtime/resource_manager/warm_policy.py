@@ -56,6 +56,9 @@ class WarmInputs:
     max_pods: int
     budget_room: int | None = None  # pods the pod budgets still allow (None: unbounded)
     rate: float = 0.0  # new sessions per second (arrival_rate)
+    # sessions ending per second: in a steady state as many end as arrive (Little's law), so
+    # the slow arrival EWMA; bounded by the live sessions that can end at all
+    departure_rate: float = 0.0
     deploy_time: float = DEFAULT_DEPLOY_TIME  # a recent high percentile, seconds
 
 
@@ -85,8 +88,13 @@ def predictive_plan(inputs: WarmInputs, *, margin: float = DEFAULT_MARGIN) -> Wa
     """Free slots for the arrivals of one deploy time (upper quantile) plus the routes
     waiting; what is missing deployed now; never less than the static floor."""
     pc = max(inputs.pod_concurrency, 1)
-    expected = max(inputs.rate, 0.0) * max(inputs.deploy_time, 0.0)
-    need_slots = poisson_upper(expected, margin) + max(inputs.queued, 0)
+    deploy_time = max(inputs.deploy_time, 0.0)
+    expected = max(inputs.rate, 0.0) * deploy_time
+    # slots the sessions that end meanwhile give back, as many as can be counted on (the
+    # lower quantile): none where no session lives, about the arrivals in a steady state
+    leaving = min(max(inputs.departure_rate, 0.0) * deploy_time, max(inputs.sessions, 0))
+    returned = poisson_lower(leaving, margin)
+    need_slots = max(poisson_upper(expected, margin) - returned, 0) + max(inputs.queued, 0)
     free_slots = max(pc * (inputs.pods + inputs.in_flight) - inputs.sessions, 0)
     deploy = math.ceil(max(need_slots - free_slots, 0) / pc)
     # the warm pods that the need asks for beyond the free slots of the pods in use
@@ -147,6 +155,24 @@ def deploy_time_of(samples: Sequence[float], percentile: float = DEPLOY_TIME_PER
         return DEFAULT_DEPLOY_TIME
     rank = max(math.ceil(percentile * len(values)) - 1, 0)
     return values[min(rank, len(values) - 1)]
+
+
+def poisson_lower(mean: float, margin: float) -> int:
+    """The largest k with P(N ≥ k) ≥ 1 − margin for N ~ Poisson(mean): what can be counted
+    on; 0 for a small mean."""
+    if mean <= 0.0:
+        return 0
+    margin = min(max(margin, 1e-9), 0.5)
+    if mean > _NORMAL_ABOVE:
+        z = NormalDist().inv_cdf(1.0 - margin)
+        return max(math.floor(mean - z * math.sqrt(mean)), 0)
+    term = math.exp(-mean)
+    cdf, k = term, 0  # P(N <= k)
+    while cdf <= margin:  # P(N >= k + 1) = 1 - cdf >= 1 - margin
+        k += 1
+        term *= mean / k
+        cdf += term
+    return k
 
 
 def poisson_upper(mean: float, margin: float) -> int:

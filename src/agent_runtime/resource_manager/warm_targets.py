@@ -63,7 +63,8 @@ class WarmTargets:
             if (m := measured.get(scope_id)) is not None:
                 inputs = replace(
                     inputs, pods=max(m.pods, warm), sessions=m.sessions, queued=m.queued,
-                    rate=m.rate, deploy_time=m.deploy_time, budget_room=m.budget_room,
+                    rate=m.rate, departure_rate=m.departure_rate, deploy_time=m.deploy_time,
+                    budget_room=m.budget_room,
                 )  # fmt: skip
             plans[scope_id] = plan(config.warm_pool, inputs, margin=self._margin)
         return plans
@@ -85,6 +86,7 @@ class WarmTargets:
                 sessions=seen.sessions,
                 queued=seen.queued,
                 rate=arrival_rate(seen.arrivals_fast, seen.arrivals_slow, ARRIVAL_FAST_WINDOW),
+                departure_rate=seen.arrivals_slow,  # steady state: as many end as arrive
                 deploy_time=deploy_time_of(times.get(scope_id, [])),
                 budget_room=room,
             )
@@ -99,5 +101,6 @@ class _Measured:
     sessions: int
     queued: int
     rate: float
+    departure_rate: float
     deploy_time: float
     budget_room: int
