@@ -283,13 +283,14 @@ class Simulation:
                     rate=rate,
                     departure_rate=decayed(scope.slow, scope.at, self.now, ARRIVAL_SLOW_WINDOW),
                     deploy_time=deploy_time_of(scope.deploy_times),
+                    pod_ttl=t.pod_ttl,
                 ),
                 margin=self.margin,
             )
             for _ in range(decided.deploy):
                 scope.warm_in_flight += 1
                 self.deploy(s, warm=True)
-            for pod in reclaimable(decided.keep_idle, scope.idle, self.now, t.pod_ttl):
+            for pod in reclaimable(decided.keep_idle, scope.idle, self.now, decided.reclaim_after):
                 del scope.idle[pod]
                 self.idle_total -= 1
 
@@ -364,18 +365,22 @@ def main() -> None:
         rows: dict[str, Result] = {}
         for min_idle in trace.min_idle_curve:
             r = Simulation(trace, "static", margin=0, min_idle=min_idle, seed=args.seed).run()
-            rows[f"static min_idle={min_idle}"] = r
+            rows[f"static {min_idle}"] = r
             static.append((r.idle_seconds, r.cold_fraction))
-        for margin in MARGINS:
-            r = Simulation(trace, "predictive", margin=margin, min_idle=0, seed=args.seed).run()
-            rows[f"predictive margin={margin}"] = r
+        # the predictive curve: its margins without a floor, then the default margin over each
+        # of the static floors (a floor the operator wants kept whatever the demand)
+        points = [(m, 0) for m in MARGINS] + [(DEFAULT_MARGIN, k) for k in trace.min_idle_curve[1:]]
+        for margin, floor in points:
+            r = Simulation(trace, "predictive", margin=margin, min_idle=floor, seed=args.seed).run()
+            label = f"predictive {margin}" + (f" +{floor}" if floor else "")
+            rows[label] = r
             predictive.append((r.idle_seconds, r.cold_fraction))
         for name, r in rows.items():
             print(
                 f"{name:<22}{r.cold_fraction:>10.1%} {r.pct(0.5):>9.3f}s {r.pct(0.99):>9.2f}s"
                 f"{r.idle_seconds:>12.0f}{r.deploys:>9}"
             )
-        default = rows[f"predictive margin={DEFAULT_MARGIN}"]
+        default = rows[f"predictive {DEFAULT_MARGIN}"]
         pricier = [
             (r.idle_seconds, name, r)
             for name, r in rows.items()

@@ -130,9 +130,15 @@ def test_a_small_tenant_is_covered_by_the_quantile_not_the_mean() -> None:
 
 def test_reclaimable_keeps_the_target_and_the_young() -> None:
     idle = {"old": 0.0, "mid": 50.0, "young": 95.0}
-    assert reclaimable(1, idle, now=100.0, pod_ttl=30.0) == ["mid"]  # "old" is kept, "young" young
-    assert reclaimable(0, idle, now=100.0, pod_ttl=30.0) == ["old", "mid"]
-    assert reclaimable(3, idle, now=1000.0, pod_ttl=30.0) == []
+    assert reclaimable(1, idle, now=100.0, after=30.0) == ["mid"]  # "old" is kept, "young" young
+    assert reclaimable(0, idle, now=100.0, after=30.0) == ["old", "mid"]
+    assert reclaimable(3, idle, now=1000.0, after=30.0) == []
+
+
+def test_a_predictive_pool_lets_unneeded_pods_go_after_one_deploy_time() -> None:
+    assert static_plan(inputs(pod_ttl=300.0)).reclaim_after == 300.0
+    assert predictive_plan(inputs(pod_ttl=300.0, deploy_time=12.0)).reclaim_after == 12.0
+    assert predictive_plan(inputs(pod_ttl=5.0, deploy_time=12.0)).reclaim_after == 5.0
 
 
 def test_arrival_rate_believes_a_crowd_not_one_arrival() -> None:

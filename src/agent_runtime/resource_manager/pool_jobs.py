@@ -183,11 +183,12 @@ class PoolJobs:
         plans = await self._warm_targets.plans(
             configs, current_of, await self._jobs_state.in_flight_of(predictive)
         )
-        for scope_id, config in configs.items():
+        for scope_id in configs:
             current = current_of[scope_id]
             old = [p for p in idle_of[scope_id] if p not in current]
             # the floor keeps the longest-idle ones: acquire takes the most recently idle
-            expired = reclaimable(plans[scope_id].keep_idle, current, now, config.pod_ttl)
+            decided = plans[scope_id]
+            expired = reclaimable(decided.keep_idle, current, now, decided.reclaim_after)
             for pod_id in [*old, *expired]:
                 if await self._reclaim(scope_id, pod_id):
                     reclaimed += 1

@@ -4,15 +4,20 @@
 version, each one above it reclaimed once idle for ``pod_ttl``. ``predictive`` keeps enough
 free capacity to absorb the new sessions expected during one deploy time: a pod asked for now
 is Ready about one deploy time later, so what arrives meanwhile must find a free slot. The
-expected count is ``rate × deploy_time`` (the scope's measured arrival rate of new sessions
-and a recent high percentile of its deploy times); a Poisson upper quantile of it (tail
-``margin``) covers the randomness, which matters most for small tenants whose mean is well
-below one. Routes already waiting (the queue and the reservations) need slots on top. What
-the free slots (``pod_concurrency × (pods + deploys in flight) − live sessions``) do not
-cover is deployed now, clamped by ``max_pods`` and the pod budgets' room, never below the
-static floor. Scale-down is lazy: the target keeps ``max(min_idle_pods, the warm pods the
-need asks for)``; a warm pod above it goes once idle for ``pod_ttl`` (how long nobody needed
-it), so a falling demand lowers the pool one ``pod_ttl`` after it fell.
+arrivals of one deploy time are ``rate × deploy_time`` (the scope's measured arrival rate of
+new sessions and a recent high percentile of its deploy times), taken at a Poisson upper
+quantile (tail ``margin``: it covers the randomness, which matters most for small tenants
+whose mean is well below one); the sessions that end meanwhile give slots back — in a steady
+state as many end as arrive (Little's law), at most the live ones, taken at the lower
+quantile. Routes already waiting (the queue and the reservations) need slots on top. What the
+free slots (``pod_concurrency × (pods + deploys in flight) − live sessions``) do not cover is
+deployed now, clamped by ``max_pods`` and the pod budgets' room, never below the static floor.
+
+Scale-down follows the demand: the target rests on the slow arrival EWMA (a 300 s memory),
+so after demand falls the target falls over minutes, not at once; a warm pod above the target
+goes once idle for ``min(pod_ttl, deploy_time)`` — the break-even of keeping a pod nobody
+needs is about what it costs to bring it back, one deploy time. (A static pool keeps every
+pod above its floor for ``pod_ttl``: most of its idle pod-seconds are those pods.)
 
 Everything here is pure (no I/O, no clock): autoscale and reclaim (``warm_targets.py``) and
 the trace-driven simulation (``bench/warm_pool_sim.py``) drive the same functions.
@@ -60,6 +65,7 @@ class WarmInputs:
     # the slow arrival EWMA; bounded by the live sessions that can end at all
     departure_rate: float = 0.0
     deploy_time: float = DEFAULT_DEPLOY_TIME  # a recent high percentile, seconds
+    pod_ttl: float = 300.0  # the template's: how long a warm pod above the floor is kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +74,7 @@ class WarmPlan:
 
     keep_idle: int
     deploy: int
+    reclaim_after: float  # seconds a warm pod above keep_idle stays before it is reclaimed
     need_slots: int = 0  # predictive: free slots wanted (0 for static)
 
 
@@ -81,7 +88,11 @@ def plan(mode: str, inputs: WarmInputs, *, margin: float = DEFAULT_MARGIN) -> Wa
 def static_plan(inputs: WarmInputs) -> WarmPlan:
     """Today's floor: min_idle_pods warm pods, the warm pool's deploys in flight counted."""
     short = inputs.min_idle_pods - inputs.idle_pods - inputs.warm_in_flight
-    return WarmPlan(keep_idle=inputs.min_idle_pods, deploy=_room_clamped(inputs, short))
+    return WarmPlan(
+        keep_idle=inputs.min_idle_pods,
+        deploy=_room_clamped(inputs, short),
+        reclaim_after=inputs.pod_ttl,
+    )
 
 
 def predictive_plan(inputs: WarmInputs, *, margin: float = DEFAULT_MARGIN) -> WarmPlan:
@@ -104,6 +115,8 @@ def predictive_plan(inputs: WarmInputs, *, margin: float = DEFAULT_MARGIN) -> Wa
     return WarmPlan(
         keep_idle=max(keep_idle, inputs.min_idle_pods),
         deploy=_room_clamped(inputs, max(deploy, floor)),
+        # the break-even of keeping a pod nobody needs: as long as one takes to bring back
+        reclaim_after=min(inputs.pod_ttl, max(deploy_time, 0.0)),
         need_slots=need_slots,
     )
 
@@ -116,12 +129,13 @@ def _room_clamped(inputs: WarmInputs, wanted: int) -> int:
 
 
 def reclaimable(
-    keep_idle: int, idle_since: Mapping[str, float], now: float, pod_ttl: float
+    keep_idle: int, idle_since: Mapping[str, float], now: float, after: float
 ) -> list[str]:
-    """Warm pods above ``keep_idle`` idle for ``pod_ttl`` or more. The floor keeps the
+    """Warm pods above ``keep_idle`` idle for ``after`` seconds or more (the plan's
+    ``reclaim_after``). The floor keeps the
     longest-idle ones (acquire hands out the most recently idle, so those stay warm)."""
     by_age = sorted((since, pod) for pod, since in idle_since.items())
-    return [pod for since, pod in by_age[max(keep_idle, 0) :] if now - since >= pod_ttl]
+    return [pod for since, pod in by_age[max(keep_idle, 0) :] if now - since >= after]
 
 
 # --- the measurements, as the policy reads them ------------------------------------------------

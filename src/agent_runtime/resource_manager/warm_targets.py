@@ -59,6 +59,7 @@ class WarmTargets:
                 queued=0,
                 min_idle_pods=config.min_idle_pods,
                 max_pods=config.max_pods,
+                pod_ttl=config.pod_ttl,
             )
             if (m := measured.get(scope_id)) is not None:
                 inputs = replace(
