@@ -25,14 +25,18 @@ from __future__ import annotations
 import argparse
 import heapq
 import math
+import os
 import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing import get_context
 
 from agent_runtime.resource_manager.session_side import ARRIVAL_FAST_WINDOW, ARRIVAL_SLOW_WINDOW
 from agent_runtime.resource_manager.warm_policy import (
+    DEFAULT_DEPLOY_TIME,
     DEFAULT_MARGIN,
     WarmInputs,
     arrival_rate,
@@ -49,6 +53,7 @@ TICK = 1.0  # the autoscale and reclaim jobs' interval
 # has a history of arrivals and deploys; a brand-new one starts from nothing either way
 WARMUP = 300.0
 DEPLOY_TIMES_KEPT = 32
+LAZY_TICKS = 10
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,9 @@ class Scope:
     slow: float = 0.0
     at: float = 0.0
     deploy_times: deque[float] = field(default_factory=lambda: deque(maxlen=DEPLOY_TIMES_KEPT))
+    deploy_time: float = 0.0  # deploy_time_of(deploy_times), kept when a deploy starts
+    sessions: int = 0
+    dirty: bool = True  # something happened since the jobs last looked
 
     @property
     def pods(self) -> int:
@@ -89,6 +97,11 @@ class Trace:
     rate_of: Callable[[int, float], float]  # (scope, t) -> new sessions per second
     peak_rate: Callable[[int], float]  # an upper bound of rate_of(scope, ·) (thinning)
     min_idle_curve: tuple[int, ...]
+    warmup: float = WARMUP
+    deploy_time: Callable[[random.Random], float] = lambda rng: (
+        2.0 + 28.0 * rng.betavariate(1.5, 4.0)
+    )
+    session_median: float = 60.0
 
 
 @dataclass
@@ -117,7 +130,7 @@ def arrivals(trace: Trace, rng: random.Random) -> Iterator[tuple[float, int]]:
             heapq.heappush(heap, (rng.expovariate(peak), scope))
     while heap:
         t, scope = heapq.heappop(heap)
-        if t >= trace.duration + WARMUP:
+        if t >= trace.duration + trace.warmup:
             continue
         peak = trace.peak_rate(scope)
         if rng.random() * peak <= trace.rate_of(scope, t):
@@ -140,6 +153,7 @@ class Simulation:
         self.seq = 0
         self.next_pod = 0
         self.now = 0.0
+        self.ticks = 0
         self.idle_total = 0
         self.result = Result()
 
@@ -148,8 +162,8 @@ class Simulation:
         heapq.heappush(self.events, (t, self.seq, kind, scope, pod))
 
     def advance(self, t: float) -> None:
-        if t > WARMUP:
-            self.result.idle_seconds += self.idle_total * (t - max(self.now, WARMUP))
+        if t > self.trace.warmup:
+            self.result.idle_seconds += self.idle_total * (t - max(self.now, self.trace.warmup))
         self.now = t
 
     def run(self) -> Result:
@@ -159,8 +173,8 @@ class Simulation:
         while True:
             upcoming = self.events[0][0] if self.events else math.inf
             moment = min(upcoming, pending[0] if pending else math.inf, tick)
-            if moment >= self.trace.duration + WARMUP:
-                self.advance(self.trace.duration + WARMUP)
+            if moment >= self.trace.duration + self.trace.warmup:
+                self.advance(self.trace.duration + self.trace.warmup)
                 return self.result
             self.advance(moment)
             if pending is not None and pending[0] == moment:
@@ -179,7 +193,7 @@ class Simulation:
     # --- sessions ------------------------------------------------------------------------------
 
     def arrive(self, s: int) -> None:
-        counted = self.now >= WARMUP
+        counted = self.now >= self.trace.warmup
         self.result.arrivals += counted
         scope = self.scopes[s]
         if not self.place(s, self.now):
@@ -199,7 +213,9 @@ class Simulation:
         if pod is None:
             return False
         scope.in_use[pod] += 1
-        if arrived >= WARMUP:
+        scope.sessions += 1
+        scope.dirty = True
+        if arrived >= self.trace.warmup:
             self.result.waits.append(max(self.now - arrived, 0.0) + WARM_CLAIM)
         scope.fast = counted_arrival(scope.fast, scope.at, self.now, ARRIVAL_FAST_WINDOW)
         scope.slow = counted_arrival(scope.slow, scope.at, self.now, ARRIVAL_SLOW_WINDOW)
@@ -210,6 +226,8 @@ class Simulation:
     def end(self, s: int, pod: int) -> None:
         scope = self.scopes[s]
         scope.in_use[pod] -= 1
+        scope.sessions -= 1
+        scope.dirty = True
         if scope.in_use[pod] == 0:
             del scope.in_use[pod]
             scope.idle[pod] = self.now
@@ -234,12 +252,15 @@ class Simulation:
             self.deploy(s, warm=False)
 
     def deploy(self, s: int, *, warm: bool) -> None:
-        took = 2.0 + 28.0 * self.rng.betavariate(1.5, 4.0)
+        took = self.trace.deploy_time(self.rng)
         self.next_pod += 1
         # the pod's id carries its kind: even = warm, odd = cold
         self.push(self.now + took, "ready", s, self.next_pod * 2 + (0 if warm else 1))
-        self.scopes[s].deploy_times.append(took)
-        self.result.deploys += self.now >= WARMUP
+        scope = self.scopes[s]
+        scope.deploy_times.append(took)
+        scope.deploy_time = deploy_time_of(scope.deploy_times)
+        scope.dirty = True
+        self.result.deploys += self.now >= self.trace.warmup
 
     def ready(self, s: int, pod: int) -> None:
         scope = self.scopes[s]
@@ -249,16 +270,25 @@ class Simulation:
             scope.cold_in_flight -= 1
         scope.idle[pod] = self.now
         self.idle_total += 1
+        scope.dirty = True
         self.serve_queue(s)
 
     def session_length(self) -> float:
-        return min(self.rng.lognormvariate(math.log(60.0), 0.8), 1800.0)
+        return min(self.rng.lognormvariate(math.log(self.trace.session_median), 0.8), 1800.0)
 
     # --- the jobs ------------------------------------------------------------------------------
 
     def tick(self) -> None:
+        self.ticks += 1
         for s, scope in enumerate(self.scopes):
             t = scope.template
+            # A scope where nothing happened is looked at every LAZY_TICKS only (1,000 tenants
+            # × every second is too slow in Python): untouched, its rates only decay, so its
+            # plan deploys nothing new; what it may reclaim waits up to LAZY_TICKS seconds
+            # longer than in the service (for every policy alike).
+            if not scope.dirty and (self.ticks + s) % LAZY_TICKS:
+                continue
+            scope.dirty = False
             if self.mode == "static" and not scope.idle and t.min_idle_pods == 0:
                 continue  # nothing to deploy, nothing to reclaim (a shortcut, same outcome)
             rate = arrival_rate(
@@ -274,7 +304,7 @@ class Simulation:
                     pod_concurrency=t.pod_concurrency,
                     pods=scope.pods,
                     idle_pods=len(scope.idle),
-                    sessions=sum(scope.in_use.values()),
+                    sessions=scope.sessions,
                     in_flight=scope.in_flight,
                     warm_in_flight=scope.warm_in_flight,
                     queued=len(scope.queue),
@@ -282,7 +312,7 @@ class Simulation:
                     max_pods=t.max_pods,
                     rate=rate,
                     departure_rate=decayed(scope.slow, scope.at, self.now, ARRIVAL_SLOW_WINDOW),
-                    deploy_time=deploy_time_of(scope.deploy_times),
+                    deploy_time=scope.deploy_time if scope.deploy_times else DEFAULT_DEPLOY_TIME,
                     pod_ttl=t.pod_ttl,
                 ),
                 margin=self.margin,
@@ -293,6 +323,7 @@ class Simulation:
             for pod in reclaimable(decided.keep_idle, scope.idle, self.now, decided.reclaim_after):
                 del scope.idle[pod]
                 self.idle_total -= 1
+                scope.dirty = True
 
 
 # --- the traces ----------------------------------------------------------------------------------
@@ -346,6 +377,24 @@ def below(static: list[tuple[float, float]], predictive: list[tuple[float, float
     return True
 
 
+def points(trace: Trace) -> list[tuple[str, str, float, int]]:
+    """The runs of one trace: (label, mode, margin, min_idle_pods). Static over its floors;
+    predictive over its margins without a floor, then the default margin and the tightest
+    one over each floor (a floor the operator wants kept whatever the demand)."""
+    runs = [(f"static {k}", "static", 0.0, k) for k in trace.min_idle_curve]
+    runs += [(f"predictive {m}", "predictive", m, 0) for m in MARGINS]
+    for k in trace.min_idle_curve[1:]:
+        runs += [(f"predictive {m} +{k}", "predictive", m, k) for m in (DEFAULT_MARGIN, 0.01)]
+    return runs
+
+
+def _run(job: tuple[bool, int, int, int]) -> Result:
+    quick, trace_index, point_index, seed = job
+    trace = traces(quick)[trace_index]
+    _, mode, margin, floor = points(trace)[point_index]
+    return Simulation(trace, mode, margin=margin, min_idle=floor, seed=seed).run()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=16)
@@ -356,25 +405,22 @@ def main() -> None:
     print(f"warm_pool_sim seed={args.seed} tick={TICK}s deploy 2-30 s, sessions median 60 s")
     head = f"{'policy':<22}{'cold waits':>11}{'p50 place':>11}{'p99 place':>11}"
     head += f"{'idle pod-s':>12}{'deploys':>9}"
+    chosen = [(i, t) for i, t in enumerate(traces(args.quick)) if args.only in t.name]
+    jobs = [(args.quick, i, n, args.seed) for i, t in chosen for n in range(len(points(t)))]
+    # the runs are independent and deterministic: one process per core (fork: the traces'
+    # rate functions are not pickled, each worker builds them again)
+    with ProcessPoolExecutor(os.cpu_count(), mp_context=get_context("fork")) as pool:
+        results = dict(zip(jobs, pool.map(_run, jobs), strict=True))
     verdicts = []
-    for trace in [t for t in traces(args.quick) if args.only in t.name]:
+    for i, trace in chosen:
         print(f"\n== {trace.name} ({trace.duration:.0f} s after {WARMUP:.0f} s, pod_ttl 300 s)")
         print(head)
-        static: list[tuple[float, float]] = []
-        predictive: list[tuple[float, float]] = []
-        rows: dict[str, Result] = {}
-        for min_idle in trace.min_idle_curve:
-            r = Simulation(trace, "static", margin=0, min_idle=min_idle, seed=args.seed).run()
-            rows[f"static {min_idle}"] = r
-            static.append((r.idle_seconds, r.cold_fraction))
-        # the predictive curve: its margins without a floor, then the default margin over each
-        # of the static floors (a floor the operator wants kept whatever the demand)
-        points = [(m, 0) for m in MARGINS] + [(DEFAULT_MARGIN, k) for k in trace.min_idle_curve[1:]]
-        for margin, floor in points:
-            r = Simulation(trace, "predictive", margin=margin, min_idle=floor, seed=args.seed).run()
-            label = f"predictive {margin}" + (f" +{floor}" if floor else "")
-            rows[label] = r
-            predictive.append((r.idle_seconds, r.cold_fraction))
+        rows = {
+            label: results[(args.quick, i, n, args.seed)]
+            for n, (label, *_) in enumerate(points(trace))
+        }
+        static = [(r.idle_seconds, r.cold_fraction) for k, r in rows.items() if "static" in k]
+        predictive = [(r.idle_seconds, r.cold_fraction) for k, r in rows.items() if "pred" in k]
         for name, r in rows.items():
             print(
                 f"{name:<22}{r.cold_fraction:>10.1%} {r.pct(0.5):>9.3f}s {r.pct(0.99):>9.2f}s"

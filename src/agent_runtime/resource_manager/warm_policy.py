@@ -44,6 +44,9 @@ DEFAULT_MARGIN = 0.05  # the predictive target's tail: P(more arrivals than slot
 DEPLOY_TIME_PERCENTILE = 0.9
 DEFAULT_DEPLOY_TIME = 10.0  # seconds, for a scope with no measured deploy yet
 _NORMAL_ABOVE = 100.0  # Poisson means above this use the normal approximation
+# arrivals per deploy time below which a scope is quiet and keeps no warm slot of its own
+# (a 300 s EWMA of one arrival read 20 minutes later, deploys of 10 s: 0.0006)
+QUIET_MEAN = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +108,7 @@ def predictive_plan(inputs: WarmInputs, *, margin: float = DEFAULT_MARGIN) -> Wa
     # lower quantile): none where no session lives, about the arrivals in a steady state
     leaving = min(max(inputs.departure_rate, 0.0) * deploy_time, max(inputs.sessions, 0))
     returned = poisson_lower(leaving, margin)
-    need_slots = max(poisson_upper(expected, margin) - returned, 0) + max(inputs.queued, 0)
+    need_slots = max(base_stock(expected, margin) - returned, 0) + max(inputs.queued, 0)
     free_slots = max(pc * (inputs.pods + inputs.in_flight) - inputs.sessions, 0)
     deploy = math.ceil(max(need_slots - free_slots, 0) / pc)
     # the warm pods that the need asks for beyond the free slots of the pods in use
@@ -169,6 +172,17 @@ def deploy_time_of(samples: Sequence[float], percentile: float = DEPLOY_TIME_PER
         return DEFAULT_DEPLOY_TIME
     rank = max(math.ceil(percentile * len(values)) - 1, 0)
     return values[min(rank, len(values) - 1)]
+
+
+def base_stock(mean: float, margin: float) -> int:
+    """Slots to hold, free or on their way, for arrivals of Poisson ``mean`` per deploy
+    time: a pod asked for when one is taken is Ready one deploy time later, so an arrival
+    finds a free slot exactly when fewer than S arrived in the deploy time before it (the
+    base-stock rule): S = the upper quantile + 1. A scope whose mean fell below
+    QUIET_MEAN (no arrival for a long while) holds none."""
+    if mean < QUIET_MEAN:
+        return 0
+    return poisson_upper(mean, margin) + 1
 
 
 def poisson_lower(mean: float, margin: float) -> int:
