@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,7 +64,7 @@ class Scope:
     idle_seconds: float = 0.0
     seen: set[str] = field(default_factory=set)
     deploys: int = 0
-    failed: int = 0
+    failed: Counter[str] = field(default_factory=Counter)
 
     @property
     def sid(self) -> str:
@@ -118,7 +119,9 @@ async def session(http: httpx.AsyncClient, scope: Scope, length: float, counted:
     resp = await http.post("/api/session/route", json=envelope(scope.group, session_id=session_id))
     took = time.perf_counter() - began
     if resp.status_code != 200:
-        scope.failed += 1
+        answer = resp.json()
+        why = f"{answer.get('error_code', '')}: {answer.get('error_message', '')[:60]}"
+        scope.failed[f"{resp.status_code} {why}"] += 1
         return
     if counted:
         scope.latencies.append(took)
@@ -270,6 +273,9 @@ def main() -> None:
             for proc in reversed(procs):
                 stop(proc)
             bench_redis.release()
+            warnings = (work / "server.log").read_text(errors="replace").splitlines()
+            for line in warnings[-8:]:  # the service's last warnings (why a route failed)
+                print(f"server: {line[:300]}", file=sys.stderr)
     sims = simulated(args)
     print(
         f"warm_pool_live: {args.seconds:.0f} s of Poisson {args.rate}/s (first {WARMUP:.0f} s not"
@@ -279,7 +285,7 @@ def main() -> None:
     print(f"{'run':<24}{'routes':>6}{'cold waits':>10}{'p50 place':>11}{'p99 place':>10}"
           f"{'idle pod-s':>11}{'deploys':>8}")  # fmt: skip
     for scope in scopes:
-        failed = f"  ({scope.failed} routes failed)" if scope.failed else ""
+        failed = f"  (failed: {dict(scope.failed)})" if scope.failed else ""
         print(row(f"service {scope.name}", scope.result()) + failed)
         print(row(f"simulation {scope.name}", sims[scope.name]))
 

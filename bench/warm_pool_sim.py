@@ -346,7 +346,7 @@ def traces(quick: bool) -> list[Trace]:
         Trace("diurnal 0.05-2/s", day, one, diurnal, lambda s: 2.0, (0, 4, 8, 16, 32, 64)),
         Trace("flash crowd 10x in 10 s", 1800.0, one, flash, lambda s: 3.0,
               (0, 2, 4, 8, 16, 32)),
-        Trace(f"{tenants} tenants at 0.01/s", 1800.0, [Template()] * tenants,
+        Trace(f"{tenants} tenants at 0.01/s", 1200.0, [Template()] * tenants,
               lambda s, t: 0.01, lambda s: 0.01, (0, 1, 2)),
         Trace("heavy tenant 5/s, pod_concurrency 4", 1800.0, [Template(pod_concurrency=4)],
               lambda s, t: 5.0, lambda s: 5.0, (0, 2, 4, 8, 16)),
@@ -413,7 +413,9 @@ def main() -> None:
         results = dict(zip(jobs, pool.map(_run, jobs), strict=True))
     verdicts = []
     for i, trace in chosen:
-        print(f"\n== {trace.name} ({trace.duration:.0f} s after {WARMUP:.0f} s, pod_ttl 300 s)")
+        print(
+            f"\n== {trace.name} ({trace.duration:.0f} s after {trace.warmup:.0f} s, pod_ttl 300 s)"
+        )
         print(head)
         rows = {
             label: results[(args.quick, i, n, args.seed)]
