@@ -29,6 +29,7 @@ from agent_runtime.resource_manager.warm_policy import (
     DEFAULT_DEPLOY_TIME,
     WarmInputs,
     arrival_rate,
+    base_stock,
     counted_arrival,
     deploy_time_of,
     plan,
@@ -39,6 +40,8 @@ from agent_runtime.resource_manager.warm_policy import (
     static_plan,
 )
 from agent_runtime.session_manager import config_repo
+from agent_runtime.session_manager.facade import SessionManagerFacade
+from agent_runtime.session_manager.state import SessionState
 from agent_runtime.util import scope_id_of
 from agent_runtime.wiring import Services
 from contract_keys import rm_scope, sm_scope
@@ -87,21 +90,22 @@ def test_static_plan_is_the_min_idle_floor() -> None:
 
 
 def test_predictive_plan_covers_one_deploy_time_of_arrivals() -> None:
-    # 1 new session/s, deploys take 10 s: 15 slots cover the arrivals with 95 %
+    # 1 new session/s, deploys take 10 s: the base stock is the 95 % quantile (15) + 1: an
+    # arrival finds a slot when fewer than 16 arrived in the deploy time before it
     bare = predictive_plan(inputs(rate=1.0, deploy_time=10.0))
-    assert (bare.need_slots, bare.deploy, bare.keep_idle) == (15, 15, 15)
+    assert (bare.need_slots, bare.deploy, bare.keep_idle) == (16, 16, 16)
     # free slots count: 5 warm pods and 2 deploys in flight
     some = predictive_plan(
         inputs(rate=1.0, deploy_time=10.0, pods=5, idle_pods=5, in_flight=2, warm_in_flight=2)
     )
-    assert some.deploy == 8 and some.keep_idle == 15
+    assert some.deploy == 9 and some.keep_idle == 16
     # routes waiting need slots on top
-    assert predictive_plan(inputs(rate=1.0, deploy_time=10.0, queued=4)).deploy == 19
+    assert predictive_plan(inputs(rate=1.0, deploy_time=10.0, queued=4)).deploy == 20
     # pod_concurrency: slots, then pods; free slots on pods in use lower the warm target
     shared = predictive_plan(
         inputs(rate=1.0, deploy_time=10.0, pod_concurrency=5, pods=2, idle_pods=0, sessions=6)
     )
-    assert shared.deploy == math.ceil((15 - 4) / 5) and shared.keep_idle == 3
+    assert shared.deploy == math.ceil((16 - 4) / 5) and shared.keep_idle == 3
     # never below the static floor
     quiet = predictive_plan(inputs(min_idle_pods=2))
     assert (quiet.deploy, quiet.keep_idle) == (2, 2)
@@ -109,13 +113,13 @@ def test_predictive_plan_covers_one_deploy_time_of_arrivals() -> None:
 
 def test_sessions_ending_meanwhile_give_slots_back() -> None:
     # 1/s arriving and (steady state) 1/s ending among 100 live sessions: over 10 s the
-    # arrivals' upper quantile (15) less the endings counted on (P(N >= 5) >= 95 %: 5)
+    # base stock (16) less the endings counted on (P(N >= 5) >= 95 %: 5)
     steady = predictive_plan(
         inputs(rate=1.0, departure_rate=1.0, deploy_time=10.0, pods=100, sessions=100)
     )
-    assert steady.need_slots == 15 - 5 and steady.deploy == 10
+    assert steady.need_slots == 16 - 5 and steady.deploy == 11
     # no session lives: nothing can end
-    assert predictive_plan(inputs(rate=1.0, departure_rate=1.0, deploy_time=10.0)).deploy == 15
+    assert predictive_plan(inputs(rate=1.0, departure_rate=1.0, deploy_time=10.0)).deploy == 16
     assert poisson_lower(0.1, 0.05) == 0 and poisson_lower(10.0, 0.05) == 5
 
 
@@ -128,11 +132,14 @@ def test_predictive_plan_is_clamped_by_max_pods_and_the_budget() -> None:
 
 
 def test_a_small_tenant_is_covered_by_the_quantile_not_the_mean() -> None:
-    # 0.01 new sessions/s, deploys of 15 s: a mean of 0.15, yet one warm slot
+    # 0.01 new sessions/s, deploys of 15 s: a mean of 0.15, yet two slots (one for the next
+    # arrival, one for an arrival before the slot that replaces it is Ready)
     small = predictive_plan(inputs(rate=0.01, deploy_time=15.0))
-    assert small.keep_idle == 1 and small.deploy == 1
-    # with a free slot already there, nothing more
-    assert predictive_plan(inputs(rate=0.01, deploy_time=15.0, pods=1, idle_pods=1)).deploy == 0
+    assert small.keep_idle == 2 and small.deploy == 2
+    assert predictive_plan(inputs(rate=0.01, deploy_time=15.0, pods=2, idle_pods=2)).deploy == 0
+    # a tenant quiet for long (its 300 s EWMA decayed far): nothing of its own
+    assert predictive_plan(inputs(rate=0.0005, deploy_time=15.0)).keep_idle == 0
+    assert base_stock(0.009, 0.05) == 0 and base_stock(0.15, 0.05) == 2
 
 
 def test_reclaimable_keeps_the_target_and_the_young() -> None:
@@ -240,6 +247,12 @@ async def test_placements_count_arrivals_in_the_same_call(redis: Redis, db: Data
         assert 0.009 < demand.arrivals_slow <= 0.01 and 0 < demand.arrivals_fast <= 0.2
         none = (await services(client).sessions.scope_demand(["scope-none"]))["scope-none"]
         assert (none.arrivals_fast, none.arrivals_slow, none.sessions) == (0.0, 0.0, 0)
+        # the pod dies: the session's next route is a rebound, which needs a slot: counted
+        await services(client).sessions.notify_pod_dead(first.json()["data"]["pod_id"])
+        again = await route(client, "s-1")
+        assert again.json()["data"]["placement"] == "rebound"
+        slow = float(await redis.hget(sm_scope(SID, "arrivals"), "slow"))
+        assert slow > float(arrivals["slow"]) * 0.99 + 0.9 / 300
 
 
 @pytest.mark.parametrize("redis", ["fake"], indirect=True)
@@ -420,3 +433,20 @@ def test_the_simulation_is_deterministic_and_drives_the_policy() -> None:
     assert warm_static[1] < cold_static[1] and warm_static[2] > cold_static[2]
     predictive = run("predictive", 0)
     assert predictive[1] < cold_static[1], "the measured demand keeps pods ready"
+
+
+async def test_scope_demand_counts_live_waiters_and_reservations(redis: Redis) -> None:
+    sessions = SessionManagerFacade(state=SessionState(redis))
+    now = float((await redis.time())[0])
+    await redis.zadd(sm_scope(SID, "waiters"), {"w-live": now + 30, "w-gone": now - 5})
+    await redis.zadd(sm_scope(SID, "reserved"), {"r-live": now + 3, "r-gone": now - 1})
+    await redis.sadd(sm_scope(SID, "sessions"), "s-1", "s-2")
+    # rates written 300 s ago: read back decayed by the EWMAs' own windows
+    at = now - 300
+    await redis.hset(sm_scope(SID, "arrivals"), mapping={"fast": "2", "slow": "1", "at": str(at)})
+    demand = (await sessions.scope_demand([SID]))[SID]
+    assert demand.sessions == 2 and demand.queued == 2
+    assert demand.arrivals_slow == pytest.approx(math.exp(-1), rel=0.02)
+    assert demand.arrivals_fast == pytest.approx(2 * math.exp(-20), rel=0.1)
+    many = await sessions.scope_demand([f"scope-{n}" for n in range(450)])
+    assert len(many) == 450 and all(d.sessions == 0 for d in many.values()), "in slices"
