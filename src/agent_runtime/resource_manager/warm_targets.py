@@ -9,6 +9,7 @@ autoscale stops a rule's scopes at the first refusal.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -46,7 +47,9 @@ class WarmTargets:
         predictive = [s for s, c in configs.items() if c.warm_pool == "predictive"]
         measured = await self._measured(predictive)
         plans: dict[str, WarmPlan] = {}
-        for scope_id, config in configs.items():
+        for n, (scope_id, config) in enumerate(configs.items()):
+            if n % 500 == 499:
+                await asyncio.sleep(0)  # the jobs run in the serving process: let routes in
             warm = len(warm_of.get(scope_id, {}))
             deploys = in_flight.get(scope_id, NO_DEPLOYS)
             inputs = WarmInputs(
