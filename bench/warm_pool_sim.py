@@ -353,7 +353,7 @@ def traces(quick: bool) -> list[Trace]:
     ]  # fmt: skip
 
 
-MARGINS = (0.5, 0.2, 0.05, 0.01)
+MARGINS = (0.5, 0.2, 0.05, 0.01, 0.001)
 
 
 def below(static: list[tuple[float, float]], predictive: list[tuple[float, float]]) -> bool:
@@ -384,7 +384,7 @@ def points(trace: Trace) -> list[tuple[str, str, float, int]]:
     runs = [(f"static {k}", "static", 0.0, k) for k in trace.min_idle_curve]
     runs += [(f"predictive {m}", "predictive", m, 0) for m in MARGINS]
     for k in trace.min_idle_curve[1:]:
-        runs += [(f"predictive {m} +{k}", "predictive", m, k) for m in (DEFAULT_MARGIN, 0.01)]
+        runs += [(f"predictive {m} +{k}", "predictive", m, k) for m in (DEFAULT_MARGIN, 0.001)]
     return runs
 
 
