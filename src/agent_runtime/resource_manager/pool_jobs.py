@@ -166,9 +166,10 @@ class PoolJobs:
     # --- reclaim (scenario K) ------------------------------------------------------------------
 
     async def reclaim_once(self) -> int:
-        """Delete warm pods of an old version at once, and current ones idle ≥ pod_ttl above
-        the plan's floor (static: min_idle_pods; predictive: what the demand asks for, never
-        less); returns pods reclaimed."""
+        """Delete warm pods of an old version at once, and current ones above the plan's floor
+        once idle for its ``reclaim_after`` (static: above min_idle_pods, after pod_ttl;
+        predictive: above what the demand asks for, after min(pod_ttl, the p90 deploy time));
+        returns pods reclaimed."""
         now = await self._state.now()
         reclaimed = 0
         # warm pods first: only the scopes that have some need their config read
