@@ -188,13 +188,15 @@ async def replay(base_url: str, redis: Redis, args: argparse.Namespace) -> list[
     return scopes
 
 
-def simulated(args: argparse.Namespace) -> dict[str, Result]:
-    """The simulation of the same trace shape (its own draws of the same distributions)."""
+def simulated(args: argparse.Namespace, *, serial_cold: bool) -> dict[str, Result]:
+    """The simulation of the same trace shape (its own draws of the same distributions);
+    ``serial_cold``: a scope's cold routes share one deploy at a time, as the service does
+    before issue 16 §1 (else one cold deploy per pod needed, in parallel)."""
     trace = Trace(
         "live", args.seconds - WARMUP, [Template(pod_ttl=float(POD_TTL))],
         lambda s, t: args.rate, lambda s: args.rate, (2,), warmup=WARMUP,
         deploy_time=lambda rng: READY_DELAY + rng.uniform(0.0, JITTER) + 0.25,
-        session_median=SESSION_MEDIAN,
+        session_median=SESSION_MEDIAN, serial_cold=serial_cold,
     )  # fmt: skip
     return {
         "static": Simulation(trace, "static", margin=0.0, min_idle=2, seed=args.seed).run(),
@@ -276,7 +278,7 @@ def main() -> None:
             warnings = (work / "server.log").read_text(errors="replace").splitlines()
             for line in warnings[-8:]:  # the service's last warnings (why a route failed)
                 print(f"server: {line[:300]}", file=sys.stderr)
-    sims = simulated(args)
+    parallel, serial = simulated(args, serial_cold=False), simulated(args, serial_cold=True)
     print(
         f"warm_pool_live: {args.seconds:.0f} s of Poisson {args.rate}/s (first {WARMUP:.0f} s not"
         f" counted), sessions median {SESSION_MEDIAN:.0f} s, kubesim Ready"
@@ -287,7 +289,8 @@ def main() -> None:
     for scope in scopes:
         failed = f"  (failed: {dict(scope.failed)})" if scope.failed else ""
         print(row(f"service {scope.name}", scope.result()) + failed)
-        print(row(f"simulation {scope.name}", sims[scope.name]))
+        print(row(f"simulation {scope.name}", parallel[scope.name]))
+        print(row("  cold one at a time", serial[scope.name]))
 
 
 async def _exists(path: Path) -> bool:

@@ -102,6 +102,8 @@ class Trace:
         2.0 + 28.0 * rng.betavariate(1.5, 4.0)
     )
     session_median: float = 60.0
+    # the service before issue 16 §1: a scope's cold routes share one deploy at a time
+    serial_cold: bool = False
 
 
 @dataclass
@@ -246,6 +248,8 @@ class Simulation:
         scope = self.scopes[s]
         t = scope.template
         needed = math.ceil(len(scope.queue) / t.pod_concurrency) - scope.cold_in_flight
+        if self.trace.serial_cold:
+            needed = min(needed, 1 - scope.cold_in_flight)
         room = t.max_pods - scope.pods - scope.in_flight
         for _ in range(max(min(needed, room), 0)):
             scope.cold_in_flight += 1
@@ -272,6 +276,8 @@ class Simulation:
         self.idle_total += 1
         scope.dirty = True
         self.serve_queue(s)
+        if self.trace.serial_cold and scope.queue:
+            self.cold_deploys(s)  # the next of the one-at-a-time cold deploys
 
     def session_length(self) -> float:
         return min(self.rng.lognormvariate(math.log(self.trace.session_median), 0.8), 1800.0)
