@@ -208,7 +208,7 @@ def simulated(args: argparse.Namespace, *, serial_cold: bool) -> dict[str, Resul
 
 def row(label: str, r: Result) -> str:
     return (
-        f"{label:<24}{r.arrivals:>6}{r.cold_fraction:>10.1%} {r.pct(0.5):>9.3f}s"
+        f"{label:<24}{r.arrivals:>7}{r.cold_fraction:>11.1%} {r.pct(0.5):>9.3f}s"
         f" {r.pct(0.99):>8.2f}s{r.idle_seconds:>11.0f}{r.deploys:>8}"
     )
 
@@ -284,7 +284,7 @@ def main() -> None:
         f" counted), sessions median {SESSION_MEDIAN:.0f} s, kubesim Ready"
         f" {READY_DELAY:.0f}+U(0,{JITTER:.0f}) s, pod_ttl {POD_TTL} s, pod_concurrency 1"
     )
-    print(f"{'run':<24}{'routes':>6}{'cold waits':>10}{'p50 place':>11}{'p99 place':>10}"
+    print(f"{'run':<24}{'routes':>7}{'cold waits':>11}{'p50 place':>11}{'p99 place':>10}"
           f"{'idle pod-s':>11}{'deploys':>8}")  # fmt: skip
     for scope in scopes:
         failed = f"  (failed: {dict(scope.failed)})" if scope.failed else ""
