@@ -17,7 +17,7 @@ def sm_session(session_id: str) -> str:
 
 
 def sm_scope(scope_id: str, what: str) -> str:
-    """sessions | pods | pod_seq | config | waiters | reserved"""
+    """sessions | pods | pod_seq | config | waiters | reserved | arrivals"""
     return f"session_manager:scope:{scope_id}:{what}"
 
 

@@ -738,7 +738,14 @@ async def test_read_many_reads_each_key_in_order_and_refuses_other_commands(
     assert dict(zip(flat[0][::2], flat[0][1::2], strict=True)) == config and flat[1] == []
     sets = await js._read_many_script(keys=[K.idle("s1"), K.idle("nope")], args=["SMEMBERS"])
     assert sets == [["p1"], []]
-    for command in ("DEL", "SET", "hgetall"):
+    counts = await js._read_many_script(keys=[K.pods("s1"), K.pods("nope")], args=["ZCARD"])
+    assert counts == [1, 0]
+    await redis.rpush("resource_manager:resource:scope:s1:deploy_times", "3.5", "2.0")
+    lists = await js._read_many_script(
+        keys=["resource_manager:resource:scope:s1:deploy_times", K.pods("nope")], args=["LRANGE"]
+    )
+    assert lists == [["3.5", "2.0"], []]
+    for command in ("DEL", "SET", "hgetall", "LPUSH"):
         with pytest.raises(ResponseError, match="read_many serves"):
             await js._read_many_script(keys=[K.config("s1")], args=[command])
     assert await redis.hgetall(K.config("s1")) == config, "nothing written"

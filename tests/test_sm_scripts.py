@@ -85,6 +85,10 @@ class K:
         return f"{P}scope:{sid}:reserved"
 
     @staticmethod
+    def arrivals(sid: str) -> str:
+        return f"{P}scope:{sid}:arrivals"
+
+    @staticmethod
     def free(sid: str) -> str:
         return f"{P}scope:{sid}:free"
 
@@ -326,8 +330,9 @@ async def test_the_calls_match_the_script_headers(state: SessionState) -> None:
             K.reserved(SID),
             K.waiters(SID),
             K.LEASED,
+            K.arrivals(SID),
         ],
-        [P, "s1", SID, "t1", 60, 3.0, "r1", "0", request_hash(SID, "s1")],
+        [P, "s1", SID, "t1", 60, 3.0, "r1", "0", request_hash(SID, "s1"), 15.0, 300.0, 3000],
     )
     assert calls["evict"] == ([K.session("s1"), K.EXPIRY], [P, "s1", "1"])
     assert calls["touch"] == (

@@ -48,6 +48,7 @@ POLICY_FIELDS: tuple[str, ...] = (
     "session_ttl",
     "pod_ttl",
     "min_idle_pods",
+    "warm_pool",
 )
 
 

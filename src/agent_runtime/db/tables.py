@@ -69,6 +69,8 @@ service_config_template = Table(
     Column("session_ttl", Integer, nullable=False),
     Column("service_ttl", Integer, nullable=False),
     Column("min_idle_services", Integer, nullable=False),
+    # the warm pool's policy (revision 0004): rows written before it are "static"
+    Column("warm_pool", String(16), nullable=False, server_default="static"),
     Column("created_at", DateTime, nullable=False, server_default=func.now()),
     Column("updated_at", DateTime, nullable=False, server_default=func.now()),
 )

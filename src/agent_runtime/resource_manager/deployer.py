@@ -120,7 +120,8 @@ class Deployer:
             if isinstance(exc, DeployFailed | asyncio.CancelledError):
                 raise
             raise DeployFailed(f"scope {scope_id}: deploy failed: {exc}") from exc
-        self._seconds.labels(kind).observe(time.perf_counter() - started)
+        took = time.perf_counter() - started
+        self._seconds.labels(kind).observe(took)
         warm = warm or (requester is not None and requester.gone)
         try:
             await lease.confirm()  # a lease lost while Redis was away: the pod is another's
@@ -153,6 +154,9 @@ class Deployer:
             await self._discard_pod(info, lease)
             raise
         self._deploys.labels(kind, "ok").inc()
+        if orphan is None:  # a deploy of ours, create to Ready: what a predictive pool plans by
+            with contextlib.suppress(Exception):  # a measurement: never fails the deploy
+                await self._state.record_deploy_time(scope_id, took)
         with contextlib.suppress(Exception):  # followers also poll; the signal only speeds up
             await self._notifier.publish(registered_channel(scope_id), info.pod_id)
         log.info(

@@ -8,6 +8,7 @@ imports nothing else.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from agent_runtime.resource_manager.drains import MAX_DRAIN_SECONDS, Drains, DrainStatus
@@ -57,7 +58,7 @@ class ResourceManagerFacade:
         self,
         scope_id: str,
         pod_spec: dict[str, Any],
-        pool_config: dict[str, int],
+        pool_config: Mapping[str, int | str],
         request_id: str,
         *,
         on_ready: OnReady | None = None,
@@ -105,7 +106,7 @@ class ResourceManagerFacade:
     async def update_pool_config(
         self,
         scope_id: str,
-        pool_config: dict[str, int],
+        pool_config: Mapping[str, int | str],
         pod_spec: dict[str, Any] | None = None,
         *,
         generation: int | None = None,

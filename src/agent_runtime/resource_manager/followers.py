@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,7 @@ class AcquireCall:
 
     scope_id: str
     pod_spec: dict[str, Any]
-    pool_config: dict[str, int]
+    pool_config: Mapping[str, int | str]
     request_id: str
     started_at: float  # Redis seconds: every pod registered since may be ours to share
     on_ready: OnReady | None

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import math
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from agent_runtime import label_selector as selectors
@@ -53,6 +54,7 @@ from agent_runtime.resource_manager.models import (
 )
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.resource_manager.state_values import AcquireOutcome, OrphanPod
+from agent_runtime.resource_manager.warm_policy import WARM_POOLS
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +129,7 @@ class ResourceOrchestrator:
         self,
         scope_id: str,
         pod_spec: dict[str, Any],
-        pool_config: dict[str, int],
+        pool_config: Mapping[str, int | str],
         request_id: str,
         *,
         on_ready: OnReady | None = None,
@@ -336,7 +338,7 @@ class ResourceOrchestrator:
     async def update_pool_config(
         self,
         scope_id: str,
-        pool_config: dict[str, int],
+        pool_config: Mapping[str, int | str],
         pod_spec: dict[str, Any] | None = None,
         *,
         generation: int | None = None,
@@ -344,7 +346,9 @@ class ResourceOrchestrator:
         missing = [f for f in POOL_CONFIG_FIELDS if f not in pool_config]
         if missing:
             raise ValueError(f"pool_config lacks {', '.join(missing)}")
-        config = {f: int(pool_config[f]) for f in POOL_CONFIG_FIELDS}
+        config: dict[str, int | str] = {f: int(pool_config[f]) for f in POOL_CONFIG_FIELDS}
+        mode = str(pool_config.get("warm_pool") or "static")
+        config["warm_pool"] = mode if mode in WARM_POOLS else "static"
         version = spec_fields.deploy_ver(pod_spec) if pod_spec is not None else None
         updated = await self._state.write_pool_config(
             scope_id, config, deploy_ver=version, pod_spec=pod_spec, generation=generation

@@ -34,6 +34,8 @@ from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.session_side import SessionSide
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.resource_manager.state_values import PoolConfig
+from agent_runtime.resource_manager.warm_policy import reclaimable
+from agent_runtime.resource_manager.warm_targets import WarmTargets
 
 log = logging.getLogger(__name__)
 
@@ -94,29 +96,33 @@ class PoolJobs:
             metrics=self._metrics,
         )  # fmt: skip
         self._warm_deploys = BackgroundTasks()
+        self._warm_targets = WarmTargets(jobs_state=self._jobs_state, sessions=sessions)
         self._unused_last_pass: set[str] = set()
 
     # --- autoscale (scenario H) ----------------------------------------------------------------
 
     async def autoscale_once(self) -> int:
-        """Refill each scope's warm floor with pods of its current version; returns deploys
-        started. Deploys run in the background (a tick must stay short); their placeholders
-        count against max_pods and against the floor while they run."""
+        """Refill each scope's warm pool with pods of its current version, as its
+        ``warm_pool`` policy plans it (static: the min_idle_pods floor; predictive: the
+        measured demand, warm_policy.py); returns deploys started. Deploys run in the
+        background (a tick must stay short); their placeholders count against max_pods and
+        against the plan while they run."""
         started = 0
         configs = {
             scope_id: config
             for scope_id, config in (await self._pool_configs()).items()
-            if config.pod_spec is not None and config.min_idle_pods > 0
+            if config.pod_spec is not None
+            and (config.min_idle_pods > 0 or config.warm_pool == "predictive")
         }
         warm_of = await self._current_idle(configs)
         in_flight = await self._jobs_state.in_flight_of(list(configs))
+        plans = await self._warm_targets.plans(configs, warm_of, in_flight)
         spent_rules: set[str] = set()  # rules whose pod budget refused this tick
         for scope_id, config in configs.items():
             assert config.pod_spec is not None
             if config.budget_rule and config.budget_rule in spent_rules:
                 continue
-            warm_in_flight = in_flight[scope_id].warm
-            for _ in range(config.min_idle_pods - len(warm_of[scope_id]) - warm_in_flight):
+            for _ in range(plans[scope_id].deploy):
                 if len(self._warm_deploys) >= MAX_WARM_DEPLOYS:
                     return started
                 token = warm_token()
@@ -175,22 +181,30 @@ class PoolJobs:
     # --- reclaim (scenario K) ------------------------------------------------------------------
 
     async def reclaim_once(self) -> int:
-        """Delete warm pods of an old version at once, and current ones idle ≥ pod_ttl above
-        the min_idle floor; returns pods reclaimed."""
+        """Delete warm pods of an old version at once, and current ones above the plan's floor
+        once idle for its ``reclaim_after`` (static: above min_idle_pods, after pod_ttl;
+        predictive: above what the demand asks for, after min(pod_ttl, the p90 deploy time));
+        returns pods reclaimed."""
         now = await self._state.now()
         reclaimed = 0
         # warm pods first: only the scopes that have some need their config read
         scopes = await self._jobs_state.scopes_with_config()
         idle_of, versions = await self._idle_with_versions(scopes)
         configs = await self._jobs_state.pool_configs([s for s, idle in idle_of.items() if idle])
-        for scope_id, config in configs.items():
-            idle = idle_of[scope_id]
-            old = [p for p in idle if versions.get(p) != config.deploy_ver]
-            current = sorted((since, p) for p, since in idle.items() if p not in old)
+        current_of = {
+            s: {p: t for p, t in idle_of[s].items() if versions.get(p) == c.deploy_ver}
+            for s, c in configs.items()
+        }
+        predictive = [s for s, c in configs.items() if c.warm_pool == "predictive"]
+        plans = await self._warm_targets.plans(
+            configs, current_of, await self._jobs_state.in_flight_of(predictive)
+        )
+        for scope_id in configs:
+            current = current_of[scope_id]
+            old = [p for p in idle_of[scope_id] if p not in current]
             # the floor keeps the longest-idle ones: acquire takes the most recently idle
-            expired = [
-                p for since, p in current[config.min_idle_pods :] if now - since >= config.pod_ttl
-            ]
+            decided = plans[scope_id]
+            expired = reclaimable(decided.keep_idle, current, now, decided.reclaim_after)
             for pod_id in [*old, *expired]:
                 if await self._reclaim(scope_id, pod_id):
                     reclaimed += 1

@@ -38,8 +38,10 @@ from agent_runtime.resource_manager.state import (
     pool_config_of,
     registration_keys,
     scope_config_key,
+    scope_deploy_times_key,
     scope_deploying_key,
     scope_idle_key,
+    scope_pods_key,
 )
 from agent_runtime.resource_manager.state_values import (
     AdoptOutcome,
@@ -116,6 +118,22 @@ class PoolJobsState:
             warm = sum(m.startswith(WARM_TOKEN_PREFIX) for m in live)
             in_flight[scope_id] = InFlight(warm=warm, cold=len(live) - warm)
         return in_flight
+
+    async def pod_counts_of(self, scope_ids: list[str]) -> dict[str, int]:
+        """Each scope's registered pods, in use and warm (ZCARD, in slices)."""
+        counts = await self._read_many([scope_pods_key(s) for s in scope_ids], "ZCARD")
+        return {s: int(n) for s, n in zip(scope_ids, counts, strict=True)}
+
+    async def deploy_times_of(self, scope_ids: list[str]) -> dict[str, list[float]]:
+        """Each scope's recent deploy times, seconds (deploy_time.lua's list, in slices)."""
+        lists = await self._read_many([scope_deploy_times_key(s) for s in scope_ids], "LRANGE")
+        return {s: [float(x) for x in items] for s, items in zip(scope_ids, lists, strict=True)}
+
+    async def budget_room(self) -> int:
+        """Pods the installation's budget still allows: its limit less the live units."""
+        seconds, micros = await self.redis.time()
+        live = int(await self.redis.zcount(BUDGET_PODS_KEY, seconds + micros / 1e6, "+inf"))
+        return max(self.pod_budget - live, 0)
 
     async def _members_of(
         self, scope_ids: list[str], key: Callable[[str], str]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Mapping
 from typing import Any, cast
 
 from redis.asyncio import Redis
@@ -56,6 +57,8 @@ FOREIGN_COUNT_KEY = f"{P}resource:foreign_pods:count"
 # pod's ``pod:{pod}:drain`` hash (drain_begin.lua writes both, purge.lua drops both).
 DRAINING_KEY = f"{P}resource:draining"
 IDEM_TTL = 60
+DEPLOY_TIMES_KEPT = 32  # a scope's recent deploy times (deploy_time.lua)
+DEPLOY_TIMES_TTL = 86400  # seconds the list outlives the scope's last deploy
 PACKAGE = "agent_runtime.resource_manager"  # where the lua/ folder is
 
 
@@ -81,6 +84,12 @@ def scope_followers_key(scope_id: str) -> str:
 
 def budget_rule_pods_key(rule_id: str) -> str:
     return f"{BUDGET_RULE_PREFIX}{rule_id}:pods"
+
+
+def scope_deploy_times_key(scope_id: str) -> str:
+    """The scope's recent deploy times, seconds, newest first (deploy_time.lua; at most
+    DEPLOY_TIMES_KEPT): a predictive warm pool plans with a high percentile of them."""
+    return f"{SCOPE_PREFIX}{scope_id}:deploy_times"
 
 
 def scope_config_gen_key(scope_id: str) -> str:
@@ -173,6 +182,7 @@ def pool_config_of(raw: dict[str, str]) -> PoolConfig | None:
         deploy_ver=raw.get("deploy_ver"),
         pod_spec=_parsed_spec(spec) if spec else None,
         budget_rule=raw.get("budget_rule", ""),
+        warm_pool=raw.get("warm_pool") or "static",
     )
 
 
@@ -261,6 +271,7 @@ class ResourceState:
         self._release = self.script("release")
         self._pool_config_script = self.script("pool_config")
         self._scope_expire = self.script("scope_expire")
+        self._deploy_time = self.script("deploy_time")
 
     def script(self, name: str, prelude: str | tuple[str, ...] | None = None) -> Any:
         """A script of the resource manager's ``lua/`` folder on this client (EVALSHA)."""
@@ -276,7 +287,7 @@ class ResourceState:
     async def write_pool_config(
         self,
         scope_id: str,
-        pool_config: dict[str, int],
+        pool_config: Mapping[str, int | str],
         *,
         deploy_ver: str | None = None,
         pod_spec: dict[str, Any] | None = None,
@@ -286,7 +297,7 @@ class ResourceState:
         the scope joins the index in the same script (pool_config.lua). With a
         ``generation`` (config_sync's), refused (False) when a newer config_sync already
         wrote the config: overlapping propagations converge to the later one."""
-        fields: dict[str, str] = {k: str(int(v)) for k, v in pool_config.items()}
+        fields = {k: v if isinstance(v, str) else str(int(v)) for k, v in pool_config.items()}
         if pod_spec is not None:
             assert deploy_ver is not None
             fields["deploy_ver"] = deploy_ver
@@ -441,6 +452,13 @@ class ResourceState:
             if info is not None and info.pod_sse_url and info.phase == "in_use":
                 return AcquiredPod(pod_id, info.pod_sse_url, info.deploy_ver)
         return None
+
+    async def record_deploy_time(self, scope_id: str, seconds: float) -> None:
+        """One successful deploy's duration into the scope's recent deploy times."""
+        await self._deploy_time(
+            keys=[scope_deploy_times_key(scope_id)],
+            args=[seconds, DEPLOY_TIMES_KEPT, DEPLOY_TIMES_TTL],
+        )
 
     # --- the clock -----------------------------------------------------------------------------
 

@@ -57,6 +57,7 @@ class PoolConfig:
     deploy_ver: str | None
     pod_spec: dict[str, Any] | None
     budget_rule: str = ""  # the rule whose pod budget the scope's pods count against
+    warm_pool: str = "static"  # the template's warm_pool (warm_policy.py)
 
 
 @dataclass(frozen=True, slots=True)

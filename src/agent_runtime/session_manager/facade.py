@@ -8,9 +8,10 @@ idempotent.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from agent_runtime.resource_manager.session_side import PodUsage
+from agent_runtime.resource_manager.session_side import PodUsage, ScopeDemand
+from agent_runtime.session_manager.demand_state import DemandState
 from agent_runtime.session_manager.replies import PodCleanup
 from agent_runtime.session_manager.state import SessionState
 
@@ -24,6 +25,7 @@ class SessionManagerFacade:
 
     def __init__(self, *, state: SessionState) -> None:
         self._state = state
+        self._demand = DemandState(state.redis, observe=state.observe)
 
     async def notify_pod_dead(self, pod_id: str) -> int:
         """The pod is gone (deleted, dead, half-dead, reclaimed): evict its sessions (each
@@ -57,3 +59,8 @@ class SessionManagerFacade:
             pod_id: PodUsage(candidate=candidate, sessions=sessions)
             for (_, pod_id), (candidate, sessions) in zip(pairs, usage, strict=True)
         }
+
+    async def scope_demand(self, scope_ids: Sequence[str]) -> dict[str, ScopeDemand]:
+        """Each scope's arrival rates (decayed to now), live sessions and waiting routes:
+        what a predictive warm pool is sized by (read only, in slices)."""
+        return await self._demand.scope_demand(scope_ids)

@@ -8,7 +8,7 @@ written, with a message that names the field.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, TypeVar, cast
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 from pydantic import (
     AfterValidator,
@@ -238,6 +238,8 @@ class TemplateItem(BaseModel):
     session_ttl: Ttl = 60
     pod_ttl: Ttl = 300
     min_idle_pods: Annotated[int, Field(ge=0, le=MAX_CONCURRENCY)] = 0
+    # how the warm pool is sized: the min_idle_pods floor, or from the measured demand
+    warm_pool: Literal["static", "predictive"] = "static"
 
     @model_validator(mode="after")
     def _consistent(self) -> TemplateItem:

@@ -37,6 +37,7 @@ class ScopeConfig:
     # or by a version without budgets: resolve reads the DB again)
     rule_id: str | None = None
     rule_pod_budget: int = 0
+    warm_pool: str = "static"  # a cache written before the field: static
 
     @classmethod
     def of(
@@ -64,6 +65,7 @@ class ScopeConfig:
             pod_spec=template.pod_spec(),
             rule_id=rule_id,
             rule_pod_budget=rule_pod_budget,
+            warm_pool=template.warm_pool,
         )
 
     def to_hash(self) -> dict[str, str]:
@@ -82,6 +84,7 @@ class ScopeConfig:
             "session_ttl": str(self.session_ttl),
             "pod_ttl": str(self.pod_ttl),
             "min_idle_pods": str(self.min_idle_pods),
+            "warm_pool": self.warm_pool,
             "deploy_ver": self.deploy_ver,
             "pod_spec_json": json.dumps(self.pod_spec, sort_keys=True, separators=(",", ":")),
         }
@@ -103,12 +106,14 @@ class ScopeConfig:
             pod_spec=json.loads(h["pod_spec_json"]),
             rule_id=h.get("rule_id"),
             rule_pod_budget=int(h.get("rule_pod_budget") or 0),
+            warm_pool=h.get("warm_pool") or "static",
         )
 
-    def pool_config(self) -> dict[str, int]:
+    def pool_config(self) -> dict[str, int | str]:
         return {
             "min_idle_pods": self.min_idle_pods,
             "max_pods": self.max_pods,
             "pod_ttl": self.pod_ttl,
             "pod_concurrency": self.pod_concurrency,
+            "warm_pool": self.warm_pool,
         }

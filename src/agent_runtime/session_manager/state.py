@@ -32,6 +32,7 @@ from redis.asyncio import Redis
 from agent_runtime import lua
 from agent_runtime.config import SM_KEY_PREFIX as P
 from agent_runtime.errors import BackendUnavailable
+from agent_runtime.resource_manager.session_side import ARRIVAL_FAST_WINDOW, ARRIVAL_SLOW_WINDOW
 from agent_runtime.session_manager.replies import (
     PLACING,
     Eviction,
@@ -91,6 +92,12 @@ def scope_reserved_key(scope_id: str) -> str:
     return f"{P}scope:{scope_id}:reserved"
 
 
+def scope_arrivals_key(scope_id: str) -> str:
+    """The scope's arrival rate of new sessions: EWMAs ``fast``, ``slow`` and ``at``
+    (route_place.lua counts each placement; the warm pool's demand, read by demand_state)."""
+    return f"{P}scope:{scope_id}:arrivals"
+
+
 def scope_pod_seq_key(scope_id: str) -> str:
     return f"{P}scope:{scope_id}:pod_seq"
 
@@ -125,6 +132,9 @@ REPLAY_TTL = 60
 # renews them every ROUTE_LEASE / 3 (route_lease.lua); one that died or lost Redis frees them
 # within this, so a retry of its request_id runs instead of waiting for a call that is gone
 ROUTE_LEASE = 3.0
+# a scope's arrival rates (scope:{sid}:arrivals): the EWMAs' windows are the resource manager's
+# question (session_side), the hash goes 10 slow windows after its last arrival (rate ~ 0)
+ARRIVALS_TTL = int(10 * ARRIVAL_SLOW_WINDOW)
 
 
 PODS_REGISTERED_KEY = f"{P}pods:registered"
@@ -184,6 +194,7 @@ class SessionState:
 
     def __init__(self, redis: Redis, *, observe: lua.ScriptObserver | None = None) -> None:
         self.redis = redis
+        self.observe = observe  # the script observer, for the session side's other readers
         pkg = "agent_runtime.session_manager"
 
         def script(name: str, prelude: str | None = None) -> Any:
@@ -409,6 +420,7 @@ def _route_call(
         scope_reserved_key(scope_id),
         scope_waiters_key(scope_id),
         LEASED_SCOPES_KEY,
+        scope_arrivals_key(scope_id),
     ]
     args: list[Any] = [
         P,
@@ -420,5 +432,8 @@ def _route_call(
         request_id,
         "1" if slow else "0",
         request_hash(scope_id, session_id),
+        ARRIVAL_FAST_WINDOW,
+        ARRIVAL_SLOW_WINDOW,
+        ARRIVALS_TTL,
     ]
     return keys, args

@@ -3,14 +3,23 @@
 -- ~45 µs of client CPU in redis-py, this one small array per key in a reply parsed in C.
 --
 -- KEYS    the keys to read (declared: nothing is derived here)
--- ARGV[1] "HGETALL" or "SMEMBERS" (nothing else is served: this script never writes)
+-- ARGV[1] "HGETALL", "SMEMBERS", "ZCARD" or "LRANGE" (the whole list) — nothing else is
+--         served: this script never writes
 --
--- returns one reply per key, in order: a flat field/value list (HGETALL) or the members
--- (SMEMBERS); an empty list for a missing key
+-- returns one reply per key, in order: a flat field/value list (HGETALL), the members
+-- (SMEMBERS), the count (ZCARD) or the items (LRANGE); an empty list (0) for a missing key
 local command = ARGV[1]
-if command ~= 'HGETALL' and command ~= 'SMEMBERS' then
-  return redis.error_reply('read_many serves HGETALL and SMEMBERS, not ' .. tostring(command))
+local served = {HGETALL = true, SMEMBERS = true, ZCARD = true, LRANGE = true}
+if not served[command] then
+  return redis.error_reply('read_many serves HGETALL, SMEMBERS, ZCARD and LRANGE, not '
+    .. tostring(command))
 end
 local out = {}
-for i, key in ipairs(KEYS) do out[i] = redis.call(command, key) end
+for i, key in ipairs(KEYS) do
+  if command == 'LRANGE' then
+    out[i] = redis.call('LRANGE', key, 0, -1)
+  else
+    out[i] = redis.call(command, key)
+  end
+end
 return out

@@ -19,6 +19,9 @@
 --         one free slot per live waiter; a placed waiter leaves the queue here
 -- KEYS[11] leased_scopes                     SET scopes holding reservations or seats (the prune
 --         job's: seat_prune.lua); the scope joins it with a reservation
+-- KEYS[12] scope:{sid}:arrivals               HASH the scope's arrival rate of new sessions: two
+--         EWMAs (`fast`, `slow`, per second) and `at` (when last updated); a `placed` or
+--         `rebound` answer counts one arrival (each needs a free slot: the warm pool's demand)
 -- ARGV[1] key prefix "session_manager:" (derives pod:{sid}:{pod}:sessions|info|idle_notified,
 --         scope:{sid}:free for the bound or chosen pod)
 -- ARGV[2] session_id   ARGV[3] scope_id
@@ -31,6 +34,8 @@
 --         given back on placing)
 -- ARGV[9] the request's fingerprint (state.request_hash: scope and session): a request_id
 --         replays only for the request that used it first
+-- ARGV[10] the fast EWMA's window (seconds)   ARGV[11] the slow one's   ARGV[12] seconds the
+--         arrivals hash outlives its last arrival
 --
 -- returns {"replay", json}                   this request_id was answered already (json: the
 --                                            first answer {pod_id, pod_sse_url, placement[,
@@ -55,6 +60,8 @@
 local p, sid, scope, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local replay_ttl, lease, rid, slow = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], ARGV[8] == '1'
 local fingerprint = ARGV[9]
+local fast_window, slow_window = tonumber(ARGV[10]), tonumber(ARGV[11])
+local arrivals_ttl = tonumber(ARGV[12])
 
 local cached = redis.call('GET', KEYS[7])
 if cached then
@@ -167,6 +174,14 @@ redis.call('SADD', pod_key(chosen, 'sessions'), sid)
 redis.call('DEL', pod_key(chosen, 'idle_notified'), KEYS[8])
 if mine then redis.call('ZREM', KEYS[9], rid) end
 if slow then redis.call('ZREM', KEYS[10], rid) end
+-- (5) one more arrival in the scope's rates (a replay returned above: counted once)
+local rates = redis.call('HMGET', KEYS[12], 'fast', 'slow', 'at')
+local since = math.max(now - (tonumber(rates[3]) or now), 0)
+local fast = (tonumber(rates[1]) or 0) * math.exp(-since / fast_window) + 1 / fast_window
+local slow = (tonumber(rates[2]) or 0) * math.exp(-since / slow_window) + 1 / slow_window
+redis.call('HSET', KEYS[12], 'fast', string.format('%.9g', fast),
+  'slow', string.format('%.9g', slow), 'at', string.format('%.6f', now))
+redis.call('EXPIRE', KEYS[12], arrivals_ttl)
 local url = redis.call('HGET', pod_key(chosen, 'info'), 'sse_url') or ''
 if previous then return answer('rebound', chosen, url, previous) end
 return answer('placed', chosen, url, nil)
