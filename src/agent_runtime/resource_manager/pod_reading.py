@@ -12,7 +12,7 @@ import json
 import re
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from agent_runtime.resource_manager.models import PodStatus, normalize_phase
 
@@ -144,10 +144,24 @@ def iter_json_object(text: str, stream: str = "items") -> Iterator[tuple[str, An
         raise ValueError(f"extra data at {i} after a JSON object")
 
 
+class PageEnd(NamedTuple):
+    """What a PodList page says besides its items."""
+
+    token: str | None  # the continue token (None: the last page)
+    resource_version: str  # the LIST's snapshot ("" when the page names none)
+
+
 async def read_pod_list(text: str, into: list[PodStatus]) -> str | None:
     """One PodList page (JSON text) into ``into``; returns its continue token (None: the last
     page). Yields to the loop every ``LIST_PARSE_SLICE`` s, so a page never blocks it for long."""
+    return (await read_pod_page(text, into)).token
+
+
+async def read_pod_page(text: str, into: list[PodStatus]) -> PageEnd:
+    """``read_pod_list`` that also gives the page's ``metadata.resourceVersion`` (a watch
+    resumes from the first page's: every page of a paged LIST is that one snapshot)."""
     token: str | None = None
+    version = ""
     clock = time.perf_counter
     await asyncio.sleep(0)  # reading and decoding the page was a slice already
     slice_started = clock()
@@ -158,7 +172,8 @@ async def read_pod_list(text: str, into: list[PodStatus]) -> str | None:
             into.append(pod_status_from_json(value))
         elif key == "metadata" and isinstance(value, dict):
             token = value.get("continue") or None
+            version = str(value.get("resourceVersion") or "")
         if clock() - slice_started >= LIST_PARSE_SLICE:
             await asyncio.sleep(0)
             slice_started = clock()
-    return token
+    return PageEnd(token, version)

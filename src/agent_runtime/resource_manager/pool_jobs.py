@@ -14,12 +14,12 @@ its adoption records it; reconcile's orphans are ``orphans.py``'s.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
 from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.metrics import Metrics
+from agent_runtime.resource_manager.dead_pods import HEALTH_FAILS_TO_DEAD, DeadPods
 from agent_runtime.resource_manager.deploy_state import DeployState, warm_token
 from agent_runtime.resource_manager.identity import PodIdentity
 from agent_runtime.resource_manager.k8s import K8sPodClient
@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 
 # YIELD_NOTE: the jobs run in the serving process; a loop over every pod (10k) between two
 # awaits holds requests for its whole length, so the long ones yield now and then.
-HEALTH_FAILS_TO_DEAD = 2
 PROBE_CONCURRENCY = 16
 MAX_WARM_DEPLOYS = 8  # per replica at once
 DEFAULT_ADOPTED_POD_TTL = 600.0
@@ -83,6 +82,10 @@ class PoolJobs:
             identity=identity,
             metrics=self._metrics,
             deploy_lease=orchestrator.deploy_lease,
+        )
+        # the one "dead → clean" of the pass, the stream and the reports (wiring shares it)
+        self.dead_pods = DeadPods(
+            k8s=k8s, jobs_state=self._jobs_state, sessions=sessions, metrics=self._metrics
         )
         self._warm_deploys = BackgroundTasks()
         self._unused_last_pass: set[str] = set()
@@ -214,12 +217,7 @@ class PoolJobs:
         return True
 
     async def _forget(self, pod_id: str) -> None:
-        """Purge the pod's RM keys and tell the session side (both idempotent)."""
-        await self._jobs_state.purge(pod_id)
-        try:
-            await self._sessions.notify_pod_dead(pod_id)
-        except Exception as exc:  # reconcile repeats it
-            log.warning("pod %s: notify_pod_dead failed: %s", pod_id, exc)
+        await self.dead_pods.forget(pod_id)
 
     # --- watch (scenarios J, N) ----------------------------------------------------------------
 
@@ -227,7 +225,8 @@ class PoolJobs:
         """Clean pods Kubernetes reports missing or dead, and pods whose /health failed on
         two passes in a row; returns pods cleaned. One LIST per place (cluster, namespace)
         that holds pods we know, the places listed at once (a slow cluster delays no other);
-        a place whose LIST failed is skipped."""
+        a place whose LIST failed is skipped. The safety net under the watch stream
+        (``pod_watch.py``): both judge through ``DeadPods``."""
         known = await self._places.pods_by_place()
         listings = await self._places.list_all(list(known))
         cleaned = 0
@@ -238,13 +237,9 @@ class PoolJobs:
                 continue
             for pod_id in pods:
                 status = listed.get(pod_id)
-                if status is None or status.dead:
-                    reason = "missing" if status is None else status.phase
-                    await self._clean_dead(
-                        pod_id, namespace, cluster, exists=status is not None, why=reason
-                    )
+                if await self.dead_pods.settle(pod_id, namespace, cluster, status, by="pass"):
                     cleaned += 1
-                elif status.phase == "Running" and status.pod_ip:
+                elif status is not None and status.phase == "Running" and status.pod_ip:
                     probes.append((pod_id, status, cluster))
         cleaned += await self._probe_all(probes)
         return cleaned
@@ -272,8 +267,8 @@ class PoolJobs:
                 if await self._k8s.probe_health(status.pod_ip, port):
                     healthy_pods.append(pod_id)  # counters reset below, in one call per batch
                 elif await self._jobs_state.count_health_failure(pod_id) >= HEALTH_FAILS_TO_DEAD:
-                    await self._clean_dead(
-                        pod_id, status.namespace, cluster, exists=True, why="half-dead"
+                    await self.dead_pods.clean(
+                        pod_id, status.namespace, cluster, exists=True, why="half-dead", by="pass"
                     )
                     cleaned += 1
 
@@ -281,15 +276,6 @@ class PoolJobs:
         for i in range(0, len(healthy_pods), 500):
             await self._jobs_state.clear_health_failures(*healthy_pods[i : i + 500])
         return cleaned
-
-    async def _clean_dead(
-        self, pod_id: str, namespace: str, cluster: str | None, *, exists: bool, why: str
-    ) -> None:
-        log.info("pod %s: %s; cleaning it", pod_id, why)
-        if exists:
-            with contextlib.suppress(Exception):  # reconcile retries a delete that failed
-                await self._k8s.delete(pod_id, namespace, cluster=cluster)
-        await self._forget(pod_id)
 
     # --- reconcile (scenario L) ----------------------------------------------------------------
 
