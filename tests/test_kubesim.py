@@ -345,9 +345,10 @@ async def test_errors_are_status_objects(http: httpx.AsyncClient) -> None:
     )
     assert body["message"] == 'namespaces "ghost" not found'
 
-    assert_status(await http.get("/api/v1/nodes"), 404, "NotFound")
+    assert_status(await http.get("/api/v1/services"), 404, "NotFound")
     assert_status(await http.put(f"{PODS}/p1", json={}), 405, "MethodNotAllowed")
-    assert_status(await http.get(PODS, params={"watch": "true"}), 400, "BadRequest")
+    bad_watch = {"watch": "true", "timeoutSeconds": "soon"}
+    assert_status(await http.get(PODS, params=bad_watch), 400, "BadRequest")
 
 
 async def test_list_with_label_and_field_selectors(http: httpx.AsyncClient) -> None:

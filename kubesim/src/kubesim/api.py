@@ -7,6 +7,10 @@
 ``GET /api/v1/pods``                         pods of every namespace
 ``GET /api/v1/namespaces/{ns}/pods``         PodList; ``labelSelector``, ``fieldSelector``,
                                              ``limit`` and ``continue`` (``paging.py``)
+``GET .../pods?watch=1`` (both of the above)  a watch stream (``watch.py``):
+                                             ``resourceVersion``, ``timeoutSeconds``,
+                                             ``allowWatchBookmarks``, the selectors; 429
+                                             over the cap, 410 in-stream when too old
 ``POST /api/v1/namespaces/{ns}/pods``        201 Pod; 409 AlreadyExists, 422 Invalid, 404 ns
 ``GET /api/v1/namespaces/{ns}/pods/{name}``  Pod; 404 NotFound
 ``PATCH .../pods/{name}``                    200 Pod: a merge (or strategic merge) patch of
@@ -18,7 +22,7 @@
 
 Every failure is a ``Status`` (``errors.py``). Each request of the API passes the gate first:
 fault latency, then injected errors (429 / 5xx), then the namespace's RBAC (403).
-Not served: watches, PUT, JSON patches and server-side apply.
+Not served: PUT, JSON patches and server-side apply.
 """
 
 from __future__ import annotations
@@ -26,12 +30,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from kubesim import pods
+from kubesim import pods, watch
 from kubesim.control import add_control_routes
 from kubesim.errors import (
     PATCH_TYPES,
@@ -43,11 +48,13 @@ from kubesim.errors import (
     not_found,
     path_not_found,
     server_error,
+    too_many_requests,
     unauthorized,
     unsupported_media_type,
 )
 from kubesim.labels import SelectorError, parse_field_selector, parse_selector
 from kubesim.store import Obj
+from kubesim.watch import Event, Expired, Filter, TooManyWatches, Watcher
 
 if TYPE_CHECKING:
     from kubesim.sim import KubeSim
@@ -252,17 +259,18 @@ class _Api:
 
     # --- pods -------------------------------------------------------------------------------------
 
-    async def list_pods(self, request: web.Request) -> web.Response:
+    async def list_pods(self, request: web.Request) -> web.StreamResponse:
         namespace = request.match_info.get("namespace")
         query = request.query
-        await self._gate("list", "pods", namespace)
-        if query.get("watch") in ("1", "true", "True"):
-            raise bad_request("kubesim does not serve watches")
+        watching = _flag(query.get("watch"))
+        await self._gate("watch" if watching else "list", "pods", namespace)
         try:
             selector = parse_selector(query.get("labelSelector"))
             fields = parse_field_selector(query.get("fieldSelector"))
         except SelectorError as exc:
             raise bad_request(str(exc)) from None
+        if watching:
+            return await self._watch(request, Filter("pods", namespace, selector, fields), "Pod")
         limit = _limit(query.get("limit"))
         sim = self.sim
 
@@ -297,6 +305,44 @@ class _Api:
         return web.Response(
             text=f'{head[:-1]}, "items": [{", ".join(page.items)}]}}',
             content_type="application/json",
+        )
+
+    async def _watch(self, request: web.Request, what: Filter, kind: str) -> web.StreamResponse:
+        """A watch (``watch.py``): parameters checked, the watcher opened (429 over the cap),
+        then the stream; a version older than the history is the in-stream 410."""
+        sim, query = self.sim, request.query
+        since = _resource_version(query.get("resourceVersion"))
+        timeout = _timeout_seconds(query.get("timeoutSeconds"), sim.watch_timeout, sim.rng)
+        bookmarks = sim.bookmark_interval if _flag(query.get("allowWatchBookmarks")) else None
+        opened: tuple[Watcher, list[Event]] | Expired
+        try:
+            if what.resource == "nodes":
+                current = sim.store.list_nodes(what.selector, what.fields)
+            else:
+                current = [
+                    pod
+                    for pod in sim.store.list_pods(what.namespace, what.selector, what.fields)
+                    if sim.namespace_exists(pod["metadata"]["namespace"])
+                ]
+            opened = sim.watches.open(what, since, current if since is None else [])
+        except TooManyWatches:
+            sim.injected["watch refused"] += 1
+            raise too_many_requests(1) from None
+        except Expired as exc:
+            opened = exc
+
+        def visible(event: Event) -> bool:
+            namespace = event.namespace
+            return namespace is None or sim.namespace_exists(namespace)
+
+        return await watch.stream(
+            request,
+            kind=kind,
+            opened=opened,
+            seconds=timeout,
+            bookmarks=bookmarks,
+            visible=visible,
+            stopping=sim.stopping,
         )
 
     async def create_pod(self, request: web.Request) -> web.Response:
@@ -352,6 +398,33 @@ class _Api:
         pod = await self.sim.delete_pod(namespace, name, grace)
         dropped = self._reply_lost(request, "delete", pod)
         return dropped or _json(pod)
+
+
+def _flag(raw: str | None) -> bool:
+    return raw in ("1", "true", "True")
+
+
+def _resource_version(raw: str | None) -> int | None:
+    """A watch's ``resourceVersion``: absent or "0" is "from now, with the current state"."""
+    if not raw or raw == "0":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise bad_request(f'invalid resource version: "{raw}"') from None
+
+
+def _timeout_seconds(raw: str | None, server_max: float, rng: random.Random) -> float:
+    """``timeoutSeconds`` as asked (never beyond twice the server's maximum); absent or 0, a
+    random share of ``[max, 2 × max)`` as the API server spreads its watch timeouts."""
+    if raw:
+        try:
+            asked = int(raw)
+        except ValueError:
+            raise bad_request(f'invalid value for timeoutSeconds: "{raw}"') from None
+        if asked > 0:
+            return min(float(asked), 2 * server_max)
+    return server_max * (1 + rng.random())
 
 
 def _item(obj: Obj) -> Obj:

@@ -12,6 +12,12 @@
 ``POST /_sim/settings``                                ``ready_delay``, ``jitter``,
                                                        ``grace_period``, ``probe_period``
 ``POST /_sim/reset``                                   drop every pod, fault and counter
+``POST /_sim/watches/drop``                            end every open watch stream now;
+                                                       ``{"mode": "close"}`` (default: the stream
+                                                       ends cleanly) or ``"reset"`` (the
+                                                       connection is cut) → ``{"dropped": n}``
+``POST /_sim/watches/compact``                         forget the event history: a watch resumed
+                                                       from an older version gets 410
 =====================================================  ==========================================
 
 Refusals are ``{"error": "..."}`` with 400 (bad input) or 404 (no such fault, pod).
@@ -26,6 +32,7 @@ from aiohttp import web
 
 from kubesim.errors import ApiError
 from kubesim.labels import dns1123_label_errors
+from kubesim.watch import DROP_MODES
 
 if TYPE_CHECKING:
     from kubesim.sim import KubeSim
@@ -115,6 +122,18 @@ def add_control_routes(app: web.Application, sim: KubeSim) -> None:
         await sim.reset()
         return _json({"reset": True})
 
+    async def drop_watches(request: web.Request) -> web.Response:
+        try:
+            mode = str((await _body(request)).get("mode") or "close")
+        except ValueError as exc:
+            return _refuse(str(exc))
+        if mode not in DROP_MODES:
+            return _refuse(f"drop mode must be one of {', '.join(DROP_MODES)}")
+        return _json({"dropped": sim.watches.close_all("dropped" if mode == "close" else mode)})
+
+    async def compact_watches(request: web.Request) -> web.Response:
+        return _json({"oldest_resource_version": str(sim.watches.compact())})
+
     router = app.router
     router.add_get(f"{PREFIX}/state", state)
     router.add_get(f"{PREFIX}/faults", list_faults)
@@ -126,3 +145,5 @@ def add_control_routes(app: web.Application, sim: KubeSim) -> None:
     router.add_delete(f"{PREFIX}/namespaces/{{namespace}}", remove_namespace)
     router.add_post(f"{PREFIX}/settings", settings)
     router.add_post(f"{PREFIX}/reset", reset)
+    router.add_post(f"{PREFIX}/watches/drop", drop_watches)
+    router.add_post(f"{PREFIX}/watches/compact", compact_watches)

@@ -39,8 +39,8 @@ POD_KINDS = ("image_pull", "crash_loop", "never_ready")
 API_KINDS = ("api_error", "latency", "reply_lost", "continue_expired")
 NAMESPACE_KINDS = ("namespace_missing", "namespace_forbidden")
 KINDS = (*POD_KINDS, "health", *API_KINDS, *NAMESPACE_KINDS)
-VERBS = ("create", "get", "list", "delete", "patch", "*")
-RESOURCES = ("pods", "namespaces", "*")
+VERBS = ("create", "get", "list", "watch", "delete", "patch", "*")
+RESOURCES = ("pods", "namespaces", "nodes", "*")
 
 _COMMON = ("kind", "namespace", "name", "labels", "count", "ratio")
 _PARAMS: dict[str, dict[str, Any]] = {

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 EXIT_USAGE = 2
 DEFAULT_GRACE = 1.0  # seconds; KubeSim's own default
 DEFAULT_FIRST_POD_IP = "127.0.0.2"  # the kubelet's own default
+DEFAULT_WATCH_HISTORY = 1000  # watch.DEFAULT_HISTORY (watch.py needs aiohttp)
+DEFAULT_MAX_WATCHES = 256  # watch.DEFAULT_MAX_WATCHES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +55,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="first loopback address pods get (give two simulators distinct ranges)",
     )
     parser.add_argument("--seed", type=int, default=None, help="seed for jitter and ratios")
+    parser.add_argument(
+        "--watch-history",
+        type=int,
+        default=DEFAULT_WATCH_HISTORY,
+        help="events kept for resuming watches",
+    )
+    parser.add_argument(
+        "--max-watches",
+        type=int,
+        default=DEFAULT_MAX_WATCHES,
+        help="watch streams open at once (more: 429)",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -72,6 +86,8 @@ def build_sim(args: argparse.Namespace) -> KubeSim:
         kubeconfig_path=args.kubeconfig_out,
         seed=args.seed,
         first_pod_ip=args.first_pod_ip,
+        watch_history=args.watch_history,
+        max_watches=args.max_watches,
     )
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kubesim import pod_status, pods
+from kubesim import pod_status, pods, watch
 from kubesim.api import build_app
 from kubesim.errors import not_found
 from kubesim.faults import Faults
@@ -76,6 +76,11 @@ class KubeSim:
         seed: int | None = None,
         first_pod_ip: str = FIRST_POD_IP,
         user: str | None = None,
+        watch_history: int = watch.DEFAULT_HISTORY,
+        max_watches: int = watch.DEFAULT_MAX_WATCHES,
+        watch_queue: int = watch.DEFAULT_QUEUE,
+        watch_timeout: float = watch.DEFAULT_TIMEOUT,
+        bookmark_interval: float = watch.DEFAULT_BOOKMARK_INTERVAL,
     ) -> None:
         check_loopback(host)
         check_loopback(first_pod_ip)
@@ -84,13 +89,21 @@ class KubeSim:
                 raise ValueError(f"{what} must be >= 0")
         if probe_period <= 0:
             raise ValueError("probe_period must be > 0")
+        if watch_timeout <= 0 or bookmark_interval <= 0:
+            raise ValueError("watch_timeout and bookmark_interval must be > 0")
         self.host = host
         self.port = port
         self.grace_period = grace_period
         self.token = token
         self.user = user or ("kubesim" if token else "system:anonymous")
         self.rng = random.Random(seed)
+        self.watch_timeout = watch_timeout
+        self.bookmark_interval = bookmark_interval
         self.store = Store()
+        self.watches = watch.WatchHub(
+            self.store.revision, history=watch_history, max_watches=max_watches, queue=watch_queue
+        )
+        self.store.publish = self.watches.publish
         self.pager = Pager()  # the snapshots paged LISTs continue from
         self.faults = Faults(self.rng)
         self.kubelet = Kubelet(
@@ -152,6 +165,7 @@ class KubeSim:
     async def stop(self) -> None:
         """Stop answering, end every deletion, pod task and AgentServer; nothing is left."""
         self.stopping.set()
+        self.watches.close_all("stopped")  # each stream ends at once, before the listener goes
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
@@ -325,6 +339,7 @@ class KubeSim:
                 for name in sorted(self.store.namespaces)
             },
             "pods": listed,
+            "watches": self.watches.describe(),
             "faults": self.faults.to_json(),
             "requests": dict(self.requests),
             "injected": dict(self.injected),

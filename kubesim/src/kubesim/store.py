@@ -1,8 +1,12 @@
-"""The simulator's etcd: namespaces and pods as JSON objects, one ``resourceVersion`` counter.
+"""The simulator's etcd: namespaces, pods and nodes as JSON objects, one ``resourceVersion``
+counter.
 
 Everything here is synchronous and runs on the event loop, so each change is atomic. Reads hand
 out deep copies: no caller can change a stored object behind the store's back. Every write
-bumps the object's ``metadata.resourceVersion`` from the one global counter, as etcd does.
+bumps the object's ``metadata.resourceVersion`` from the one global counter, as etcd does, and
+every write of a pod or a node is published (``publish(resource, type, copy)``: the watch
+history, ``watch.py``) with that version: ``ADDED``, ``MODIFIED``, ``DELETED`` (the object as
+it was, carrying the deletion's version).
 """
 
 from __future__ import annotations
@@ -17,6 +21,11 @@ from kubesim.errors import already_exists, not_found
 from kubesim.labels import FieldRequirement, Selector, fields_match
 
 Obj = dict[str, Any]
+Publish = Callable[[str, str, Obj], None]
+
+
+def _ignore(resource: str, type_: str, obj: Obj) -> None:
+    return None
 
 
 def timestamp(after: float = 0.0) -> str:
@@ -34,10 +43,12 @@ def _by_key(entry: tuple[tuple[str, str], Obj]) -> tuple[str, str]:
 
 
 class Store:
-    def __init__(self) -> None:
+    def __init__(self, publish: Publish = _ignore) -> None:
         self._rv = 1000
         self.namespaces: dict[str, Obj] = {}
         self._pods: dict[tuple[str, str], Obj] = {}
+        self.nodes: dict[str, Obj] = {}
+        self.publish = publish
 
     # --- versions ---------------------------------------------------------------------------
 
@@ -48,6 +59,14 @@ class Store:
     @property
     def resource_version(self) -> str:
         return str(self._rv)
+
+    def revision(self) -> int:
+        return self._rv
+
+    def _deleted(self, resource: str, obj: Obj) -> None:
+        """A delete is a write: it takes a version of its own, which its event carries."""
+        self._bump(obj)
+        self.publish(resource, "DELETED", obj)
 
     # --- namespaces -------------------------------------------------------------------------
 
@@ -74,11 +93,9 @@ class Store:
     def remove_namespace(self, name: str) -> list[str]:
         """Drop a namespace and its pods; returns the names of the pods dropped."""
         self.namespaces.pop(name, None)
-        gone = [key for key in self._pods if key[0] == name]
+        gone = sorted(key for key in self._pods if key[0] == name)
         for key in gone:
-            del self._pods[key]
-        if gone:
-            self._rv += 1  # a delete is a write: same resourceVersion, same contents (paging)
+            self._deleted("pods", self._pods.pop(key))
         return [pod_name for _, pod_name in gone]
 
     # --- pods -------------------------------------------------------------------------------
@@ -91,6 +108,7 @@ class Store:
         stored = copy.deepcopy(pod)
         self._bump(stored)
         self._pods[key] = stored
+        self.publish("pods", "ADDED", copy.deepcopy(stored))
         return copy.deepcopy(stored)
 
     def get_pod(self, namespace: str, name: str) -> Obj | None:
@@ -154,6 +172,7 @@ class Store:
         change(pod)
         if pod != before:
             self._bump(pod)
+            self.publish("pods", "MODIFIED", copy.deepcopy(pod))
         return copy.deepcopy(pod)
 
     def remove_pod(self, namespace: str, name: str, *, uid: str | None = None) -> Obj | None:
@@ -161,5 +180,58 @@ class Store:
         if pod is None or (uid is not None and pod["metadata"]["uid"] != uid):
             return None
         del self._pods[(namespace, name)]
-        self._rv += 1  # a delete is a write: same resourceVersion, same contents (paging)
-        return pod
+        self._deleted("pods", pod)
+        return copy.deepcopy(pod)
+
+    # --- nodes ------------------------------------------------------------------------------
+
+    def add_node(self, node: Obj) -> Obj:
+        stored = copy.deepcopy(node)
+        name = stored["metadata"]["name"]
+        if name in self.nodes:
+            raise already_exists("nodes", name)
+        self._bump(stored)
+        self.nodes[name] = stored
+        self.publish("nodes", "ADDED", copy.deepcopy(stored))
+        return copy.deepcopy(stored)
+
+    def get_node(self, name: str) -> Obj | None:
+        node = self.nodes.get(name)
+        return copy.deepcopy(node) if node is not None else None
+
+    def require_node(self, name: str) -> Obj:
+        node = self.get_node(name)
+        if node is None:
+            raise not_found("nodes", name)
+        return node
+
+    def list_nodes(
+        self, selector: Selector | None = None, fields: list[FieldRequirement] | None = None
+    ) -> list[Obj]:
+        return [
+            copy.deepcopy(node)
+            for name, node in sorted(self.nodes.items())
+            if (selector is None or selector.matches(node["metadata"].get("labels")))
+            and (not fields or fields_match(fields, node))
+        ]
+
+    def update_node(self, name: str, change: Callable[[Obj], None]) -> Obj:
+        """Apply ``change`` to the stored node; the version bumps (and MODIFIED is published)
+        when something changed."""
+        node = self.nodes.get(name)
+        if node is None:
+            raise not_found("nodes", name)
+        before = copy.deepcopy(node)
+        change(node)
+        if node != before:
+            self._bump(node)
+            self.publish("nodes", "MODIFIED", copy.deepcopy(node))
+        return copy.deepcopy(node)
+
+    def pods_per_node(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for pod in self._pods.values():
+            node = pod["spec"].get("nodeName")
+            if node:
+                counts[node] = counts.get(node, 0) + 1
+        return counts
