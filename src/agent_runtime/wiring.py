@@ -37,6 +37,7 @@ from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.resource_manager.models import DeployBounds
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.places import Places
+from agent_runtime.resource_manager.pod_reports import PodReports
 from agent_runtime.resource_manager.pod_watch import PodWatch
 from agent_runtime.resource_manager.pool_jobs import PoolJobs
 from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
@@ -337,7 +338,6 @@ def wire(
         deploy_lease=settings.deploy_lease,
         instance_id=settings.instance_id,
     )
-    resources = ResourceManagerFacade(orchestrator=orchestrator)
     sessions = SessionManagerFacade(state=session_state)
     pool_jobs = PoolJobs(
         state=resource_state,
@@ -349,6 +349,16 @@ def wire(
         identity=identity,
         metrics=metrics,
         adopted_pod_ttl=settings.adopted_pod_ttl,
+    )
+    resources = ResourceManagerFacade(
+        orchestrator=orchestrator,
+        reports=PodReports(
+            state=resource_state,
+            k8s=k8s,
+            dead_pods=pool_jobs.dead_pods,
+            default_namespace=settings.default_namespace,
+            metrics=metrics,
+        ),
     )
     pod_watch = PodWatch(
         lock_redis=backends.job_locks or redis,
