@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -82,22 +83,26 @@ async def test_a_false_report_never_harms_a_healthy_pod_and_costs_one_probe_a_se
     async with app(redis, db, k8s) as a:
         pod = (await a.routed("s1"))["pod_id"]
         probes = k8s.health_probes
+        started = time.monotonic()
         first = await reported(a, "s1", pod)
         assert first["placement"] == "refresh" and first["pod_id"] == pod
         assert k8s.health_probes == probes + 1
         for _ in range(5):  # within the same second: the window's verdict, no probe
             assert (await reported(a, "s1", pod))["placement"] == "refresh"
-        assert k8s.health_probes == probes + 1
+        # one probe a second at most, however slow the machine made the six reports
+        windows = 1 + int((time.monotonic() - started) / WINDOW)
+        assert 1 <= k8s.health_probes - probes <= windows
         assert pod in k8s.pods and not k8s.deleted
         assert await a.metric("agent_runtime_pod_reports_total", outcome="healthy") == 6
         assert await a.metric("agent_runtime_k8s_calls_total", verb="get") == 0
+        probes = k8s.health_probes
 
         async def window_over() -> bool:
             return not await redis.exists(rm_pod(pod, "reported"))
 
         await eventually(window_over, "the report window ends", within=10 * WINDOW)
         assert (await reported(a, "s1", pod))["placement"] == "refresh"
-        assert k8s.health_probes == probes + 2, "a new window: one new probe"
+        assert k8s.health_probes == probes + 1, "a new window: one new probe"
 
 
 @SQLITE
@@ -167,11 +172,13 @@ async def test_replicas_share_one_probe_of_a_reported_pod(redis: Redis, db: Data
             pod = pods.pop()
             assert not pods, "both sessions on one pod"
             probes = k8s.health_probes
+            started = time.monotonic()
             answers = await asyncio.gather(
                 *(reported(r, f"s{i % 2}", pod) for i, r in enumerate([a, b, a, b, a, b]))
             )
             assert {x["placement"] for x in answers} == {"refresh"}
-            assert k8s.health_probes == probes + 1, "one probe for every report of the second"
+            windows = 1 + int((time.monotonic() - started) / WINDOW)
+            assert 1 <= k8s.health_probes - probes <= windows, "one probe a second, all told"
     finally:
         await first.aclose()
         await second.aclose()
