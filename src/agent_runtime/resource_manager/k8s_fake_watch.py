@@ -62,8 +62,8 @@ class EventLog:
         seconds: float,
         wanted: Callable[[PodStatus], bool],
     ) -> AsyncGenerator[PodEvent, None]:
-        try:
-            cursor = int(version)
+        try:  # "0" (or none): from now (the API server would first replay the pods as ADDED)
+            cursor = int(version) if version not in ("", "0") else self.version
         except ValueError:
             raise K8sApiError(
                 f"fake: resourceVersion {version[:40]!r} is not valid", status=400

@@ -214,7 +214,8 @@ class PodWatch:
             status = listed.get(pod_id)
             if DeadPods.why_dead(status) is not None:
                 self._spawn_settle(place, pod_id, status, check_known=False)
-        return listing.resource_version
+        # a namespace that does not exist lists [] without a version: watch from "0" (now)
+        return listing.resource_version or "0"
 
     def _on_event(self, place: Place, event: PodEvent) -> None:
         kind = event.kind if event.kind in self._events else "MODIFIED"
