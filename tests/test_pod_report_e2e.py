@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from helpers import envelope
-from test_pod_watch_e2e import STREAM_ONLY, metric, stack_with
-from test_server_e2e import _LOG_FROM, GATEWAY, ROUTE, Scenario, Stack, w
+from test_pod_watch_e2e import STREAM_ONLY, metric
+from test_server_e2e import _LOG_FROM, GATEWAY, ROUTE, Scenario, Stack, stack_with, w
 
 __all__ = ["_LOG_FROM", "w"]  # the scenario fixture, over this module's stack
 
@@ -29,7 +29,7 @@ REPORT_ONLY = {**STREAM_ONLY, "AGENT_RUNTIME_POD_WATCH_STREAM": "false"}
 def stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
-    yield from stack_with(request, tmp_path_factory, REPORT_ONLY)
+    yield from stack_with(request, tmp_path_factory, "mariadb", REPORT_ONLY)
 
 
 async def reported(s: Scenario, session_id: str, pod_id: str) -> dict[str, Any]:

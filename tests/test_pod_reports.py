@@ -41,6 +41,15 @@ async def app(
         yield a
 
 
+async def window_over(redis: Redis, pod: str) -> None:
+    """Until the pod's report window has ended (a next report probes again)."""
+
+    async def ended() -> bool:
+        return not await redis.exists(rm_pod(pod, "reported"))
+
+    await eventually(ended, "the report window ends", within=10 * WINDOW)
+
+
 async def reported(a: App, session_id: str, pod_id: Any) -> dict[str, Any]:
     data = await a.routed(session_id, failed_pod_id=pod_id)
     return data
@@ -97,10 +106,7 @@ async def test_a_false_report_never_harms_a_healthy_pod_and_costs_one_probe_a_se
         assert await a.metric("agent_runtime_k8s_calls_total", verb="get") == 0
         probes = k8s.health_probes
 
-        async def window_over() -> bool:
-            return not await redis.exists(rm_pod(pod, "reported"))
-
-        await eventually(window_over, "the report window ends", within=10 * WINDOW)
+        await window_over(redis, pod)
         assert (await reported(a, "s1", pod))["placement"] == "refresh"
         assert k8s.health_probes == probes + 1, "a new window: one new probe"
 
@@ -116,10 +122,7 @@ async def test_a_half_dead_pod_needs_two_failed_probes_in_a_row(redis: Redis, db
         assert await a.metric("agent_runtime_pod_reports_total", outcome="suspect") == 1
         assert pod in k8s.pods
 
-        async def window_over() -> bool:
-            return not await redis.exists(rm_pod(pod, "reported"))
-
-        await eventually(window_over, "the report window ends", within=10 * WINDOW)
+        await window_over(redis, pod)
         again = await reported(a, "s1", pod)
         assert again["placement"] == "rebound" and again["previous_pod_id"] == pod, again
         assert pod not in k8s.pods

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +25,7 @@ from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.wiring import Services
 from contract_keys import RM_PODS_ALL, sm_pod_scopes
 from helpers import envelope, other_client, running_app, sync_body
+from test_scenarios import eventually
 
 pytestmark = pytest.mark.parametrize("sql_backend", ["sqlite"], indirect=True)
 
@@ -49,16 +49,6 @@ STREAM_ONLY = {
     "reconcile_interval": 3600.0,
     "reclaim_interval": 3600.0,
 }
-
-
-async def eventually(
-    check: Callable[[], Awaitable[bool]], what: str, within: float = DEADLINE
-) -> None:
-    deadline = time.monotonic() + within
-    while not await check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {within:g} s: {what}")
-        await asyncio.sleep(0.02)
 
 
 @dataclass

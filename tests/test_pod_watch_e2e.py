@@ -16,15 +16,7 @@ from typing import Any
 
 import pytest
 
-from test_server_e2e import (
-    _LOG_FROM,
-    SETTINGS,
-    AttachServerLog,
-    Scenario,
-    Stack,
-    serving,
-    w,
-)
+from test_server_e2e import _LOG_FROM, SETTINGS, Scenario, Stack, stack_with, w
 
 __all__ = ["_LOG_FROM", "w"]  # the scenario fixture, over this module's stack
 
@@ -38,31 +30,11 @@ STREAM_ONLY = {
 }
 
 
-def stack_with(
-    request: pytest.FixtureRequest,
-    tmp_path_factory: pytest.TempPathFactory,
-    settings: dict[str, str],
-) -> Iterator[Stack]:
-    """One stack (MariaDB) with ``settings``; its server must exit 0 on SIGTERM."""
-    workdir = tmp_path_factory.mktemp("e2e-watch")
-    with contextlib.ExitStack() as undo:
-        plugin = AttachServerLog()
-        request.config.pluginmanager.register(plugin, f"e2e-server-log-{workdir.name}")
-        undo.callback(request.config.pluginmanager.unregister, plugin)
-        running = serving(workdir, "mariadb", settings, undo)
-        yield running
-        assert running.server is not None
-        server = running.server
-        stopped = server.stop(), server.killed
-    if stopped != (0, False):
-        pytest.fail(f"SIGTERM: (exit status, killed) {stopped}; its log:\n{server.log()}")
-
-
 @pytest.fixture(scope="module")
 def stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
-    yield from stack_with(request, tmp_path_factory, STREAM_ONLY)
+    yield from stack_with(request, tmp_path_factory, "mariadb", STREAM_ONLY)
 
 
 async def metric(s: Scenario, name: str, **labels: str) -> float:

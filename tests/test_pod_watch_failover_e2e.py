@@ -12,36 +12,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import subprocess
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
 from redis.asyncio import Redis
 
-from helpers import envelope, make_sql_backend, sync_body
-from test_local_mode import LocalServer, _wait_healthy, free_port
+from helpers import envelope, sync_body
+from test_local_mode import free_port
 from test_pod_watch_e2e import STREAM_ONLY
 from test_scenarios import RM_PODS_ALL, sm_pod_scopes
-from test_server_e2e import (
-    ADMIN,
-    DEADLINE,
-    GATEWAY,
-    ROUTE,
-    SIM_ARGS,
-    START_TIMEOUT,
-    SYNC,
-    Child,
-    _claim_redis,
-    agent_runtime,
-    child_env,
-    release_redis,
-    wait_for_sim,
-)
+from test_server_e2e import ADMIN, DEADLINE, GATEWAY, ROUTE, SYNC, Child, backing, serve_on
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -61,44 +45,15 @@ class Replicas:
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replicas]:
     workdir = tmp_path_factory.mktemp("e2e-failover")
     with contextlib.ExitStack() as undo:
-        redis_url = asyncio.run(_claim_redis())
-        undo.callback(release_redis, redis_url)
-        sql = make_sql_backend("mariadb", workdir)
-        undo.callback(sql.cleanup)
-        env = child_env({"AGENT_RUNTIME_DATABASE_URL": sql.url})
-        upgrade = subprocess.run(
-            agent_runtime("db", "upgrade"),
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=START_TIMEOUT,
-            check=False,
+        shared = backing(workdir, "mariadb", undo)
+        started = [serve_on(workdir, shared, STREAM_ONLY, undo, name=n) for n in ("a", "b")]
+        yield Replicas(
+            [server for server, _, _ in started],
+            [url for _, url, _ in started],
+            shared.sim_url,
+            shared.redis_url,
+            free_port(),
         )
-        assert upgrade.returncode == 0, upgrade.stdout + upgrade.stderr
-        kubeconfig = workdir / "kubeconfig"
-        sim_args = agent_runtime("kubesim", "--kubeconfig-out", str(kubeconfig), *SIM_ARGS)
-        sim = Child("kubesim", sim_args, env, workdir / "kubesim.log")
-        undo.callback(sim.stop)
-        sim_url = wait_for_sim(sim)
-        servers, urls = [], []
-        for name in ("a", "b"):
-            port, instance_id = free_port(), f"failover-{name}-{uuid.uuid4().hex[:6]}"
-            settings = {
-                **STREAM_ONLY,
-                "AGENT_RUNTIME_REDIS_URL": redis_url,
-                "AGENT_RUNTIME_DATABASE_URL": sql.url,
-                "AGENT_RUNTIME_KUBECONFIG": str(kubeconfig),
-                "AGENT_RUNTIME_INSTANCE_ID": instance_id,
-            }
-            serve = agent_runtime("serve", "--mode", "server", "--port", str(port))
-            log = Path(workdir / f"server-{name}.log")
-            server = Child(f"serve {name}", serve, child_env(settings), log)
-            undo.callback(server.stop)
-            url = f"http://127.0.0.1:{port}"
-            _wait_healthy(LocalServer(server.proc, url, log, instance_id), START_TIMEOUT)
-            servers.append(server)
-            urls.append(url)
-        yield Replicas(servers, urls, sim_url, redis_url, free_port())
 
 
 async def streams_of(http: httpx.AsyncClient) -> float:
