@@ -75,8 +75,12 @@ class Stream:
 
     async def next(self) -> dict[str, Any] | None:
         """The next event, or None when the server ended the stream."""
-        async with asyncio.timeout(WAIT):
-            line = await self.response.content.readline()
+        try:
+            async with asyncio.timeout(WAIT):
+                line = await self.response.content.readline()
+        except BaseException:
+            self.response.close()  # a cut stream still gives its connection back
+            raise
         if not line:
             return None
         assert line.endswith(b"\n") and line.strip(), line
@@ -251,6 +255,11 @@ async def test_selectors_filter_the_stream(
     assert bad_version.status_code == 400
     for stream in (by_label, by_field, everywhere):
         stream.response.close()
+    deadline = asyncio.get_running_loop().time() + WAIT
+    while sim.watches.open_watches:  # a client that goes frees its place in the cap
+        await asyncio.sleep(0.02)
+        assert asyncio.get_running_loop().time() < deadline, sim.watches.describe()
+    assert sim.watches.describe()["closed"] == {"gone": 3}
 
 
 async def test_the_cap_on_open_watches_is_429_and_frees_up(
@@ -449,3 +458,62 @@ async def test_kubernetes_asyncio_stream_ends_when_dropped(
     async with asyncio.timeout(WAIT):
         await task  # the dropped stream ends the client's iteration
     assert seen == []
+
+
+async def test_kubernetes_asyncio_without_timeout_resumes_after_a_drop_and_misses_nothing(
+    sim: KubeSim, http: httpx.AsyncClient, v1: client.CoreV1Api
+) -> None:
+    """Watching forever, the client reconnects from its last version when the stream ends:
+    what happened between the drop and the reconnect still reaches it, once."""
+    version = (await v1.list_namespaced_pod("default")).metadata.resource_version
+    w = watch.Watch()
+    added: list[str] = []
+    await create(http, "r1")
+
+    async def consume() -> None:
+        async for event in w.stream(v1.list_namespaced_pod, "default", resource_version=version):
+            if event["type"] == "ADDED":
+                added.append(event["object"].metadata.name)
+            if event["type"] == "DELETED" and event["object"].metadata.name == "r2":
+                w.stop()
+                return
+
+    task = asyncio.create_task(consume())
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAIT
+        while added != ["r1"]:
+            await asyncio.sleep(0.02)
+            assert loop.time() < deadline, "r1 never seen"
+        assert (await http.post("/_sim/watches/drop")).json() == {"dropped": 1}
+        await create(http, "r2")
+        await http.delete(f"{PODS}/r2", params={"gracePeriodSeconds": "0"})
+        async with asyncio.timeout(WAIT):
+            await task
+    finally:
+        task.cancel()
+        await w.close()
+    assert added == ["r1", "r2"], "resumed from its version: nothing lost, nothing twice"
+    assert sim.watches.describe()["counts"]["opened"] == 2
+
+
+async def test_a_stream_that_falls_behind_its_queue_is_cut(session: aiohttp.ClientSession) -> None:
+    """Three events in one synchronous burst (a namespace removed with its three pods) for a
+    stream allowed two waiting: the server cuts that stream, it does not buffer on."""
+    async with KubeSim(ready_delay=0.05, namespaces=("default", "team"), watch_queue=2) as sim:
+        http = httpx.AsyncClient(base_url=sim.url, trust_env=False, timeout=WAIT)
+        async with http:
+            for i in range(3):
+                await create(http, f"q{i}", ns="team")
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + WAIT
+            while not all(p["status"].get("phase") == "Running" for p in sim.pods("team")):
+                await asyncio.sleep(0.02)  # the kubelet's writes are over: no event but ours
+                assert loop.time() < deadline
+            stream = await open_watch(session, sim, "/api/v1/pods", timeoutSeconds="30")
+            for _ in range(3):
+                assert (await stream.next()) is not None  # the synthetic ADDED
+            assert (await http.delete("/_sim/namespaces/team")).status_code == 200
+            with pytest.raises(aiohttp.ClientError):
+                await stream.end()
+            assert sim.watches.describe()["closed"].get("overflow") == 1

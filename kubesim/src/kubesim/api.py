@@ -17,6 +17,7 @@
                                              ``metadata.labels`` / ``annotations``; 409 stale
                                              resourceVersion, 422 immutable (``uid``), 415
 ``DELETE .../pods/{name}``                   200 Pod (``gracePeriodSeconds`` query or body)
+``/api/v1/nodes[/{name}]``                   GET, PATCH, watch (``api_nodes.py``)
 ``/_sim/...``                                the control endpoint (``control.py``)
 ==========================================  ==================================================
 
@@ -30,13 +31,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import random
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from kubesim import pods, watch
+from kubesim.api_nodes import add_node_routes
 from kubesim.control import add_control_routes
 from kubesim.errors import (
     PATCH_TYPES,
@@ -54,7 +55,16 @@ from kubesim.errors import (
 )
 from kubesim.labels import SelectorError, parse_field_selector, parse_selector
 from kubesim.store import Obj
-from kubesim.watch import Event, Expired, Filter, TooManyWatches, Watcher
+from kubesim.watch import (
+    Event,
+    Expired,
+    Filter,
+    TooManyWatches,
+    Watcher,
+    is_flag,
+    resource_version_param,
+    timeout_seconds,
+)
 
 if TYPE_CHECKING:
     from kubesim.sim import KubeSim
@@ -122,6 +132,7 @@ def build_app(sim: KubeSim) -> web.Application:
     app.router.add_get("/api/v1/namespaces/{namespace}/pods/{name}", api.get_pod)
     app.router.add_patch("/api/v1/namespaces/{namespace}/pods/{name}", api.patch_pod)
     app.router.add_delete("/api/v1/namespaces/{namespace}/pods/{name}", api.delete_pod)
+    add_node_routes(app, sim, api.gate, api.watch)
     return app
 
 
@@ -131,7 +142,7 @@ class _Api:
 
     # --- the gate every API request passes ---------------------------------------------------
 
-    async def _gate(
+    async def gate(
         self,
         verb: str,
         resource: str,
@@ -227,7 +238,10 @@ class _Api:
                 "groupVersion": "v1",
                 "resources": [
                     resource("namespaces", "Namespace", False, ["get", "list"]),
-                    resource("pods", "Pod", True, ["create", "delete", "get", "list", "patch"]),
+                    resource("nodes", "Node", False, ["get", "list", "patch", "watch"]),
+                    resource(
+                        "pods", "Pod", True, ["create", "delete", "get", "list", "patch", "watch"]
+                    ),
                 ],
             }
         )
@@ -235,7 +249,7 @@ class _Api:
     # --- namespaces -----------------------------------------------------------------------------
 
     async def list_namespaces(self, request: web.Request) -> web.Response:
-        await self._gate("list", "namespaces", None)
+        await self.gate("list", "namespaces", None)
         items = [
             ns
             for name, ns in sorted(self.sim.store.namespaces.items())
@@ -252,7 +266,7 @@ class _Api:
 
     async def get_namespace(self, request: web.Request) -> web.Response:
         namespace = request.match_info["namespace"]
-        await self._gate("get", "namespaces", namespace, namespace)
+        await self.gate("get", "namespaces", namespace, namespace)
         if not self.sim.namespace_exists(namespace):
             raise not_found("namespaces", namespace)
         return _json(self.sim.store.namespaces[namespace])
@@ -262,15 +276,15 @@ class _Api:
     async def list_pods(self, request: web.Request) -> web.StreamResponse:
         namespace = request.match_info.get("namespace")
         query = request.query
-        watching = _flag(query.get("watch"))
-        await self._gate("watch" if watching else "list", "pods", namespace)
+        watching = is_flag(query.get("watch"))
+        await self.gate("watch" if watching else "list", "pods", namespace)
         try:
             selector = parse_selector(query.get("labelSelector"))
             fields = parse_field_selector(query.get("fieldSelector"))
         except SelectorError as exc:
             raise bad_request(str(exc)) from None
         if watching:
-            return await self._watch(request, Filter("pods", namespace, selector, fields), "Pod")
+            return await self.watch(request, Filter("pods", namespace, selector, fields), "Pod")
         limit = _limit(query.get("limit"))
         sim = self.sim
 
@@ -307,24 +321,25 @@ class _Api:
             content_type="application/json",
         )
 
-    async def _watch(self, request: web.Request, what: Filter, kind: str) -> web.StreamResponse:
+    async def watch(self, request: web.Request, what: Filter, kind: str) -> web.StreamResponse:
         """A watch (``watch.py``): parameters checked, the watcher opened (429 over the cap),
         then the stream; a version older than the history is the in-stream 410."""
         sim, query = self.sim, request.query
-        since = _resource_version(query.get("resourceVersion"))
-        timeout = _timeout_seconds(query.get("timeoutSeconds"), sim.watch_timeout, sim.rng)
-        bookmarks = sim.bookmark_interval if _flag(query.get("allowWatchBookmarks")) else None
+        since = resource_version_param(query.get("resourceVersion"))
+        timeout = timeout_seconds(query.get("timeoutSeconds"), sim.watch_timeout, sim.rng)
+        bookmarks = sim.bookmark_interval if is_flag(query.get("allowWatchBookmarks")) else None
         opened: tuple[Watcher, list[Event]] | Expired
+        current: list[Obj] = []
+        if since is None and what.resource == "nodes":
+            current = sim.store.list_nodes(what.selector, what.fields)
+        elif since is None:
+            current = [
+                pod
+                for pod in sim.store.list_pods(what.namespace, what.selector, what.fields)
+                if sim.namespace_exists(pod["metadata"]["namespace"])
+            ]
         try:
-            if what.resource == "nodes":
-                current = sim.store.list_nodes(what.selector, what.fields)
-            else:
-                current = [
-                    pod
-                    for pod in sim.store.list_pods(what.namespace, what.selector, what.fields)
-                    if sim.namespace_exists(pod["metadata"]["namespace"])
-                ]
-            opened = sim.watches.open(what, since, current if since is None else [])
+            opened = sim.watches.open(what, since, current)
         except TooManyWatches:
             sim.injected["watch refused"] += 1
             raise too_many_requests(1) from None
@@ -354,7 +369,7 @@ class _Api:
         meta = body.get("metadata") if isinstance(body, dict) else None
         name = meta.get("name") if isinstance(meta, dict) else None
         labels = meta.get("labels") if isinstance(meta, dict) else None
-        await self._gate(
+        await self.gate(
             "create",
             "pods",
             namespace,
@@ -369,14 +384,14 @@ class _Api:
 
     async def get_pod(self, request: web.Request) -> web.Response:
         namespace, name = request.match_info["namespace"], request.match_info["name"]
-        await self._gate("get", "pods", namespace, name, self._stored_labels(namespace, name))
+        await self.gate("get", "pods", namespace, name, self._stored_labels(namespace, name))
         if not self.sim.namespace_exists(namespace):
             raise not_found("pods", name)
         return _json(self.sim.store.require_pod(namespace, name))
 
     async def patch_pod(self, request: web.Request) -> web.Response:
         namespace, name = request.match_info["namespace"], request.match_info["name"]
-        await self._gate("patch", "pods", namespace, name, self._stored_labels(namespace, name))
+        await self.gate("patch", "pods", namespace, name, self._stored_labels(namespace, name))
         if request.content_type not in PATCH_TYPES:
             raise unsupported_media_type(request.content_type)
         try:
@@ -391,40 +406,13 @@ class _Api:
 
     async def delete_pod(self, request: web.Request) -> web.Response:
         namespace, name = request.match_info["namespace"], request.match_info["name"]
-        await self._gate("delete", "pods", namespace, name, self._stored_labels(namespace, name))
+        await self.gate("delete", "pods", namespace, name, self._stored_labels(namespace, name))
         grace = await _grace_seconds(request)
         if not self.sim.namespace_exists(namespace):
             raise not_found("pods", name)
         pod = await self.sim.delete_pod(namespace, name, grace)
         dropped = self._reply_lost(request, "delete", pod)
         return dropped or _json(pod)
-
-
-def _flag(raw: str | None) -> bool:
-    return raw in ("1", "true", "True")
-
-
-def _resource_version(raw: str | None) -> int | None:
-    """A watch's ``resourceVersion``: absent or "0" is "from now, with the current state"."""
-    if not raw or raw == "0":
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise bad_request(f'invalid resource version: "{raw}"') from None
-
-
-def _timeout_seconds(raw: str | None, server_max: float, rng: random.Random) -> float:
-    """``timeoutSeconds`` as asked (never beyond twice the server's maximum); absent or 0, a
-    random share of ``[max, 2 × max)`` as the API server spreads its watch timeouts."""
-    if raw:
-        try:
-            asked = int(raw)
-        except ValueError:
-            raise bad_request(f'invalid value for timeoutSeconds: "{raw}"') from None
-        if asked > 0:
-            return min(float(asked), 2 * server_max)
-    return server_max * (1 + rng.random())
 
 
 def _item(obj: Obj) -> Obj:

@@ -1,12 +1,17 @@
 """The control endpoint: how a test or a person steers the simulator (no auth; loopback only).
 
 =====================================================  ==========================================
-``GET /_sim/state``                                    pods, namespaces, faults, request counts
+``GET /_sim/state``                                    pods, nodes, namespaces, watches, faults,
+                                                       request counts
 ``GET /_sim/faults``                                   the fault rules
 ``POST /_sim/faults``                                  add one (JSON, see ``faults.py``) → 201
 ``DELETE /_sim/faults``                                remove all
 ``DELETE /_sim/faults/{id}``                           remove one (404 if unknown)
 ``POST /_sim/pods/{ns}/{name}/kill``                   ``{"mode": "vanish"|"fail"|"crash"}``
+``POST /_sim/pods/{ns}/{name}/delete``                 a graceful delete waiting exactly
+                                                       ``{"grace_seconds": N}`` (not capped by
+                                                       ``grace_period``; default: the pod's)
+``POST /_sim/nodes/{name}/cordon``, ``/uncordon``      ``spec.unschedulable`` true / removed
 ``POST /_sim/namespaces/{ns}``                         create a namespace
 ``DELETE /_sim/namespaces/{ns}``                       remove it and its pods
 ``POST /_sim/settings``                                ``ready_delay``, ``jitter``,
@@ -20,7 +25,7 @@
                                                        from an older version gets 410
 =====================================================  ==========================================
 
-Refusals are ``{"error": "..."}`` with 400 (bad input) or 404 (no such fault, pod).
+Refusals are ``{"error": "..."}`` with 400 (bad input) or 404 (no such fault, pod, node).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ if TYPE_CHECKING:
     from kubesim.sim import KubeSim
 
 PREFIX = "/_sim"
+MAX_GRACE_SECONDS = 3600  # a control delete's longest grace: bounded like every input
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -95,6 +101,28 @@ def add_control_routes(app: web.Application, sim: KubeSim) -> None:
             return _refuse(exc.message, exc.code)
         return _json({"killed": name, "mode": mode, "pod": pod})
 
+    async def delete_pod(request: web.Request) -> web.Response:
+        namespace, name = request.match_info["namespace"], request.match_info["name"]
+        try:
+            raw = (await _body(request)).get("grace_seconds")
+            grace = None if raw is None else int(raw)
+            if grace is not None and not 0 <= grace <= MAX_GRACE_SECONDS:
+                raise ValueError(f"grace_seconds must be between 0 and {MAX_GRACE_SECONDS}")
+            pod = await sim.delete_pod(namespace, name, grace, capped=False)
+        except (ValueError, TypeError) as exc:
+            return _refuse(str(exc))
+        except ApiError as exc:
+            return _refuse(exc.message, exc.code)
+        return _json({"deleting": name, "grace_seconds": grace, "pod": pod})
+
+    async def cordon(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        flag = request.match_info["action"] == "cordon"
+        try:
+            return _json(sim.nodes.cordon(name, flag))
+        except ApiError as exc:
+            return _refuse(exc.message, exc.code)
+
     async def add_namespace(request: web.Request) -> web.Response:
         namespace = request.match_info["namespace"]
         errors = dns1123_label_errors(namespace)
@@ -141,6 +169,8 @@ def add_control_routes(app: web.Application, sim: KubeSim) -> None:
     router.add_delete(f"{PREFIX}/faults", clear_faults)
     router.add_delete(f"{PREFIX}/faults/{{id}}", remove_fault)
     router.add_post(f"{PREFIX}/pods/{{namespace}}/{{name}}/kill", kill)
+    router.add_post(f"{PREFIX}/pods/{{namespace}}/{{name}}/delete", delete_pod)
+    router.add_post(f"{PREFIX}/nodes/{{name}}/{{action:cordon|uncordon}}", cordon)
     router.add_post(f"{PREFIX}/namespaces/{{namespace}}", add_namespace)
     router.add_delete(f"{PREFIX}/namespaces/{{namespace}}", remove_namespace)
     router.add_post(f"{PREFIX}/settings", settings)

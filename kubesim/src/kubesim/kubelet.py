@@ -1,9 +1,11 @@
 """The simulated scheduler and kubelet: brings each pod from Pending to Running and Ready.
 
-Per pod, one task: schedule (``spec.nodeName``), give it the next free loopback IP (127.0.0.2,
-127.0.0.3, …), wait ``ready_delay`` plus up to ``jitter`` seconds (pulling and starting), then
-start its AgentServer on that IP and report Running and Ready. While it runs, a readiness check
-every ``probe_period`` keeps the Ready condition in line with the pod's ``/health`` faults.
+Per pod, one task: schedule (``spec.nodeName``: the schedulable node with the fewest pods,
+``nodes.py``; none: Pending ``Unschedulable`` until a node changes), give it the next free
+loopback IP (127.0.0.2, 127.0.0.3, …), wait ``ready_delay`` plus up to ``jitter`` seconds
+(pulling and starting), then start its AgentServer on that IP and report Running and Ready.
+While it runs, a readiness check every ``probe_period`` keeps the Ready condition in line with
+the pod's ``/health`` faults.
 Pod faults (image pull, crash loop, never ready) are drawn once, when the pod starts.
 """
 
@@ -21,6 +23,7 @@ from typing import Any
 from kubesim import pod_status
 from kubesim.agentserver import AgentServer
 from kubesim.faults import Fault, Faults
+from kubesim.nodes import Nodes
 from kubesim.store import Obj, Store
 
 log = logging.getLogger(__name__)
@@ -72,9 +75,11 @@ class Kubelet:
         probe_period: float,
         sse_interval: float,
         rng: random.Random,
+        nodes: Nodes,
         first_ip: str = FIRST_POD_IP,
     ) -> None:
         self._store = store
+        self._nodes = nodes
         self._faults = faults
         self.ready_delay = ready_delay
         self.jitter = jitter
@@ -159,11 +164,18 @@ class Kubelet:
             self._update(key, runtime, pod_status.unschedulable)
             return
         runtime.never_ready = never is not None
+        node = self._nodes.pick()
+        while node is None:  # every node cordoned: Pending until one changes
+            pending = partial(pod_status.unschedulable, message=self._nodes.unschedulable_message())
+            if self._update(key, runtime, pending) is None:
+                return
+            await self._nodes.changed()
+            node = self._nodes.pick()
         runtime.ip = self._allocate_ip()
-        ip = runtime.ip
+        ip, chosen = runtime.ip, node
 
         def start_sandbox(pod: Obj) -> None:
-            pod_status.scheduled(pod)
+            pod_status.scheduled(pod, chosen)
             pod_status.sandbox_ready(pod, ip)
 
         if self._update(key, runtime, start_sandbox) is None:

@@ -355,8 +355,14 @@ class FieldRequirement:
     value: str
 
 
-def parse_field_selector(text: str | None) -> list[FieldRequirement]:
-    """``fieldSelector``: ``field=v``, ``field==v``, ``field!=v`` terms over ``POD_FIELDS``."""
+NODE_FIELDS = ("metadata.name", "spec.unschedulable")
+_FIELD_DEFAULTS = {"spec.unschedulable": "false"}  # the API server's value of an omitted bool
+
+
+def parse_field_selector(
+    text: str | None, supported: tuple[str, ...] = POD_FIELDS
+) -> list[FieldRequirement]:
+    """``fieldSelector``: ``field=v``, ``field==v``, ``field!=v`` terms over ``supported``."""
     terms: list[FieldRequirement] = []
     for raw in (text or "").split(","):
         term = raw.strip()
@@ -367,7 +373,7 @@ def parse_field_selector(text: str | None) -> list[FieldRequirement]:
             raise SelectorError(f"invalid selector: '{text}'; can't understand '{term}'")
         field, value = term.split(op, 1)
         field = field.strip()
-        if field not in POD_FIELDS:
+        if field not in supported:
             raise SelectorError(f'field label not supported: "{field}"')
         terms.append(FieldRequirement(field, op == "!=", value.strip()))
     return terms
@@ -377,7 +383,9 @@ def field_value(obj: dict[str, object], field: str) -> str:
     node: object = obj
     for part in field.split("."):
         node = node.get(part) if isinstance(node, dict) else None
-    return "" if node is None else str(node)
+    if isinstance(node, bool):
+        return "true" if node else "false"
+    return _FIELD_DEFAULTS.get(field, "") if node is None else str(node)
 
 
 def fields_match(terms: list[FieldRequirement], obj: dict[str, object]) -> bool:

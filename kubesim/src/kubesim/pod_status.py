@@ -48,18 +48,19 @@ def is_ready(pod: Obj) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
-def scheduled(pod: Obj) -> None:
-    pod["spec"]["nodeName"] = NODE_NAME
+def scheduled(pod: Obj, node: str = NODE_NAME) -> None:
+    pod["spec"]["nodeName"] = node
     _condition(pod, "PodScheduled", True)
 
 
-def unschedulable(pod: Obj) -> None:
+def unschedulable(pod: Obj, message: str | None = None) -> None:
     _condition(
         pod,
         "PodScheduled",
         False,
         "Unschedulable",
-        "0/1 nodes are available: 1 Insufficient cpu. preemption: 0/1 nodes are available: "
+        message
+        or "0/1 nodes are available: 1 Insufficient cpu. preemption: 0/1 nodes are available: "
         "1 No preemption victims found for incoming pod.",
     )
 

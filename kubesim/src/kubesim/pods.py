@@ -76,7 +76,7 @@ def _validate(name: str, meta: dict[str, Any], spec: dict[str, Any]) -> list[Cau
         causes.append(_required("metadata.name", "name or generateName is required"))
     for message in dns1123_subdomain_errors(name) if name else []:
         causes.append(_invalid_value("metadata.name", name, message))
-    causes += _meta_map_causes(meta)
+    causes += meta_map_causes(meta)
     containers = spec.get("containers")
     if not isinstance(containers, list) or not containers:
         causes.append(_required("spec.containers"))
@@ -118,7 +118,7 @@ def _validate(name: str, meta: dict[str, Any], spec: dict[str, Any]) -> list[Cau
     return causes
 
 
-def _meta_map_causes(meta: dict[str, Any]) -> list[Cause]:
+def meta_map_causes(meta: dict[str, Any]) -> list[Cause]:
     """The API server's checks of ``metadata.labels`` and ``metadata.annotations`` (keys are
     qualified names; label values label values; annotations any string, 256 KiB in all)."""
     causes: list[Cause] = []
@@ -347,7 +347,7 @@ def patched(pod: Obj, patch: Any) -> Obj:
                  "Forbidden: kubesim lets a patch change metadata.labels and "
                  "metadata.annotations only")
             )  # fmt: skip
-    causes += _meta_map_causes(meta)
+    causes += meta_map_causes(meta)
     if causes:
         raise invalid("Pod", name, causes)
     result["metadata"] = {**meta, "resourceVersion": old.get("resourceVersion")}

@@ -56,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=None, help="seed for jitter and ratios")
     parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="how many nodes (kubesim-node, kubesim-node-2, ...; 1 to 1000)",
+    )
+    parser.add_argument(
         "--watch-history",
         type=int,
         default=DEFAULT_WATCH_HISTORY,
@@ -86,6 +92,7 @@ def build_sim(args: argparse.Namespace) -> KubeSim:
         kubeconfig_path=args.kubeconfig_out,
         seed=args.seed,
         first_pod_ip=args.first_pod_ip,
+        nodes=args.nodes,
         watch_history=args.watch_history,
         max_watches=args.max_watches,
     )

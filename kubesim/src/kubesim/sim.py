@@ -33,6 +33,7 @@ from kubesim.errors import not_found
 from kubesim.faults import Faults
 from kubesim.kubeconfig import write_kubeconfig
 from kubesim.kubelet import FIRST_POD_IP, Kubelet
+from kubesim.nodes import Nodes
 from kubesim.paging import Pager
 from kubesim.store import Obj, Store
 
@@ -58,6 +59,9 @@ class KubeSim:
     and Ready), ``grace_period`` (longest wait of a graceful delete, whatever the client asked),
     ``probe_period`` (readiness re-check), ``sse_interval`` (AgentServer pings).
     ``token``: require ``Authorization: Bearer <token>`` (and write it to the kubeconfig).
+    ``nodes``: how many nodes (``kubesim-node``, ``kubesim-node-2``, …; ``nodes.py``).
+    ``watch_history``, ``max_watches``, ``watch_queue``, ``watch_timeout``,
+    ``bookmark_interval``: the bounds of watches (``watch.py``).
     ``seed``: makes jitter, fault ratios and generated names repeatable."""
 
     def __init__(
@@ -81,6 +85,7 @@ class KubeSim:
         watch_queue: int = watch.DEFAULT_QUEUE,
         watch_timeout: float = watch.DEFAULT_TIMEOUT,
         bookmark_interval: float = watch.DEFAULT_BOOKMARK_INTERVAL,
+        nodes: int = 1,
     ) -> None:
         check_loopback(host)
         check_loopback(first_pod_ip)
@@ -104,6 +109,7 @@ class KubeSim:
             self.store.revision, history=watch_history, max_watches=max_watches, queue=watch_queue
         )
         self.store.publish = self.watches.publish
+        self.nodes = Nodes(self.store, nodes)
         self.pager = Pager()  # the snapshots paged LISTs continue from
         self.faults = Faults(self.rng)
         self.kubelet = Kubelet(
@@ -114,6 +120,7 @@ class KubeSim:
             probe_period=probe_period,
             sse_interval=sse_interval,
             rng=self.rng,
+            nodes=self.nodes,
             first_ip=first_pod_ip,
         )
         self.requests: Counter[str] = Counter()  # "create pods", "list pods", ...
@@ -213,12 +220,15 @@ class KubeSim:
         assert updated is not None  # one synchronous step: the pod cannot go in between
         return updated
 
-    async def delete_pod(self, namespace: str, name: str, grace_seconds: int | None) -> Obj:
+    async def delete_pod(
+        self, namespace: str, name: str, grace_seconds: int | None, *, capped: bool = True
+    ) -> Obj:
         """Begin (or finish) a deletion as the API server does; returns the pod as answered.
 
         Grace 0, a pod never scheduled, or one already Failed/Succeeded goes at once;
-        otherwise ``deletionTimestamp`` is set and the pod is gone after
-        ``min(grace, grace_period)`` seconds.
+        otherwise ``deletionTimestamp`` is set (a MODIFIED event) and the pod is gone (DELETED)
+        after ``min(grace, grace_period)`` seconds, or exactly ``grace`` when not ``capped``
+        (the control endpoint's delete: a drain test's long grace).
         """
         pod = self.store.require_pod(namespace, name)
         grace = grace_seconds
@@ -229,7 +239,7 @@ class KubeSim:
         if grace <= 0 or unscheduled or over:
             await self._remove(namespace, name, pod["metadata"]["uid"])
             return pod
-        wait = min(float(grace), self.grace_period)
+        wait = min(float(grace), self.grace_period) if capped else float(grace)
         if pod["metadata"].get("deletionTimestamp"):
             return pod  # already going: a second delete changes nothing here
         uid = pod["metadata"]["uid"]
@@ -291,6 +301,7 @@ class KubeSim:
         """Forget every pod and fault, the counters and paged lists; namespaces stay."""
         self.faults.clear()
         self.pager.clear()
+        self.nodes.uncordon_all()
         self.requests.clear()
         self.injected.clear()
         for namespace, name in list(self.store.pods()):
@@ -326,6 +337,7 @@ class KubeSim:
                     "phase": status.get("phase"),
                     "ready": pod_status.is_ready(pod),
                     "podIP": status.get("podIP"),
+                    "node": pod["spec"].get("nodeName"),
                     "waiting": reasons,
                     "deleting": bool(meta.get("deletionTimestamp")),
                     **self.kubelet.describe(meta["namespace"], meta["name"]),
@@ -339,6 +351,7 @@ class KubeSim:
                 for name in sorted(self.store.namespaces)
             },
             "pods": listed,
+            "nodes": self.nodes.describe(),
             "watches": self.watches.describe(),
             "faults": self.faults.to_json(),
             "requests": dict(self.requests),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kubesim.errors import bad_request
 from kubesim.labels import FieldRequirement, Selector, fields_match
 
 Obj = dict[str, Any]
@@ -119,7 +121,7 @@ class Watcher:
         self._limit = queue
         self._pending: deque[Event] = deque()
         self._wake = asyncio.Event()
-        self.closed: str | None = None  # "dropped", "reset", "overflow", "stopped"
+        self.closed: str | None = None  # dropped, reset, overflow, stopped, timeout, gone
         self.seen = 0  # resourceVersion up to which this stream has taken every event
         self.abort: Callable[[], None] | None = None  # set while a write may block
 
@@ -251,6 +253,36 @@ class WatchHub:
         }
 
 
+# --- the request's parameters -------------------------------------------------------------------
+
+
+def is_flag(raw: str | None) -> bool:
+    return raw in ("1", "true", "True")
+
+
+def resource_version_param(raw: str | None) -> int | None:
+    """A watch's ``resourceVersion``: absent or "0" is "from now, with the current state"."""
+    if not raw or raw == "0":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise bad_request(f'invalid resource version: "{raw}"') from None
+
+
+def timeout_seconds(raw: str | None, server_max: float, rng: random.Random) -> float:
+    """``timeoutSeconds`` as asked (never beyond twice the server's maximum); absent or 0, a
+    random share of ``[max, 2 × max)`` as the API server spreads its watch timeouts."""
+    if raw:
+        try:
+            asked = int(raw)
+        except ValueError:
+            raise bad_request(f'invalid value for timeoutSeconds: "{raw}"') from None
+        if asked > 0:
+            return min(float(asked), 2 * server_max)
+    return server_max * (1 + rng.random())
+
+
 # --- the HTTP stream ------------------------------------------------------------------------------
 
 
@@ -295,6 +327,7 @@ async def stream(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     next_bookmark = loop.time() + bookmarks if bookmarks is not None else None
+    ended = "timeout"
     try:
         watcher.abort = abort
         await _write(response, [e.line() for e in backlog if visible(e)])
@@ -310,13 +343,17 @@ async def stream(
                 next_bookmark = loop.time() + (bookmarks or 0.0)
             if lines and watcher.closed is None:
                 await _write(response, lines)
+        if stopping.is_set():
+            ended = "stopped"
     except (ConnectionError, RuntimeError):
-        watcher.close("gone")  # the client left (or the connection was cut on purpose)
-        return response
+        ended = "gone"  # the client left (or the connection was cut on purpose)
+    except asyncio.CancelledError:
+        ended = "gone"  # the client closed the connection: aiohttp cancels its handler
+        raise
     finally:
         watcher.abort = None
-        watcher.close(watcher.closed or ("stopped" if stopping.is_set() else "timeout"))
-    if watcher.closed == "reset" or watcher.closed == "overflow":
+        watcher.close(watcher.closed or ended)
+    if watcher.closed in ("reset", "overflow", "gone"):
         return response  # the transport is cut already: nothing more to send
     with contextlib.suppress(ConnectionError, RuntimeError):
         await response.write_eof()
