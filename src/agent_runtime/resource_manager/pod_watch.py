@@ -168,9 +168,10 @@ class PodWatch:
         version: str | None = None
         backoff = BACKOFF_MIN
         while True:
+            listed = False  # this round began with a LIST
             try:
                 if version is None:
-                    version = await self.relist(place)
+                    version, listed = await self._relist(place), True
                 started, seen = loop.time(), 0
                 events = self._k8s.watch_pods(
                     namespace, OWN_PODS_SELECTOR, resource_version=version,
@@ -190,9 +191,12 @@ class PodWatch:
                 if exc.status == 410:
                     log.info("pod watch %s: %s; listing again", namespace, exc)
                     self._restarts.labels("expired").inc()
-                    continue
-                log.warning("pod watch %s: %s; listing again in %.1f s", namespace, exc, backoff)
-                self._restarts.labels("error").inc()
+                    if not listed:  # a 410 right after a LIST is backed off: never a LIST loop
+                        backoff = BACKOFF_MIN
+                        continue
+                else:
+                    log.warning("pod watch %s: %s; again in %.1f s", namespace, exc, backoff)
+                    self._restarts.labels("error").inc()
             except Exception as exc:
                 version = None
                 log.warning("pod watch %s: %s; listing again in %.1f s", namespace, exc, backoff)
@@ -200,7 +204,7 @@ class PodWatch:
             await asyncio.sleep(backoff * random.uniform(0.8, 1.2))
             backoff = min(backoff * 2, BACKOFF_MAX)  # jittered above: places never retry in step
 
-    async def relist(self, place: Place) -> str:
+    async def _relist(self, place: Place) -> str:
         """LIST the place; every pod Redis knew there before the LIST is judged on it (a death
         while nobody watched); the LIST's resourceVersion, to watch from."""
         cluster, namespace = place
