@@ -17,7 +17,7 @@ Deaths: ``kill`` (kubesim ``fail``: phase Failed, the AgentServer gone) and ``he
 from the fault on, as if its stream had failed with it). Prints a table of p50 / p99 / max
 per mode and death; bounded (``--trials``, each trial at most ``TRIAL_DEADLINE`` s).
 
-  .venv/bin/python -m bench.dead_pod [--quick] [--trials N]
+  .venv/bin/python -m bench.dead_pod [--quick] [--trials N] [--rows MODE:DEATH ...] [--json F]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import random
 import sys
 import time
@@ -57,23 +58,30 @@ DEATHS = ("kill", "health")
 BEFORE = {"kill": (5.3, 9.5), "health": (15.4, 19.4)}
 
 
-async def run(ctx: Context, trials: int | None = None) -> dict[str, Any]:
+ALL_ROWS = [(mode, death) for mode in MODES for death in DEATHS]
+
+
+async def run(
+    ctx: Context, trials: int | None = None, rows: list[tuple[str, str]] | None = None
+) -> dict[str, Any]:
+    """``rows``: the (mode, death) pairs to measure (default: all six)."""
     from kubesim import KubeSim
 
     n = trials or (3 if ctx.quick else 8)
+    wanted = rows or ALL_ROWS
     results: dict[str, Any] = {"trials": n, "watch_interval": WATCH_INTERVAL, "rows": []}
     async with KubeSim(
         ready_delay=0.2, jitter=0.05, grace_period=0.3, probe_period=0.05, sse_interval=0.1
     ) as sim:
         assert sim.kubeconfig_path is not None
-        for mode in MODES:
+        for mode in [m for m in MODES if any(m == w for w, _ in wanted)]:
             extra = ["--kubeconfig", str(sim.kubeconfig_path)]
             extra += ["--watch-interval", str(WATCH_INTERVAL)]
             if mode != "stream":
                 extra.append("--no-pod-watch-stream")
             server = await Server(ctx, f"dead-{mode}", jobs=True, extra_args=extra).start()
             try:
-                for death in DEATHS:
+                for death in [d for d in DEATHS if (mode, d) in wanted]:
                     times = await trials_of(server, sim, mode, death, n)
                     results["rows"].append(row(mode, death, times))
             finally:
@@ -211,11 +219,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 trials per row")
     parser.add_argument("--trials", type=int, default=None)
     parser.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        choices=[f"{m}:{d}" for m, d in ALL_ROWS],
+        metavar="MODE:DEATH",
+        help="only these rows (default all): " + " ".join(f"{m}:{d}" for m, d in ALL_ROWS),
+    )
+    parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
+    rows = [(r.split(":")[0], r.split(":")[1]) for r in args.rows] if args.rows else None
 
     async def go() -> None:
         async with bench_context(quick=args.quick, redis_url=args.redis_url) as ctx:
-            await run(ctx, args.trials)
+            results = await run(ctx, args.trials, rows)
+        if args.json is not None:
+            args.json.write_text(json.dumps(results, indent=2))
 
     try:
         asyncio.run(go())
