@@ -228,3 +228,24 @@ async def test_no_report_touches_a_pod_the_service_does_not_know(
         probes = k8s.health_probes
         verdict = await services.resources.check_reported_pod("agent-nobody-knows")
         assert verdict.value == "unknown" and k8s.health_probes == probes
+
+
+@SQLITE
+async def test_a_report_that_cannot_be_checked_leaves_the_route_as_without_it(
+    redis: Redis, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    k8s = FakeK8sPodClient()
+    async with app(redis, db, k8s) as a:
+        pod = (await a.routed("s1"))["pod_id"]
+
+        asked: list[str] = []
+
+        async def broken(pod_id: str) -> Any:
+            asked.append(pod_id)
+            raise RuntimeError("the check broke")
+
+        monkeypatch.setattr(a.svc.resources, "check_reported_pod", broken)
+        answer = await reported(a, "s1", pod)
+        assert asked == [pod], "the report was checked, and the check broke"
+        assert answer["placement"] == "refresh" and answer["pod_id"] == pod
+        assert pod in k8s.pods

@@ -35,11 +35,16 @@ class PodReport:
         self._ignored = (metrics or Metrics()).pod_reports.labels(IGNORED)
 
     async def check(self, session_id: str, scope_id: str, pod_id: str) -> PodVerdict | None:
-        """The reported pod's verdict, or None when the report was ignored."""
+        """The reported pod's verdict, or None when the report was ignored (or could not be
+        checked: a report is advice, and the route goes on without it)."""
         bound = await self._state.bound_pod(session_id)
         if bound is None or bound.scope_id != scope_id or bound.pod_id != pod_id:
             self._ignored.inc()
             return None
-        verdict = await self._resources.check_reported_pod(pod_id)
+        try:
+            verdict = await self._resources.check_reported_pod(pod_id)
+        except Exception as exc:  # advisory: the route goes on as without it
+            log.warning("session %s reported pod %s; not checked: %s", session_id, pod_id, exc)
+            return None
         log.info("session %s reported pod %s: %s", session_id, pod_id, verdict.value)
         return verdict
