@@ -251,9 +251,11 @@ class Server:
         callback_audit: float = 0.0,
         profile: Path | None = None,
         cpus: set[int] | None = None,
+        extra_args: list[str] | None = None,
     ) -> None:
         """``cpus``: pin the server process to these CPUs (``sched_setaffinity``), so that a
-        load generator pinned elsewhere does not take its cycles."""
+        load generator pinned elsewhere does not take its cycles; ``extra_args``: more of
+        ``bench.server``'s options."""
         self.ctx = ctx
         self.cpus = cpus
         self.name = name
@@ -287,6 +289,7 @@ class Server:
             self.args += ["--callback-audit", str(callback_audit)]
         if profile is not None:
             self.args += ["--profile", str(profile)]
+        self.args += extra_args or []
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

@@ -219,9 +219,15 @@ def build_app(args: argparse.Namespace) -> tuple[FastAPI, Any]:
         port=args.port,
         log_level="WARNING",
         log_format="text",
+        watch_interval=args.watch_interval,
+        pod_watch_stream=not args.no_pod_watch_stream,
     )
-    k8s = FakeK8sPodClient(ready_delay=args.ready_delay)
-    if args.seed_k8s:
+    k8s: Any = FakeK8sPodClient(ready_delay=args.ready_delay)
+    if args.kubeconfig:  # a (simulated) cluster instead of the in-process fake
+        from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
+
+        k8s = RealK8sPodClient(kubeconfig=args.kubeconfig)
+    elif args.seed_k8s:
         seed_fake_k8s(k8s, args.redis_url)
     db = Database.from_url(
         settings.sqlalchemy_url(),
@@ -268,8 +274,8 @@ def build_app(args: argparse.Namespace) -> tuple[FastAPI, Any]:
                 "slow_callback_samples": [m for _, _, m in sorted(SLOW, reverse=True)[:10]],
                 "callback_audit": AUDIT[-2000:],
                 "gc": GC_STATS,
-                "k8s_deploy_calls": k8s.deploy_calls,
-                "k8s_pods": len(k8s.pods),
+                "k8s_deploy_calls": getattr(k8s, "deploy_calls", None),
+                "k8s_pods": len(getattr(k8s, "pods", ())),
             }
         )
 
@@ -399,6 +405,9 @@ def main() -> None:
         help="stdlib asyncio loop; classify callbacks slower than this (see audit_callbacks)",
     )
     parser.add_argument("--instance-id", default=f"bench-{os.getpid()}")
+    parser.add_argument("--kubeconfig", default=None, help="a cluster (kubesim), not the fake")
+    parser.add_argument("--watch-interval", type=float, default=10.0, help="the rm_watch pass")
+    parser.add_argument("--no-pod-watch-stream", action="store_true", help="the pass alone")
     args = parser.parse_args()
 
     from agent_runtime import logs

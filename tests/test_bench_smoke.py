@@ -88,3 +88,36 @@ def test_quick_bench_writes_wellformed_results(tmp_path: Path) -> None:
     for row in report["targets"]:
         assert set(row) == {"target", "value", "bound", "met"}
         assert row["met"] in (True, False, None)
+
+
+@pytest.mark.real_backend
+@pytest.mark.timeout(120)
+def test_the_dead_pod_bench_prints_its_table(tmp_path: Path) -> None:
+    """``bench/dead_pod.py``, one trial of its two fast rows (kubesim in process, a bench
+    server with the real Kubernetes client): the table printed, the JSON well formed."""
+    out = tmp_path / "dead.json"
+    rows = ["--rows", "stream:kill", "report:kill", "--trials", "1"]
+    bench = [sys.executable, "-m", "bench.dead_pod", *rows, "--json", str(out)]
+    done = subprocess.run(
+        [*bench, "--redis-url", BENCH_REDIS_URL],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    if done.returncode == EXIT_REFUSED:
+        message = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "refused"
+        if IN_CI:
+            pytest.fail(f"CI=true and the bench refused to run: {message}", pytrace=False)
+        pytest.skip(message)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "dead_pod: kill → next route `rebound`" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["trials"] == 1
+    assert [(r["mode"], r["death"]) for r in report["rows"]] == [
+        ("stream", "kill"),
+        ("report", "kill"),
+    ]
+    for row in report["rows"]:
+        assert row["n"] == 1 and all(number(row[k]) for k in ("p50_s", "p99_s", "max_s"))

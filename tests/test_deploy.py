@@ -428,6 +428,15 @@ def k8s_calls(source: str = K8S_SOURCE) -> dict[tuple[str, str], bool]:
             and any(kw.arg == "watch" and not _is_false(kw.value) for kw in node.keywords)
         ):
             calls[(owner[node.func.attr], node.func.attr)] = True
+        if (  # kubernetes_asyncio's Watch().stream(api.list_..., ...) passes watch=True itself
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "stream"
+            and node.args
+            and isinstance(node.args[0], ast.Attribute)
+            and node.args[0].attr in owner
+        ):
+            calls[(owner[node.args[0].attr], node.args[0].attr)] = True
     return calls
 
 
@@ -678,7 +687,8 @@ def test_rbac_evaluator_refuses_what_is_not_granted(
     sa_ns, target_ns = _namespaces(docs)
     for call in ("replace_namespaced_pod", "read_namespace", "list_pod_for_all_namespaces"):
         assert not allowed(docs, sa_ns, permission_for(call), target_ns), call
-    assert not allowed(docs, sa_ns, permission_for("list_namespaced_pod", watch=True), target_ns)
+    assert not allowed(docs, sa_ns, permission_for("list_namespaced_pod", watch=True), sa_ns)
+    assert allowed(docs, sa_ns, permission_for("list_namespaced_pod", watch=True), target_ns)
     # and the way to grant read_namespace: a Role rule in the AgentServer namespace itself
     role = copy.deepcopy(_one(docs, "Role"))
     role["rules"].append({"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get"]})
@@ -702,9 +712,10 @@ def test_a_call_added_to_k8s_py_fails_the_rbac_check(
     role = copy.deepcopy(_one(docs, "Role"))
     role["rules"].append({"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get"]})
     _check_rbac([role if d["kind"] == "Role" else d for d in docs], needed)
-    # and a watch on a list call needs the watch verb
+    # and a watch on a list call needs the watch verb (of that resource)
     watching = (
-        K8S_SOURCE + "\n\nasync def _w(api):\n    await api.list_namespaced_pod('x', watch=True)\n"
+        K8S_SOURCE
+        + "\n\nasync def _w(api):\n    await api.list_namespaced_service('x', watch=True)\n"
     )
     with pytest.raises(AssertionError, match="watch"):
         _check_rbac(docs, needed_permissions(watching))

@@ -10,6 +10,7 @@ kubesim's own API semantics: ``test_kubesim.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -51,6 +52,7 @@ from kubesim import KubeSim
 from kubesim import pod_status as sim_pod_status
 from kubesim import pods as sim_pods
 from kubesim.kubeconfig import render_kubeconfig
+from test_local_mode import free_port
 
 SCOPE = "0123456789abcdef0123456789abcdef"
 OTHER = "fedcba9876543210fedcba9876543210"
@@ -723,3 +725,99 @@ async def test_lost_reply_orphan_is_found_by_reconcile(sim: KubeSim, rm: Rm) -> 
     }
     assert await PoolJobsState(rm.state).all_pods() == []
     await until(lambda: not ours(sim), "the unfinished orphan gone")
+
+
+# --- the watch stream's calls: list_pods_versioned, watch_pods ---------------------------------
+
+
+async def test_a_watch_from_a_list_sees_a_pod_die_and_be_deleted(
+    sim: KubeSim, client: RealK8sPodClient
+) -> None:
+    port = free_port()  # another test run's simulated pods may hold 8080 on 127.0.0.x
+    info = await deploy(client, container_port=port, sse_port=port)
+    listing = await client.list_pods_versioned("default", COMPONENT_SELECTOR)
+    assert [p.pod_id for p in listing.pods] == [info.pod_id] and listing.resource_version
+    events = client.watch_pods(
+        "default", COMPONENT_SELECTOR, resource_version=listing.resource_version,
+        timeout_seconds=30,
+    )  # fmt: skip
+    seen: list[tuple[str, str]] = []
+    async with asyncio.timeout(20), contextlib.aclosing(events) as stream:
+        await sim.kill("default", info.pod_id, "fail")
+        async for event in stream:
+            assert event.pod is not None and event.pod.pod_id == info.pod_id
+            assert int(event.resource_version) > int(listing.resource_version)
+            seen.append((event.kind, event.pod.phase))
+            if event.pod.dead:
+                break
+    assert seen[-1] == ("MODIFIED", "Failed"), seen
+    # resumed from the last version: the delete that follows, and nothing before it again
+    await client.delete(info.pod_id, "default")
+    resumed = client.watch_pods(
+        "default", COMPONENT_SELECTOR, resource_version=event.resource_version,
+        timeout_seconds=30,
+    )  # fmt: skip
+    async with asyncio.timeout(20), contextlib.aclosing(resumed) as stream:
+        async for event in stream:
+            if event.kind == "DELETED":
+                break
+            assert event.pod is not None and event.pod.phase == "Terminating", event
+    assert event.pod is not None and event.pod.pod_id == info.pod_id
+
+
+async def test_a_watch_from_a_compacted_version_is_a_410(
+    sim: KubeSim, client: RealK8sPodClient
+) -> None:
+    listing = await client.list_pods_versioned("default", COMPONENT_SELECTOR)
+    port = free_port()
+    await deploy(client, container_port=port, sse_port=port)  # changes after the list...
+    sim.watches.compact()  # ...that the history forgets
+    events = client.watch_pods(
+        "default", COMPONENT_SELECTOR, resource_version=listing.resource_version,
+        timeout_seconds=30,
+    )  # fmt: skip
+    with pytest.raises(K8sApiError) as refused:
+        async with asyncio.timeout(20), contextlib.aclosing(events) as stream:
+            async for _ in stream:
+                pass
+    assert refused.value.status == 410
+
+
+async def test_a_watch_ends_at_its_timeout_and_when_dropped(
+    sim: KubeSim, client: RealK8sPodClient
+) -> None:
+    listing = await client.list_pods_versioned("default", COMPONENT_SELECTOR)
+    quiet = client.watch_pods(
+        "default", COMPONENT_SELECTOR, resource_version=listing.resource_version,
+        timeout_seconds=1,
+    )  # fmt: skip
+    async with asyncio.timeout(20), contextlib.aclosing(quiet) as stream:
+        assert [e async for e in stream if e.kind != "BOOKMARK"] == []
+    dropped = client.watch_pods(
+        "default", COMPONENT_SELECTOR, resource_version=listing.resource_version,
+        timeout_seconds=60,
+    )  # fmt: skip
+
+    async def drop_soon() -> None:
+        for _ in range(2000):  # 20 s at most
+            if sim.watches.open_watches:
+                break
+            await asyncio.sleep(0.01)
+        sim.watches.close_all()
+
+    dropping = asyncio.create_task(drop_soon())
+    async with asyncio.timeout(20), contextlib.aclosing(dropped) as stream:
+        assert [e async for e in stream if e.kind != "BOOKMARK"] == []
+    await dropping
+
+
+async def test_a_watch_of_a_forbidden_namespace_is_refused(
+    sim: KubeSim, client: RealK8sPodClient
+) -> None:
+    sim.faults.add("namespace_forbidden", namespace="team")
+    events = client.watch_pods("team", COMPONENT_SELECTOR, resource_version="0", timeout_seconds=5)
+    with pytest.raises(K8sApiError) as refused:
+        async with asyncio.timeout(20), contextlib.aclosing(events) as stream:
+            async for _ in stream:
+                pass
+    assert refused.value.status == 403

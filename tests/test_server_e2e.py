@@ -267,12 +267,19 @@ class AttachServerLog:
         return report
 
 
-def serving(
-    workdir: Path, backend: str, settings: dict[str, str], undo: contextlib.ExitStack
-) -> Stack:
-    """The claimed real-Redis db, a database of ``backend`` brought up by ``db upgrade``, the
-    simulator and ``serve --mode server`` with ``settings``, up and healthy; ``undo`` stops
-    and releases them (in reverse: server, simulator, SQL, Redis)."""
+@dataclass
+class Backing:
+    """What the servers of a stack share: the claimed Redis db, a SQL database, the simulator."""
+
+    redis_url: str
+    sql_url: str
+    kubeconfig: Path
+    sim_url: str
+
+
+def backing(workdir: Path, backend: str, undo: contextlib.ExitStack) -> Backing:
+    """The claimed real-Redis db, a database of ``backend`` brought up by ``db upgrade`` and
+    the simulator; ``undo`` stops and releases them (in reverse: simulator, SQL, Redis)."""
     redis_url = asyncio.run(_claim_redis())
     undo.callback(release_redis, redis_url)
     sql = make_sql_backend(backend, workdir)
@@ -291,22 +298,66 @@ def serving(
     sim_args = agent_runtime("kubesim", "--kubeconfig-out", str(kubeconfig), *SIM_ARGS)
     sim = Child("kubesim", sim_args, env, workdir / "kubesim.log")
     undo.callback(sim.stop)
-    sim_url = wait_for_sim(sim)
+    return Backing(redis_url, sql.url, kubeconfig, wait_for_sim(sim))
 
-    port, instance_id = free_port(), f"e2e-{backend}-{uuid.uuid4().hex[:6]}"
+
+def serve_on(
+    workdir: Path,
+    shared: Backing,
+    settings: dict[str, str],
+    undo: contextlib.ExitStack,
+    *,
+    name: str,
+) -> tuple[Child, str, str]:
+    """``serve --mode server`` over ``shared`` with ``settings``, up and healthy (``undo``
+    stops it): the process, its URL and its instance id."""
+    port, instance_id = free_port(), f"e2e-{name}-{uuid.uuid4().hex[:6]}"
     env = {
         **settings,
-        "AGENT_RUNTIME_REDIS_URL": redis_url,
-        "AGENT_RUNTIME_DATABASE_URL": sql.url,
-        "AGENT_RUNTIME_KUBECONFIG": str(kubeconfig),
+        "AGENT_RUNTIME_REDIS_URL": shared.redis_url,
+        "AGENT_RUNTIME_DATABASE_URL": shared.sql_url,
+        "AGENT_RUNTIME_KUBECONFIG": str(shared.kubeconfig),
         "AGENT_RUNTIME_INSTANCE_ID": instance_id,
     }
     serve = agent_runtime("serve", "--mode", "server", "--port", str(port))
-    server = Child("agent-runtime serve", serve, child_env(env), workdir / "server.log")
+    log = workdir / f"server-{name}.log"
+    server = Child(f"agent-runtime serve {name}", serve, child_env(env), log)
     undo.callback(server.stop)
     base_url = f"http://127.0.0.1:{port}"
     _wait_healthy(LocalServer(server.proc, base_url, server.log_path, instance_id), START_TIMEOUT)
-    return Stack(base_url, sim_url, redis_url, instance_id, free_port(), server)
+    return server, base_url, instance_id
+
+
+def serving(
+    workdir: Path, backend: str, settings: dict[str, str], undo: contextlib.ExitStack
+) -> Stack:
+    """``backing`` and one server with ``settings`` over it; ``undo`` stops and releases them
+    (in reverse: server, simulator, SQL, Redis)."""
+    shared = backing(workdir, backend, undo)
+    server, base_url, instance_id = serve_on(workdir, shared, settings, undo, name=backend)
+    return Stack(base_url, shared.sim_url, shared.redis_url, instance_id, free_port(), server)
+
+
+def stack_with(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    backend: str,
+    settings: dict[str, str],
+) -> Iterator[Stack]:
+    """A module's stack: ``serving`` with ``settings``, its server's log attached to a failed
+    test's report; the server must exit 0 on SIGTERM."""
+    workdir = tmp_path_factory.mktemp(f"e2e-{backend}")
+    with contextlib.ExitStack() as undo:
+        plugin = AttachServerLog()
+        request.config.pluginmanager.register(plugin, f"e2e-server-log-{workdir.name}")
+        undo.callback(request.config.pluginmanager.unregister, plugin)
+        running = serving(workdir, backend, settings, undo)
+        yield running
+        assert running.server is not None
+        server = running.server
+        stopped = server.stop(), server.killed
+    if stopped != (0, False):
+        pytest.fail(f"SIGTERM: (exit status, killed) {stopped}; its log:\n{server.log()}")
 
 
 @pytest.fixture(scope="module", params=["mariadb", "postgresql"])
@@ -317,18 +368,7 @@ def stack(
     if EXTERNAL["base_url"]:
         yield external_stack(backend)
         return
-    workdir = tmp_path_factory.mktemp(f"e2e-{backend}")
-    with contextlib.ExitStack() as undo:
-        plugin = AttachServerLog()
-        request.config.pluginmanager.register(plugin, f"e2e-server-log-{backend}")
-        undo.callback(request.config.pluginmanager.unregister, plugin)
-        running = serving(workdir, backend, SETTINGS, undo)
-        yield running
-        assert running.server is not None
-        server = running.server
-        stopped = server.stop(), server.killed
-    if stopped != (0, False):
-        pytest.fail(f"SIGTERM: (exit status, killed) {stopped}; its log:\n{server.log()}")
+    yield from stack_with(request, tmp_path_factory, backend, SETTINGS)
 
 
 # --- one scenario: its own template, rule and scope ----------------------------------------------

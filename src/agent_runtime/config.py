@@ -114,6 +114,12 @@ class Settings(BaseSettings):
     autoscale_interval: float = Field(1.0, gt=0, description="warm-pool autoscale tick (s)")
     reclaim_interval: float = Field(1.0, gt=0, description="idle reclaim tick (s)")
     watch_interval: float = Field(10.0, gt=0, description="dead/half-dead pod watch tick (s)")
+    pod_watch_stream: bool = Field(
+        True,
+        description="watch our pods in Kubernetes (one stream per place, on the leader of "
+        "rm_pod_watch) so a deleted, failed or crash-looping pod is cleaned within about a "
+        "second; the watch pass stays as the safety net (needs jobs_enabled)",
+    )
     reconcile_interval: float = Field(30.0, gt=0, description="Redis/Kubernetes reconcile tick (s)")
     jobs_enabled: bool = Field(
         True, description="run the background jobs (tests switch them off to tick by hand)"

@@ -72,6 +72,44 @@ class Metrics:
             ["source"],
             registry=self.registry,
         )
+        self.dead_pods_cleaned = Counter(
+            "agent_runtime_dead_pods_cleaned",
+            "dead pods cleaned (sessions evicted), by the door that found them: pass (the "
+            "periodic watch), stream (the watch stream), report (a gateway's failed_pod_id)",
+            ["by"],
+            registry=self.registry,
+        )
+        self.pod_watch_events = Counter(
+            "agent_runtime_pod_watch_events",
+            "pod watch stream events seen, by type (ADDED, MODIFIED, DELETED, BOOKMARK)",
+            ["type"],
+            registry=self.registry,
+        )
+        self.pod_watch_relists = Counter(
+            "agent_runtime_pod_watch_relists",
+            "LISTs a watch stream (re)started from: its start, a 410, an error",
+            registry=self.registry,
+        )
+        self.pod_watch_restarts = Counter(
+            "agent_runtime_pod_watch_restarts",
+            "watch streams that ended, by reason: ended (the server's timeout or a dropped "
+            "connection: resumed), expired (410: listed again), error (listed again after a "
+            "backoff)",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.pod_watch_streams = Gauge(
+            "agent_runtime_pod_watch_streams",
+            "watch streams open on this replica (0 unless it leads rm_pod_watch)",
+            registry=self.registry,
+        )
+        self.pod_reports = Counter(
+            "agent_runtime_pod_reports",
+            "routes carrying rawdata.failed_pod_id, by outcome: ignored (the session is not "
+            "on that pod), healthy, suspect, dead (cleaned and rebound), unknown",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.deploys = Counter(
             "agent_runtime_pool_deploys",
             "pod deploys by kind (cold / warm) and outcome",

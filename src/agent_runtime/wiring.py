@@ -37,7 +37,11 @@ from agent_runtime.resource_manager.k8s_metered import MeteredK8sPodClient
 from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.resource_manager.models import DeployBounds
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
+from agent_runtime.resource_manager.places import Places
+from agent_runtime.resource_manager.pod_reports import PodReports
+from agent_runtime.resource_manager.pod_watch import PodWatch
 from agent_runtime.resource_manager.pool_jobs import PoolJobs
+from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
 from agent_runtime.resource_manager.views import ResourceViews
 from agent_runtime.session_manager.config_store import ConfigStore
@@ -228,6 +232,7 @@ class Services:
     resources: ResourceManagerFacade
     sessions: SessionManagerFacade
     pool_jobs: PoolJobs
+    pod_watch: PodWatch
     session_orchestrator: SessionOrchestrator
     session_sweeper: SessionSweeper
     jobs: JobRunner
@@ -290,9 +295,12 @@ class Services:
         await self.notifier.start()
         if self.settings.jobs_enabled:
             self.jobs.start()
+            if self.settings.pod_watch_stream:
+                self.pod_watch.start()
 
     async def stop(self) -> None:
         """Reverse order: no new ticks, then running deploys finish or clean up."""
+        await self.pod_watch.stop()
         await self.jobs.stop()
         await self.session_sweeper.wait_for_notices()
         await self.pool_jobs.wait_for_warm_deploys()
@@ -343,7 +351,6 @@ def wire(
         default_timeout=settings.drain_timeout,
         margin=settings.drain_margin,
     )
-    resources = ResourceManagerFacade(orchestrator=orchestrator, drains=drains)
     pool_jobs = PoolJobs(
         state=resource_state,
         k8s=k8s,
@@ -355,6 +362,31 @@ def wire(
         metrics=metrics,
         adopted_pod_ttl=settings.adopted_pod_ttl,
         drains=drains,
+    )
+    resources = ResourceManagerFacade(
+        orchestrator=orchestrator,
+        drains=drains,
+        reports=PodReports(
+            state=resource_state,
+            k8s=k8s,
+            dead_pods=pool_jobs.dead_pods,
+            default_namespace=settings.default_namespace,
+            metrics=metrics,
+        ),
+    )
+    pod_watch = PodWatch(
+        lock_redis=backends.job_locks or redis,
+        state=resource_state,
+        k8s=k8s,
+        places=Places(
+            jobs_state=PoolJobsState(resource_state),
+            k8s=k8s,
+            default_namespace=settings.default_namespace,
+            namespaces=settings.allowed_namespaces(),
+        ),
+        dead_pods=pool_jobs.dead_pods,
+        default_namespace=settings.default_namespace,
+        metrics=metrics,
     )
     config_store = ConfigStore(
         db=db,
@@ -399,6 +431,7 @@ def wire(
         resources=resources,
         sessions=sessions,
         pool_jobs=pool_jobs,
+        pod_watch=pod_watch,
         session_orchestrator=SessionOrchestrator(
             state=session_state,
             config_store=config_store,

@@ -22,9 +22,11 @@ from agent_runtime.resource_manager.models import (
     K8sApiError,
     MaxPodsReached,
     PodBudgetReached,
+    PodVerdict,
     PoolConfigUpdate,
 )
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
+from agent_runtime.resource_manager.pod_reports import PodReports
 
 __all__ = [
     "MAX_DRAIN_SECONDS",
@@ -38,16 +40,26 @@ __all__ = [
     "MaxPodsReached",
     "OnReady",
     "PodBudgetReached",
+    "PodVerdict",
     "PoolConfigUpdate",
     "ResourceManagerFacade",
 ]
 
 
 class ResourceManagerFacade:
-    def __init__(self, *, orchestrator: ResourceOrchestrator, drains: Drains | None = None) -> None:
-        """``drains``: the operator's drain calls (None: this facade serves routes only)."""
+    def __init__(
+        self,
+        *,
+        orchestrator: ResourceOrchestrator,
+        drains: Drains | None = None,
+        reports: PodReports | None = None,
+    ) -> None:
+        """``drains``: the operator's drain calls (None: this facade serves routes only);
+        ``reports``: the checks of reported pods (the wiring's; None in tests that build the
+        resource manager by hand and report nothing: every pod is then ``UNKNOWN``)."""
         self._orchestrator = orchestrator
         self._drains = drains
+        self._reports = reports
 
     def _drain_control(self) -> Drains:
         if self._drains is None:
@@ -124,6 +136,16 @@ class ResourceManagerFacade:
         use, no deploy in flight, no follower): True when it is gone. Asked by the session
         side's scope expiry before it drops its own side of the scope."""
         return await self._orchestrator.expire_scope(scope_id)
+
+    async def check_reported_pod(self, pod_id: str) -> PodVerdict:
+        """A gateway saw the pod's stream fail: probe it at once (bounded: one probe per pod
+        per second across every replica, its verdict shared) and, if it is dead, clean it —
+        its sessions are evicted with a tombstone, so the caller's next ``route_place``
+        answers ``rebound``. A pod that answers ``/health`` is never touched. The session
+        side asks only for a pod its session is bound to."""
+        if self._reports is None:
+            return PodVerdict.UNKNOWN
+        return await self._reports.check(pod_id)
 
     async def cleanup(self, namespace: str | None = None, label_selector: str | None = None) -> int:
         """Delete AgentServer pods that carry our scope label (never another tool's); raises

@@ -16,11 +16,17 @@ and so does ``list_nodes``.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Protocol
 
 from agent_runtime.resource_manager.identity import PodIdentity
-from agent_runtime.resource_manager.models import NodeStatus, PodDeployInfo, PodStatus
+from agent_runtime.resource_manager.models import (
+    NodeStatus,
+    PodDeployInfo,
+    PodEvent,
+    PodListing,
+    PodStatus,
+)
 
 # called by a deploy once its create landed, with the pod's name, namespace and uid
 OnCreated = Callable[[str, str, str], Awaitable[None]]
@@ -107,6 +113,30 @@ class K8sPodClient(Protocol):
         """Every node of ``cluster`` with whether it is cordoned (``spec.unschedulable``): how
         the watch tells a pod on a node being drained. Paged as ``list_pods``; 403 (the
         service may not read nodes), or a cluster not configured or down → ``K8sApiError``."""
+        ...
+
+    async def list_pods_versioned(
+        self, namespace: str, label_selector: str, *, cluster: str | None = None
+    ) -> PodListing:
+        """``list_pods`` with the ``resourceVersion`` of the LIST's snapshot (a watch's start)."""
+
+    def watch_pods(
+        self,
+        namespace: str,
+        label_selector: str,
+        *,
+        resource_version: str,
+        timeout_seconds: int,
+        cluster: str | None = None,
+    ) -> AsyncGenerator[PodEvent, None]:
+        """The changes to matching pods of ``cluster`` after ``resource_version``, as they
+        happen, until the server ends the stream (``timeout_seconds``, or the connection
+        dropped): the stream simply ends, and the caller resumes from the last event's
+        ``resource_version``. A version too old to resume from (compacted) → ``K8sApiError``
+        with status 410 (the caller lists again); any other refusal or failure →
+        ``K8sApiError``. Bookmarks come as ``BOOKMARK`` events without a pod. Close it with
+        ``aclose`` (``contextlib.aclosing``)."""
+        ...
 
     async def probe_health(self, pod_ip: str, port: int) -> bool:
         """``GET http://{pod_ip}:{port}/health`` within 3 s; only a 200 is healthy."""

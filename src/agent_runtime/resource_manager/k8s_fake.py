@@ -5,24 +5,28 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import math
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import AsyncGenerator, Collection
 from typing import Any
 
 from agent_runtime import label_selector as selectors
 from agent_runtime.resource_manager.clusters import template_cluster
 from agent_runtime.resource_manager.identity import IDENTITY_ANNOTATION, PodIdentity
 from agent_runtime.resource_manager.k8s import OnCreated
+from agent_runtime.resource_manager.k8s_fake_watch import EventLog, PodSet
 from agent_runtime.resource_manager.models import (
     DeployFailed,
     K8sApiError,
     NodeStatus,
     PodDeployInfo,
+    PodEvent,
     PodGone,
+    PodListing,
     PodStatus,
     normalize_phase,
 )
@@ -69,6 +73,11 @@ class FakeK8sPodClient:
 
     Pod IPs are loopback: 127.0.1.1 … 127.0.1.254, then 127.0.2.x and so on (one sequence over
     every cluster: no two pods share an IP).
+
+    Watch (``k8s_fake_watch.py``): every change to a pod set, the tests' own included, is an
+    event with a resourceVersion; ``drop_watches()`` ends every open stream (a dropped
+    connection), ``compact_watches()`` makes every older version 410 (``watches_refused``:
+    every new watch is refused, 503). ``health_probes`` counts ``probe_health`` calls.
     """
 
     def __init__(
@@ -92,8 +101,11 @@ class FakeK8sPodClient:
         self.forbidden_namespaces: set[str] = set()
         self.clusters: set[str] | None = None if clusters is None else set(clusters)
         self.unreachable_clusters: set[str | None] = set()
-        self.pods: dict[str, PodStatus] = {}
+        self.events = EventLog()
+        self.pods: dict[str, PodStatus] = PodSet(self.events, None)
         self._named: dict[str, dict[str, PodStatus]] = {}  # the named clusters' pod sets
+        self.watches_refused = False
+        self.health_probes = 0
         self.deleted: list[str] = []
         self.deleted_in: list[tuple[str | None, str]] = []
         self.deploy_calls = 0
@@ -116,7 +128,10 @@ class FakeK8sPodClient:
         """The pod set of ``cluster`` (None: the default), live: a test may read or change it."""
         if cluster is None:
             return self.pods
-        return self._named.setdefault(cluster, {})
+        pods = self._named.get(cluster)
+        if pods is None:
+            pods = self._named[cluster] = PodSet(self.events, cluster)
+        return pods
 
     def _refusal(self, cluster: str | None) -> str | None:
         if cluster in self.unreachable_clusters:
@@ -454,7 +469,45 @@ class FakeK8sPodClient:
             raise K8sApiError("fake: nodes is forbidden", status=403)
         return [NodeStatus(name, cordoned) for name, cordoned in self.nodes_of(cluster).items()]
 
+    async def list_pods_versioned(
+        self, namespace: str, label_selector: str, *, cluster: str | None = None
+    ) -> PodListing:
+        version = str(self.events.version)  # before the LIST: a watch from it misses nothing
+        return PodListing(await self.list_pods(namespace, label_selector, cluster=cluster), version)
+
+    async def watch_pods(
+        self,
+        namespace: str,
+        label_selector: str,
+        *,
+        resource_version: str,
+        timeout_seconds: int,
+        cluster: str | None = None,
+    ) -> AsyncGenerator[PodEvent, None]:
+        self._reached(cluster)
+        self._check_namespace(namespace)
+        if self.watches_refused:
+            raise K8sApiError("fake: watch refused", status=503)
+        terms = selectors.parse(label_selector)
+
+        def wanted(pod: PodStatus) -> bool:
+            return pod.namespace == namespace and selectors.matches(terms, pod.labels)
+
+        stream = self.events.stream(cluster, resource_version, timeout_seconds, wanted)
+        async with contextlib.aclosing(stream) as events:
+            async for event in events:
+                yield event
+
+    def drop_watches(self) -> None:
+        """Every open watch ends, as if its connection dropped."""
+        self.events.drop()
+
+    def compact_watches(self) -> None:
+        """Every version before now is compacted: a watch resuming from one gets 410."""
+        self.events.compact()
+
     async def probe_health(self, pod_ip: str, port: int) -> bool:
+        self.health_probes += 1
         cluster, pod_id = self._pod_of_ip.get(pod_ip, (None, ""))
         pod = self.pods_in(cluster).get(pod_id)
         return (

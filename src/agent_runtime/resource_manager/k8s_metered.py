@@ -4,8 +4,10 @@ wraps the real or fake client in it; metrics ``agent_runtime_k8s_calls_total`` a
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from agent_runtime.resource_manager.identity import PodIdentity
@@ -15,6 +17,8 @@ from agent_runtime.resource_manager.models import (
     K8sApiError,
     NodeStatus,
     PodDeployInfo,
+    PodEvent,
+    PodListing,
     PodStatus,
 )
 
@@ -120,6 +124,43 @@ class MeteredK8sPodClient:
 
     async def list_nodes(self, *, cluster: str | None = None) -> list[NodeStatus]:
         return await self._timed("list_nodes", self.inner.list_nodes(cluster=cluster))
+
+    async def list_pods_versioned(
+        self, namespace: str, label_selector: str, *, cluster: str | None = None
+    ) -> PodListing:
+        call = self.inner.list_pods_versioned(namespace, label_selector, cluster=cluster)
+        return await self._timed("list", call)
+
+    async def watch_pods(
+        self,
+        namespace: str,
+        label_selector: str,
+        *,
+        resource_version: str,
+        timeout_seconds: int,
+        cluster: str | None = None,
+    ) -> AsyncGenerator[PodEvent, None]:
+        """Verb ``watch``, observed once when the stream ends, timed over its whole life;
+        ended by the server or closed by its reader: ``ok``."""
+        started = time.perf_counter()
+        status = "error"
+        try:
+            inner = self.inner.watch_pods(
+                namespace, label_selector, resource_version=resource_version,
+                timeout_seconds=timeout_seconds, cluster=cluster,
+            )  # fmt: skip
+            async with contextlib.aclosing(inner) as events:
+                async for event in events:
+                    yield event
+            status = "ok"
+        except (GeneratorExit, asyncio.CancelledError):
+            status = "ok"
+            raise
+        except K8sApiError as exc:
+            status = str(exc.status) if exc.status else "error"
+            raise
+        finally:
+            self._observe("watch", status, time.perf_counter() - started)
 
     async def probe_health(self, pod_ip: str, port: int) -> bool:
         return await self._timed("probe_health", self.inner.probe_health(pod_ip, port))

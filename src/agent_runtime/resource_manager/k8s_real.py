@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,8 @@ from agent_runtime.resource_manager.models import (
     K8sApiError,
     NodeStatus,
     PodDeployInfo,
+    PodEvent,
+    PodListing,
     PodStatus,
 )
 from agent_runtime.resource_manager.pod_manifest import (
@@ -52,14 +54,17 @@ from agent_runtime.resource_manager.pod_manifest import (
 )
 from agent_runtime.resource_manager.pod_reading import (
     LIST_PAGE_SIZE,
+    PageEnd,
     pod_status,
-    read_node_list,
-    read_pod_list,
+    pod_status_from_json,
+    read_node_page,
+    read_pod_page,
 )
 
 log = logging.getLogger(__name__)
 
 AWAIT_READY_MIN = 1.0  # seconds await_ready looks for at least (one GET)
+WATCH_SLACK = 10  # seconds a watch's client waits past its timeoutSeconds (a silent connection)
 
 # Opens a CoreV1Api-like object for a configured cluster name (None: the process default). It must
 # carry ``api_client`` with an async ``close()``. Tests inject a fake here.
@@ -213,11 +218,17 @@ class RealK8sPodClient:
     async def list_pods(
         self, namespace: str, label_selector: str, *, cluster: str | None = None
     ) -> list[PodStatus]:
+        return (await self.list_pods_versioned(namespace, label_selector, cluster=cluster)).pods
+
+    async def list_pods_versioned(
+        self, namespace: str, label_selector: str, *, cluster: str | None = None
+    ) -> PodListing:
         """Paged as client-go's pager: ``limit`` ``LIST_PAGE_SIZE`` and each page's continue
         token, until a page has none. Each page is one ``_call`` (bounded, every failure a
         ``K8sApiError``), read as raw JSON (no V1Pod models) a slice at a time. A 404 (the
-        namespace) → []; a 410 of a continued page (its token expired) → the list again from
-        the start, once; any other refusal, or a second 410, is raised."""
+        namespace) → [] (resourceVersion ""); a 410 of a continued page (its token expired) →
+        the list again from the start, once; any other refusal, or a second 410, is raised.
+        The resourceVersion is the first page's (every page is that one snapshot)."""
         api = await self._pod_api(cluster)
         where = namespace if cluster is None else f"{cluster}/{namespace}"
 
@@ -229,11 +240,12 @@ class RealK8sPodClient:
 
         found: list[PodStatus] = []
         what = f"list pods in {where} ({label_selector})"
-        if not await self._paged(
-            what, page, lambda text: read_pod_list(text, found), found, "PodList"
-        ):
-            return []
-        return found
+        version = await self._paged(
+            what, page, lambda text: read_pod_page(text, found), found, "PodList"
+        )
+        if version is None:
+            return PodListing([], "")
+        return PodListing(found, version)
 
     async def list_nodes(self, *, cluster: str | None = None) -> list[NodeStatus]:
         """Paged as ``list_pods``, read as raw JSON: a node object carries its images and
@@ -245,39 +257,92 @@ class RealK8sPodClient:
 
         found: list[NodeStatus] = []
         what = "list nodes" if cluster is None else f"list nodes of {cluster}"
-        await self._paged(what, page, lambda text: read_node_list(text, found), found, "NodeList")
+        await self._paged(what, page, lambda text: read_node_page(text, found), found, "NodeList")
         return found
 
     async def _paged(
         self,
         what: str,
         page: Callable[[str | None], Awaitable[Any]],
-        read: Callable[[str], Awaitable[str | None]],
+        read: Callable[[str], Awaitable[PageEnd]],
         found: list[Any],
         kind: str,
-    ) -> bool:
-        """Every page of a LIST into ``found`` (``read`` parses one and gives its continue
-        token); False for a 404 (a namespace that does not exist: nothing found)."""
+    ) -> str | None:
+        """Every page of a LIST into ``found`` (``read`` parses one: its continue token and
+        resourceVersion); the first page's resourceVersion, or None for a 404 (a namespace
+        that does not exist: nothing found)."""
         token: str | None = None
+        version = ""
         restarted = False
         while True:
             try:
                 text = await self._call(what, functools.partial(_page_text, page, token))
             except K8sApiError as exc:
                 if exc.status == 404:
-                    return False
+                    return None
                 if exc.status == 410 and token is not None and not restarted:
                     log.info("%s: continue token expired; listing again from the start", what)
                     found.clear()
                     token, restarted = None, True
                     continue
                 raise
+            first = token is None
             try:
-                token = await read(text)
+                end = await read(text)
             except (ValueError, TypeError, AttributeError) as exc:
                 raise K8sApiError(f"{what}: a reply that is not a {kind}: {exc}") from exc
+            if first:
+                version = end.resource_version
+            token = end.token
             if token is None:
-                return True
+                return version
+
+    async def watch_pods(
+        self,
+        namespace: str,
+        label_selector: str,
+        *,
+        resource_version: str,
+        timeout_seconds: int,
+        cluster: str | None = None,
+    ) -> AsyncGenerator[PodEvent, None]:
+        """kubernetes_asyncio's ``watch.Watch`` over ``list_namespaced_pod``, with
+        ``timeoutSeconds`` (so the stream ends instead of reconnecting by itself: the caller
+        resumes, and a 410 is raised, never retried behind our back) and bookmarks. Events
+        are read from their raw JSON (``return_type="object"``: no V1Pod models) through
+        ``pod_status_from_json``. The client side gives up ``WATCH_SLACK`` s after the
+        server should have ended it (a connection that went silent)."""
+        from kubernetes_asyncio import watch
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        api = await self._pod_api(cluster)
+        where = namespace if cluster is None else f"{cluster}/{namespace}"
+        watcher = watch.Watch(return_type="object")
+        stream = watcher.stream(
+            api.list_namespaced_pod,
+            namespace,
+            label_selector=label_selector,
+            resource_version=resource_version,
+            timeout_seconds=timeout_seconds,
+            allow_watch_bookmarks=True,
+            _request_timeout=timeout_seconds + WATCH_SLACK,
+        )
+        try:
+            async with stream:
+                async for event in stream:
+                    kind = str(event.get("type") or "")
+                    raw = event.get("raw_object")
+                    version = str(watcher.resource_version or resource_version)
+                    if kind == "BOOKMARK" or not isinstance(raw, dict):
+                        yield PodEvent("BOOKMARK", None, version)
+                    else:
+                        yield PodEvent(kind, pod_status_from_json(raw), version)
+        except ApiException as exc:
+            raise K8sApiError(
+                f"watch pods in {where}: {api_error_text(exc)}", status=exc.status
+            ) from exc
+        except Exception as exc:  # a dropped connection, a silent one, a malformed line
+            raise K8sApiError(f"watch pods in {where}: {api_error_text(exc)}") from exc
 
     async def probe_health(self, pod_ip: str, port: int) -> bool:
         if self._http is None:

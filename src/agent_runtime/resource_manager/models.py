@@ -4,6 +4,7 @@ facade gives (``AcquiredPod``, ``IdleTransition``, ``PoolConfigUpdate``), and it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 COMPONENT_LABEL = "jiuwenclaw-component"
@@ -104,6 +105,38 @@ class PodStatus:
     @property
     def deploy_ver(self) -> str | None:
         return self.labels.get(DEPLOY_VER_LABEL)
+
+
+@dataclass(frozen=True, slots=True)
+class PodListing:
+    """A LIST of pods and the ``resourceVersion`` of its snapshot: a watch from it sees every
+    change after the LIST."""
+
+    pods: list[PodStatus]
+    resource_version: str
+
+
+# watch event types (a Kubernetes watch's ``type``); BOOKMARK carries no pod
+WATCH_EVENT_TYPES = frozenset({"ADDED", "MODIFIED", "DELETED", "BOOKMARK"})
+
+
+@dataclass(frozen=True, slots=True)
+class PodEvent:
+    """One event of a pod watch: its type, the pod as it is now (as it was last, for DELETED;
+    None for a BOOKMARK) and the ``resourceVersion`` to resume from after it."""
+
+    kind: str
+    pod: PodStatus | None
+    resource_version: str
+
+
+class PodVerdict(StrEnum):
+    """What a reported pod was found to be (``ResourceManagerFacade.check_reported_pod``)."""
+
+    HEALTHY = "healthy"  # its /health answered: untouched
+    SUSPECT = "suspect"  # /health failed once, Kubernetes does not say dead: untouched yet
+    DEAD = "dead"  # cleaned: its sessions were evicted (their next route is `rebound`)
+    UNKNOWN = "unknown"  # not a pod the resource manager knows (already cleaned, or never)
 
 
 def normalize_phase(

@@ -17,7 +17,7 @@ import re
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from agent_runtime.resource_manager.models import NodeStatus, PodStatus, normalize_phase
 
@@ -218,15 +218,29 @@ def iter_json_object(text: str, stream: str = "items") -> Iterator[tuple[str, An
         raise ValueError(f"extra data at {i} after a JSON object")
 
 
+class PageEnd(NamedTuple):
+    """What a PodList page says besides its items."""
+
+    token: str | None  # the continue token (None: the last page)
+    resource_version: str  # the LIST's snapshot ("" when the page names none)
+
+
 async def read_pod_list(text: str, into: list[PodStatus]) -> str | None:
     """One PodList page (JSON text) into ``into``; returns its continue token (None: the last
     page). Yields to the loop every ``LIST_PARSE_SLICE`` s, so a page never blocks it for long."""
+    return (await read_pod_page(text, into)).token
+
+
+async def read_pod_page(text: str, into: list[PodStatus]) -> PageEnd:
+    """``read_pod_list`` that also gives the page's ``metadata.resourceVersion`` (a watch
+    resumes from the first page's: every page of a paged LIST is that one snapshot)."""
     return await _read_list(text, lambda item: into.append(pod_status_from_json(item)), "PodList")
 
 
-async def read_node_list(text: str, into: list[NodeStatus]) -> str | None:
+async def read_node_page(text: str, into: list[NodeStatus]) -> PageEnd:
     """One NodeList page (JSON text) into ``into``: each node's name and ``spec.unschedulable``
-    (a cordon); returns its continue token (None: the last page). Yields as ``read_pod_list``."""
+    (a cordon); its continue token (None: the last page) and resourceVersion. Yields as
+    ``read_pod_list``."""
 
     def node(item: dict[str, Any]) -> None:
         name = (item.get("metadata") or {}).get("name") or ""
@@ -235,8 +249,9 @@ async def read_node_list(text: str, into: list[NodeStatus]) -> str | None:
     return await _read_list(text, node, "NodeList")
 
 
-async def _read_list(text: str, take: Callable[[dict[str, Any]], None], kind: str) -> str | None:
+async def _read_list(text: str, take: Callable[[dict[str, Any]], None], kind: str) -> PageEnd:
     token: str | None = None
+    version = ""
     clock = time.perf_counter
     await asyncio.sleep(0)  # reading and decoding the page was a slice already
     slice_started = clock()
@@ -247,7 +262,8 @@ async def _read_list(text: str, take: Callable[[dict[str, Any]], None], kind: st
             take(value)
         elif key == "metadata" and isinstance(value, dict):
             token = value.get("continue") or None
+            version = str(value.get("resourceVersion") or "")
         if clock() - slice_started >= LIST_PARSE_SLICE:
             await asyncio.sleep(0)
             slice_started = clock()
-    return token
+    return PageEnd(token, version)

@@ -14,13 +14,12 @@ its adoption records it; reconcile's orphans are ``orphans.py``'s.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import Collection
 from typing import Any
 
 from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.metrics import Metrics
+from agent_runtime.resource_manager.dead_pods import HEALTH_FAILS_TO_DEAD, DeadPods
 from agent_runtime.resource_manager.deploy_state import DeployState, warm_token
 from agent_runtime.resource_manager.drains import Drains
 from agent_runtime.resource_manager.identity import PodIdentity
@@ -29,7 +28,6 @@ from agent_runtime.resource_manager.models import PodStatus
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.orphans import Orphans
 from agent_runtime.resource_manager.places import Places
-from agent_runtime.resource_manager.pod_reading import pod_condition
 from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.session_side import SessionSide
 from agent_runtime.resource_manager.state import ResourceState
@@ -41,7 +39,6 @@ log = logging.getLogger(__name__)
 
 # YIELD_NOTE: the jobs run in the serving process; a loop over every pod (10k) between two
 # awaits holds requests for its whole length, so the long ones yield now and then.
-HEALTH_FAILS_TO_DEAD = 2
 PROBE_CONCURRENCY = 16
 MAX_WARM_DEPLOYS = 8  # per replica at once
 DEFAULT_ADOPTED_POD_TTL = 600.0
@@ -94,6 +91,12 @@ class PoolJobs:
         self.drains = drains or Drains(
             state=state, k8s=k8s, sessions=sessions, default_namespace=default_namespace,
             metrics=self._metrics,
+        )  # fmt: skip
+        # the one "dead → clean, retired → drain" of the pass, the stream and the reports
+        # (the wiring shares it)
+        self.dead_pods = DeadPods(
+            k8s=k8s, jobs_state=self._jobs_state, sessions=sessions, drains=self.drains,
+            clock=state.now, metrics=self._metrics,
         )  # fmt: skip
         self._warm_deploys = BackgroundTasks()
         self._warm_targets = WarmTargets(jobs_state=self._jobs_state, sessions=sessions)
@@ -243,12 +246,7 @@ class PoolJobs:
         return True
 
     async def _forget(self, pod_id: str) -> None:
-        """Purge the pod's RM keys and tell the session side (both idempotent)."""
-        await self._jobs_state.purge(pod_id)
-        try:
-            await self._sessions.notify_pod_dead(pod_id)
-        except Exception as exc:  # reconcile repeats it
-            log.warning("pod %s: notify_pod_dead failed: %s", pod_id, exc)
+        await self.dead_pods.forget(pod_id)
 
     # --- watch (scenarios J, N) ----------------------------------------------------------------
 
@@ -258,7 +256,8 @@ class PoolJobs:
         (``pod_reading.pod_condition``: the one reading of a pod's state); returns pods
         cleaned. One LIST per place (cluster, namespace) that holds pods we know and one node
         LIST per cluster, the places listed at once (a slow cluster delays no other); a place
-        whose LIST failed is skipped."""
+        whose LIST failed is skipped. The safety net under the watch stream (``pod_watch.py``):
+        both judge through ``DeadPods``."""
         known = await self._places.pods_by_place()
         listings = await self._places.list_all(list(known))
         cordoned = await self.drains.cordoned_nodes({cluster for cluster, _ in listings})
@@ -271,37 +270,15 @@ class PoolJobs:
                 continue
             for pod_id in pods:
                 status = listed.get(pod_id)
-                nodes = cordoned.get(cluster, ())
-                if await self.judge(pod_id, status, namespace, cluster, now, nodes) == "dead":
+                if await self.dead_pods.settle(
+                    pod_id, namespace, cluster, status, by="pass",
+                    cordoned_nodes=cordoned.get(cluster, ()), now=now,
+                ):  # fmt: skip
                     cleaned += 1
                 elif status is not None and status.phase == "Running" and status.pod_ip:
                     probes.append((pod_id, status, cluster))
         cleaned += await self._probe_all(probes)
         return cleaned
-
-    async def judge(
-        self,
-        pod_id: str,
-        status: PodStatus | None,
-        namespace: str,
-        cluster: str | None,
-        now: float,
-        cordoned_nodes: Collection[str] = (),
-    ) -> str:
-        """What Kubernetes' view of one pod of ours (None: gone) means, acted on: dead →
-        cleaned (deleted if it still exists, forgotten, its sessions rebound); draining (a
-        graceful deletion with time left, a cordoned node) → drained; else alive. Returns
-        ``pod_condition``'s state. ``now``: Redis seconds. The watch pass calls it per pod; a
-        watch stream calls it per event."""
-        condition = pod_condition(
-            status, now, margin=self.drains.margin, cordoned_nodes=cordoned_nodes
-        )
-        if condition.state == "dead":
-            why = "missing" if status is None else status.phase
-            await self._clean_dead(pod_id, namespace, cluster, exists=status is not None, why=why)
-        elif condition.state == "draining":
-            await self.drains.drain_seen(pod_id, condition)
-        return condition.state
 
     async def _probe_all(self, probes: list[tuple[str, PodStatus, str | None]]) -> int:
         """PROBE_CONCURRENCY workers over the list (not a task per pod: 10k of them would be
@@ -326,8 +303,8 @@ class PoolJobs:
                 if await self._k8s.probe_health(status.pod_ip, port):
                     healthy_pods.append(pod_id)  # counters reset below, in one call per batch
                 elif await self._jobs_state.count_health_failure(pod_id) >= HEALTH_FAILS_TO_DEAD:
-                    await self._clean_dead(
-                        pod_id, status.namespace, cluster, exists=True, why="half-dead"
+                    await self.dead_pods.clean(
+                        pod_id, status.namespace, cluster, exists=True, why="half-dead", by="pass"
                     )
                     cleaned += 1
 
@@ -335,15 +312,6 @@ class PoolJobs:
         for i in range(0, len(healthy_pods), 500):
             await self._jobs_state.clear_health_failures(*healthy_pods[i : i + 500])
         return cleaned
-
-    async def _clean_dead(
-        self, pod_id: str, namespace: str, cluster: str | None, *, exists: bool, why: str
-    ) -> None:
-        log.info("pod %s: %s; cleaning it", pod_id, why)
-        if exists:
-            with contextlib.suppress(Exception):  # reconcile retries a delete that failed
-                await self._k8s.delete(pod_id, namespace, cluster=cluster)
-        await self._forget(pod_id)
 
     # --- reconcile (scenario L) ----------------------------------------------------------------
 

@@ -115,6 +115,11 @@ def pod_drain_key(pod_id: str) -> str:
     return f"{POD_PREFIX}{pod_id}:drain"
 
 
+def pod_reported_key(pod_id: str) -> str:
+    """A gateway's report of the pod: the window of its one probe (pod_report.lua)."""
+    return f"{POD_PREFIX}{pod_id}:reported"
+
+
 def deploy_lock_key(scope_id: str) -> str:
     return f"{P}lock:rm:deploy:{scope_id}"
 

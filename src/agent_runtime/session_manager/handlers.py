@@ -73,6 +73,7 @@ async def route(envelope: RouteBody, request: Request, deps: Deps) -> JSONRespon
         meta.extra.group_id,
         meta.bot_id,
         disconnected=request.is_disconnected,
+        failed_pod_id=envelope.rawdata.failed_pod_id,
     )
     return ok(meta.request_id, data)
 

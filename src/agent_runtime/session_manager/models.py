@@ -43,12 +43,20 @@ class RouteMetadata(BaseModel):
     extra: RouteExtra
 
 
+class RouteRawdata(BaseModel):
+    """route's ``rawdata``: optional; other fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    # the pod whose stream the gateway just saw fail (checked at once; see api.md)
+    failed_pod_id: Id | None = None
+
+
 class RouteEnvelope(BaseModel):
     """route: every id required (contract §2.3)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     metadata: RouteMetadata
-    rawdata: dict[str, Any] = Field(default_factory=dict)
+    rawdata: RouteRawdata = Field(default_factory=RouteRawdata)
 
 
 class TouchMetadata(BaseModel):

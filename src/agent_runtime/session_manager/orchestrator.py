@@ -38,6 +38,7 @@ from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.facade import ResourceManagerFacade
 from agent_runtime.session_manager.config_store import ConfigStore
+from agent_runtime.session_manager.pod_report import PodReport
 from agent_runtime.session_manager.replies import PLACING, Placement
 from agent_runtime.session_manager.slow_route import RouteContext, SlowRoute, reused
 from agent_runtime.session_manager.state import SessionState
@@ -72,6 +73,7 @@ class SessionOrchestrator:
             acquiring=SingleFlight(),  # one per orchestrator: its replica's routes share it
             until_drained=self._until_drained,
         )
+        self._reports = PodReport(state=state, resources=resources, metrics=metrics)
         self.draining = False
         self._waits: set[asyncio.Timeout] = set()  # the waits drain() ends
 
@@ -119,12 +121,17 @@ class SessionOrchestrator:
         bot_id: str,
         *,
         disconnected: Callable[[], Awaitable[bool]] | None = None,
+        failed_pod_id: str | None = None,
     ) -> dict[str, Any]:
         """``{pod_id, pod_sse_url, placement[, previous_pod_id]}``; the same request_id within
-        60 s gets the first answer again (also on another replica)."""
+        60 s gets the first answer again (also on another replica). ``failed_pod_id``: the
+        gateway saw that pod's stream fail; if the session is on it and it is dead, this call
+        answers ``rebound`` (``pod_report.py``; the slow path: without it, one EVALSHA)."""
         self._refuse_if_draining()
         scope_id = scope_id_of(group_id, bot_id)
         with logs.bound(request_id=request_id, session_id=session_id, scope_id=scope_id):
+            if failed_pod_id:
+                await self._reports.check(session_id, scope_id, failed_pod_id)
             return await self._route(
                 request_id, session_id, group_id, bot_id, scope_id, disconnected
             )

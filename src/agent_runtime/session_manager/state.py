@@ -377,6 +377,14 @@ class SessionState:
         """Every registered (scope, pod), by SSCAN."""
         return [pod_ref(m) async for m in self.redis.sscan_iter(PODS_REGISTERED_KEY, count=500)]
 
+    async def bound_pod(self, session_id: str) -> PodRef | None:
+        """The (scope, pod) the session is bound to, None when unbound (a read: the slow
+        path's, for a route that reports a failed pod)."""
+        scope_id, pod_id = await self.redis.hmget(session_key(session_id), "scope_id", "pod_id")
+        if not scope_id or not pod_id:
+            return None
+        return PodRef(str(scope_id), str(pod_id))
+
     async def pod_scopes(self, pod_id: str) -> list[str]:
         return cast(list[str], list(await self.redis.smembers(pod_scopes_key(pod_id))))
 

@@ -1,0 +1,124 @@
+"""``DeadPods``: the one judgement "this pod is dead: clean it" (or "being retired: drain it"),
+for every door that finds one.
+
+The watch pass (``pool_jobs.watch_once``), the watch stream (``pod_watch.py``) and a gateway's
+report (``pod_reports.py``) each learn something of a pod — Kubernetes' view of it (or that
+it is missing), or failed health probes — and hand it here: ``settle`` reads Kubernetes' view
+through ``pod_reading.pod_condition`` (alive / draining / dead: the one classification) and
+cleans a dead pod or hands a draining one (a graceful deletion with time left, a cordoned
+node) to ``Drains``; ``clean`` cleans one found dead by its probes. ``why_dead`` is the quick
+pre-filter of the stream (anything it lets through is settled here). Cleaning is
+idempotent, so two doors finding the same death at once (the pass and the stream, two
+replicas for a moment) do no harm.
+
+Cleaning: delete the pod (when it still exists; a failed delete is retried by reconcile),
+purge its resource-manager keys, and tell the session side, which evicts its sessions with a
+tombstone (their next route answers ``rebound`` with ``previous_pod_id``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Collection
+
+from agent_runtime.metrics import Metrics
+from agent_runtime.resource_manager.drains import Drains
+from agent_runtime.resource_manager.k8s import K8sPodClient
+from agent_runtime.resource_manager.models import PodStatus
+from agent_runtime.resource_manager.pod_reading import pod_condition
+from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
+from agent_runtime.resource_manager.session_side import SessionSide
+
+log = logging.getLogger(__name__)
+
+HEALTH_FAILS_TO_DEAD = 2  # failed /health probes in a row that make a Running pod half-dead
+CLEANED_BY = ("pass", "stream", "report")  # the doors (metrics label)
+
+
+class DeadPods:
+    def __init__(
+        self,
+        *,
+        k8s: K8sPodClient,
+        jobs_state: PoolJobsState,
+        sessions: SessionSide,
+        drains: Drains,
+        clock: Callable[[], Awaitable[float]],
+        metrics: Metrics | None = None,
+    ) -> None:
+        """``clock``: Redis seconds (the clock drain deadlines are kept in), read only for a
+        pod being deleted."""
+        self._k8s = k8s
+        self._drains = drains
+        self._clock = clock
+        self._jobs_state = jobs_state
+        self._sessions = sessions
+        metrics = metrics or Metrics()
+        self._cleaned = {by: metrics.dead_pods_cleaned.labels(by) for by in CLEANED_BY}
+
+    @staticmethod
+    def why_dead(status: PodStatus | None) -> str | None:
+        """Why Kubernetes' view of a pod of ours makes it dead ("missing", its phase: Failed,
+        Succeeded, Terminating, a dead waiting reason such as CrashLoopBackOff), or None.
+        ``status`` None: Kubernetes does not have the pod (a LIST without it, a DELETED
+        event)."""
+        if status is None:
+            return "missing"
+        if status.dead:
+            return status.phase
+        return None
+
+    async def settle(
+        self,
+        pod_id: str,
+        namespace: str,
+        cluster: str | None,
+        status: PodStatus | None,
+        *,
+        by: str,
+        cordoned_nodes: Collection[str] = (),
+        now: float | None = None,
+    ) -> bool:
+        """Clean the pod if Kubernetes' view says it is dead, drain it if it is being retired
+        (``cordoned_nodes``: its cluster's cordoned nodes, as far as the caller knows them);
+        whether it cleaned it. A gateway's report (``by="report"``) comes after a failed
+        probe: a pod being deleted is then dead whatever its grace (nothing to drain to)."""
+        if by == "report" or (self.why_dead(status) is None and not cordoned_nodes):
+            why = self.why_dead(status)
+            if why is None:
+                return False
+            await self.clean(pod_id, namespace, cluster, exists=status is not None, why=why, by=by)
+            return True
+        if now is None and status is not None and status.phase == "Terminating":
+            now = await self._clock()
+        condition = pod_condition(
+            status, now or 0.0, margin=self._drains.margin, cordoned_nodes=cordoned_nodes
+        )
+        if condition.state == "draining":
+            await self._drains.drain_seen(pod_id, condition)
+            return False
+        if condition.state == "dead":
+            why = "missing" if status is None else status.phase
+            await self.clean(pod_id, namespace, cluster, exists=status is not None, why=why, by=by)
+            return True
+        return False
+
+    async def clean(
+        self, pod_id: str, namespace: str, cluster: str | None, *, exists: bool, why: str, by: str
+    ) -> None:
+        """Delete (if it ``exists``), purge and tell the session side; ``by``: which door."""
+        log.info("pod %s: %s; cleaning it (%s)", pod_id, why, by)
+        if exists:
+            with contextlib.suppress(Exception):  # reconcile retries a delete that failed
+                await self._k8s.delete(pod_id, namespace, cluster=cluster)
+        await self.forget(pod_id)
+        self._cleaned[by].inc()
+
+    async def forget(self, pod_id: str) -> None:
+        """Purge the pod's RM keys and tell the session side (both idempotent)."""
+        await self._jobs_state.purge(pod_id)
+        try:
+            await self._sessions.notify_pod_dead(pod_id)
+        except Exception as exc:  # reconcile repeats it
+            log.warning("pod %s: notify_pod_dead failed: %s", pod_id, exc)
