@@ -149,6 +149,31 @@ async def test_a_dead_pod_is_cleaned_by_the_stream_alone(
         assert (await a.routed("s1"))["placement"] == "refresh"
 
 
+async def test_a_graceful_deletion_seen_by_the_stream_is_a_drain_not_a_death(
+    redis: Redis, db: Database
+) -> None:
+    """The stream judges as the pass does (``pod_condition``): a pod Kubernetes deletes with
+    time left is drained — out of the candidates, its session kept — never cleaned."""
+    k8s = FakeK8sPodClient()
+    async with app(redis, db, k8s) as a:
+        await a.configure()
+        await eventually(a.streaming, "the replica leads and streams")
+        pod = (await a.routed("s1"))["pod_id"]
+        k8s.begin_graceful_delete(pod, 600.0)
+
+        async def drained() -> bool:
+            return (
+                await a.metric("agent_runtime_drains_started_total", trigger="graceful_delete") == 1
+            )
+
+        await eventually(drained, "the stream starts the drain")
+        assert (await a.routed("s1")) == {**(await a.routed("s1")), "pod_id": pod}
+        assert (await a.routed("s1"))["placement"] == "refresh", "its session stays"
+        assert (await a.routed("s2"))["pod_id"] != pod, "no new session on a draining pod"
+        assert await a.metric("agent_runtime_dead_pods_cleaned_total") == 0
+        assert pod in k8s.pods
+
+
 async def test_a_live_pod_changing_is_left_alone(redis: Redis, db: Database) -> None:
     k8s = FakeK8sPodClient()
     async with app(redis, db, k8s) as a:
