@@ -329,6 +329,7 @@ def wire(
         identity=identity,
         deploy_lease=settings.deploy_lease,
         instance_id=settings.instance_id,
+        scope_deploy_concurrency=settings.scope_deploy_concurrency,
     )
     resources = ResourceManagerFacade(orchestrator=orchestrator)
     sessions = SessionManagerFacade(state=session_state)
@@ -342,6 +343,7 @@ def wire(
         identity=identity,
         metrics=metrics,
         adopted_pod_ttl=settings.adopted_pod_ttl,
+        warm_deploy_concurrency=settings.warm_deploy_concurrency,
     )
     config_store = ConfigStore(
         db=db,

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 # awaits holds requests for its whole length, so the long ones yield now and then.
 HEALTH_FAILS_TO_DEAD = 2
 PROBE_CONCURRENCY = 16
-MAX_WARM_DEPLOYS = 8  # per replica at once
+DEFAULT_WARM_DEPLOY_CONCURRENCY = 64  # warm deploys one replica runs at once
 DEFAULT_ADOPTED_POD_TTL = 600.0
 
 
@@ -55,10 +55,13 @@ class PoolJobs:
         identity: PodIdentity,
         metrics: Metrics | None = None,
         adopted_pod_ttl: float = DEFAULT_ADOPTED_POD_TTL,
+        warm_deploy_concurrency: int = DEFAULT_WARM_DEPLOY_CONCURRENCY,
     ) -> None:
         """``namespaces``: the allow-list reconcile may look for orphans in besides where our
         pods are (None: wherever pool configs say); ``identity``: tells our pods from others;
-        ``adopted_pod_ttl``: how long a warm pod of a scope without a pool config is kept."""
+        ``adopted_pod_ttl``: how long a warm pod of a scope without a pool config is kept;
+        ``warm_deploy_concurrency``: warm deploys this replica runs at once (each scope's
+        also within the orchestrator's scope deploy concurrency, with its cold deploys)."""
         self._state = state
         self._deploy_state = DeployState(state)
         self._jobs_state = PoolJobsState(state)
@@ -85,6 +88,7 @@ class PoolJobs:
             deploy_lease=orchestrator.deploy_lease,
         )
         self._warm_deploys = BackgroundTasks()
+        self._warm_deploy_concurrency = warm_deploy_concurrency
         self._unused_last_pass: set[str] = set()
 
     # --- autoscale (scenario H) ----------------------------------------------------------------
@@ -107,8 +111,12 @@ class PoolJobs:
             if config.budget_rule and config.budget_rule in spent_rules:
                 continue
             warm_in_flight = in_flight[scope_id].warm
-            for _ in range(config.min_idle_pods - len(warm_of[scope_id]) - warm_in_flight):
-                if len(self._warm_deploys) >= MAX_WARM_DEPLOYS:
+            # the scope's deploys at once, cold and warm, stay within its deploy concurrency;
+            # the floor counts warm deploys in flight (a cold one's pod is its route's)
+            room = self._orchestrator.scope_deploy_concurrency - in_flight[scope_id].total
+            needed = config.min_idle_pods - len(warm_of[scope_id]) - warm_in_flight
+            for _ in range(min(needed, room)):
+                if len(self._warm_deploys) >= self._warm_deploy_concurrency:
                     return started
                 token = warm_token()
                 # the deploy renews it (a lease): a replica that dies frees it within seconds

@@ -52,6 +52,7 @@ DEFAULT_POD_BUDGET = 1000
 # Reconcile's report of pods with our labels that are not provably ours (foreign_report.lua)
 FOREIGN_PODS_KEY = f"{P}resource:foreign_pods"
 FOREIGN_COUNT_KEY = f"{P}resource:foreign_pods:count"
+DEPLOY_LOCK_PREFIX = f"{P}lock:rm:deploy:"  # + "{sid}:{deploy id}"
 IDEM_TTL = 60
 PACKAGE = "agent_runtime.resource_manager"  # where the lua/ folder is
 
@@ -72,8 +73,17 @@ def scope_deploying_key(scope_id: str) -> str:
     return f"{SCOPE_PREFIX}{scope_id}:deploying"
 
 
-def scope_followers_key(scope_id: str) -> str:
-    return f"{SCOPE_PREFIX}{scope_id}:deploy_followers"
+def scope_followers_key(scope_id: str, deploy_id: str) -> str:
+    """The follower room of one cold deploy: request id -> seat deadline (≤ pod_concurrency - 1
+    seats; the key lives at most ``record_ttl`` after its last seat was taken)."""
+    return f"{SCOPE_PREFIX}{scope_id}:deploy_followers:{deploy_id}"
+
+
+def scope_cold_deploys_key(scope_id: str) -> str:
+    """The scope's cold deploys (routes'): deploy id -> when it was first led (Redis seconds).
+    A member is live while its lock exists; one whose lock lapsed stays while its record
+    names a pod nobody registered (to be taken over), and leaves at the next claim or prune."""
+    return f"{SCOPE_PREFIX}{scope_id}:cold_deploys"
 
 
 def budget_rule_pods_key(rule_id: str) -> str:
@@ -98,14 +108,20 @@ def pod_health_fails_key(pod_id: str) -> str:
     return f"{POD_PREFIX}{pod_id}:health_fails"
 
 
-def deploy_lock_key(scope_id: str) -> str:
-    return f"{P}lock:rm:deploy:{scope_id}"
+def deploy_lock_key(scope_id: str, deploy_id: str) -> str:
+    """One cold deploy's leader: its token on a lease (a scope runs many deploys at once)."""
+    return f"{deploy_lock_prefix(scope_id)}{deploy_id}"
 
 
-def deploy_pod_key(scope_id: str) -> str:
-    """The deploy leader's pod, recorded once created (its name, namespace, uid and cluster,
+def deploy_lock_prefix(scope_id: str) -> str:
+    """What a script prepends to a deploy id to get its lock (deploy_claim.lua)."""
+    return f"{DEPLOY_LOCK_PREFIX}{scope_id}:"
+
+
+def deploy_pod_key(scope_id: str, deploy_id: str) -> str:
+    """One cold deploy's pod, recorded once created (its name, namespace, uid and cluster,
     under the leader's token), or the notice of a failed deploy (not in the contract)."""
-    return f"{SCOPE_PREFIX}{scope_id}:deploy_pod"
+    return f"{SCOPE_PREFIX}{scope_id}:deploy_pod:{deploy_id}"
 
 
 # the deploy record's fields (deploy_lease*.lua write them), as deploy_state reads them back
@@ -299,8 +315,7 @@ class ResourceState:
                 scope_pods_key(scope_id),
                 scope_idle_key(scope_id),
                 scope_deploying_key(scope_id),
-                scope_followers_key(scope_id),
-                deploy_lock_key(scope_id),
+                scope_cold_deploys_key(scope_id),
                 SCOPES_KEY,
                 scope_config_gen_key(scope_id),
             ],
@@ -422,17 +437,6 @@ class ResourceState:
         """The pod's info (None: not registered)."""
         return _pod_info_of(cast(dict[str, str], await self.redis.hgetall(pod_info_key(pod_id))))
 
-    async def in_use_pod_since(self, scope_id: str, since: float) -> AcquiredPod | None:
-        """The newest in-use pod of the scope registered at or after ``since`` (Redis
-        seconds): the one a deploy leader brought, for its followers."""
-        newest_first = cast(
-            list[str], await self.redis.zrevrangebyscore(scope_pods_key(scope_id), "+inf", since)
-        )
-        for pod_id in newest_first:
-            info = await self.pod_info(pod_id)
-            if info is not None and info.pod_sse_url and info.phase == "in_use":
-                return AcquiredPod(pod_id, info.pod_sse_url, info.deploy_ver)
-        return None
 
     # --- the clock -----------------------------------------------------------------------------
 

@@ -99,15 +99,26 @@ class LeaseTake:
 
 
 @dataclass(frozen=True, slots=True)
+class DeployClaim:
+    """What ``deploy_claim`` decided for a cold acquire: ``lead`` (a new deploy, or a lapsed
+    one with its ``orphan`` pod), ``follow`` (seated in ``deploy_id``'s room, ``holder`` its
+    leader's token), ``busy`` (the scope runs its deploy concurrency), ``coming`` (refused, but
+    a placeholder is live) or ``refused``."""
+
+    action: str
+    deploy_id: str = ""
+    holder: str | None = None
+    orphan: OrphanPod | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class DeployView:
-    """A scope's deploy as a follower sees it: the leader (its lock token), a failure notice,
-    and whether live placeholders of cold deploys (routes) or warm ones (the pool) exist."""
+    """One cold deploy as its followers see it: the leader (its lock token), a failure notice,
+    and the pod its leader recorded (registered once the deploy is done)."""
 
     leader: str | None
     failed: bool
-    cold: bool
-    warm: bool
-    leader_started: float = math.inf  # as ``LeaseTake.holder_started``
+    pod_id: str | None
 
 
 @dataclass(frozen=True, slots=True)

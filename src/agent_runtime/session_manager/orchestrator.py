@@ -41,7 +41,6 @@ from agent_runtime.session_manager.config_store import ConfigStore
 from agent_runtime.session_manager.replies import PLACING, Placement
 from agent_runtime.session_manager.slow_route import RouteContext, SlowRoute, reused
 from agent_runtime.session_manager.state import SessionState
-from agent_runtime.single_flight import SingleFlight
 from agent_runtime.util import scope_id_of
 
 
@@ -69,7 +68,6 @@ class SessionOrchestrator:
             resources=resources,
             notifier=notifier,
             scope_full_timeout=scope_full_timeout,
-            acquiring=SingleFlight(),  # one per orchestrator: its replica's routes share it
             until_drained=self._until_drained,
         )
         self.draining = False
