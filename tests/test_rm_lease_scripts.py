@@ -424,7 +424,7 @@ async def test_claims_and_placeholders_put_their_scope_in_the_index(
     assert member is not None
     claim = await ds.claim_deploy(
         "scope-c", "rq-c", token="lk@1", lease=LEASE, placeholder=member, member="rq-c",
-        seat_hold=5, room_ttl=60, concurrency=4,
+        seat_hold=5, room_ttl=60, concurrency=4, pod_concurrency=4,
     )  # fmt: skip
     assert claim.action == "lead"
     assert await redis.smembers(K.LEASED) == {"scope-a", "scope-b", "scope-c"}

@@ -164,10 +164,12 @@ class DeployState:
         seat_hold: float,
         room_ttl: int,
         concurrency: int,
+        pod_concurrency: int,
     ) -> DeployClaim:
         """Follow a deploy in flight with a free seat, take over a lapsed one, or lead a new
         one as ``deploy_id`` (with ``placeholder``; "" when the acquire was refused: follow
-        only) within ``concurrency`` live deploys; one step (deploy_claim.lua)."""
+        only) within ``concurrency`` live deploys; a deploy's room holds ``pod_concurrency``
+        - 1 followers. One step (deploy_claim.lua)."""
         reply = await self._claim(
             keys=[
                 scope_cold_deploys_key(scope_id),
@@ -190,6 +192,7 @@ class DeployState:
                 concurrency,
                 scope_id,
                 BUDGET_RULE_PREFIX,
+                pod_concurrency,
             ],
         )
         return _claim(reply)

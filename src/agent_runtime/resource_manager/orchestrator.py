@@ -259,6 +259,7 @@ class ResourceOrchestrator:
                 seat_hold=self._followers.seat_hold,
                 room_ttl=math.ceil(call.ready_timeout) + LOCK_MARGIN,
                 concurrency=self.scope_deploy_concurrency,
+                pod_concurrency=max(int(call.pool_config.get("pod_concurrency", 1)), 1),
             )
         except BaseException:
             with contextlib.suppress(Exception):

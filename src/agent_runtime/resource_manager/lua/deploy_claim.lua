@@ -15,7 +15,7 @@
 --
 -- KEYS[1] resource:scope:{sid}:cold_deploys ZSET deploy id -> first led (Redis seconds)
 -- KEYS[2] resource:scope:{sid}:deploying    SET  placeholders "{token}@{deadline}"
--- KEYS[3] resource:scope:{sid}:config       HASH (pod_concurrency, budget_rule)
+-- KEYS[3] resource:scope:{sid}:config       HASH (budget_rule)
 -- KEYS[4] budget:pods                       ZSET every budget unit
 -- KEYS[5] resource:pods:all                 SET  registered pods
 -- KEYS[6] resource:leased_scopes            SET  scopes the prune job looks at
@@ -29,6 +29,7 @@
 -- ARGV[9] seconds a follower room lives after its last seat was taken (ready_timeout + margin)
 -- ARGV[10] the scope's deploy concurrency (live cold deploys at once)
 -- ARGV[11] scope_id   ARGV[12] rule budget prefix (derives {prefix}{budget_rule}:pods)
+-- ARGV[13] pod_concurrency (as the caller resolved the scope: sessions one pod holds)
 --
 -- returns {"lead", id}                       a new deploy is ours (lock set, indexed)
 --         {"lead", id, pod_id, namespace, created, uid, cluster}
@@ -49,8 +50,7 @@ local lock_prefix, prefix, own, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local lease_ms, placeholder, member = tonumber(ARGV[5]), ARGV[6], ARGV[7]
 local sid = ARGV[11]
 local rule_key = rule_budget_key(ARGV[12], redis.call('HGET', KEYS[3], 'budget_rule'))
-local pod_concurrency = tonumber(redis.call('HGET', KEYS[3], 'pod_concurrency') or '1') or 1
-local room_limit = math.max(pod_concurrency - 1, 0)
+local room_limit = math.max(tonumber(ARGV[13]) - 1, 0)
 
 local function room(id) return prefix .. 'deploy_followers:' .. id end
 local function record(id) return prefix .. 'deploy_pod:' .. id end
