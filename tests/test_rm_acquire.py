@@ -332,9 +332,7 @@ async def test_leader_failure_fails_the_followers_fast(
 ) -> None:
     k8s.never_ready = True
     started = time.monotonic()
-    results = await burst(
-        [rm, rm2], 6, pod_spec=spec(ready_timeout=0.8), pool=pool(max_pods=1)
-    )
+    results = await burst([rm, rm2], 6, pod_spec=spec(ready_timeout=0.8), pool=pool(max_pods=1))
     elapsed = time.monotonic() - started
     assert k8s.deploy_calls == 1, "followers never take over a failed deploy"
     assert sum(isinstance(r, DeployFailed) for r in results) == 5  # leader + 4 followers

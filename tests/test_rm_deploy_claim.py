@@ -55,12 +55,11 @@ async def cold_claim(
     rs: ResourceState, rid: str, *, concurrency: int = 32, token: str | None = None
 ) -> DeployClaim:
     pod_concurrency = int(await rs.redis.hget(CONFIG, "pod_concurrency") or 1)
-    """What a cold acquire does: the acquire script (a placeholder, or refused), then the
-    claim with it — two script calls, as the orchestrator makes them."""
-    outcome = await rs.acquire(SID, rid, f"ph-{rid}", 60)
-    placeholder = outcome.placeholder if outcome.action == "need_deploy" else ""
+    """What a cold acquire does: the acquire script (no warm pod: "cold"), then the claim —
+    two script calls, as the orchestrator makes them."""
+    assert (await rs.acquire(SID, rid, f"ph-{rid}", 60, cold_claim=True)).action == "cold"
     return await DeployState(rs).claim_deploy(
-        SID, rid, token=token or f"lk-{rid}@1", lease=LEASE, placeholder=placeholder or "",
+        SID, rid, token=token or f"lk-{rid}@1", lease=LEASE, placeholder_token=f"ph-{rid}",
         member=rid, seat_hold=5, room_ttl=60, concurrency=concurrency,
         pod_concurrency=pod_concurrency,
     )  # fmt: skip
@@ -136,12 +135,39 @@ async def test_max_pods_holds_across_leads_and_a_refused_claim_is_told_what_is_c
     assert await redis.scard(K.DEPLOYING) == 4
     # the deploys end (their pods registered elsewhere); nothing is on its way any more
     await redis.delete(K.DEPLOYING)
-    for c in claims:
+    for i, c in enumerate(claims):
         if c.action == "lead":
             await redis.delete(K.lock(c.deploy_id))
-    await redis.hset(CONFIG, "max_pods", 0)
-    assert (await cold_claim(rs, "late")).action == "refused"
+            await redis.zadd(f"resource_manager:resource:scope:{SID}:pods", {f"agent-{i}": 1})
+    assert (await cold_claim(rs, "late")).action == "max_reached"
     assert await redis.zcard(K.COLD) == 0, "deploys that ended left the index"
+
+
+async def test_with_pod_concurrency_5_and_max_pods_2_two_deploys_hold_ten(
+    rs: ResourceState, redis: Redis
+) -> None:
+    """The slot is reserved in the step that decides: however the claims interleave across
+    replicas, the first pod's room fills before a second deploy is led, and a claim refused
+    at max_pods is one the rooms had no seat for."""
+    await configure(rs, pod_concurrency=5, max_pods=2)
+    claims = await burst(redis, 14)
+    assert Counter(c.action for c in claims) == {"lead": 2, "follow": 8, "coming": 4}
+    assert await redis.scard(K.DEPLOYING) == 2
+
+
+async def test_a_budget_refusal_says_which(rs: ResourceState, redis: Redis) -> None:
+    await configure(rs, pod_concurrency=1)
+    rs.pod_budget = 1
+    try:
+        assert (await cold_claim(rs, "rq-1")).action == "lead"
+        assert (await cold_claim(rs, "rq-2")).action == "coming", "a deploy is on its way"
+        await redis.delete(K.DEPLOYING)
+        await redis.zadd(K.BUDGET, {"agent-1": "+inf"})  # its pod, registered
+        await redis.delete(K.lock("rq-1"))
+        claim = await cold_claim(rs, "rq-3")
+        assert (claim.action, claim.budget) == ("budget_reached", "global")
+    finally:
+        rs.pod_budget = 1000
 
 
 async def test_a_duplicate_of_a_demand_joins_its_deploy_whatever_its_room(
@@ -155,12 +181,13 @@ async def test_a_duplicate_of_a_demand_joins_its_deploy_whatever_its_room(
     again = await cold_claim(rs, "rq-d", token="lk-a@1")  # a re-sent call: the same answer
     assert again.action == "lead" and again.deploy_id == "rq-d"
     dup = await DeployState(rs).claim_deploy(
-        SID, "rq-d", token="lk-b@2", lease=LEASE, placeholder="", member="rq-d:dup",
+        SID, "rq-d", token="lk-b@2", lease=LEASE, placeholder_token="ph-dup", member="rq-d:dup",
         seat_hold=5, room_ttl=60, concurrency=32, pod_concurrency=1,
     )  # fmt: skip
     assert (dup.action, dup.deploy_id, dup.holder) == ("follow", "rq-d", "lk-a@1")
     assert await redis.zrange(K.room("rq-d"), 0, -1) == ["rq-d:dup"]
     assert await redis.zcard(K.COLD) == 1
+    assert await redis.scard(K.DEPLOYING) == 1, "the duplicate reserved nothing"
 
 
 async def test_a_lapsed_deploy_s_pod_passes_to_exactly_one_of_many_claims(
@@ -189,13 +216,13 @@ async def test_a_lapsed_deploy_s_pod_passes_to_exactly_one_of_many_claims(
     assert await redis.zcard(K.COLD) == 8
 
 
-async def test_a_claim_without_a_placeholder_never_takes_a_lapsed_deploy_over(
+async def test_a_claim_with_no_slot_never_takes_a_lapsed_deploy_over(
     rs: ResourceState, redis: Redis
 ) -> None:
     await configure(rs, pod_concurrency=1, max_pods=0)
     await redis.zadd(K.COLD, {"rq-dead": 1})
     await redis.hset(K.record("rq-dead"), mapping={"token": "dead@1", "pod_id": "agent-o"})
-    assert (await cold_claim(rs, "rq-x")).action == "refused"
+    assert (await cold_claim(rs, "rq-x")).action == "max_reached"
     assert await redis.hget(K.record("rq-dead"), "token") == "dead@1"
     assert await redis.zrange(K.COLD, 0, -1) == ["rq-dead"], "left for a claim that can lead"
 

@@ -1,5 +1,6 @@
 """The deploy lease scripts of one cold deploy (deploy_lease_take, deploy_lease,
-deploy_lease_end: each deploy has its own lock and record) and the prune job's lease_prune, through ``ResourceState``, on fakeredis and real Redis: renewal by the
+deploy_lease_end: each deploy has its own lock and record) and the prune job's lease_prune,
+through ``ResourceState``, on fakeredis and real Redis: renewal by the
 owner only, the lapse, a takeover that happens once however many take at once (the dead
 leader's pod with it), replay, and the prune of expired members in slices. Assertions read the
 Redis keys by their names (contract §4 and the internal ones of docs/design/hld.md §5)."""
@@ -105,7 +106,13 @@ async def test_a_lapsed_leader_s_pod_passes_to_exactly_one_of_many_takers(redis:
     member = await placeholder(rs, "dead-ph")
     assert (await DeployState(rs).take_deploy_lease(SID, DID, "dead@1.0", 0.3)).leader
     assert await DeployState(rs).renew_deploy_lease(
-        SID, "dead-ph", "dead@1.0", 0.3, deploy_id=DID, pod=("agent-x", "ns-1", "uid-x"), record_ttl=60
+        SID,
+        "dead-ph",
+        "dead@1.0",
+        0.3,
+        deploy_id=DID,
+        pod=("agent-x", "ns-1", "uid-x"),
+        record_ttl=60,
     )
     assert await redis.hget(K.record(), "pod_id") == "agent-x"
     await lapsed(redis, K.lock())  # the dead leader renews no more
@@ -289,7 +296,7 @@ async def test_a_warm_deploy_renews_its_placeholder_and_touches_no_lock(
 async def test_end_gives_back_only_its_own_lock_and_leaves_the_index(
     ds: DeployState, redis: Redis
 ) -> None:
-    """"ok": the lock goes, the deploy leaves the scope's index (nobody new joins it), and its
+    """ "ok": the lock goes, the deploy leaves the scope's index (nobody new joins it), and its
     record stays one notice long: it names the registered pod, for the followers still
     looking. A replay, or an end by a leader another took over from, changes nothing."""
     assert (await ds.take_deploy_lease(SID, DID, "lk@1", LEASE)).leader
@@ -420,10 +427,8 @@ async def test_claims_and_placeholders_put_their_scope_in_the_index(
     await configure(rs, "scope-c")
     assert (await rs.acquire("scope-a", "r1", "t1", 60)).action == "need_deploy"
     assert await ds.add_placeholder("scope-b", "warm:1", 60)
-    member = await ds.add_placeholder("scope-c", "t2", 60)
-    assert member is not None
     claim = await ds.claim_deploy(
-        "scope-c", "rq-c", token="lk@1", lease=LEASE, placeholder=member, member="rq-c",
+        "scope-c", "rq-c", token="lk@1", lease=LEASE, placeholder_token="t2", member="rq-c",
         seat_hold=5, room_ttl=60, concurrency=4, pod_concurrency=4,
     )  # fmt: skip
     assert claim.action == "lead"

@@ -86,7 +86,10 @@ def _claim(reply: list[str]) -> DeployClaim:
     if action == "follow":
         return DeployClaim(action, rest[0], holder=rest[1])
     if action == "lead":
-        return DeployClaim(action, rest[0], orphan=_orphan(rest[1:]) if len(rest) > 1 else None)
+        orphan = _orphan(rest[2:]) if len(rest) > 2 else None
+        return DeployClaim(action, rest[0], orphan=orphan, placeholder=rest[1])
+    if action == "budget_reached":
+        return DeployClaim(action, budget=rest[0])
     return DeployClaim(action)
 
 
@@ -159,17 +162,17 @@ class DeployState:
         *,
         token: str,
         lease: float,
-        placeholder: str,
+        placeholder_token: str,
         member: str,
         seat_hold: float,
         room_ttl: int,
         concurrency: int,
         pod_concurrency: int,
     ) -> DeployClaim:
-        """Follow a deploy in flight with a free seat, take over a lapsed one, or lead a new
-        one as ``deploy_id`` (with ``placeholder``; "" when the acquire was refused: follow
-        only) within ``concurrency`` live deploys; a deploy's room holds ``pod_concurrency``
-        - 1 followers. One step (deploy_claim.lua)."""
+        """Follow a deploy in flight with a free seat, or reserve a slot (placeholder
+        ``placeholder_token``, within max_pods and the pod budgets) and take over a lapsed
+        deploy or lead a new one as ``deploy_id`` within ``concurrency`` live deploys; a
+        deploy's room holds ``pod_concurrency`` - 1 followers. One step (deploy_claim.lua)."""
         reply = await self._claim(
             keys=[
                 scope_cold_deploys_key(scope_id),
@@ -178,6 +181,9 @@ class DeployState:
                 BUDGET_PODS_KEY,
                 PODS_ALL_KEY,
                 LEASED_SCOPES_KEY,
+                scope_pods_key(scope_id),
+                BUDGET_RULES_KEY,
+                BUDGET_LIMITS_KEY,
             ],
             args=[
                 deploy_lock_prefix(scope_id),
@@ -185,7 +191,7 @@ class DeployState:
                 deploy_id,
                 token,
                 max(int(lease * 1000), 1),
-                placeholder,
+                placeholder_token,
                 member,
                 seat_hold,
                 room_ttl,
@@ -193,6 +199,8 @@ class DeployState:
                 scope_id,
                 BUDGET_RULE_PREFIX,
                 pod_concurrency,
+                math.ceil(lease),
+                self.pod_budget,
             ],
         )
         return _claim(reply)

@@ -58,7 +58,7 @@ from agent_runtime.resource_manager.models import (
     PoolConfigUpdate,
 )
 from agent_runtime.resource_manager.state import ResourceState
-from agent_runtime.resource_manager.state_values import AcquireOutcome, DeployClaim, OrphanPod
+from agent_runtime.resource_manager.state_values import DeployClaim, OrphanPod
 
 log = logging.getLogger(__name__)
 
@@ -191,21 +191,16 @@ class ResourceOrchestrator:
             if call.remaining() <= 0:
                 raise call.expired()
             token = f"{request_id}:{uuid.uuid4().hex[:8]}"
-            try:
-                outcome = await self._state.acquire(
-                    scope_id,
-                    request_id,
-                    token,
-                    self.placeholder_ttl,
-                    rule_id=call.rule_id,
-                    rule_pod_budget=call.rule_pod_budget,
-                )
-            except BaseException:
-                # the script may have taken a placeholder whose reply never came back (the
-                # caller cancelled, the connection dropped): it would hold a slot of max_pods
-                with contextlib.suppress(Exception):
-                    await self._deploy_state.drop_placeholders_of(scope_id, token)
-                raise
+            # a warm pod, or "cold": nothing is reserved here (the claim reserves a slot)
+            outcome = await self._state.acquire(
+                scope_id,
+                request_id,
+                token,
+                self.placeholder_ttl,
+                rule_id=call.rule_id,
+                rule_pod_budget=call.rule_pod_budget,
+                cold_claim=True,
+            )
             if outcome.action in ("cached", "reuse"):
                 assert outcome.pod is not None
                 return outcome.pod, "replay" if outcome.action == "cached" else "warm"
@@ -215,46 +210,43 @@ class ResourceOrchestrator:
                 await self.update_pool_config(scope_id, call.pool_config, call.pod_spec)
                 wrote_config = True
                 continue
-            placeholder = outcome.placeholder if outcome.action == "need_deploy" else None
             lock = lock_token(self._instance_id, call.started_at)
             try:
-                claim = await self._claim(call, token, lock, placeholder or "")
+                claim = await self._claim(call, token, lock)
                 if claim.action == "follow":
                     return await self._followers.follow(call, claim.deploy_id), "follower"
                 if claim.action == "lead":
-                    assert placeholder is not None
-                    return await self._deploy(call, claim, placeholder, lock)
+                    return await self._deploy(call, claim, lock)
                 if claim.action in ("busy", "coming"):
                     # the scope deploys all it may at once, or a pod is on its way: the route
                     # waits (its slot reserved) and asks again when a pod registers
                     raise DeployInProgress(f"scope {scope_id}: its deploys are all under way")
-                raise self._refusal(call, outcome)  # no new pod, and none is on its way
+                raise self._refusal(call, claim)  # no new pod, and none is on its way
             except (LeaderGone, LeaseLost) as exc:
                 log.info("scope %s: %s; acquiring again", scope_id, exc)
         raise DeployFailed(f"scope {scope_id}: no pod after {MAX_ROUNDS} acquire rounds")
 
     @staticmethod
-    def _refusal(call: AcquireCall, outcome: AcquireOutcome) -> Exception:
-        if outcome.action == "max_reached":
+    def _refusal(call: AcquireCall, claim: DeployClaim) -> Exception:
+        if claim.action == "max_reached":
             return MaxPodsReached(f"scope {call.scope_id} is at max_pods")
-        budget = outcome.budget or "global"
+        budget = claim.budget or "global"
         return PodBudgetReached(
             f"scope {call.scope_id}: the {budget} pod budget is reached", budget=budget
         )
 
-    async def _claim(
-        self, call: AcquireCall, token: str, lock: str, placeholder: str
-    ) -> DeployClaim:
-        """Follow or lead (deploy_claim.lua); a claim whose reply never came back gives back
-        what it may have taken: the placeholder, and the lock of the deploy we would lead
-        (a seat it may have taken lapses with its lease)."""
+    async def _claim(self, call: AcquireCall, token: str, lock: str) -> DeployClaim:
+        """Follow or lead (deploy_claim.lua); a claim whose reply never came back (the caller
+        cancelled, the connection dropped) gives back what it may have taken: the placeholder
+        (``token``: it would hold a slot of max_pods), and the lock of the deploy we would
+        lead (a seat it may have taken lapses with its lease)."""
         try:
             claim = await self._deploy_state.claim_deploy(
                 call.scope_id,
                 call.deploy_id,
                 token=lock,
                 lease=self.deploy_lease,
-                placeholder=placeholder,
+                placeholder_token=token,
                 member=call.request_id,
                 seat_hold=self._followers.seat_hold,
                 room_ttl=math.ceil(call.ready_timeout) + LOCK_MARGIN,
@@ -273,13 +265,14 @@ class ResourceOrchestrator:
         return claim
 
     async def _deploy(
-        self, call: AcquireCall, claim: DeployClaim, placeholder: str, lock: str
+        self, call: AcquireCall, claim: DeployClaim, lock: str
     ) -> tuple[AcquiredPod, str]:
         scope_id = call.scope_id
+        assert claim.placeholder is not None
         lease = DeployLease(
             self._deploy_state,
             scope_id,
-            placeholder,
+            claim.placeholder,
             seconds=self.deploy_lease,
             lock_token=lock,
             deploy_id=claim.deploy_id,

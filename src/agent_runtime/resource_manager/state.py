@@ -346,9 +346,11 @@ class ResourceState:
         *,
         rule_id: str = "",
         rule_pod_budget: int = 0,
+        cold_claim: bool = False,
     ) -> AcquireOutcome:
         """``rule_id``: the rule the scope resolves through now (its units follow it there);
-        ``rule_pod_budget``: that rule's budget, 0 = unbounded."""
+        ``rule_pod_budget``: that rule's budget, 0 = unbounded. ``cold_claim``: no warm pod
+        answers "cold" and reserves nothing (the claim reserves the slot if it leads)."""
         reply = await self._acquire(
             keys=[
                 scope_config_key(scope_id),
@@ -371,6 +373,7 @@ class ResourceState:
                 rule_id,
                 rule_pod_budget,
                 self.pod_budget,
+                "1" if cold_claim else "",
             ],
         )
         return _acquire_outcome(reply, request_id)
@@ -436,7 +439,6 @@ class ResourceState:
     async def pod_info(self, pod_id: str) -> PodInfo | None:
         """The pod's info (None: not registered)."""
         return _pod_info_of(cast(dict[str, str], await self.redis.hgetall(pod_info_key(pod_id))))
-
 
     # --- the clock -----------------------------------------------------------------------------
 

@@ -18,7 +18,9 @@ from agent_runtime.resource_manager.models import AcquiredPod
 class AcquireOutcome:
     """What the ``acquire`` script decided."""
 
-    action: Literal["cached", "reuse", "no_config", "max_reached", "budget_reached", "need_deploy"]
+    action: Literal[
+        "cached", "reuse", "no_config", "max_reached", "budget_reached", "need_deploy", "cold"
+    ]
     pod_id: str | None = None
     pod_sse_url: str | None = None
     deploy_ver: str | None = None
@@ -101,14 +103,17 @@ class LeaseTake:
 @dataclass(frozen=True, slots=True)
 class DeployClaim:
     """What ``deploy_claim`` decided for a cold acquire: ``lead`` (a new deploy, or a lapsed
-    one with its ``orphan`` pod), ``follow`` (seated in ``deploy_id``'s room, ``holder`` its
-    leader's token), ``busy`` (the scope runs its deploy concurrency), ``coming`` (refused, but
-    a placeholder is live) or ``refused``."""
+    one with its ``orphan`` pod; ``placeholder`` its slot), ``follow`` (seated in
+    ``deploy_id``'s room, ``holder`` its leader's token), ``busy`` (the scope runs its deploy
+    concurrency), ``coming`` (no room for a pod, but a deploy is in flight), ``max_reached``
+    or ``budget_reached`` (``budget``: "global" or "rule"), with nothing on its way."""
 
     action: str
     deploy_id: str = ""
     holder: str | None = None
     orphan: OrphanPod | None = None
+    placeholder: str | None = None
+    budget: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
