@@ -91,9 +91,15 @@ async def test_with_pod_concurrency_1_each_claim_leads_its_own_deploy(
     assert sorted(c.deploy_id for c in claims) == sorted(f"rq-{i}" for i in range(12))
     assert await redis.zcard(K.COLD) == 12
     assert await redis.scard(K.DEPLOYING) == 12, "each leader keeps its placeholder"
+    seconds, micros = await redis.time()
+    now_ms = seconds * 1000 + micros // 1000
     for c in claims:
         assert await redis.get(K.lock(c.deploy_id)) == f"lk-{c.deploy_id}@1"
-        assert 0 < await redis.pttl(K.lock(c.deploy_id)) <= LEASE * 1000
+        assert c.placeholder is not None and c.placeholder.startswith(f"ph-{c.deploy_id}@")
+        # the lock lapses with its placeholder: not before the end of its deadline's second
+        slot_ends_ms = (int(c.placeholder.rpartition("@")[2]) + 1) * 1000
+        assert slot_ends_ms - now_ms - 50 <= await redis.pttl(K.lock(c.deploy_id))
+        assert await redis.pttl(K.lock(c.deploy_id)) <= (LEASE + 1) * 1000
 
 
 async def test_with_pod_concurrency_3_one_deploy_per_three_claims(

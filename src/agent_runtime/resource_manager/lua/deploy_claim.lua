@@ -25,7 +25,8 @@
 -- ARGV[2] scope prefix "…resource:scope:{sid}:" (derives {prefix}deploy_pod:{id} and
 --         {prefix}deploy_followers:{id})
 -- ARGV[3] deploy id of a new deploy (the demand's: the route's request id)
--- ARGV[4] lock token "{replica}/{uuid}@{acquire start}"   ARGV[5] lease in milliseconds
+-- ARGV[4] lock token "{replica}/{uuid}@{acquire start}"
+-- ARGV[5] lease in milliseconds (the lock lives at least this, and until its placeholder lapses)
 -- ARGV[6] placeholder token (unique per attempt; the same on a re-sent call)
 -- ARGV[7] follower member (the acquire's request id)   ARGV[8] seat hold in seconds
 -- ARGV[9] seconds a follower room lives after its last seat was taken (ready_timeout + margin)
@@ -88,8 +89,12 @@ local function orphan_of(id)
   return rec[1] and rec[2] and not rec[3] and redis.call('SISMEMBER', KEYS[5], rec[2]) == 0
 end
 
+-- the lock lapses with the placeholder (whole seconds: it counts through its deadline's
+-- second), so a deploy whose lock lapsed holds no slot any more either
 local function lead(id)
-  redis.call('SET', lock_prefix .. id, token, 'PX', lease_ms)
+  local until_ms = (placeholder_deadline(mine) + 1) * 1000
+  local now_ms = second * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('SET', lock_prefix .. id, token, 'PX', math.max(until_ms - now_ms, lease_ms))
   redis.call('ZADD', KEYS[1], 'NX', now, id)
   redis.call('SADD', KEYS[6], sid)
   local rec = redis.call('HMGET', record(id), 'token', 'pod_id', 'namespace', 'created', 'uid',

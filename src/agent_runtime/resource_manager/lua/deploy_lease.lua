@@ -14,8 +14,8 @@
 -- KEYS[9] resource:scope:{sid}:cold_deploys ZSET  the scope's cold deploys (deploy_claim.lua)
 -- ARGV[1] placeholder token (its member is "{token}@{deadline}")
 -- ARGV[2] lock token ("" for a warm deploy: a placeholder and no lock)
--- ARGV[3] lease in seconds (the lock's PX; the placeholder's deadline is whole seconds,
---         rounded up)
+-- ARGV[3] lease in seconds (the placeholder's deadline is whole seconds, rounded up; the
+--         lock's PX runs to the end of that deadline's second: they lapse together)
 -- ARGV[4] scope_id   ARGV[5] rule budget prefix (derives {prefix}{budget_rule}:pods)
 -- ARGV[6] pod_id to record ("" = none; only with a lock token)   ARGV[7] its namespace
 -- ARGV[8] seconds the record lives (the pod's own deadline: ready_timeout + margin)
@@ -69,7 +69,11 @@ end
 local renewed = add_placeholder(KEYS[1], ptoken, now, math.ceil(lease), sid, KEYS[4], rule_key,
   KEYS[5], linked, KEYS[8])
 if ltoken ~= '' then
-  redis.call('SET', KEYS[6], ltoken, 'PX', math.ceil(lease * 1000))
+  -- until the placeholder lapses (it counts through its deadline's second): a lapsed lock
+  -- means a lapsed slot, so a taker never runs beside a placeholder still counted
+  local until_ms = (placeholder_deadline(renewed) + 1) * 1000
+  local now_ms = now * 1000 + math.floor(tonumber(clock[2]) / 1000)
+  redis.call('SET', KEYS[6], ltoken, 'PX', math.max(until_ms - now_ms, math.ceil(lease * 1000)))
   redis.call('ZADD', KEYS[9], 'NX', now, ARGV[11])  -- back in the index if a claim dropped it
   if ARGV[6] ~= '' then
     local rec = redis.call('HMGET', KEYS[7], 'token', 'pod_id')
