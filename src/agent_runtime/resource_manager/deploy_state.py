@@ -323,6 +323,12 @@ class DeployState:
         deadline = seconds + micros / 1_000_000 + hold_seconds
         await self.redis.zadd(scope_followers_key(scope_id, deploy_id), {member: deadline}, xx=True)
 
+    async def followers_waiting(self, scope_id: str, deploy_id: str) -> bool:
+        """Whether a live seat is taken in the deploy's room."""
+        seconds, micros = await self.redis.time()
+        key = scope_followers_key(scope_id, deploy_id)
+        return bool(await self.redis.zcount(key, seconds + micros / 1_000_000, "+inf"))
+
     async def leave_follower_seat(self, scope_id: str, deploy_id: str, member: str) -> None:
         await self.redis.zrem(scope_followers_key(scope_id, deploy_id), member)
 
