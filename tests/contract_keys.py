@@ -45,6 +45,6 @@ def rm_pod(pod_id: str, what: str) -> str:
     return f"resource_manager:resource:pod:{pod_id}:{what}"
 
 
-def rm_deploy_lock(scope_id: str, deploy_id: str = "*") -> str:
-    """One cold deploy's lock; the default "*" is the pattern of all the scope's."""
+def rm_deploy_lock(scope_id: str, deploy_id: str) -> str:
+    """One cold deploy's lock (a scope runs many: helpers.deploy_locks reads them all)."""
     return f"resource_manager:lock:rm:deploy:{scope_id}:{deploy_id}"

@@ -1,7 +1,8 @@
 """Issue 14 §2 at the HTTP edge, two replicas over one Redis: every kind of waiting route —
-the wait queue, a follower room, a route waiting on its own deploy — is answered 503 BACKEND_UNAVAILABLE + Retry-After at its replica's stop
-signal, while the deploy it waited for is still held back (never an HTTP 500, never a wait for
-the deploy); and a route waits for a pod at most its own deadline, once, and says how long."""
+the wait queue, a follower room, a route waiting on its own deploy — is answered 503
+BACKEND_UNAVAILABLE + Retry-After at its replica's stop signal, while the deploy it waited
+for is still held back (never an HTTP 500, never a wait for the deploy); and a route waits
+for a pod at most its own deadline, once, and says how long."""
 
 from __future__ import annotations
 
