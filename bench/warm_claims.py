@@ -5,7 +5,7 @@ takes a pod of its own.
 
 - ``warm_45``: a pool of 100 warm pods, 90 new sessions open-loop at 45/s: per-route latency
   p50/p90/p99 (every claim warm).
-- ``warm_max``: a pool of 300, 300 new sessions from 32 concurrent clients: the claims per
+- ``warm_max``: a pool of 300, 300 new sessions from 16 concurrent clients: the claims per
   second one replica sustains, and their latency.
 - ``burst``: a pool of 20 (``min_idle_pods``), 180 new sessions open-loop at 45/s (the pool
   drains in half a second): time to place p50/p99/max, answers (placed vs NO_POD_AVAILABLE…),
@@ -121,7 +121,7 @@ async def warm_45(redis: Redis, http: httpx.AsyncClient) -> dict[str, Any]:
 
 
 async def warm_max(redis: Redis, http: httpx.AsyncClient) -> dict[str, Any]:
-    group, bot, total, clients = "g-wcmax", "b", 300, 32
+    group, bot, total, clients = "g-wcmax", "b", 300, 16
     await configure_pool(http, "max", group, scope_concurrency=400, min_idle=total)
     fill = await warm_pool(redis, http, group, bot, total)
     results: list[tuple[float, str]] = []
@@ -215,7 +215,8 @@ def env(**values: str) -> Iterator[None]:
 
 
 async def run(ctx: Context, deploy_concurrency: int | None = None) -> dict[str, Any]:
-    settings = {"AGENT_RUNTIME_POD_BUDGET": "5000"}
+    # the budgets out of the way: a `*` rule's default pod budget (100) would cap the pools
+    settings = {"AGENT_RUNTIME_POD_BUDGET": "5000", "AGENT_RUNTIME_WILDCARD_RULE_POD_BUDGET": "0"}
     if deploy_concurrency is not None:
         settings["AGENT_RUNTIME_SCOPE_DEPLOY_CONCURRENCY"] = str(deploy_concurrency)
     with env(**settings):

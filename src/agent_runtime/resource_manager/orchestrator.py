@@ -28,8 +28,8 @@ import math
 import uuid
 from typing import Any
 
+from agent_runtime import admission, spec_fields
 from agent_runtime import label_selector as selectors
-from agent_runtime import spec_fields
 from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
@@ -286,7 +286,10 @@ class ResourceOrchestrator:
             self._lead(call, lease, claim.orphan, requester), name=f"deploy:{scope_id}"
         )
         try:
-            done, _ = await asyncio.wait({task}, timeout=max(call.remaining(), 0.0))
+            # the route waits on Kubernetes, not on Redis: its place at the edge is given back
+            # meanwhile (the deploy task's own parking is not the route's: another task)
+            with admission.parked():
+                done, _ = await asyncio.wait({task}, timeout=max(call.remaining(), 0.0))
         except asyncio.CancelledError:
             requester.gone = True  # the pod, once Ready, goes to the warm pool
             raise
