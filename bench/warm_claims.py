@@ -134,11 +134,12 @@ async def warm_max(redis: Redis, http: httpx.AsyncClient) -> dict[str, Any]:
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(clients)))
     elapsed = time.perf_counter() - started
+    placed = sum(answer == "placed" for _, answer in results)
     return {
         "claims": total,
         "clients": clients,
         "fill_s": round(fill, 1),
-        "rate_per_s": round(total / elapsed, 1),
+        "placed_per_s": round(placed / elapsed, 1),
         **latency(results),
     }
 

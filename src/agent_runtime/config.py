@@ -146,7 +146,7 @@ class Settings(BaseSettings):
         "(set the same on every replica)",
     )
     scope_deploy_concurrency: int = Field(
-        32,
+        100,
         ge=1,
         le=1000,
         description="cold deploys one scope runs at once (routes that need a pod: one deploy "

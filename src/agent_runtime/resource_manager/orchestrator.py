@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 LOCK_MARGIN = 30  # seconds a recorded pod outlives ready_timeout
 DEFAULT_DEPLOY_LEASE = 5.0
-DEFAULT_SCOPE_DEPLOY_CONCURRENCY = 32  # cold deploys of one scope at once
+DEFAULT_SCOPE_DEPLOY_CONCURRENCY = 100  # cold deploys of one scope at once
 MAX_ROUNDS = 20  # acquire rounds of one call (takeovers, lost leases): bounded even so
 CLEANUP_CONCURRENCY = 10
 POOL_CONFIG_FIELDS = ("min_idle_pods", "max_pods", "pod_ttl", "pod_concurrency")
