@@ -76,7 +76,7 @@ class Metrics:
             "agent_runtime_pool_deploy_claims",
             "cold claims (deploy_claim.lua): lead (a new or lapsed deploy), follow (a seat in "
             "a deploy in flight), busy (the scope's deploy concurrency reached), coming "
-            "(refused, a placeholder live), refused",
+            "(no slot, a deploy under way), max_reached, budget_reached",
             ["outcome"],
             registry=self.registry,
         )
