@@ -3,10 +3,10 @@ the service (one replica, jobs on: autoscale refills the pools) over the fake Ku
 a deploy time D (``ready_delay``, 2 s). Every scope has pod_concurrency 1: each new session
 takes a pod of its own.
 
-- ``warm_45``: a pool of 100 warm pods, 90 new sessions open-loop at 45/s: per-route latency
-  p50/p90/p99 (every claim warm).
-- ``warm_max``: a pool of 300, 300 new sessions from 16 concurrent clients: the claims per
-  second one replica sustains, and their latency.
+- ``warm``: per rate (45, 90, 135, 180, 270 new sessions/s) a scope whose warm pool holds the
+  whole step (2 s of claims), the pools filled first: per-route latency p50/p90/p99 and the
+  answers; ``warm_sustained_per_s``: the highest rate whose claims were all placed with a p99
+  under 1 s.
 - ``burst``: a pool of 20 (``min_idle_pods``), 180 new sessions open-loop at 45/s (the pool
   drains in half a second): time to place p50/p99/max, answers (placed vs NO_POD_AVAILABLE…),
   deploys made, the peak of cold deploys at once, and the refill rate (pods registered per
@@ -35,6 +35,8 @@ from bench.common import API, BenchRefused, Context, Server, client, pct, rid, r
 NAME = "warm_claims"
 READY_DELAY = 2.0
 RM = "resource_manager:resource:scope:"
+RATES = (45, 90, 135, 180, 270)  # new sessions per second, each step a scope of its own
+STEP_SECONDS = 2.0
 
 
 async def configure_pool(
@@ -68,10 +70,13 @@ async def route(http: httpx.AsyncClient, group: str, bot: str, session: str) -> 
     return took, (answer.get("data") or {}).get("placement") or answer.get("error_code", "?")
 
 
-async def warm_pool(redis: Redis, http: httpx.AsyncClient, group: str, bot: str, n: int) -> float:
+async def warm_pool(
+    redis: Redis, http: httpx.AsyncClient, group: str, bot: str, n: int, *, primed: bool = False
+) -> float:
     """The scope exists after its first route; then autoscale fills its floor. Seconds it
     took to have ``n`` warm pods."""
-    await route(http, group, bot, f"prime-{group}")
+    if not primed:
+        await route(http, group, bot, f"prime-{group}")
     started = time.monotonic()
     sid = scope_id_of(group, bot)
     while await redis.scard(f"{RM}{sid}:idle") < n:
@@ -106,42 +111,41 @@ def latency(results: list[tuple[float, str]]) -> dict[str, Any]:
     }
 
 
-async def warm_45(redis: Redis, http: httpx.AsyncClient) -> dict[str, Any]:
-    group, bot = "g-wc45", "b"
-    await configure_pool(http, "45", group, scope_concurrency=200, min_idle=100)
-    fill = await warm_pool(redis, http, group, bot, 100)
-    results = await open_loop(http, group, bot, 45.0, 90)
-    return {
-        "rate_per_s": 45,
-        "claims": 90,
-        "pool": 100,
-        "fill_s": round(fill, 1),
-        **latency(results),
-    }
+async def warm_rates(
+    redis: Redis, http: httpx.AsyncClient, rates: tuple[int, ...], seconds: float
+) -> list[dict[str, Any]]:
+    """Per rate a scope of its own whose warm pool holds every claim of the step (all filled
+    at once first), then the steps one after another: ``rate × seconds`` new sessions
+    open-loop at ``rate`` per second."""
+    steps = []
+    for rate in rates:
+        group, count = f"g-wc{rate}", int(rate * seconds)
+        await configure_pool(http, f"r{rate}", group, scope_concurrency=4 * count, min_idle=count)
+        await route(http, group, "b", f"prime-{group}")
+        steps.append((rate, group, count))
+    started = time.monotonic()
+    for _, group, count in steps:
+        await warm_pool(redis, http, group, "b", count, primed=True)
+    fill = time.monotonic() - started
+    for rate, group, count in steps:  # filled: no refill from here on (it would load the
+        # replica while the next steps run: each claim would start a warm deploy)
+        await configure_pool(http, f"r{rate}", group, scope_concurrency=4 * count, min_idle=0)
+    report = []
+    for rate, group, count in steps:
+        results = await open_loop(http, group, "b", float(rate), count)
+        report.append({"rate_per_s": rate, "claims": count, **latency(results)})
+    report[0]["fill_all_s"] = round(fill, 1)
+    return report
 
 
-async def warm_max(redis: Redis, http: httpx.AsyncClient) -> dict[str, Any]:
-    group, bot, total, clients = "g-wcmax", "b", 300, 16
-    await configure_pool(http, "max", group, scope_concurrency=400, min_idle=total)
-    fill = await warm_pool(redis, http, group, bot, total)
-    results: list[tuple[float, str]] = []
-    sessions = iter(range(total))
-
-    async def worker() -> None:
-        for i in sessions:
-            results.append(await route(http, group, bot, f"{group}-{i}"))
-
-    started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(clients)))
-    elapsed = time.perf_counter() - started
-    placed = sum(answer == "placed" for _, answer in results)
-    return {
-        "claims": total,
-        "clients": clients,
-        "fill_s": round(fill, 1),
-        "placed_per_s": round(placed / elapsed, 1),
-        **latency(results),
-    }
+def sustained(steps: list[dict[str, Any]], p99_ms: float = 1000.0) -> int | None:
+    """The highest rate whose every claim was placed, p99 under ``p99_ms``."""
+    clean = [
+        s["rate_per_s"]
+        for s in steps
+        if s["answers"] == {"placed": s["claims"]} and s["p99_ms"] < p99_ms
+    ]
+    return max(clean, default=None)
 
 
 async def burst(redis: Redis, http: httpx.AsyncClient, server: Server) -> dict[str, Any]:
@@ -225,11 +229,13 @@ async def run(ctx: Context, deploy_concurrency: int | None = None) -> dict[str, 
     redis = Redis.from_url(ctx.redis.url, decode_responses=True)
     try:
         async with client(server.url, connections=256) as http:
+            burst_report = await burst(redis, http, server)  # first: nothing else refills
+            steps = await warm_rates(redis, http, RATES, STEP_SECONDS)
             return {
                 "deploy_concurrency": deploy_concurrency or "default",
-                "warm_45": await warm_45(redis, http),
-                "warm_max": await warm_max(redis, http),
-                "burst": await burst(redis, http, server),
+                "warm": steps,
+                "warm_sustained_per_s": sustained(steps),
+                "burst": burst_report,
             }
     finally:
         await redis.aclose()
