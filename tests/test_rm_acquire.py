@@ -327,6 +327,24 @@ async def test_cold_burst_deploys_up_to_max_pods_and_fills_their_slots(
     await assert_nothing_held(redis)
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+async def test_duplicates_of_one_demand_make_one_deploy_even_with_no_seat(
+    rm: Instance, rm2: Instance, k8s: FakeK8sPodClient, replicas: int
+) -> None:
+    """pod_concurrency 1 (no follower seat): two acquires for the same demand (a route's
+    duplicate whose pending marker lapsed, on either replica) share its one deploy."""
+    instances = [rm, rm2][:replicas]
+    calls = [
+        instances[i % replicas].facade.acquire(
+            SCOPE, spec(), pool(pod_concurrency=1), f"dup:{i}", demand_id="the-route"
+        )
+        for i in range(4)
+    ]
+    got = await asyncio.gather(*calls)
+    assert k8s.deploy_calls == 1
+    assert len({p.pod_id for p in got}) == 1
+
+
 async def test_leader_failure_fails_the_followers_fast(
     rm: Instance, rm2: Instance, redis: Redis, k8s: FakeK8sPodClient
 ) -> None:
