@@ -527,6 +527,46 @@ async def test_a_cold_burst_that_one_pod_holds_makes_one_deploy(
         await assert_nothing_held(redis)
 
 
+@pytest.mark.parametrize(("pod_concurrency", "routes", "deploys"), [(1, 12, 12), (3, 9, 3)])
+async def test_a_cold_burst_makes_one_deploy_per_pod_it_needs_in_parallel(
+    redis: Redis, db: Database, pod_concurrency: int, routes: int, deploys: int
+) -> None:
+    """Two replicas, a burst of new sessions on a scope with no pod: one deploy per pod the
+    burst needs (pod_concurrency 1: one per route), all at once (more than one deploy in
+    flight), every route placed, each pod holding at most pod_concurrency."""
+    k8s = FakeK8sPodClient(ready_delay=0.5)
+    async with two_replicas(redis, db, k8s=k8s, scope_full_timeout=20.0) as reps:
+        await configure(
+            reps.a, scope_concurrency=routes, pod_concurrency=pod_concurrency, ready_timeout=30
+        )
+        await warm_resolve_cache(reps)
+        async with sampling(redis) as peaks:
+            outcomes, counts = await burst(reps, routes)
+        assert counts == {"OK": routes}, [o.resp.text for o in outcomes if o.code != "OK"]
+        assert k8s.deploy_calls == len(k8s.pods) == deploys
+        assert peaks.cold_deploys > 1, "the deploys ran one after another"
+        assert peaks.pod_sessions <= pod_concurrency
+        pods = collections.Counter(o.resp.json()["data"]["pod_id"] for o in outcomes)
+        assert sorted(pods.values()) == [pod_concurrency] * deploys
+        await assert_nothing_held(redis)
+
+
+async def test_a_cold_burst_past_max_pods_makes_max_pods_deploys_and_queues_the_rest(
+    redis: Redis, db: Database
+) -> None:
+    """pod_concurrency 1, max_pods 4 (scope_concurrency 4), 10 new sessions: 4 deploys, 4
+    placed; the other 6 wait in the queue and time out (nothing frees a slot), never a fifth
+    deploy."""
+    k8s = FakeK8sPodClient(ready_delay=0.3)
+    async with two_replicas(redis, db, k8s=k8s, scope_full_timeout=2.0) as reps:
+        await configure(reps.a, scope_concurrency=4, pod_concurrency=1, ready_timeout=30)
+        await warm_resolve_cache(reps)
+        _, counts = await burst(reps, 10)
+        assert counts["OK"] == 4 and k8s.deploy_calls == len(k8s.pods) == 4, counts
+        assert set(counts) <= {"OK", "SCOPE_FULL_TIMEOUT", "SCOPE_QUEUE_FULL"}, counts
+        await assert_nothing_held(redis)
+
+
 async def test_a_leader_whose_route_goes_away_still_brings_its_followers_their_pod(
     redis: Redis, db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
