@@ -112,22 +112,24 @@ class FollowerRoom:
         scope_id, request_id = call.scope_id, call.request_id
         entered = renewed = _now()
         try:
-            async with self._notifier.listen(registered_channel(scope_id)) as listener:
-                while True:
-                    if self.stopping:
-                        raise MaxPodsReached(f"scope {scope_id}: this replica is stopping")
-                    pod = await self._look(call, deploy_id)
-                    if pod is not None:
-                        return pod
-                    remaining = call.remaining()
-                    if remaining <= 0:
-                        raise call.expired()
-                    if _now() - renewed >= self._deploy_lease / 3:
-                        await self._deploys.renew_follower_seat(
-                            scope_id, deploy_id, request_id, self.seat_hold
-                        )
-                        renewed = _now()
-                    with admission.parked():  # waits on the leader, holds no connection
+            # parked throughout: it waits on the leader, holding no connection but for a look
+            # every poll (a burst's followers would otherwise hold the edge's places)
+            with admission.parked():
+                async with self._notifier.listen(registered_channel(scope_id)) as listener:
+                    while True:
+                        if self.stopping:
+                            raise MaxPodsReached(f"scope {scope_id}: this replica is stopping")
+                        pod = await self._look(call, deploy_id)
+                        if pod is not None:
+                            return pod
+                        remaining = call.remaining()
+                        if remaining <= 0:
+                            raise call.expired()
+                        if _now() - renewed >= self._deploy_lease / 3:
+                            await self._deploys.renew_follower_seat(
+                                scope_id, deploy_id, request_id, self.seat_hold
+                            )
+                            renewed = _now()
                         await listener.wait(min(FOLLOWER_POLL, remaining))
         finally:
             self._waits.observe(_now() - entered)
