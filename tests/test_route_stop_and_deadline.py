@@ -120,16 +120,18 @@ async def test_a_route_waits_for_its_pod_once_and_says_how_long(redis: Redis, db
 async def test_routes_waiting_on_a_deploy_give_back_their_places_while_they_wait(
     redis: Redis, db: Database
 ) -> None:
-    """The stop-signal guard runs in the route's own task: followers waiting in a deploy's
-    room park their in-flight place while they wait (only the leader's counts), and the drain
-    still answers all of them."""
+    """The stop-signal guard runs in the route's own task: the leader waiting on its deploy
+    and the followers waiting in its room all park their in-flight places while they wait
+    (a burst's K leaders and their followers would fill max_in_flight), and the drain still
+    answers all of them."""
     k8s = GatedK8s()
     async with two_replicas(redis, db, k8s=k8s, scope_full_timeout=30.0, max_in_flight=8) as reps:
         await configure(reps.a, scope_concurrency=4, pod_concurrency=4)
         calls = [asyncio.create_task(route(reps.a, f"s-{i}", f"r-s-{i}")) for i in range(3)]
         await eventually(lambda: _ge(reservations(redis), 3), what="a leader and two followers")
-        await eventually(lambda: _gauge_is(reps.a, "agent_runtime_http_parked", 2))
-        assert await _gauge(reps.a, "agent_runtime_http_in_flight") == 1
+        # the leader waits on its deploy, the followers on the leader: none holds a place
+        await eventually(lambda: _gauge_is(reps.a, "agent_runtime_http_parked", 3))
+        assert await _gauge(reps.a, "agent_runtime_http_in_flight") == 0
         reps.services(reps.a).drain()
         for answer in await asyncio.gather(*(asyncio.wait_for(c, 10) for c in calls)):
             assert_error(answer, "BACKEND_UNAVAILABLE")
