@@ -26,6 +26,7 @@ from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.facade import (
     AcquiredPod,
     DeployFailed,
+    DeployInProgress,
     DeployTimedOut,
     ResourceManagerFacade,
 )
@@ -142,7 +143,8 @@ class Replica:
     client: Redis
 
     async def acquire(self, request_id: str, **kw: Any) -> AcquiredPod:
-        return await self.facade.acquire(SCOPE, kw.pop("pod_spec", spec()), POOL, request_id, **kw)
+        pool = kw.pop("pool", POOL)
+        return await self.facade.acquire(SCOPE, kw.pop("pod_spec", spec()), pool, request_id, **kw)
 
 
 @contextlib.asynccontextmanager
@@ -291,6 +293,38 @@ async def test_a_dead_leader_s_pod_that_never_gets_ready_is_deleted_by_the_taker
         assert not await redis.exists(LOCK)
         assert await live_placeholders(redis) == []
         assert await follower_seats(redis, SCOPE) == []
+
+
+async def test_beside_deploys_in_parallel_a_dead_leader_s_deploy_is_taken_over_alone(
+    redis: Redis,
+) -> None:
+    """pod_concurrency 1: the dying replica leads "r-a", the healthy one leads "r-b" beside it.
+    A third route ("r-c", no seat anywhere) is told the deploys are under way until "r-a"'s
+    lease lapses, then takes that deploy over with its pod; "r-b" goes on untouched; two
+    creates in all, nothing held."""
+    pool = {**POOL, "pod_concurrency": 1, "max_pods": 2}  # r-a and r-b: the scope is full
+    k8s = FakeK8sPodClient(ready_delay=1.0)
+    async with dying_and_healthy(redis, k8s) as (a, dying, b):
+        leading = asyncio.create_task(a.acquire("r-a", pool=pool))
+        orphan = await started_leading(dying, redis)
+        beside = asyncio.create_task(b.acquire("r-b", pool=pool))
+        lock_b = f"resource_manager:lock:rm:deploy:{SCOPE}:r-b"
+        await eventually(lambda: redis.exists(lock_b), "r-b leading beside r-a")
+        deadline = time.monotonic() + 15
+        while True:  # as a route does: wait, and ask again
+            try:
+                taken = await b.acquire("r-c", pool=pool)
+                break
+            except DeployInProgress:
+                assert time.monotonic() < deadline, "r-a's deploy was never taken over"
+                await asyncio.sleep(0.1)
+        own = await beside
+        await finished(leading)
+        assert taken.pod_id == orphan, "the dead leader's pod, adopted by the taker"
+        assert own.pod_id != orphan and own.pod_id in k8s.pods
+        assert k8s.deploy_calls == 2, "r-a's create and r-b's: nothing deployed anew"
+        assert await redis.zcard(rm("pods")) == 2
+        await assert_nothing_held(redis)
 
 
 async def test_a_leader_that_died_before_its_create_is_replaced_by_a_new_deploy(
