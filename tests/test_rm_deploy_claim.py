@@ -255,3 +255,48 @@ async def test_a_lapsed_seat_frees_its_place_in_the_room(rs: ResourceState, redi
     assert (claim.action, claim.deploy_id) == ("follow", "rq-l")
     assert await redis.zrange(K.room("rq-l"), 0, -1) == ["rq-f"]
     assert (await cold_claim(rs, "rq-g")).action == "lead", "the room is full: a deploy more"
+
+
+async def test_a_route_s_acquire_reserves_nothing_and_says_cold(
+    rs: ResourceState, redis: Redis
+) -> None:
+    """acquire.lua with cold_claim: a warm pod is still handed out; without one it answers
+    "cold" and reserves no slot (the claim does, in the step that decides)."""
+    await configure(rs, pod_concurrency=1)
+    assert (await rs.acquire(SID, "r1", "t1", 60, cold_claim=True)).action == "cold"
+    assert await redis.scard(K.DEPLOYING) == 0 and await redis.zcard(K.BUDGET) == 0
+    await rs.register(
+        scope_id=SID, pod_id="agent-w", placeholder=None, pod_sse_url="http://w/sse",
+        pod_ip="10.0.0.1", namespace="default", deploy_ver="v1", warm=True,
+    )  # fmt: skip
+    warm = await rs.acquire(SID, "r2", "t2", 60, cold_claim=True)
+    assert (warm.action, warm.pod_id) == ("reuse", "agent-w")
+
+
+async def test_a_renewal_keeps_the_lock_to_the_end_of_its_placeholder_s_second(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, pod_concurrency=1)
+    claim = await cold_claim(rs, "rq-r")
+    assert claim.action == "lead" and claim.placeholder is not None
+    member = await DeployState(rs).renew_deploy_lease(
+        SID, "ph-rq-r", "lk-rq-r@1", LEASE, deploy_id="rq-r"
+    )
+    assert member is not None
+    seconds, micros = await redis.time()
+    slot_ends_ms = (int(member.rpartition("@")[2]) + 1) * 1000
+    pttl = await redis.pttl(K.lock("rq-r"))
+    assert slot_ends_ms - (seconds * 1000 + micros // 1000) - 50 <= pttl <= (LEASE + 1) * 1000
+    assert await redis.zrange(K.COLD, 0, -1) == ["rq-r"]
+
+
+async def test_a_scope_with_a_cold_deploy_indexed_is_not_expired(
+    rs: ResourceState, redis: Redis
+) -> None:
+    await configure(rs, pod_concurrency=1)
+    assert (await cold_claim(rs, "rq-x")).action == "lead"
+    await redis.delete(K.DEPLOYING)  # its placeholder gone: the index alone keeps the scope
+    assert not await rs.expire_scope(SID)
+    await redis.delete(K.COLD)
+    assert await rs.expire_scope(SID)
+    assert not await redis.exists(CONFIG)
