@@ -52,6 +52,13 @@ from redis.asyncio import Redis
 
 OUR_PREFIXES = ("session_manager:", "resource_manager:", "agent_runtime:")
 SM, RM = "session_manager:", "resource_manager:resource:"
+
+
+def deploy_locks(sid: str) -> str:
+    """The pattern of a scope's cold deploys' locks (one per deploy: many at once)."""
+    return f"resource_manager:lock:rm:deploy:{sid}:*"
+
+
 JOBS = ("sm_sweep", "scope_expiry", "rm_autoscale", "rm_reclaim", "rm_watch", "rm_reconcile")
 JOB_INTERVAL = 1.0  # every job's tick in this run: "two ticks" below means 2 s
 SHUTDOWN_TIMEOUT = 8.0
@@ -255,10 +262,19 @@ class Run:
         return {
             "waiters": int(await r.zcount(f"{SM}scope:{sid}:waiters", now, "+inf")),
             "reserved": int(await r.zcount(f"{SM}scope:{sid}:reserved", now, "+inf")),
-            "followers": int(await r.zcount(f"{RM}scope:{sid}:deploy_followers", now, "+inf")),
+            "followers": sum(
+                [int(await r.zcount(room, now, "+inf")) for room in await self.rooms(sid)]
+            ),
             "deploying": int(await r.scard(f"{RM}scope:{sid}:deploying")),
-            "deploy_lock": int(await r.exists(f"resource_manager:lock:rm:deploy:{sid}")),
+            "deploy_lock": len(await self.keys_like(deploy_locks(sid))),
         }
+
+    async def keys_like(self, pattern: str) -> list[str]:
+        return [k async for k in self.redis.scan_iter(match=pattern, count=1000)]
+
+    async def rooms(self, sid: str) -> list[str]:
+        """The scope's follower rooms: one per cold deploy."""
+        return await self.keys_like(f"{RM}scope:{sid}:deploy_followers:*")
 
     async def leftovers(self, sid: str) -> dict[str, int]:
         """Every member a scope still holds, live or past its lease (the prune job removes
@@ -267,10 +283,12 @@ class Run:
         return {
             "waiters": int(await r.zcard(f"{SM}scope:{sid}:waiters")),
             "reserved": int(await r.zcard(f"{SM}scope:{sid}:reserved")),
-            "followers": int(await r.zcard(f"{RM}scope:{sid}:deploy_followers")),
+            "followers": sum([int(await r.zcard(room)) for room in await self.rooms(sid)]),
             "deploying": int(await r.scard(f"{RM}scope:{sid}:deploying")),
-            "deploy_lock": int(await r.exists(f"resource_manager:lock:rm:deploy:{sid}")),
-            "deploy_pod": int(await r.exists(f"{RM}scope:{sid}:deploy_pod")),
+            "deploy_lock": len(await self.keys_like(deploy_locks(sid))),
+            # an ended deploy's record names its pod for one lease, then lapses
+            "deploy_pod": len(await self.keys_like(f"{RM}scope:{sid}:deploy_pod:*")),
+            "cold_deploys": int(await r.zcard(f"{RM}scope:{sid}:cold_deploys")),
         }
 
     async def nothing_left(self, sid: str, within: float) -> None:
@@ -506,13 +524,12 @@ async def kill_the_leader_once(
 ) -> tuple[float, str, collections.Counter[str]]:
     scope = await run.scope(f"killed{n}", scope_concurrency=8, pod_concurrency=4)
     sid = scope_id(scope)
-    lock = f"resource_manager:lock:rm:deploy:{sid}"
     lead = asyncio.create_task(run.api.route(victim.url, scope, f"k{n}-lead"))
     deadline = time.monotonic() + 15
-    while not (await run.redis.exists(lock) and await run.sim_pods(sid)):
+    while not ((locks := await run.keys_like(deploy_locks(sid))) and await run.sim_pods(sid)):
         expect(time.monotonic() < deadline, "the victim never created its pod")
         await asyncio.sleep(0.02)
-    token = str(await run.redis.get(lock))
+    token = str(await run.redis.get(locks[0]))
     expect(token.startswith(f"{victim.instance_id}/"), f"the deploy is led by {token}")
     created = (await run.sim_pods(sid))[0]
     expect(not created["ready"], "the pod was Ready before the kill")
@@ -525,7 +542,7 @@ async def kill_the_leader_once(
 
     for i, replica in enumerate(others):
         route_on(replica, f"k{n}-wait-{i}")
-    while not await run.redis.zcard(f"{RM}scope:{sid}:deploy_followers"):
+    while not await run.rooms(sid):
         expect(time.monotonic() < deadline, "no route followed the victim's deploy")
         await asyncio.sleep(0.02)
     killed_at = time.monotonic()
@@ -603,13 +620,13 @@ async def check_drain(run: Run) -> str:
     try:
         follow = await run.scope("drain-follow", scope_concurrency=4, pod_concurrency=2)
         own = await run.scope("drain-own", scope_concurrency=4, pod_concurrency=2)
-        deploy_of = {s: f"resource_manager:lock:rm:deploy:{scope_id(s)}" for s in (follow, own)}
+        deploy_of = {s: deploy_locks(scope_id(s)) for s in (follow, own)}
         start(other, follow, "dr-leader-elsewhere")
         start(victim, own, "dr-own-deploy")
         await wait_for_keys(run, list(deploy_of.values()), "the two deploys never started")
         start(victim, follow, "dr-follower")
         await wait_for_keys(
-            run, [f"{RM}scope:{scope_id(follow)}:deploy_followers"], "nobody followed"
+            run, [f"{RM}scope:{scope_id(follow)}:deploy_followers:*"], "nobody followed"
         )
         start(victim, follow, "dr-shared-follow")
         start(victim, own, "dr-shared-own")
@@ -658,9 +675,10 @@ async def check_drain(run: Run) -> str:
     )
 
 
-async def wait_for_keys(run: Run, keys: list[str], what: str, within: float = 10) -> None:
+async def wait_for_keys(run: Run, patterns: list[str], what: str, within: float = 10) -> None:
+    """Until a key matches each pattern."""
     deadline = time.monotonic() + within
-    while not all([await run.redis.exists(k) for k in keys]):
+    while not all([await run.keys_like(p) for p in patterns]):
         expect(time.monotonic() < deadline, what)
         await asyncio.sleep(0.02)
 

@@ -35,7 +35,8 @@ def route_marker(request_id: str) -> str:
 
 
 def rm_scope(scope_id: str, what: str) -> str:
-    """pods | idle | config | deploying | deploy_followers | deploy_pod"""
+    """pods | idle | config | deploying | cold_deploys | deploy_followers:{deploy id} |
+    deploy_pod:{deploy id}"""
     return f"resource_manager:resource:scope:{scope_id}:{what}"
 
 
@@ -44,5 +45,6 @@ def rm_pod(pod_id: str, what: str) -> str:
     return f"resource_manager:resource:pod:{pod_id}:{what}"
 
 
-def rm_deploy_lock(scope_id: str) -> str:
-    return f"resource_manager:lock:rm:deploy:{scope_id}"
+def rm_deploy_lock(scope_id: str, deploy_id: str) -> str:
+    """One cold deploy's lock (a scope runs many: helpers.deploy_locks reads them all)."""
+    return f"resource_manager:lock:rm:deploy:{scope_id}:{deploy_id}"

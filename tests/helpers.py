@@ -494,3 +494,20 @@ real_postgresql_and_fake = pytest.mark.parametrize(
 )
 real_only = pytest.mark.parametrize(("redis", "sql_backend"), [("real", "mariadb")], indirect=True)
 fake_only = pytest.mark.parametrize(("redis", "sql_backend"), [("fake", "sqlite")], indirect=True)
+
+
+async def deploy_locks(client: Redis, scope_id: str) -> dict[str, str]:
+    """The scope's cold deploys' locks held now: deploy id -> the leader's token."""
+    prefix = f"resource_manager:lock:rm:deploy:{scope_id}:"
+    keys = sorted(await redis_keys(client, f"{prefix}*"))
+    values = await client.mget(keys) if keys else []
+    return {k[len(prefix) :]: v for k, v in zip(keys, values, strict=True) if v is not None}
+
+
+async def follower_seats(client: Redis, scope_id: str) -> list[str]:
+    """Every seat in the scope's follower rooms (one room per cold deploy), live or not."""
+    seats: list[str] = []
+    pattern = f"resource_manager:resource:scope:{scope_id}:deploy_followers:*"
+    for room in sorted(await redis_keys(client, pattern)):
+        seats += await client.zrange(room, 0, -1)
+    return sorted(seats)

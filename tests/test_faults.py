@@ -48,7 +48,6 @@ from contract_keys import (
     RM_PODS_ALL,
     SM_PODS_REGISTERED,
     SM_SESSION_EXPIRY,
-    rm_deploy_lock,
     rm_scope,
     route_marker,
     sm_pod,
@@ -58,8 +57,10 @@ from contract_keys import (
 from helpers import (
     CLAIM_KEY,
     TcpProxy,
+    deploy_locks,
     envelope,
     fake_only,
+    follower_seats,
     make_settings,
     other_client,
     real_mariadb_and_fake,
@@ -243,7 +244,7 @@ async def assert_four_places(redis: Redis, session_id: str, pod_id: str) -> None
 async def held(redis: Redis) -> dict[str, Any]:
     """What routes and acquires of the scope hold that is still live: queue seats and
     reservations whose deadline has not passed, follower seats, unexpired deploy
-    placeholders, the deploy lock, pending replay markers."""
+    placeholders, deploy locks, pending replay markers."""
     now = await redis_now(redis)
     placeholders = [
         m
@@ -258,9 +259,9 @@ async def held(redis: Redis) -> dict[str, Any]:
     found = {
         "waiters": await redis.zrangebyscore(sm_scope(SID, "waiters"), now, "+inf"),
         "reserved": await redis.zrangebyscore(sm_scope(SID, "reserved"), now, "+inf"),
-        "followers": await redis.zrange(rm_scope(SID, "deploy_followers"), 0, -1),
+        "followers": await follower_seats(redis, SID),
         "placeholders": placeholders,
-        "deploy_lock": await redis.get(rm_deploy_lock(SID)),
+        "deploy_locks": await deploy_locks(redis, SID),
         "pending": pending,
     }
     return {k: v for k, v in found.items() if v}
@@ -293,13 +294,13 @@ SCRIPTS = {
     "touch": (SM, "touch", "_session"),
     "waiter_gate": (lua.SHARED, "seat_gate", None),  # the shared seat gate, as the queue's
     "acquire": (RM, "acquire", ("_budget", "_placeholders")),
-    "deploy_lease_take": (RM, "deploy_lease_take", None),
+    "deploy_claim": (RM, "deploy_claim", ("_budget", "_placeholders")),
 }
 ROUTE_PLACE_SHA = script_sha(*SCRIPTS["route_place"])
 TOUCH_SHA = script_sha(*SCRIPTS["touch"])
 WAITER_GATE_SHA = script_sha(*SCRIPTS["waiter_gate"])
 ACQUIRE_SHA = script_sha(*SCRIPTS["acquire"])
-LEASE_TAKE_SHA = script_sha(*SCRIPTS["deploy_lease_take"])
+CLAIM_SHA = script_sha(*SCRIPTS["deploy_claim"])
 
 
 async def load_scripts(redis: Redis) -> None:
@@ -998,7 +999,7 @@ async def test_routes_cancelled_at_random_points_hold_nothing_beyond_the_lease(
         "route_place",
         "waiter_gate",
         "acquire",
-        "deploy_lock",
+        "deploy_claim",
     ],
 )
 @real_only
@@ -1012,7 +1013,7 @@ async def test_a_route_cancelled_while_a_reply_is_in_flight_holds_nothing_beyond
         "route_place": (b"EVALSHA", ROUTE_PLACE_SHA),
         "waiter_gate": (b"EVALSHA", WAITER_GATE_SHA),
         "acquire": (b"EVALSHA", ACQUIRE_SHA),
-        "deploy_lock": (b"EVALSHA", LEASE_TAKE_SHA),
+        "deploy_claim": (b"EVALSHA", CLAIM_SHA),
     }[call]
     async with (
         redis_proxy(redis) as proxy,

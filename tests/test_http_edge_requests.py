@@ -456,6 +456,9 @@ async def test_a_waiter_is_handed_the_place_the_moment_it_frees(redis: Redis, db
         await _configure(client, scope_concurrency=50)
         app = client.app  # type: ignore[attr-defined]
         second = _SlowReader(app, json.dumps(_route_body("second")).encode())
+        # its handler done, only its answer held back: it holds the place (while its deploy
+        # ran it was parked, as a route waiting on Kubernetes is)
+        await asyncio.wait_for(second.answering.wait(), 20)
         await _eventually(lambda: _gauge_is(client, "agent_runtime_http_in_flight", 1))
         waiter = asyncio.create_task(client.post(ROUTE, json=_route_body("waiter")))
         await _eventually(lambda: _gauge_is(client, "agent_runtime_http_admission_waiting", 1))

@@ -247,7 +247,7 @@ async def test_a_taker_adopts_a_dead_leader_s_pod_in_the_recorded_cluster(redis:
     async with dying_and_healthy(redis, k8s) as (a, dying, b):
         leading = asyncio.create_task(a.acquire("r-a", pod_spec=takeover_spec(kubeconfig="east")))
         orphan = await started_leading(dying, redis)
-        record = f"resource_manager:resource:scope:{SCOPE_T}:deploy_pod"
+        record = f"resource_manager:resource:scope:{SCOPE_T}:deploy_pod:r-a"
         assert await redis.hget(record, "cluster") == "east"
         assert orphan in k8s.pods_in("east") and k8s.pods == {}
         got = await b.acquire("r-b", pod_spec=takeover_spec())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from agent_runtime.resource_manager.deploy_state import DeployState
 from agent_runtime.resource_manager.facade import (
     AcquiredPod,
     DeployFailed,
+    DeployInProgress,
     IdleTransition,
     K8sApiError,
     MaxPodsReached,
@@ -30,16 +32,14 @@ from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.state import (
     REGISTERED_PATTERN,
     ResourceState,
-    deploy_lock_key,
     idem_key,
     pod_idle_since_key,
     pod_info_key,
     scope_deploying_key,
-    scope_followers_key,
     scope_idle_key,
     scope_pods_key,
 )
-from helpers import IDENTITY, other_client
+from helpers import IDENTITY, deploy_locks, follower_seats, other_client
 
 SCOPE = "scope-a"
 
@@ -115,8 +115,8 @@ async def rm2(redis: Redis, k8s: FakeK8sPodClient) -> AsyncIterator[Instance]:
 
 async def assert_nothing_held(redis: Redis, scope: str = SCOPE) -> None:
     assert await redis.scard(scope_deploying_key(scope)) == 0, "placeholder leaked"
-    assert await redis.zcard(scope_followers_key(scope)) == 0, "follower seat leaked"
-    assert not await redis.exists(deploy_lock_key(scope)), "deploy lock leaked"
+    assert await follower_seats(redis, scope) == [], "follower seat leaked"
+    assert await deploy_locks(redis, scope) == {}, "deploy lock leaked"
 
 
 async def acquire(inst: Instance, request_id: str, **kw: Any) -> AcquiredPod:
@@ -152,11 +152,11 @@ async def test_the_leader_calls_on_ready_with_its_pod_while_it_holds_the_deploy_
 
     async def on_ready(pod: AcquiredPod) -> None:
         info = await redis.hgetall(pod_info_key(pod.pod_id))
-        seen.append((pod, bool(await redis.exists(deploy_lock_key(SCOPE))), info["phase"]))
+        seen.append((pod, bool(await deploy_locks(redis, SCOPE)), info["phase"]))
 
     result = await rm.facade.acquire(SCOPE, spec(), pool(), "r1", on_ready=on_ready)
     assert seen == [(result, True, "in_use")], "registered, and still under the lock"
-    assert not await redis.exists(deploy_lock_key(SCOPE))
+    assert await deploy_locks(redis, SCOPE) == {}
     # warm reuse and a replayed answer have no deploy to announce
     await rm.facade.idle_consider(result.pod_id, SCOPE)
     assert await rm.facade.acquire(SCOPE, spec(), pool(), "r2", on_ready=on_ready) == result
@@ -291,23 +291,58 @@ async def test_a_cancelled_caller_does_not_abort_the_deploy(
 # --- concurrency -------------------------------------------------------------------------------
 
 
-async def burst(instances: list[Instance], n: int, **kw: Any) -> list[Any]:
-    calls = [acquire(instances[i % len(instances)], f"burst-{i}", **kw) for i in range(n)]
+async def burst(
+    instances: list[Instance], n: int, *, again_while_in_progress: bool = False, **kw: Any
+) -> list[Any]:
+    async def one(inst: Instance, request_id: str) -> AcquiredPod:
+        for _ in range(400):  # a route asks again on the scope's signal, or every 0.5 s
+            try:
+                return await acquire(inst, request_id, **kw)
+            except DeployInProgress:
+                if not again_while_in_progress:
+                    raise
+                await asyncio.sleep(0.05)
+        raise AssertionError(f"{request_id}: deploys under way for 20 s")
+
+    calls = [one(instances[i % len(instances)], f"burst-{i}") for i in range(n)]
     return await asyncio.gather(*calls, return_exceptions=True)
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
-async def test_cold_burst_deploys_exactly_one_pod_and_fills_its_slots(
+async def test_cold_burst_deploys_up_to_max_pods_and_fills_their_slots(
     rm: Instance, rm2: Instance, redis: Redis, k8s: FakeK8sPodClient, replicas: int
 ) -> None:
+    """20 callers, pods of 5, max_pods 2: two deploys, each pod handed to its leader and 4
+    followers. A caller told the scope's deploys are under way asks again (as a route does):
+    once both pods are registered the scope is at max_pods with nothing on its way."""
     instances = [rm, rm2][:replicas]
-    results = await burst(instances, 20, pool=pool(max_pods=2, pod_concurrency=5))
+    results = await burst(
+        instances, 20, pool=pool(max_pods=2, pod_concurrency=5), again_while_in_progress=True
+    )
     pods = [r.pod_id for r in results if isinstance(r, AcquiredPod)]
     failures = [r for r in results if isinstance(r, Exception)]
-    assert k8s.deploy_calls == 1, "one deploy per scope however many callers"
-    assert len(set(pods)) == 1 and len(pods) == 5, "leader + pod_concurrency - 1 followers"
-    assert all(isinstance(f, MaxPodsReached) for f in failures) and len(failures) == 15
+    assert k8s.deploy_calls == len(set(pods)) == 2, "max_pods deploys"
+    assert sorted(Counter(pods).values()) == [5, 5], "leader + pod_concurrency - 1 followers"
+    assert [type(f) for f in failures] == [MaxPodsReached] * 10
     await assert_nothing_held(redis)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+async def test_duplicates_of_one_demand_make_one_deploy_even_with_no_seat(
+    rm: Instance, rm2: Instance, k8s: FakeK8sPodClient, replicas: int
+) -> None:
+    """pod_concurrency 1 (no follower seat): two acquires for the same demand (a route's
+    duplicate whose pending marker lapsed, on either replica) share its one deploy."""
+    instances = [rm, rm2][:replicas]
+    calls = [
+        instances[i % replicas].facade.acquire(
+            SCOPE, spec(), pool(pod_concurrency=1), f"dup:{i}", demand_id="the-route"
+        )
+        for i in range(4)
+    ]
+    got = await asyncio.gather(*calls)
+    assert k8s.deploy_calls == 1
+    assert len({p.pod_id for p in got}) == 1
 
 
 async def test_leader_failure_fails_the_followers_fast(
@@ -315,11 +350,11 @@ async def test_leader_failure_fails_the_followers_fast(
 ) -> None:
     k8s.never_ready = True
     started = time.monotonic()
-    results = await burst([rm, rm2], 6, pod_spec=spec(ready_timeout=0.8), pool=pool())
+    results = await burst([rm, rm2], 6, pod_spec=spec(ready_timeout=0.8), pool=pool(max_pods=1))
     elapsed = time.monotonic() - started
     assert k8s.deploy_calls == 1, "followers never take over a failed deploy"
-    assert all(isinstance(r, DeployFailed | MaxPodsReached) for r in results)
     assert sum(isinstance(r, DeployFailed) for r in results) == 5  # leader + 4 followers
+    assert sum(isinstance(r, DeployInProgress) for r in results) == 1  # the room was full
     assert elapsed < 3, f"followers waited {elapsed:.1f}s after the leader failed"
     await assert_nothing_held(redis)
 

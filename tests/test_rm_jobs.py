@@ -51,7 +51,7 @@ from contract_keys import (
     sm_scope,
     sm_session,
 )
-from helpers import IDENTITY, other_client
+from helpers import IDENTITY, GatedK8s, other_client
 
 SCOPE = "scope-jobs"
 OTHER_SCOPE = "scope-other"
@@ -496,7 +496,7 @@ async def test_many_scopes_are_served_in_one_tick(env: Env) -> None:
     for scope in scopes:
         await configure(env, scope=scope, min_idle=1, max_pods=2)
     started = 0
-    while started < len(scopes):  # MAX_WARM_DEPLOYS per tick at once
+    while started < len(scopes):  # the warm deploy concurrency per tick at once
         n = await env.pool_jobs.autoscale_once()
         assert n > 0
         started += n
@@ -1403,3 +1403,42 @@ async def test_a_cold_acquire_at_the_cap_does_not_follow_a_warm_deploy(env: Env)
     await env.pool_jobs.wait_for_warm_deploys()
     second = await take_in_use(env, "r3")
     assert second != in_use and env.k8s.deploy_calls == 2
+
+
+@pytest.mark.parametrize("k8s", [GatedK8s()], ids=["gated"])
+async def test_autoscale_keeps_within_the_replica_s_and_the_scope_s_deploy_concurrency(
+    env: Env, k8s: GatedK8s
+) -> None:
+    """Deploys held at the gate: one replica starts at most its warm deploy concurrency
+    (AGENT_RUNTIME_WARM_DEPLOY_CONCURRENCY) and a scope at most its deploy concurrency
+    (AGENT_RUNTIME_SCOPE_DEPLOY_CONCURRENCY), counting its cold deploys; the rest come at later
+    ticks."""
+    k8s.gate = asyncio.Event()  # the instance is shared by the parameters: a closed gate
+    await configure(env, min_idle=10, max_pods=20)
+
+    def jobs_of(warm_deploy_concurrency: int) -> PoolJobs:
+        return PoolJobs(
+            state=env.state, k8s=k8s, orchestrator=env.orchestrator, sessions=env.sessions,
+            default_namespace="default", identity=IDENTITY,
+            warm_deploy_concurrency=warm_deploy_concurrency,
+        )  # fmt: skip
+
+    jobs = jobs_of(4)
+    try:
+        assert await jobs.autoscale_once() == 4, "the replica's bound"
+        assert await jobs.autoscale_once() == 0, "still 4 running"
+        env.orchestrator.scope_deploy_concurrency = 6
+        seconds, _ = await env.redis.time()
+        await env.redis.sadd(  # two cold deploys (routes') in flight
+            f"resource_manager:resource:scope:{SCOPE}:deploying",
+            f"r1:a@{seconds + 60}", f"r2:b@{seconds + 60}",
+        )  # fmt: skip
+        k8s.gate.set()
+        await jobs.wait_for_warm_deploys()
+        assert len(await warm_set(env.redis, SCOPE)) == 4
+        jobs = jobs_of(64)  # the replica's bound out of the way: the scope's holds
+        assert await jobs.autoscale_once() == 4, "6 at once in the scope, 2 of them cold"
+        await jobs.wait_for_warm_deploys()
+    finally:
+        k8s.gate.set()
+        await jobs.wait_for_warm_deploys()

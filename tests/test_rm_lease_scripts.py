@@ -1,5 +1,6 @@
-"""The deploy lease scripts (deploy_lease_take, deploy_lease, deploy_lease_end) and the prune
-job's lease_prune, through ``ResourceState``, on fakeredis and real Redis: renewal by the
+"""The deploy lease scripts of one cold deploy (deploy_lease_take, deploy_lease,
+deploy_lease_end: each deploy has its own lock and record) and the prune job's lease_prune,
+through ``ResourceState``, on fakeredis and real Redis: renewal by the
 owner only, the lapse, a takeover that happens once however many take at once (the dead
 leader's pod with it), replay, and the prune of expired members in slices. Assertions read the
 Redis keys by their names (contract §4 and the internal ones of docs/design/hld.md §5)."""
@@ -19,6 +20,7 @@ from helpers import other_client
 
 RULE_PREFIX = "resource_manager:budget:rule:"
 SID = "scope-l"
+DID = "rq-1"  # the cold deploy the tests lead (a scope runs many; each is keyed by its id)
 LEASE = 5.0  # seconds: nothing lapses during a test unless made to
 
 
@@ -28,20 +30,24 @@ class K:
     BUDGET = "resource_manager:budget:pods"
 
     @staticmethod
-    def lock(sid: str = SID) -> str:
-        return f"resource_manager:lock:rm:deploy:{sid}"
+    def lock(sid: str = SID, did: str = DID) -> str:
+        return f"resource_manager:lock:rm:deploy:{sid}:{did}"
 
     @staticmethod
-    def record(sid: str = SID) -> str:
-        return f"resource_manager:resource:scope:{sid}:deploy_pod"
+    def record(sid: str = SID, did: str = DID) -> str:
+        return f"resource_manager:resource:scope:{sid}:deploy_pod:{did}"
+
+    @staticmethod
+    def cold(sid: str = SID) -> str:
+        return f"resource_manager:resource:scope:{sid}:cold_deploys"
 
     @staticmethod
     def deploying(sid: str = SID) -> str:
         return f"resource_manager:resource:scope:{sid}:deploying"
 
     @staticmethod
-    def followers(sid: str = SID) -> str:
-        return f"resource_manager:resource:scope:{sid}:deploy_followers"
+    def followers(sid: str = SID, did: str = DID) -> str:
+        return f"resource_manager:resource:scope:{sid}:deploy_followers:{did}"
 
     @staticmethod
     def rule(rule_id: str) -> str:
@@ -82,13 +88,13 @@ def deadline_of(member: str) -> int:
 async def test_take_makes_one_leader_and_tells_the_others_who_leads(
     ds: DeployState, redis: Redis
 ) -> None:
-    first = await ds.take_deploy_lease(SID, "tok-a@1.5", LEASE)
+    first = await ds.take_deploy_lease(SID, DID, "tok-a@1.5", LEASE)
     assert first.leader and first.orphan is None
     assert await redis.get(K.lock()) == "tok-a@1.5"
     assert 0 < await redis.pttl(K.lock()) <= LEASE * 1000
-    second = await ds.take_deploy_lease(SID, "tok-b@2.0", LEASE)
+    second = await ds.take_deploy_lease(SID, DID, "tok-b@2.0", LEASE)
     assert not second.leader and second.holder == "tok-a@1.5"
-    again = await ds.take_deploy_lease(SID, "tok-a@1.5", LEASE)  # a re-sent call
+    again = await ds.take_deploy_lease(SID, DID, "tok-a@1.5", LEASE)  # a re-sent call
     assert again.leader and await redis.get(K.lock()) == "tok-a@1.5"
 
 
@@ -98,9 +104,15 @@ async def test_a_lapsed_leader_s_pod_passes_to_exactly_one_of_many_takers(redis:
     rs = ResourceState(redis)
     await configure(rs)
     member = await placeholder(rs, "dead-ph")
-    assert (await DeployState(rs).take_deploy_lease(SID, "dead@1.0", 0.3)).leader
+    assert (await DeployState(rs).take_deploy_lease(SID, DID, "dead@1.0", 0.3)).leader
     assert await DeployState(rs).renew_deploy_lease(
-        SID, "dead-ph", "dead@1.0", 0.3, pod=("agent-x", "ns-1", "uid-x"), record_ttl=60
+        SID,
+        "dead-ph",
+        "dead@1.0",
+        0.3,
+        deploy_id=DID,
+        pod=("agent-x", "ns-1", "uid-x"),
+        record_ttl=60,
     )
     assert await redis.hget(K.record(), "pod_id") == "agent-x"
     await lapsed(redis, K.lock())  # the dead leader renews no more
@@ -110,7 +122,7 @@ async def test_a_lapsed_leader_s_pod_passes_to_exactly_one_of_many_takers(redis:
     try:
         takes = await asyncio.gather(
             *(
-                DeployState(ResourceState(c)).take_deploy_lease(SID, f"t{i}@9.0", LEASE)
+                DeployState(ResourceState(c)).take_deploy_lease(SID, DID, f"t{i}@9.0", LEASE)
                 for i, c in enumerate(clients)
             )
         )
@@ -131,14 +143,14 @@ async def test_take_inherits_neither_a_failure_notice_nor_a_registered_pod(
     ds: DeployState, redis: Redis
 ) -> None:
     await redis.hset(K.record(), mapping={"token": "old@1", "failed": "1"})
-    took = await ds.take_deploy_lease(SID, "new@2", LEASE)
+    took = await ds.take_deploy_lease(SID, DID, "new@2", LEASE)
     assert took.leader and took.orphan is None
     assert not await redis.exists(K.record())
-    await ds.end_deploy_lease(SID, "new@2", "ok", 1)
+    await ds.end_deploy_lease(SID, DID, "new@2", "ok", 1)
 
     await redis.hset(K.record(), mapping={"token": "old@1", "pod_id": "agent-r", "namespace": "n"})
     await redis.sadd(K.PODS_ALL, "agent-r")  # registered meanwhile (e.g. adopted by reconcile)
-    took = await ds.take_deploy_lease(SID, "new@3", LEASE)
+    took = await ds.take_deploy_lease(SID, DID, "new@3", LEASE)
     assert took.leader and took.orphan is None
     assert not await redis.exists(K.record())
 
@@ -152,9 +164,9 @@ async def test_renew_moves_the_placeholder_deadline_and_the_lock_with_its_budget
     await configure(rs)
     await rs.acquire(SID, "r1", "warmup", 60, rule_id="rule-1")  # links the scope to rule-1
     member = await placeholder(rs, "ph-1")
-    assert (await ds.take_deploy_lease(SID, "lk@1", 0.5)).leader
+    assert (await ds.take_deploy_lease(SID, DID, "lk@1", 0.5)).leader
     before = await redis.pttl(K.lock())
-    renewed = await ds.renew_deploy_lease(SID, "ph-1", "lk@1", 30)
+    renewed = await ds.renew_deploy_lease(SID, "ph-1", "lk@1", 30, deploy_id=DID)
     assert renewed is not None and renewed.startswith("ph-1@")
     assert deadline_of(renewed) >= await rnow(redis) + 29
     assert member not in await redis.smembers(K.deploying())
@@ -165,7 +177,7 @@ async def test_renew_moves_the_placeholder_deadline_and_the_lock_with_its_budget
     assert await redis.zscore(K.rule("rule-1"), unit) == deadline_of(renewed)
     assert await redis.zscore(K.BUDGET, f"{SID}:{member}") is None, "the old unit moved"
     # a re-sent call renews the same placeholder again: still one
-    again = await ds.renew_deploy_lease(SID, "ph-1", "lk@1", 30)
+    again = await ds.renew_deploy_lease(SID, "ph-1", "lk@1", 30, deploy_id=DID)
     assert again is not None
     assert [m for m in await redis.smembers(K.deploying()) if m.startswith("ph-1@")] == [again]
 
@@ -176,7 +188,10 @@ async def test_only_the_lock_owner_renews_a_loser_stops_claiming(
     await configure(rs)
     await placeholder(rs, "ph-old")
     await redis.set(K.lock(), "new-leader@2", px=5000)  # took over after our lease lapsed
-    assert await ds.renew_deploy_lease(SID, "ph-old", "old@1", LEASE, pod=("p", "n", "u")) is None
+    lost = await ds.renew_deploy_lease(
+        SID, "ph-old", "old@1", LEASE, deploy_id=DID, pod=("p", "n", "u")
+    )
+    assert lost is None
     assert await redis.get(K.lock()) == "new-leader@2"
     assert not await redis.exists(K.record()), "a loser records nothing"
     assert await redis.scard(K.deploying()) == 0, "the loser's placeholder is given back"
@@ -191,18 +206,18 @@ async def test_a_lapse_nobody_took_is_taken_again(
     cap, and not beyond it."""
     await configure(rs, max_pods=1)
     await placeholder(rs, "ph-1")
-    assert (await ds.take_deploy_lease(SID, "lk@1", 0.2)).leader
+    assert (await ds.take_deploy_lease(SID, DID, "lk@1", 0.2)).leader
     await lapsed(redis, K.lock())
-    assert await ds.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE) is not None
+    assert await ds.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE, deploy_id=DID) is not None
     assert await redis.get(K.lock()) == "lk@1"
 
     await redis.delete(K.deploying())  # swept (an acquire dropped it after it expired)
-    back = await ds.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE)
+    back = await ds.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE, deploy_id=DID)
     assert back is not None and await redis.smembers(K.deploying()) == {back}
 
     await redis.delete(K.deploying())
     await placeholder(rs, "someone-else")  # took the only slot meanwhile
-    assert await ds.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE) is None
+    assert await ds.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE, deploy_id=DID) is None
     assert {m.rpartition("@")[0] for m in await redis.smembers(K.deploying())} == {"someone-else"}
 
 
@@ -211,19 +226,23 @@ async def test_renew_records_the_pod_under_its_own_lock_once(
 ) -> None:
     await configure(rs)
     await placeholder(rs, "ph-1")
-    assert (await ds.take_deploy_lease(SID, "lk@1", LEASE)).leader
+    assert (await ds.take_deploy_lease(SID, DID, "lk@1", LEASE)).leader
     pod = ("agent-p", "ns-a", "uid-p")
-    assert await ds.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE, pod=pod, record_ttl=40)
+    assert await ds.renew_deploy_lease(
+        SID, "ph-1", "lk@1", LEASE, deploy_id=DID, pod=pod, record_ttl=40
+    )
     record = await redis.hgetall(K.record())
     assert record["token"] == "lk@1" and record["pod_id"] == "agent-p"
     assert record["namespace"] == "ns-a" and int(record["created"]) <= await rnow(redis)
     assert record["uid"] == "uid-p", "the incarnation: a pod re-created under the name is not it"
-    assert await ds.deploy_record(SID) == OrphanPod(
-        "agent-p", "ns-a", int(record["created"]), "uid-p"
-    )
+    assert await ds.deploy_records(SID) == {
+        DID: OrphanPod("agent-p", "ns-a", int(record["created"]), "uid-p")
+    }, "the renewal indexed the deploy; its record reads back by its id"
     assert 30 < await redis.ttl(K.record()) <= 40
     await redis.hset(K.record(), "created", "1")  # so that a rewrite would show
-    assert await ds.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE, pod=pod, record_ttl=40)
+    assert await ds.renew_deploy_lease(
+        SID, "ph-1", "lk@1", LEASE, deploy_id=DID, pod=pod, record_ttl=40
+    )
     assert await redis.hget(K.record(), "created") == "1", "a replay keeps the first record"
 
 
@@ -235,16 +254,16 @@ async def test_the_record_names_the_pod_s_cluster_and_a_taker_inherits_it(
     their cluster) reads as None."""
     await configure(rs)
     await placeholder(rs, "ph-1")
-    assert (await ds.take_deploy_lease(SID, "lk@1", 0.3)).leader
+    assert (await ds.take_deploy_lease(SID, DID, "lk@1", 0.3)).leader
     pod = ("agent-e", "ns-a", "uid-e")
     assert await ds.renew_deploy_lease(
-        SID, "ph-1", "lk@1", 0.3, pod=pod, record_ttl=40, cluster="east"
+        SID, "ph-1", "lk@1", 0.3, deploy_id=DID, pod=pod, record_ttl=40, cluster="east"
     )
     assert await redis.hget(K.record(), "cluster") == "east"
-    recorded = await ds.deploy_record(SID)
+    recorded = (await ds.deploy_records(SID)).get(DID)
     assert recorded is not None and recorded.cluster == "east"
     await lapsed(redis, K.lock())
-    took = await ds.take_deploy_lease(SID, "lk@2", LEASE)
+    took = await ds.take_deploy_lease(SID, DID, "lk@2", LEASE)
     assert took.leader and took.orphan is not None
     assert (took.orphan.pod_id, took.orphan.uid, took.orphan.cluster) == (
         "agent-e",
@@ -253,9 +272,9 @@ async def test_the_record_names_the_pod_s_cluster_and_a_taker_inherits_it(
     )
 
     await redis.hdel(K.record(), "cluster")  # a record of the default cluster, or an old one
-    recorded = await ds.deploy_record(SID)
+    recorded = (await ds.deploy_records(SID)).get(DID)
     assert recorded is not None and recorded.cluster is None
-    again = await ds.take_deploy_lease(SID, "lk@2", LEASE)  # the holder asks again
+    again = await ds.take_deploy_lease(SID, DID, "lk@2", LEASE)  # the holder asks again
     assert again.orphan is not None and again.orphan.cluster is None
 
 
@@ -274,46 +293,55 @@ async def test_a_warm_deploy_renews_its_placeholder_and_touches_no_lock(
 # --- deploy_lease_end --------------------------------------------------------------------------
 
 
-async def test_end_gives_back_only_its_own_lock_and_record(ds: DeployState, redis: Redis) -> None:
-    assert (await ds.take_deploy_lease(SID, "lk@1", LEASE)).leader
+async def test_end_gives_back_only_its_own_lock_and_leaves_the_index(
+    ds: DeployState, redis: Redis
+) -> None:
+    """ "ok": the lock goes, the deploy leaves the scope's index (nobody new joins it), and its
+    record stays one notice long: it names the registered pod, for the followers still
+    looking. A replay, or an end by a leader another took over from, changes nothing."""
+    assert (await ds.take_deploy_lease(SID, DID, "lk@1", LEASE)).leader
+    await redis.zadd(K.cold(), {DID: 1})
     await redis.hset(K.record(), mapping={"token": "lk@1", "pod_id": "p", "namespace": "n"})
-    assert await ds.end_deploy_lease(SID, "lk@1", "ok", 3)
-    assert not await redis.exists(K.lock()) and not await redis.exists(K.record())
-    assert not await ds.end_deploy_lease(SID, "lk@1", "ok", 3), "a replay: no longer ours"
+    assert await ds.end_deploy_lease(SID, DID, "lk@1", "ok", 3)
+    assert not await redis.exists(K.lock()) and not await redis.exists(K.cold())
+    assert await redis.hget(K.record(), "pod_id") == "p"
+    assert 0 < await redis.pttl(K.record()) <= 3000
+    view = await ds.deploy_view(SID, DID)
+    assert (view.leader, view.failed, view.pod_id) == (None, False, "p")
+    assert not await ds.end_deploy_lease(SID, DID, "lk@1", "ok", 3), "a replay: no longer ours"
 
     await redis.set(K.lock(), "other@2", px=5000)
+    await redis.zadd(K.cold(), {DID: 1})
     await redis.hset(K.record(), mapping={"token": "other@2", "pod_id": "q", "namespace": "n"})
-    assert not await ds.end_deploy_lease(SID, "lk@1", "failed", 3)
+    assert not await ds.end_deploy_lease(SID, DID, "lk@1", "failed", 3)
     assert await redis.get(K.lock()) == "other@2"
     assert await redis.hget(K.record(), "pod_id") == "q", "the new leader's record is kept"
+    assert await redis.zrange(K.cold(), 0, -1) == [DID], "and its place in the index"
 
 
 async def test_a_failed_end_leaves_a_short_notice(ds: DeployState, redis: Redis) -> None:
-    assert (await ds.take_deploy_lease(SID, "lk@1", LEASE)).leader
+    assert (await ds.take_deploy_lease(SID, DID, "lk@1", LEASE)).leader
     await redis.hset(K.record(), mapping={"token": "lk@1", "pod_id": "p", "namespace": "n"})
-    assert await ds.end_deploy_lease(SID, "lk@1", "failed", 2)
+    assert await ds.end_deploy_lease(SID, DID, "lk@1", "failed", 2)
     assert await redis.hgetall(K.record()) == {"token": "lk@1", "failed": "1"}
     assert 0 < await redis.pttl(K.record()) <= 2000
-    view = await ds.deploy_view(SID)
-    assert view.leader is None and view.failed
-    # a stopped or taken-over leader leaves none: its followers take over instead
-    assert (await ds.take_deploy_lease(SID, "lk@2", LEASE)).leader
-    assert await ds.end_deploy_lease(SID, "lk@2", "none", 2)
+    view = await ds.deploy_view(SID, DID)
+    assert view.leader is None and view.failed and view.pod_id is None
+    # a stopped leader (or reconcile done with a pod) leaves none
+    assert (await ds.take_deploy_lease(SID, DID, "lk@2", LEASE)).leader
+    assert await ds.end_deploy_lease(SID, DID, "lk@2", "none", 2)
     assert not await redis.exists(K.record())
 
 
-# --- deploy_view and live placeholders -------------------------------------------------------
+# --- live placeholders -------------------------------------------------------------------------
 
 
-async def test_deploy_view_counts_only_live_placeholders(
-    ds: DeployState, js: PoolJobsState, redis: Redis
+async def test_live_deploying_counts_only_live_placeholders(
+    js: PoolJobsState, redis: Redis
 ) -> None:
     now = await rnow(redis)
     await redis.sadd(K.deploying(), f"dead@{now - 1}", f"warm:w@{now + 30}")
-    view = await ds.deploy_view(SID)
-    assert view.leader is None and not view.failed and not view.cold and view.warm
     await redis.sadd(K.deploying(), f"r1:cold@{now + 30}")
-    assert (await ds.deploy_view(SID)).cold
     live = await js.live_deploying_of([SID, "other"])
     assert sorted(live[SID]) == sorted([f"warm:w@{now + 30}", f"r1:cold@{now + 30}"])
     assert live["other"] == []
@@ -329,16 +357,17 @@ async def test_prune_drops_expired_seats_and_placeholders_and_keeps_live_ones(
     await configure(rs, "scope-m")
     linked = await rs.acquire(SID, "r0", "link", 60, rule_id="rule-1")  # a live one too
     live = await placeholder(rs, "alive")
-    assert await ds.take_follower_seat(SID, "f-live", 30, 3)
-    assert await ds.take_follower_seat("scope-m", "f-dead", 30, 3)
     now = await rnow(redis)
+    # a live deploy in each scope, each with a live and a dead seat
+    for sid in (SID, "scope-m"):
+        await redis.set(K.lock(sid), "lk@1", px=30_000)
+        await redis.zadd(K.cold(sid), {DID: now})
+        await redis.zadd(K.followers(sid), {"f-live": now + 30, "f-dead": now - 2})
+        await redis.sadd(K.LEASED, sid)
     dead = f"dead@{now - 2}"
     await redis.sadd(K.deploying(), dead)
     await redis.zadd(K.BUDGET, {f"{SID}:{dead}": now - 2})
     await redis.zadd(K.rule("rule-1"), {f"{SID}:{dead}": now - 2})
-    await redis.zadd(K.followers(), {"f-dead": now - 2})
-    await redis.zadd(K.followers("scope-m"), {"f-dead": now - 2})
-    assert await redis.smembers(K.LEASED) == {SID, "scope-m"}
 
     assert await ds.prune_leases() == LeasePrune(2, 1)
     assert await redis.smembers(K.deploying()) == {live, linked.placeholder}
@@ -346,8 +375,31 @@ async def test_prune_drops_expired_seats_and_placeholders_and_keeps_live_ones(
     assert await redis.zscore(K.BUDGET, f"{SID}:{dead}") is None
     assert await redis.zscore(K.rule("rule-1"), f"{SID}:{dead}") is None
     assert await redis.zscore(K.BUDGET, f"{SID}:{live}") is not None
+    assert await redis.smembers(K.LEASED) == {SID, "scope-m"}, "live deploys keep their scope"
+
+    # the deploy of scope-m ends: its leader died before its create (no record)
+    await redis.delete(K.lock("scope-m"))
+    assert await ds.prune_leases() == LeasePrune(0, 0)
+    assert not await redis.exists(K.cold("scope-m"))
     assert await redis.smembers(K.LEASED) == {SID}, "an empty scope leaves the index"
-    assert await ds.prune_leases() == LeasePrune(0, 0), "a second pass finds nothing more"
+
+
+async def test_prune_keeps_a_lapsed_deploy_with_a_pod_to_take_over_and_drops_a_done_one(
+    ds: DeployState, redis: Redis
+) -> None:
+    """A deploy whose leader died after its create stays indexed (the next claim takes it
+    over, with the pod); once the pod is registered (reconcile adopted it) it goes, record and
+    all."""
+    await redis.zadd(K.cold(), {DID: 1})
+    await redis.hset(K.record(), mapping={"token": "dead@1", "pod_id": "agent-o", "uid": "u"})
+    await redis.sadd(K.LEASED, SID)
+    assert await ds.prune_leases() == LeasePrune(0, 0)
+    assert await redis.zrange(K.cold(), 0, -1) == [DID]
+    assert await redis.smembers(K.LEASED) == {SID}
+    await redis.sadd(K.PODS_ALL, "agent-o")
+    assert await ds.prune_leases() == LeasePrune(0, 0)
+    assert not await redis.exists(K.cold()) and not await redis.exists(K.record())
+    assert await redis.scard(K.LEASED) == 0
 
 
 async def test_prune_works_through_more_scopes_than_one_slice(
@@ -357,22 +409,27 @@ async def test_prune_works_through_more_scopes_than_one_slice(
     n = 230  # more than two slices of LEASE_PRUNE_BATCH
     async with redis.pipeline(transaction=False) as pipe:
         for i in range(n):
+            pipe.zadd(K.cold(f"s{i}"), {DID: now - 10})  # its leader died before its create
             pipe.zadd(K.followers(f"s{i}"), {"gone": now - 1})
             pipe.sadd(K.deploying(f"s{i}"), f"gone@{now - 1}")
             pipe.sadd(K.LEASED, f"s{i}")
         await pipe.execute()
     assert await ds.prune_leases() == LeasePrune(n, n)
     assert await redis.scard(K.LEASED) == 0
-    assert not await redis.exists(K.followers("s0"), K.deploying(f"s{n - 1}"))
+    assert not await redis.exists(K.followers("s0"), K.deploying(f"s{n - 1}"), K.cold("s9"))
 
 
-async def test_gates_and_placeholders_put_their_scope_in_the_index(
+async def test_claims_and_placeholders_put_their_scope_in_the_index(
     rs: ResourceState, ds: DeployState, redis: Redis
 ) -> None:
     await configure(rs, "scope-a")
     await configure(rs, "scope-b")
+    await configure(rs, "scope-c")
     assert (await rs.acquire("scope-a", "r1", "t1", 60)).action == "need_deploy"
     assert await ds.add_placeholder("scope-b", "warm:1", 60)
-    assert await ds.take_follower_seat("scope-c", "f1", 30, 2)
-    assert not await ds.take_follower_seat("scope-d", "f1", 30, 0), "refused: not indexed"
+    claim = await ds.claim_deploy(
+        "scope-c", "rq-c", token="lk@1", lease=LEASE, placeholder_token="t2", member="rq-c",
+        seat_hold=5, room_ttl=60, concurrency=4, pod_concurrency=4,
+    )  # fmt: skip
+    assert claim.action == "lead"
     assert await redis.smembers(K.LEASED) == {"scope-a", "scope-b", "scope-c"}

@@ -26,6 +26,7 @@ from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.facade import (
     AcquiredPod,
     DeployFailed,
+    DeployInProgress,
     DeployTimedOut,
     ResourceManagerFacade,
 )
@@ -38,7 +39,14 @@ from agent_runtime.resource_manager.pool_jobs import PoolJobs
 from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
-from helpers import IDENTITY, GatedK8s, other_client
+from helpers import (
+    IDENTITY,
+    GatedK8s,
+    deploy_locks,
+    follower_seats,
+    other_client,
+    redis_keys,
+)
 
 SCOPE = "scope-t"
 LEASE = 1.0
@@ -60,12 +68,17 @@ def spec(**overrides: Any) -> dict[str, Any]:
 POOL = {"min_idle_pods": 0, "max_pods": 2, "pod_ttl": 60, "pod_concurrency": 4}
 
 
+ALL_PODS = "resource_manager:resource:pods:all"
+
+
 def rm(what: str) -> str:
     return f"resource_manager:resource:scope:{SCOPE}:{what}"
 
 
-LOCK = f"resource_manager:lock:rm:deploy:{SCOPE}"
-RECORD = rm("deploy_pod")
+# the deploy "r-a" leads (a cold deploy is keyed by its demand: the caller's request id), and
+# keeps when another caller takes it over
+LOCK = f"resource_manager:lock:rm:deploy:{SCOPE}:r-a"
+RECORD = rm("deploy_pod:r-a")
 
 
 class ReplicaGone(Exception):
@@ -130,7 +143,8 @@ class Replica:
     client: Redis
 
     async def acquire(self, request_id: str, **kw: Any) -> AcquiredPod:
-        return await self.facade.acquire(SCOPE, kw.pop("pod_spec", spec()), POOL, request_id, **kw)
+        pool = kw.pop("pool", POOL)
+        return await self.facade.acquire(SCOPE, kw.pop("pod_spec", spec()), pool, request_id, **kw)
 
 
 @contextlib.asynccontextmanager
@@ -187,10 +201,19 @@ async def live_placeholders(redis: Redis) -> list[str]:
 
 
 async def assert_nothing_held(redis: Redis) -> None:
-    assert not await redis.exists(LOCK), "deploy lock left"
-    assert await live_placeholders(redis) == [], "placeholder left"
-    assert await redis.zcard(rm("deploy_followers")) == 0, "follower seat left"
-    assert await redis.hget(RECORD, "pod_id") is None, "pod record left"
+    assert await deploy_locks(redis, SCOPE) == {}, "deploy lock left"
+
+    async def no_live_placeholder() -> bool:
+        return await live_placeholders(redis) == []
+
+    # a dead leader's placeholder is a lease of whole seconds: it may outlive its lock (which
+    # the taker waited for) by up to a second, then lapses
+    await eventually(no_live_placeholder, "placeholder left", within=LEASE + 3)
+    assert await follower_seats(redis, SCOPE) == [], "follower seat left"
+    for record in await redis_keys(redis, rm("deploy_pod:*")):
+        # an ended deploy's record names its registered pod for a moment (its followers')
+        pod_id = await redis.hget(record, "pod_id")
+        assert pod_id is None or await redis.sismember(ALL_PODS, pod_id), "pod record left"
 
 
 async def lapsed(redis: Redis) -> bool:
@@ -269,7 +292,39 @@ async def test_a_dead_leader_s_pod_that_never_gets_ready_is_deleted_by_the_taker
         assert await redis.zcard(rm("pods")) == 0
         assert not await redis.exists(LOCK)
         assert await live_placeholders(redis) == []
-        assert await redis.zcard(rm("deploy_followers")) == 0
+        assert await follower_seats(redis, SCOPE) == []
+
+
+async def test_beside_deploys_in_parallel_a_dead_leader_s_deploy_is_taken_over_alone(
+    redis: Redis,
+) -> None:
+    """pod_concurrency 1: the dying replica leads "r-a", the healthy one leads "r-b" beside it.
+    A third route ("r-c", no seat anywhere) is told the deploys are under way until "r-a"'s
+    lease lapses, then takes that deploy over with its pod; "r-b" goes on untouched; two
+    creates in all, nothing held."""
+    pool = {**POOL, "pod_concurrency": 1, "max_pods": 2}  # r-a and r-b: the scope is full
+    k8s = FakeK8sPodClient(ready_delay=1.0)
+    async with dying_and_healthy(redis, k8s) as (a, dying, b):
+        leading = asyncio.create_task(a.acquire("r-a", pool=pool))
+        orphan = await started_leading(dying, redis)
+        beside = asyncio.create_task(b.acquire("r-b", pool=pool))
+        lock_b = f"resource_manager:lock:rm:deploy:{SCOPE}:r-b"
+        await eventually(lambda: redis.exists(lock_b), "r-b leading beside r-a")
+        deadline = time.monotonic() + 15
+        while True:  # as a route does: wait, and ask again
+            try:
+                taken = await b.acquire("r-c", pool=pool)
+                break
+            except DeployInProgress:
+                assert time.monotonic() < deadline, "r-a's deploy was never taken over"
+                await asyncio.sleep(0.1)
+        own = await beside
+        await finished(leading)
+        assert taken.pod_id == orphan, "the dead leader's pod, adopted by the taker"
+        assert own.pod_id != orphan and own.pod_id in k8s.pods
+        assert k8s.deploy_calls == 2, "r-a's create and r-b's: nothing deployed anew"
+        assert await redis.zcard(rm("pods")) == 2
+        await assert_nothing_held(redis)
 
 
 async def test_a_leader_that_died_before_its_create_is_replaced_by_a_new_deploy(
@@ -389,7 +444,7 @@ async def test_a_follower_waits_its_own_deadline_once_and_says_how_long(redis: R
                 await b.acquire("r-b", asked_at=asked)
             assert refused.value.waited >= READY_TIMEOUT + 10
             assert f"no pod within {refused.value.waited:.1f} s" in str(refused.value)
-            assert await redis.zcard(rm("deploy_followers")) == 0
+            assert await follower_seats(redis, SCOPE) == []
             with pytest.raises(DeployTimedOut):  # past it: at once, nothing taken
                 await b.acquire("r-b2", asked_at=asked)
             assert await redis.exists(LOCK), "the leader goes on"

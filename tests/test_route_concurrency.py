@@ -35,7 +35,6 @@ from agent_runtime.wiring import Services, build_redis, redis_pool_size
 from contract_keys import (
     SM_PODS_REGISTERED,
     SM_SESSION_EXPIRY,
-    rm_deploy_lock,
     rm_scope,
     route_marker,
     sm_pod,
@@ -45,7 +44,9 @@ from contract_keys import (
 from helpers import (
     TcpProxy,
     both_redis_server_dbs,
+    deploy_locks,
     envelope,
+    follower_seats,
     make_settings,
     other_client,
     real_mariadb_and_fake,
@@ -219,7 +220,8 @@ class Peaks:
     scope_sessions: int = 0
     pod_sessions: int = 0
     waiters: int = 0
-    followers: int = 0
+    followers: int = 0  # the fullest follower room (one per cold deploy)
+    cold_deploys: int = 0
     deploying: int = 0
     samples: int = 0
     per_pod: dict[str, int] = field(default_factory=dict)
@@ -235,19 +237,24 @@ async def sampling(redis: Redis, sid: str = SID) -> AsyncIterator[Peaks]:
         while not stop.is_set():
             pods = await observer.zrange(sm_scope(sid, "pods"), 0, -1)
             pods += [p for p in peaks.per_pod if p not in pods]
+            # one follower room per cold deploy: the fullest one is the peak
+            deploys = await observer.zrange(rm_scope(sid, "cold_deploys"), 0, -1)
             async with observer.pipeline(transaction=True) as pipe:
                 pipe.scard(sm_scope(sid, "sessions"))
                 pipe.zcard(sm_scope(sid, "waiters"))
-                pipe.zcard(rm_scope(sid, "deploy_followers"))
                 pipe.scard(rm_scope(sid, "deploying"))
+                for deploy_id in deploys:
+                    pipe.zcard(rm_scope(sid, f"deploy_followers:{deploy_id}"))
                 for pod in pods:
                     pipe.scard(sm_pod(sid, pod, "sessions"))
                 counts = await pipe.execute()
             peaks.scope_sessions = max(peaks.scope_sessions, counts[0])
             peaks.waiters = max(peaks.waiters, counts[1])
-            peaks.followers = max(peaks.followers, counts[2])
-            peaks.deploying = max(peaks.deploying, counts[3])
-            for pod, n in zip(pods, counts[4:], strict=True):
+            peaks.deploying = max(peaks.deploying, counts[2])
+            rooms = counts[3 : 3 + len(deploys)]
+            peaks.followers = max(peaks.followers, *rooms) if rooms else peaks.followers
+            peaks.cold_deploys = max(peaks.cold_deploys, len(deploys))
+            for pod, n in zip(pods, counts[3 + len(deploys) :], strict=True):
                 peaks.per_pod[pod] = max(peaks.per_pod.get(pod, 0), n)
                 peaks.pod_sessions = max(peaks.pod_sessions, n)
             peaks.samples += 1
@@ -286,9 +293,9 @@ async def assert_nothing_held(
     marker (but the markers of ``pending_ok``)."""
     assert await redis.zrange(sm_scope(sid, "waiters"), 0, -1) == []
     assert await redis.zrange(sm_scope(sid, "reserved"), 0, -1) == []
-    assert await redis.zrange(rm_scope(sid, "deploy_followers"), 0, -1) == []
+    assert await follower_seats(redis, sid) == []
     assert await redis.smembers(rm_scope(sid, "deploying")) == set()
-    assert not await redis.exists(rm_deploy_lock(sid))
+    assert await deploy_locks(redis, sid) == {}
     pending = [
         key
         async for key in redis.scan_iter(match="session_manager:route:*", count=1000)
@@ -499,11 +506,12 @@ def count_acquires(reps: Replicas, monkeypatch: pytest.MonkeyPatch) -> collectio
     return calls
 
 
-async def test_a_cold_burst_on_one_replica_makes_one_acquire_call(
+async def test_a_cold_burst_that_one_pod_holds_makes_one_deploy(
     redis: Redis, db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Concurrent routes of one scope on a replica share one acquire (single flight): one
-    call per replica, not one per route; every route is still placed by route_place."""
+    """Each route acquires for itself, on either replica; the claims seat all but the first
+    in that first deploy's room (pod_concurrency 20: 19 seats): one deploy, every route
+    placed by route_place on its pod."""
     k8s = FakeK8sPodClient(ready_delay=0.15)
     async with two_replicas(redis, db, k8s=k8s, scope_full_timeout=5.0) as reps:
         await configure(reps.a, scope_concurrency=40, pod_concurrency=20)  # max_pods 2
@@ -512,22 +520,65 @@ async def test_a_cold_burst_on_one_replica_makes_one_acquire_call(
         outcomes, counts = await burst(reps, 20)
         assert counts == {"OK": 20}, [o.resp.text for o in outcomes if o.code != "OK"]
         assert k8s.deploy_calls == 1
-        assert calls == {"a": 1, "b": 1}, calls  # b's one call followed a's deploy
+        assert calls == {"a": 10, "b": 10}, calls  # one acquire per route
+        assert len({o.resp.json()["data"]["pod_id"] for o in outcomes}) == 1
         for o in outcomes:
             await assert_four_places(redis, o.session_id, o.resp.json()["data"]["pod_id"])
         await assert_nothing_held(redis)
 
 
-async def test_the_route_that_started_a_shared_acquire_going_away_does_not_fail_the_others(
+@pytest.mark.parametrize(("pod_concurrency", "routes", "deploys"), [(1, 12, 12), (3, 9, 3)])
+async def test_a_cold_burst_makes_one_deploy_per_pod_it_needs_in_parallel(
+    redis: Redis, db: Database, pod_concurrency: int, routes: int, deploys: int
+) -> None:
+    """Two replicas, a burst of new sessions on a scope with no pod: one deploy per pod the
+    burst needs (pod_concurrency 1: one per route), all at once (more than one deploy in
+    flight), every route placed, each pod holding at most pod_concurrency."""
+    k8s = FakeK8sPodClient(ready_delay=0.5)
+    async with two_replicas(redis, db, k8s=k8s, scope_full_timeout=20.0) as reps:
+        await configure(
+            reps.a, scope_concurrency=routes, pod_concurrency=pod_concurrency, ready_timeout=30
+        )
+        await warm_resolve_cache(reps)
+        async with sampling(redis) as peaks:
+            outcomes, counts = await burst(reps, routes)
+        assert counts == {"OK": routes}, [o.resp.text for o in outcomes if o.code != "OK"]
+        assert k8s.deploy_calls == len(k8s.pods) == deploys
+        assert peaks.cold_deploys > 1, "the deploys ran one after another"
+        assert peaks.pod_sessions <= pod_concurrency
+        pods = collections.Counter(o.resp.json()["data"]["pod_id"] for o in outcomes)
+        assert sorted(pods.values()) == [pod_concurrency] * deploys
+        await assert_nothing_held(redis)
+
+
+async def test_a_cold_burst_past_max_pods_makes_max_pods_deploys_and_queues_the_rest(
+    redis: Redis, db: Database
+) -> None:
+    """pod_concurrency 1, max_pods 4 (scope_concurrency 4), 10 new sessions: 4 deploys, 4
+    placed; the other 6 wait in the queue and time out (nothing frees a slot), never a fifth
+    deploy."""
+    k8s = FakeK8sPodClient(ready_delay=0.3)
+    async with two_replicas(redis, db, k8s=k8s, scope_full_timeout=2.0) as reps:
+        await configure(reps.a, scope_concurrency=4, pod_concurrency=1, ready_timeout=30)
+        await warm_resolve_cache(reps)
+        _, counts = await burst(reps, 10)
+        assert counts["OK"] == 4 and k8s.deploy_calls == len(k8s.pods) == 4, counts
+        assert set(counts) <= {"OK", "SCOPE_FULL_TIMEOUT", "SCOPE_QUEUE_FULL"}, counts
+        await assert_nothing_held(redis)
+
+
+async def test_a_leader_whose_route_goes_away_still_brings_its_followers_their_pod(
     redis: Redis, db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The route that leads the deploy goes away mid-deploy: the deploy goes on, and its pod,
+    with followers waiting in its room, is theirs (in use), not the warm pool's."""
     k8s = FakeK8sPodClient(ready_delay=0.3)
     async with two_replicas(redis, db, k8s=k8s, scope_full_timeout=5.0) as reps:
         await configure(reps.a, scope_concurrency=20, pod_concurrency=10)
         await warm_resolve_cache(reps)
         calls = count_acquires(reps, monkeypatch)
         first = asyncio.create_task(route(reps.a, "starter", "r-starter"))
-        await eventually(lambda: _true(calls["a"] == 1), what="the shared acquire started")
+        await eventually(lambda: _true(calls["a"] == 1), what="the leader's acquire started")
         others = [asyncio.create_task(route(reps.a, f"o-{i}", f"r-o-{i}")) for i in range(5)]
         await asyncio.sleep(0.05)
         first.cancel()  # the client of the starting route goes away mid-deploy
@@ -535,7 +586,7 @@ async def test_the_route_that_started_a_shared_acquire_going_away_does_not_fail_
             await first
         answers = await asyncio.gather(*others)
         assert [a.status_code for a in answers] == [200] * 5, [a.text for a in answers]
-        assert calls["a"] == 1 and k8s.deploy_calls == 1
+        assert calls["a"] == 6 and k8s.deploy_calls == 1
         assert len({a.json()["data"]["pod_id"] for a in answers}) == 1
         await eventually(
             lambda: _no_marker(redis, "r-starter"), what="the starter's marker given back"
@@ -620,7 +671,7 @@ async def test_a_follower_that_joins_after_the_leaders_pod_registered_still_gets
         follower = asyncio.create_task(route(reps.b, "s-follower"))
 
         async def followed() -> bool:  # waiting for the leader, or served already
-            return follower.done() or await _zcard_is(redis, rm_scope(SID, "deploy_followers"), 1)
+            return follower.done() or len(await follower_seats(redis, SID)) == 1
 
         await eventually(followed, what="the second route following the leader")
         leave_window.set()

@@ -157,11 +157,13 @@ async def _placeholder(r: Redis, sid: str) -> None:
 
 async def _follower(r: Redis, sid: str) -> None:
     seconds, _ = await r.time()
-    await r.zadd(rms.scope_followers_key(sid), {"rq": seconds + 3600})
+    await r.zadd(rms.scope_followers_key(sid, "rq"), {"rq": seconds + 3600})
+    await r.zadd(rms.scope_cold_deploys_key(sid), {"rq": seconds})
 
 
 async def _deploy_lock(r: Redis, sid: str) -> None:
-    await r.set(rms.deploy_lock_key(sid), "tok", ex=3600)
+    await r.set(rms.deploy_lock_key(sid, "rq"), "tok", ex=3600)
+    await r.zadd(rms.scope_cold_deploys_key(sid), {"rq": 1})
 
 
 USES = {

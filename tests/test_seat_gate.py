@@ -1,6 +1,6 @@
 """The shared seat gate (``lua_shared/seat_gate.lua``): one script for a bounded room of seats
-with fractional lease deadlines, the session manager's wait queue (``waiter_gate``) and the
-resource manager's follower room (``deploy_follower_gate``). On fakeredis and real Redis.
+with fractional lease deadlines: the session manager's wait queue (``waiter_gate``). On
+fakeredis and real Redis.
 
 Its atomic semantics, called as the shared ground registers it: ZCARD never above the limit
 under many concurrent callers (one client and several: real concurrency on the real server),

@@ -151,6 +151,22 @@ class Settings(BaseSettings):
         "that dies mid-deploy frees them this long after, and a follower takes the deploy over "
         "(set the same on every replica)",
     )
+    scope_deploy_concurrency: int = Field(
+        100,
+        ge=1,
+        le=1000,
+        description="cold deploys one scope runs at once (routes that need a pod: one deploy "
+        "per pod the waiting demand needs, each followed by up to pod_concurrency - 1 others); "
+        "a route past it waits for one of them, within its deadline (set the same on every "
+        "replica)",
+    )
+    warm_deploy_concurrency: int = Field(
+        64,
+        ge=1,
+        le=1000,
+        description="warm-pool deploys (autoscale) one replica runs at once, over all scopes; "
+        "each scope's also stay within scope_deploy_concurrency with its cold deploys",
+    )
     redis_timeout: float = Field(
         2.0, gt=0, description="Redis connect and command timeout (s); keeps failures fast"
     )

@@ -4,10 +4,10 @@
 on NOSCRIPT (e.g. after a Redis restart). Files starting with ``_`` are preludes: shared local
 functions prepended to the scripts that name them.
 
-One idea that both modules use is one script in the shared ground, ``lua_shared/`` next to
-this file (package ``SHARED``): each module registers it under the name of its own use
-(``label``), so its metrics and its callers keep speaking of that use (``waiter_gate``,
-``deploy_follower_gate``) while the source, and so the SHA, is one.
+One idea that more than one use needs is one script in the shared ground, ``lua_shared/``
+next to this file (package ``SHARED``): each use registers it under its own name (``label``),
+so its metrics and its callers keep speaking of that use (``waiter_gate``) while the source,
+and so the SHA, is one.
 """
 
 from __future__ import annotations

@@ -110,6 +110,14 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.deploy_claims = Counter(
+            "agent_runtime_pool_deploy_claims",
+            "cold claims (deploy_claim.lua): lead (a new or lapsed deploy), follow (a seat in "
+            "a deploy in flight), busy (the scope's deploy concurrency reached), coming "
+            "(no slot, a deploy under way), max_reached, budget_reached",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.deploys = Counter(
             "agent_runtime_pool_deploys",
             "pod deploys by kind (cold / warm) and outcome",

@@ -340,6 +340,7 @@ def wire(
         identity=identity,
         deploy_lease=settings.deploy_lease,
         instance_id=settings.instance_id,
+        scope_deploy_concurrency=settings.scope_deploy_concurrency,
     )
     sessions = SessionManagerFacade(state=session_state)
     drains = Drains(
@@ -362,6 +363,7 @@ def wire(
         metrics=metrics,
         adopted_pod_ttl=settings.adopted_pod_ttl,
         drains=drains,
+        warm_deploy_concurrency=settings.warm_deploy_concurrency,
     )
     resources = ResourceManagerFacade(
         orchestrator=orchestrator,

@@ -1,9 +1,9 @@
 -- seat_gate: take a seat in a bounded room of a scope, or be refused; a seated member calls it
--- again to renew its seat (a lease). One script for one idea, used by both modules:
+-- again to renew its seat (a lease). One script for one idea, in the shared ground:
 --   session manager:  the wait queue    scope:{sid}:waiters, limit 2 × scope_concurrency
 --                     (registered as waiter_gate)
---   resource manager: the follower room resource:scope:{sid}:deploy_followers, limit
---                     pod_concurrency - 1 (registered as deploy_follower_gate)
+-- (the resource manager's follower rooms are seated by its deploy_claim.lua, one room per
+-- cold deploy, in the step that decides follow or lead)
 --
 -- KEYS[1] the room               ZSET member -> deadline (Redis seconds, fractional)
 -- KEYS[2] the module's leased_scopes  SET  scopes its prune job looks at

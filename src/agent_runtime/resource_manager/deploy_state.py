@@ -1,11 +1,11 @@
-"""A scope's deploys in Redis: placeholders, the deploy lease (lock and pod record), the
-follower room, and the prune of what a dead replica left. Keys from ``state.py``'s builders;
+"""A scope's deploys in Redis: placeholders, the cold deploys (each its own lease: lock and pod
+record, and its own follower room, indexed per scope), the claim that decides follow or lead,
+and the prune of what a dead replica left. Keys from ``state.py``'s builders;
 each script's reply decoded here, once, into ``state_values``.
 
 The deploy lock holds the leader's token ``{owner}/{uuid}@{start}`` (``lock_token``): who
 leads (a replica id, or ``reconcile``), and when its acquire started (Redis seconds), so a
-follower knows that every pod the leader brings is registered at or after that
-(``LeaseTake.holder_started``, ``DeployView.leader_started``).
+reader knows which replica leads a deploy.
 """
 
 from __future__ import annotations
@@ -20,20 +20,23 @@ from agent_runtime.resource_manager.state import (
     BUDGET_PODS_KEY,
     BUDGET_RULE_PREFIX,
     BUDGET_RULES_KEY,
+    DEPLOY_LOCK_PREFIX,
     DEPLOY_RECORD_FIELDS,
     LEASED_SCOPES_KEY,
     PODS_ALL_KEY,
     SCOPE_PREFIX,
     ResourceState,
     deploy_lock_key,
+    deploy_lock_prefix,
     deploy_pod_key,
-    placeholder_deadline,
+    scope_cold_deploys_key,
     scope_config_key,
     scope_deploying_key,
     scope_followers_key,
     scope_pods_key,
 )
 from agent_runtime.resource_manager.state_values import (
+    DeployClaim,
     DeployView,
     LeasePrune,
     LeaseTake,
@@ -52,7 +55,7 @@ def lock_token(owner: str, started: float) -> str:
 
 def warm_token() -> str:
     """A placeholder token of the warm pool's own deploys (autoscale): told from a route's by
-    its prefix (``DeployView.warm``, ``InFlight.warm``)."""
+    its prefix (``InFlight.warm``)."""
     return f"{WARM_TOKEN_PREFIX}{uuid.uuid4().hex}"
 
 
@@ -69,10 +72,25 @@ def _lease_take(reply: list[str]) -> LeaseTake:
     if reply[0] == "follower":
         return LeaseTake(False, holder=reply[1], holder_started=lock_started(reply[1]))
     if len(reply) > 1:
-        pod_id, namespace, created, uid, *cluster = reply[1:]
-        orphan = OrphanPod(pod_id, namespace, float(created), uid, (cluster or [""])[0] or None)
-        return LeaseTake(True, orphan=orphan)
+        return LeaseTake(True, orphan=_orphan(reply[1:]))
     return LeaseTake(True)
+
+
+def _orphan(fields: list[str]) -> OrphanPod:
+    pod_id, namespace, created, uid, *cluster = fields
+    return OrphanPod(pod_id, namespace, float(created), uid, (cluster or [""])[0] or None)
+
+
+def _claim(reply: list[str]) -> DeployClaim:
+    action, *rest = reply
+    if action == "follow":
+        return DeployClaim(action, rest[0], holder=rest[1])
+    if action == "lead":
+        orphan = _orphan(rest[2:]) if len(rest) > 2 else None
+        return DeployClaim(action, rest[0], orphan=orphan, placeholder=rest[1])
+    if action == "budget_reached":
+        return DeployClaim(action, budget=rest[0])
+    return DeployClaim(action)
 
 
 def _placeholder(reply: list[str]) -> PlaceholderOutcome:
@@ -90,9 +108,7 @@ class DeployState:
         placeholders = ("_budget", "_placeholders")
         self._placeholder = state.script("placeholder", placeholders)
         self._drop_placeholder = state.script("drop_placeholder", "_budget")
-        # the shared seat gate (lua_shared/seat_gate.lua; the session side's wait queue is
-        # the same script), timed as the follower room's
-        self._follower_gate = state.shared_script("seat_gate", label="deploy_follower_gate")
+        self._claim = state.script("deploy_claim", placeholders)
         self._lease_take = state.script("deploy_lease_take")
         self._lease_renew = state.script("deploy_lease", placeholders)
         self._lease_end = state.script("deploy_lease_end")
@@ -137,13 +153,70 @@ class DeployState:
         )
         return int(dropped)
 
-    # --- deploy leases -------------------------------------------------------------------------
+    # --- cold deploys: the claim, each deploy's lease ------------------------------------------
 
-    async def take_deploy_lease(self, scope_id: str, token: str, lease: float) -> LeaseTake:
-        """Lead the scope's deploy for ``lease`` seconds (renewed by ``renew_deploy_lease``),
-        inheriting the pod of a leader whose lease lapsed (deploy_lease_take.lua)."""
+    async def claim_deploy(
+        self,
+        scope_id: str,
+        deploy_id: str,
+        *,
+        token: str,
+        lease: float,
+        placeholder_token: str,
+        member: str,
+        seat_hold: float,
+        room_ttl: int,
+        concurrency: int,
+        pod_concurrency: int,
+    ) -> DeployClaim:
+        """Follow a deploy in flight with a free seat, or reserve a slot (placeholder
+        ``placeholder_token``, within max_pods and the pod budgets) and take over a lapsed
+        deploy or lead a new one as ``deploy_id`` within ``concurrency`` live deploys; a
+        deploy's room holds ``pod_concurrency`` - 1 followers. One step (deploy_claim.lua)."""
+        reply = await self._claim(
+            keys=[
+                scope_cold_deploys_key(scope_id),
+                scope_deploying_key(scope_id),
+                scope_config_key(scope_id),
+                BUDGET_PODS_KEY,
+                PODS_ALL_KEY,
+                LEASED_SCOPES_KEY,
+                scope_pods_key(scope_id),
+                BUDGET_RULES_KEY,
+                BUDGET_LIMITS_KEY,
+            ],
+            args=[
+                deploy_lock_prefix(scope_id),
+                f"{SCOPE_PREFIX}{scope_id}:",
+                deploy_id,
+                token,
+                max(int(lease * 1000), 1),
+                placeholder_token,
+                member,
+                seat_hold,
+                room_ttl,
+                concurrency,
+                scope_id,
+                BUDGET_RULE_PREFIX,
+                pod_concurrency,
+                math.ceil(lease),
+                self.pod_budget,
+            ],
+        )
+        return _claim(reply)
+
+    async def take_deploy_lease(
+        self, scope_id: str, deploy_id: str, token: str, lease: float
+    ) -> LeaseTake:
+        """Lead one deploy of the scope for ``lease`` seconds (renewed by
+        ``renew_deploy_lease``), inheriting the pod of a leader whose lease lapsed
+        (deploy_lease_take.lua: reconcile's way to a dead leader's pod)."""
         reply = await self._lease_take(
-            keys=[deploy_lock_key(scope_id), deploy_pod_key(scope_id), PODS_ALL_KEY],
+            keys=[
+                deploy_lock_key(scope_id, deploy_id),
+                deploy_pod_key(scope_id, deploy_id),
+                PODS_ALL_KEY,
+            ],
             args=[token, max(int(lease * 1000), 1)],
         )
         return _lease_take(reply)
@@ -155,14 +228,15 @@ class DeployState:
         lock_token: str,
         lease: float,
         *,
+        deploy_id: str = "",
         pod: tuple[str, str, str] | None = None,
         record_ttl: int = 0,
         cluster: str | None = None,
     ) -> str | None:
-        """Renew a deploy's claim (its placeholder and, with ``lock_token``, the scope's deploy
-        lock) for ``lease`` seconds; with ``pod`` (name, namespace, uid) also record the pod it
-        created, in ``cluster`` (None: the process default). The placeholder's new member, or
-        None: the claim is lost (deploy_lease.lua)."""
+        """Renew a deploy's claim (its placeholder and, with ``lock_token``, the lock of cold
+        deploy ``deploy_id``) for ``lease`` seconds; with ``pod`` (name, namespace, uid) also
+        record the pod it created, in ``cluster`` (None: the process default). The
+        placeholder's new member, or None: the claim is lost (deploy_lease.lua)."""
         status, *member = await self._lease_renew(
             keys=[
                 scope_deploying_key(scope_id),
@@ -170,9 +244,10 @@ class DeployState:
                 scope_pods_key(scope_id),
                 BUDGET_PODS_KEY,
                 BUDGET_RULES_KEY,
-                deploy_lock_key(scope_id),
-                deploy_pod_key(scope_id),
+                deploy_lock_key(scope_id, deploy_id),
+                deploy_pod_key(scope_id, deploy_id),
                 LEASED_SCOPES_KEY,
+                scope_cold_deploys_key(scope_id),
             ],
             args=[
                 placeholder_token,
@@ -184,58 +259,78 @@ class DeployState:
                 record_ttl,
                 pod[2] if pod else "",
                 cluster or "",
+                deploy_id,
             ],
         )
         return str(member[0]) if status == "ok" else None
 
     async def end_deploy_lease(
-        self, scope_id: str, token: str, outcome: str, notice_seconds: float
+        self, scope_id: str, deploy_id: str, token: str, outcome: str, notice_seconds: float
     ) -> bool:
-        """Give back the deploy lock and its pod record; ``outcome`` "failed" leaves a notice
-        for the followers for ``notice_seconds`` (deploy_lease_end.lua)."""
+        """Give back a deploy's lock; ``outcome`` "ok" keeps its record (the registered pod,
+        for its followers) and "failed" leaves a notice, each for ``notice_seconds``
+        (deploy_lease_end.lua)."""
         released = await self._lease_end(
-            keys=[deploy_lock_key(scope_id), deploy_pod_key(scope_id)],
-            args=[token, outcome, max(int(notice_seconds * 1000), 1)],
+            keys=[
+                deploy_lock_key(scope_id, deploy_id),
+                deploy_pod_key(scope_id, deploy_id),
+                scope_cold_deploys_key(scope_id),
+            ],
+            args=[token, outcome, max(int(notice_seconds * 1000), 1), deploy_id],
         )
         return bool(released)
 
-    async def deploy_record(self, scope_id: str) -> OrphanPod | None:
-        """The pod the scope's deploy leader recorded (not a failure notice), None without."""
-        pod_id, namespace, created, uid, failed, cluster = cast(
-            list[str | None],
-            await self.redis.hmget(deploy_pod_key(scope_id), *DEPLOY_RECORD_FIELDS),
-        )
-        if failed or not pod_id:
-            return None
-        return OrphanPod(pod_id, namespace or "", float(created or 0), uid or "", cluster or None)
+    async def cold_deploys(self, scope_id: str) -> list[str]:
+        """The scope's cold deploys (live, or lapsed with a pod to take over): at most its
+        deploy concurrency and the few whose leaders died."""
+        return cast(list[str], await self.redis.zrange(scope_cold_deploys_key(scope_id), 0, -1))
 
-    async def deploy_view(self, scope_id: str) -> DeployView:
-        """Leader, failure notice and live placeholders of the scope, in one round trip."""
+    async def deploy_records(self, scope_id: str) -> dict[str, OrphanPod]:
+        """The pods the scope's cold deploys recorded (not failure notices), by deploy id."""
+        ids = await self.cold_deploys(scope_id)
+        if not ids:
+            return {}
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.get(deploy_lock_key(scope_id))
-            pipe.hget(deploy_pod_key(scope_id), "failed")
-            pipe.smembers(scope_deploying_key(scope_id))
-            pipe.time()
-            leader, failed, members, (seconds, _) = await pipe.execute()
-        live = [m for m in members if placeholder_deadline(m) >= int(seconds)]
-        warm = [m for m in live if m.startswith(WARM_TOKEN_PREFIX)]
-        return DeployView(
-            leader, bool(failed), len(warm) < len(live), bool(warm), lock_started(leader)
-        )
+            for deploy_id in ids:
+                pipe.hmget(deploy_pod_key(scope_id, deploy_id), *DEPLOY_RECORD_FIELDS)
+            rows = cast(list[list[str | None]], await pipe.execute())
+        records = {}
+        for deploy_id, (pod_id, namespace, created, uid, failed, cluster) in zip(
+            ids, rows, strict=True
+        ):
+            if pod_id and not failed:
+                records[deploy_id] = OrphanPod(
+                    pod_id, namespace or "", float(created or 0), uid or "", cluster or None
+                )
+        return records
+
+    async def deploy_view(self, scope_id: str, deploy_id: str) -> DeployView:
+        """One deploy's leader, failure notice and recorded pod, in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.get(deploy_lock_key(scope_id, deploy_id))
+            pipe.hmget(deploy_pod_key(scope_id, deploy_id), "pod_id", "failed")
+            leader, (pod_id, failed) = await pipe.execute()
+        return DeployView(leader, bool(failed), pod_id)
 
     # --- follower seats ------------------------------------------------------------------------
 
-    async def take_follower_seat(
-        self, scope_id: str, member: str, hold_seconds: int, limit: int
-    ) -> bool:
-        seated = await self._follower_gate(
-            keys=[scope_followers_key(scope_id), LEASED_SCOPES_KEY],
-            args=[member, hold_seconds, limit, scope_id],
-        )
-        return bool(seated)
+    async def renew_follower_seat(
+        self, scope_id: str, deploy_id: str, member: str, hold_seconds: float
+    ) -> None:
+        """Move a seat's deadline (one ZADD XX: a seat the prune dropped is not taken again,
+        the claim alone seats)."""
+        seconds, micros = await self.redis.time()
+        deadline = seconds + micros / 1_000_000 + hold_seconds
+        await self.redis.zadd(scope_followers_key(scope_id, deploy_id), {member: deadline}, xx=True)
 
-    async def leave_follower_seat(self, scope_id: str, member: str) -> None:
-        await self.redis.zrem(scope_followers_key(scope_id), member)
+    async def followers_waiting(self, scope_id: str, deploy_id: str) -> bool:
+        """Whether a live seat is taken in the deploy's room."""
+        seconds, micros = await self.redis.time()
+        key = scope_followers_key(scope_id, deploy_id)
+        return bool(await self.redis.zcount(key, seconds + micros / 1_000_000, "+inf"))
+
+    async def leave_follower_seat(self, scope_id: str, deploy_id: str, member: str) -> None:
+        await self.redis.zrem(scope_followers_key(scope_id, deploy_id), member)
 
     # --- what a dead replica left --------------------------------------------------------------
 
@@ -251,7 +346,7 @@ class DeployState:
                 args=[
                     SCOPE_PREFIX,
                     BUDGET_RULE_PREFIX,
-                    deploy_lock_key(""),
+                    DEPLOY_LOCK_PREFIX,
                     *scopes[i : i + LEASE_PRUNE_BATCH],
                 ],
             )

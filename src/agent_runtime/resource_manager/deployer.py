@@ -122,7 +122,11 @@ class Deployer:
             raise DeployFailed(f"scope {scope_id}: deploy failed: {exc}") from exc
         took = time.perf_counter() - started
         self._seconds.labels(kind).observe(took)
-        warm = warm or (requester is not None and requester.gone)
+        if requester is not None and requester.gone and not warm:
+            # its caller left: the pod goes warm, unless followers wait in the deploy's room
+            # (it is theirs then: warm, each would have to find it again, and those that did
+            # not would lead deploys of their own)
+            warm = not await self._followers_waiting(lease)
         try:
             await lease.confirm()  # a lease lost while Redis was away: the pod is another's
         except LeaseLost:
@@ -163,6 +167,14 @@ class Deployer:
             "scope %s: pod %s registered (%s)", scope_id, info.pod_id, "warm" if warm else "in use"
         )
         return AcquiredPod(info.pod_id, info.pod_sse_url, version)
+
+    async def _followers_waiting(self, lease: DeployLease) -> bool:
+        try:
+            return lease.cold and await self._deploy_state.followers_waiting(
+                lease.scope_id, lease.deploy_id
+            )
+        except Exception:  # Redis away: warm, as a deploy nobody waits for
+            return False
 
     async def _bring_pod(
         self,

@@ -77,20 +77,27 @@ class ResourceManagerFacade:
         rule_id: str = "",
         rule_pod_budget: int = 0,
         asked_at: float | None = None,
+        demand_id: str = "",
     ) -> AcquiredPod:
-        """A warm pod, or the pod of one new deploy (followers share it).
+        """A warm pod, or a place in a cold deploy: one in flight with room for us (a
+        follower), or one we lead (a deploy per pod the demand needs, in parallel).
+
+        ``demand_id``: what the pod is for (the route's request id; default the request_id):
+        the id of a deploy this call leads, so a duplicate of the demand joins that deploy
+        instead of making another.
 
         ``on_ready(pod)``: called by a deploy leader with its new pod before it lets go of
-        the scope's deploy lock, so the caller can publish the pod before another acquire
+        its deploy's lock, so the caller can publish the pod before another acquire
         could decide to deploy again (a failure there is logged, the pod is still returned).
 
         ``rule_id``: the routing rule the scope resolved through (its pods count against that
         rule's budget, ``rule_pod_budget``, 0 = unbounded; "" = no rule budget).
 
         Raises ``MaxPodsReached`` (the cap is held by pods that exist), its subclass
-        ``DeployInProgress`` (the cap is held by a deploy in flight whose follower room is
-        full: its pod registers soon), ``PodBudgetReached`` (a new pod would exceed the
-        installation's or the rule's pod budget, and none is on its way), ``DeployFailed``, or
+        ``DeployInProgress`` (the scope runs its deploy concurrency, or the cap is held by
+        deploys in flight whose follower rooms are full: a pod registers soon),
+        ``PodBudgetReached`` (a new pod would exceed the installation's or the rule's pod
+        budget, and none is on its way), ``DeployFailed``, or
         ``DeployTimedOut``: the caller waits at most ``ready_timeout`` + 10 s from ``asked_at``
         (event-loop time it first asked; default now), once, however many calls it makes —
         a deploy of the scope may still be on its way and serve later routes.
@@ -104,6 +111,7 @@ class ResourceManagerFacade:
             rule_id=rule_id,
             rule_pod_budget=rule_pod_budget,
             asked_at=asked_at,
+            demand_id=demand_id,
         )
 
     async def set_rule_pod_budget(self, rule_id: str, limit: int) -> None:

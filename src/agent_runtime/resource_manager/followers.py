@@ -1,11 +1,13 @@
-"""The follower room: where an acquire waits for a pod another caller's deploy brings.
+"""The follower rooms: where a cold acquire waits for the pod another caller's deploy brings.
 
-A follower takes a seat (at most ``pod_concurrency - 1``: what the new pod can still hold; a
-seat is a lease, renewed while it waits) and waits, woken by the registration signal and
-polling beneath it, for an in-use pod of the scope registered since the leader's acquire
-started. It leaves with the pod, with ``DeployFailed`` (the leader left a failure notice: same
-image, same failure), with ``LeaderGone`` (the leader's lease lapsed without a result: the
-caller acquires again and one caller takes the deploy over), or at its own deadline
+Each cold deploy has its own room (at most ``pod_concurrency - 1`` seats: what its pod can
+still hold besides its leader's session). The claim (deploy_claim.lua) seats a caller in a
+deploy with a free seat, in the same step that decides it does not lead; the seat is a lease,
+renewed while it waits. A follower waits, woken by the registration signal and polling beneath
+it, for the pod its deploy recorded to be registered in use. It leaves with the pod, with
+``DeployFailed`` (the leader left a failure notice: same image, same failure), with
+``LeaderGone`` (the leader's lease lapsed without a result, or its pod went to the warm pool:
+the caller acquires again, and the next claim takes the deploy over), or at its own deadline
 (``DeployTimedOut``). Hazard: the seat is given back on every path.
 """
 
@@ -25,7 +27,6 @@ from agent_runtime.resource_manager.deploy_state import DeployState
 from agent_runtime.resource_manager.models import (
     AcquiredPod,
     DeployFailed,
-    DeployInProgress,
     DeployTimedOut,
     MaxPodsReached,
 )
@@ -50,6 +51,13 @@ class AcquireCall:
     rule_id: str = ""  # the rule whose pod budget a new pod counts against ("" = none)
     rule_pod_budget: int = 0  # 0 = unbounded
     asked_at: float = 0.0  # event-loop time the caller first asked for a pod
+    # what the pod is for (the route's request id): the id of a deploy it leads, so that a
+    # duplicate of the request joins that deploy instead of making another
+    demand_id: str = ""
+
+    @property
+    def deploy_id(self) -> str:
+        return self.demand_id or self.request_id
 
     @property
     def ready_timeout(self) -> float:
@@ -86,7 +94,7 @@ class FollowerRoom:
         notifier: Notifier,
         waits: Histogram,
         deploy_lease: float,
-        seat_hold: int,
+        seat_hold: float,
     ) -> None:
         """``waits``: the follower wait histogram; a seat is held ``seat_hold`` seconds and
         renewed every ``deploy_lease / 3``."""
@@ -95,71 +103,57 @@ class FollowerRoom:
         self._notifier = notifier
         self._waits = waits
         self._deploy_lease = deploy_lease
-        self._seat_hold = seat_hold
+        self.seat_hold = seat_hold
         self.stopping = False  # the replica is stopping: followers leave at their next look
 
-    async def follow_in_flight(self, call: AcquireCall, refusal: Exception) -> AcquiredPod:
-        """The scope may not grow: follow a deploy in flight (its pod may have room for us),
-        wait for a warm one, or raise ``refusal``."""
-        view = await self._deploys.deploy_view(call.scope_id)
-        if view.leader is None and not view.cold and view.warm:
-            # only the warm pool's deploys hold the cap: their pods come as warm pods, to be
-            # taken by a later acquire, never handed to a follower
-            raise DeployInProgress(f"scope {call.scope_id}: a warm pod is being deployed")
-        if view.leader is not None or view.cold:
-            # the leader's start, read now: a leader that registered its pod just before we
-            # started may end its lease before follow looks
-            return await self.follow(call, min(call.started_at, view.leader_started))
-        raise refusal
-
-    async def follow(self, call: AcquireCall, since: float) -> AcquiredPod:
-        """Wait in the follower room for the leader's pod (registered since ``since``); the
-        seat is a lease too, renewed while we wait. ``LeaderGone`` when the leader's lease
-        lapsed without a result: the caller acquires again and may take over."""
+    async def follow(self, call: AcquireCall, deploy_id: str) -> AcquiredPod:
+        """Wait in ``deploy_id``'s room (the claim seated us) for its pod; the seat is renewed
+        while we wait and given back however we leave."""
         scope_id, request_id = call.scope_id, call.request_id
-        limit = max(int(call.pool_config.get("pod_concurrency", 1)) - 1, 0)
         entered = renewed = _now()
         try:
-            # inside the try: a cancellation while the gate's reply is in flight still gives
-            # the seat back (ZREM of a seat we never got is harmless)
-            if not await self._take_seat(call, limit):
-                raise DeployInProgress(
-                    f"scope {scope_id}: a deploy is running and its room is full"
-                )
-            async with self._notifier.listen(registered_channel(scope_id)) as listener:
-                while True:
-                    if self.stopping:
-                        raise MaxPodsReached(f"scope {scope_id}: this replica is stopping")
-                    # the leader first, then the pods: a leader registers its pod before it
-                    # gives back its lease, so one that is gone left its pod visible by now
-                    view = await self._deploys.deploy_view(scope_id)
-                    since = min(since, view.leader_started)
-                    fresh = await self._state.in_use_pod_since(scope_id, since)
-                    if fresh is not None:
-                        return fresh
-                    if view.leader is None and view.failed:
-                        raise DeployFailed(f"scope {scope_id}: the leader's deploy failed")
-                    if view.leader is None and not view.cold:
-                        # no leader, and no caller on its way to the lock: the leader died
-                        raise LeaderGone(f"scope {scope_id}: the deploy leader's lease lapsed")
-                    remaining = call.remaining()
-                    if remaining <= 0:
-                        raise call.expired()
-                    if _now() - renewed >= self._deploy_lease / 3:
-                        if not await self._take_seat(call, limit):
-                            raise DeployInProgress(f"scope {scope_id}: the room filled up")
-                        renewed = _now()
-                    with admission.parked():  # waits on the leader, holds no connection
+            # parked throughout: it waits on the leader, holding no connection but for a look
+            # every poll (a burst's followers would otherwise hold the edge's places)
+            with admission.parked():
+                async with self._notifier.listen(registered_channel(scope_id)) as listener:
+                    while True:
+                        if self.stopping:
+                            raise MaxPodsReached(f"scope {scope_id}: this replica is stopping")
+                        pod = await self._look(call, deploy_id)
+                        if pod is not None:
+                            return pod
+                        remaining = call.remaining()
+                        if remaining <= 0:
+                            raise call.expired()
+                        if _now() - renewed >= self._deploy_lease / 3:
+                            await self._deploys.renew_follower_seat(
+                                scope_id, deploy_id, request_id, self.seat_hold
+                            )
+                            renewed = _now()
                         await listener.wait(min(FOLLOWER_POLL, remaining))
         finally:
             self._waits.observe(_now() - entered)
             with contextlib.suppress(Exception):
-                await self._deploys.leave_follower_seat(scope_id, request_id)
+                await self._deploys.leave_follower_seat(scope_id, deploy_id, request_id)
 
-    async def _take_seat(self, call: AcquireCall, limit: int) -> bool:
-        return await self._deploys.take_follower_seat(
-            call.scope_id, call.request_id, self._seat_hold, limit
-        )
+    async def _look(self, call: AcquireCall, deploy_id: str) -> AcquiredPod | None:
+        """The deploy's pod once registered in use; None while its leader is on it."""
+        scope_id = call.scope_id
+        view = await self._deploys.deploy_view(scope_id, deploy_id)
+        if view.pod_id is not None:
+            # the leader registers its pod before it gives back its lease: a leader that is
+            # gone left its pod visible by now
+            info = await self._state.pod_info(view.pod_id)
+            if info is not None:
+                if info.phase == "in_use" and info.pod_sse_url:
+                    return AcquiredPod(view.pod_id, info.pod_sse_url, info.deploy_ver)
+                # its leader's caller left: the pod went warm, for the next acquire to take
+                raise LeaderGone(f"scope {scope_id}: deploy {deploy_id}'s pod went warm")
+        if view.leader is None and view.failed:
+            raise DeployFailed(f"scope {scope_id}: the leader's deploy failed")
+        if view.leader is None:
+            raise LeaderGone(f"scope {scope_id}: deploy {deploy_id}'s leader lease lapsed")
+        return None
 
 
 def _now() -> float:

@@ -1,14 +1,16 @@
-"""A deploy's claim on a short lease: its placeholder and, for a route's (cold) deploy, the
-scope's deploy lock, renewed together (one ``deploy_lease`` script call) every lease / 3
-while the deploy runs; the pod it creates is recorded under the lock before the wait for Ready.
+"""A deploy's claim on a short lease: its placeholder and, for a route's (cold) deploy, that
+deploy's lock (``lock:rm:deploy:{sid}:{deploy id}``: a scope runs many deploys at once),
+renewed together (one ``deploy_lease`` script call) every lease / 3 while the deploy runs; the
+pod it creates is recorded under the lock before the wait for Ready.
 
 A replica that dies mid-deploy stops renewing: within one lease its lock and placeholder lapse,
-a follower takes over (``deploy_lease_take`` hands it the pod the dead leader created) and
-reconcile no longer waits for a deploy that will never end. Hazard: a leader whose renewals
-fail (Redis unreachable for a moment) goes on deploying — a failed renewal is retried at the
-next tick, never an abort; the first renewal that gets through finds its claim intact (or takes
-it again: nobody took it meanwhile) or lost (another leader holds it, with the pod): the leader
-then registers nothing and deletes nothing, and its caller follows the new leader.
+the next cold claim of the scope takes the deploy over (``deploy_claim`` hands it the pod the
+dead leader created) and reconcile no longer waits for a deploy that will never end. Hazard: a
+leader whose renewals fail (Redis unreachable for a moment) goes on deploying — a failed
+renewal is retried at the next tick, never an abort; the first renewal that gets through finds
+its claim intact (or takes it again: nobody took it meanwhile) or lost (another leader holds
+it, with the pod): the leader then registers nothing and deletes nothing, and its caller
+follows the new leader.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from collections.abc import AsyncIterator
 from agent_runtime.resource_manager.deploy_state import DeployState
 from agent_runtime.resource_manager.models import LeaseLost
 from agent_runtime.resource_manager.state import placeholder_token
-from agent_runtime.resource_manager.state_values import LeaseTake
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,8 @@ RECORD_RETRY = 0.2  # seconds between tries to record a created pod while Redis 
 class DeployLease:
     """One deploy's claim. ``member``: its placeholder's current name (each renewal moves the
     deadline in it); ``lock_token``: the deploy lock's token ("" for a warm deploy, which has
-    no lock and no pod record)."""
+    no lock and no pod record); ``deploy_id``: the cold deploy's id (its lock, record and
+    follower room)."""
 
     def __init__(
         self,
@@ -41,6 +43,7 @@ class DeployLease:
         *,
         seconds: float,
         lock_token: str = "",
+        deploy_id: str = "",
         record_ttl: int = 0,
     ) -> None:
         self._state = state
@@ -48,6 +51,7 @@ class DeployLease:
         self.member = member
         self.placeholder_token = placeholder_token(member)
         self.lock_token = lock_token
+        self.deploy_id = deploy_id
         self.seconds = seconds
         self._record_ttl = record_ttl
         self._pod: tuple[str, str, str] | None = None
@@ -59,10 +63,6 @@ class DeployLease:
     def cold(self) -> bool:
         return bool(self.lock_token)
 
-    async def take(self) -> LeaseTake:
-        """Become the scope's deploy leader, or learn who is (one script call)."""
-        return await self._state.take_deploy_lease(self.scope_id, self.lock_token, self.seconds)
-
     async def renew(self) -> bool:
         """One renewal (with the pod, once recorded); False once the claim is lost."""
         if self.lost:
@@ -72,6 +72,7 @@ class DeployLease:
             self.placeholder_token,
             self.lock_token,
             self.seconds,
+            deploy_id=self.deploy_id,
             pod=self._pod,
             record_ttl=self._record_ttl,
             cluster=self._pod_cluster,
@@ -117,18 +118,21 @@ class DeployLease:
                 log.debug("scope %s: lease not renewed yet: %s", self.scope_id, exc)
                 await asyncio.sleep(RECORD_RETRY)
                 continue
-            raise LeaseLost(f"scope {self.scope_id}: the deploy lease was taken over")
+            raise LeaseLost(
+                f"scope {self.scope_id}: deploy {self.deploy_id}'s lease was taken over"
+            )
 
     async def give_back(self) -> None:
         """The placeholder and its budget units back (by token: whatever its current name)."""
         await self._state.drop_placeholders_of(self.scope_id, self.placeholder_token)
 
     async def end(self, outcome: str) -> None:
-        """The lock back and the pod record dropped (a cold deploy): "ok", "failed" (a notice
-        for the followers, for one lease) or "none" (followers take over)."""
+        """The lock back (a cold deploy): "ok" (the record, naming the registered pod, stays
+        for its followers for one lease), "failed" (a notice for the followers, for one lease)
+        or "none" (the record stays: whoever claims next takes the deploy over)."""
         if self.cold:
             await self._state.end_deploy_lease(
-                self.scope_id, self.lock_token, outcome, self.seconds
+                self.scope_id, self.deploy_id, self.lock_token, outcome, self.seconds
             )
 
     @contextlib.asynccontextmanager

@@ -1,15 +1,21 @@
-"""Acquire a pod for a scope: a warm one, or exactly one new deploy per scope at a time.
+"""Acquire a pod for a scope: a warm one, or a place in a cold deploy — as many deploys at once
+as the waiting demand needs.
 
-Concurrent cold acquires of one scope (on any replica) race for the scope's deploy lease
-(``lock:rm:deploy:{sid}``, lease.py). The winner deploys; the others give back their
-placeholder and wait in the follower room (followers.py) for the leader's pod. A follower
-that sees its leader's lease lapse (the leader's replica died) runs its acquire again: one
-caller takes the lease over, and with it the pod the dead leader had created (adopted once
-Ready, deleted if it fails). Followers never take over a failed deploy: the leader leaves a
-notice (same image, same failure). A caller waits at most its own deadline (``ready_timeout +
-FOLLOWER_MARGIN`` from when it first asked), once, however many rounds it takes. Hazard:
-every exit path must give back what it took — the placeholder, the follower seat, the lease —
-and a pod created by a failed deploy is deleted.
+A cold acquire (no warm pod) claims in one step (deploy_claim.lua, race-free across
+replicas): it follows a deploy in flight whose follower room has a free seat (each deploy's
+pod holds its leader and ``pod_concurrency - 1`` followers), else leads a deploy of its own —
+one whose leader's lease lapsed (with the pod that leader created: adopted once Ready,
+deleted if it fails), or a new one — within max_pods, the pod budgets and the scope's deploy
+concurrency. So a cold burst that needs K pods makes K deploys in parallel. Each deploy has
+its own lease (``lock:rm:deploy:{sid}:{deploy id}``, lease.py), its own pod record and its own
+follower room; its id is the demand's (the route's request id), so a duplicate of a request
+joins the deploy it already leads instead of making another. A follower that sees its
+leader's lease lapse runs its acquire again: the next claim takes that deploy over. Followers
+never take over a failed deploy: the leader leaves a notice (same image, same failure). A
+caller waits at most its own deadline (``ready_timeout + FOLLOWER_MARGIN`` from when it first
+asked), once, however many rounds it takes. Hazard: every exit path must give back what it
+took — the placeholder, the follower seat, the lease — and a pod created by a failed deploy
+is deleted.
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from agent_runtime import admission, spec_fields
 from agent_runtime import label_selector as selectors
-from agent_runtime import spec_fields
 from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
@@ -53,13 +59,14 @@ from agent_runtime.resource_manager.models import (
     PoolConfigUpdate,
 )
 from agent_runtime.resource_manager.state import ResourceState
-from agent_runtime.resource_manager.state_values import AcquireOutcome, OrphanPod
+from agent_runtime.resource_manager.state_values import DeployClaim, OrphanPod
 from agent_runtime.resource_manager.warm_policy import WARM_POOLS
 
 log = logging.getLogger(__name__)
 
 LOCK_MARGIN = 30  # seconds a recorded pod outlives ready_timeout
 DEFAULT_DEPLOY_LEASE = 5.0
+DEFAULT_SCOPE_DEPLOY_CONCURRENCY = 100  # cold deploys of one scope at once
 MAX_ROUNDS = 20  # acquire rounds of one call (takeovers, lost leases): bounded even so
 CLEANUP_CONCURRENCY = 10
 POOL_CONFIG_FIELDS = ("min_idle_pods", "max_pods", "pod_ttl", "pod_concurrency")
@@ -78,14 +85,18 @@ class ResourceOrchestrator:
         identity: PodIdentity,
         deploy_lease: float = DEFAULT_DEPLOY_LEASE,
         instance_id: str = "",
+        scope_deploy_concurrency: int = DEFAULT_SCOPE_DEPLOY_CONCURRENCY,
     ) -> None:
         """``bounds``: where a deploy may go (the wiring passes the settings'; None: anywhere,
         for tests that build an orchestrator by hand); ``identity`` signs every pod (and completes
         the identity of a dead leader's pod it takes over). ``deploy_lease``: seconds a deploy's
         claim lives unless renewed (AGENT_RUNTIME_DEPLOY_LEASE). ``instance_id``: named in
-        the deploy lock's token, so an operator sees which replica leads a deploy."""
+        the deploy lock's token, so an operator sees which replica leads a deploy.
+        ``scope_deploy_concurrency``: cold deploys of one scope at once
+        (AGENT_RUNTIME_SCOPE_DEPLOY_CONCURRENCY)."""
         metrics = metrics or Metrics()
         self._acquired = metrics.acquires
+        self._claims = metrics.deploy_claims
         self._state = state
         self._deploy_state = DeployState(state)
         self._k8s = k8s
@@ -111,6 +122,7 @@ class ResourceOrchestrator:
         )
         self._deploys = BackgroundTasks()
         self.deploy_lease = deploy_lease
+        self.scope_deploy_concurrency = scope_deploy_concurrency
         self._instance_id = instance_id
 
     @property
@@ -136,6 +148,7 @@ class ResourceOrchestrator:
         rule_id: str = "",
         rule_pod_budget: int = 0,
         asked_at: float | None = None,
+        demand_id: str = "",
     ) -> AcquiredPod:
         source = "failed"
         try:
@@ -149,6 +162,7 @@ class ResourceOrchestrator:
                 rule_id,
                 rule_pod_budget,
                 asyncio.get_running_loop().time() if asked_at is None else asked_at,
+                demand_id,
             )
             result, source = await self._acquire(call)
             return result
@@ -179,21 +193,16 @@ class ResourceOrchestrator:
             if call.remaining() <= 0:
                 raise call.expired()
             token = f"{request_id}:{uuid.uuid4().hex[:8]}"
-            try:
-                outcome = await self._state.acquire(
-                    scope_id,
-                    request_id,
-                    token,
-                    self.placeholder_ttl,
-                    rule_id=call.rule_id,
-                    rule_pod_budget=call.rule_pod_budget,
-                )
-            except BaseException:
-                # the script may have taken a placeholder whose reply never came back (the
-                # caller cancelled, the connection dropped): it would hold a slot of max_pods
-                with contextlib.suppress(Exception):
-                    await self._deploy_state.drop_placeholders_of(scope_id, token)
-                raise
+            # a warm pod, or "cold": nothing is reserved here (the claim reserves a slot)
+            outcome = await self._state.acquire(
+                scope_id,
+                request_id,
+                token,
+                self.placeholder_ttl,
+                rule_id=call.rule_id,
+                rule_pod_budget=call.rule_pod_budget,
+                cold_claim=True,
+            )
             if outcome.action in ("cached", "reuse"):
                 assert outcome.pod is not None
                 return outcome.pod, "replay" if outcome.action == "cached" else "warm"
@@ -203,63 +212,86 @@ class ResourceOrchestrator:
                 await self.update_pool_config(scope_id, call.pool_config, call.pod_spec)
                 wrote_config = True
                 continue
+            lock = lock_token(self._instance_id, call.started_at)
             try:
-                if outcome.action in ("max_reached", "budget_reached"):
-                    # no new pod: one on its way may still serve us; else refused (max_pods:
-                    # the route waits a moment for a candidate; a budget: answered at once)
-                    refusal = self._refusal(call, outcome)
-                    return await self._followers.follow_in_flight(call, refusal), "follower"
-                assert outcome.placeholder is not None
-                return await self._deploy_or_follow(call, outcome.placeholder)
+                claim = await self._claim(call, token, lock)
+                if claim.action == "follow":
+                    return await self._followers.follow(call, claim.deploy_id), "follower"
+                if claim.action == "lead":
+                    return await self._deploy(call, claim, lock)
+                if claim.action in ("busy", "coming"):
+                    # the scope deploys all it may at once, or a pod is on its way: the route
+                    # waits (its slot reserved) and asks again when a pod registers
+                    raise DeployInProgress(f"scope {scope_id}: its deploys are all under way")
+                raise self._refusal(call, claim)  # no new pod, and none is on its way
             except (LeaderGone, LeaseLost) as exc:
                 log.info("scope %s: %s; acquiring again", scope_id, exc)
         raise DeployFailed(f"scope {scope_id}: no pod after {MAX_ROUNDS} acquire rounds")
 
     @staticmethod
-    def _refusal(call: AcquireCall, outcome: AcquireOutcome) -> Exception:
-        if outcome.action == "max_reached":
+    def _refusal(call: AcquireCall, claim: DeployClaim) -> Exception:
+        if claim.action == "max_reached":
             return MaxPodsReached(f"scope {call.scope_id} is at max_pods")
-        budget = outcome.budget or "global"
+        budget = claim.budget or "global"
         return PodBudgetReached(
             f"scope {call.scope_id}: the {budget} pod budget is reached", budget=budget
         )
 
-    async def _deploy_or_follow(
-        self, call: AcquireCall, placeholder: str
+    async def _claim(self, call: AcquireCall, token: str, lock: str) -> DeployClaim:
+        """Follow or lead (deploy_claim.lua); a claim whose reply never came back (the caller
+        cancelled, the connection dropped) gives back what it may have taken: the placeholder
+        (``token``: it would hold a slot of max_pods), and the lock of the deploy we would
+        lead (a seat it may have taken lapses with its lease)."""
+        try:
+            claim = await self._deploy_state.claim_deploy(
+                call.scope_id,
+                call.deploy_id,
+                token=lock,
+                lease=self.deploy_lease,
+                placeholder_token=token,
+                member=call.request_id,
+                seat_hold=self._followers.seat_hold,
+                room_ttl=math.ceil(call.ready_timeout) + LOCK_MARGIN,
+                concurrency=self.scope_deploy_concurrency,
+                pod_concurrency=max(int(call.pool_config.get("pod_concurrency", 1)), 1),
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._deploy_state.drop_placeholders_of(call.scope_id, token)
+            with contextlib.suppress(Exception):
+                await self._deploy_state.end_deploy_lease(
+                    call.scope_id, call.deploy_id, lock, "none", self.deploy_lease
+                )
+            raise
+        self._claims.labels(claim.action).inc()
+        return claim
+
+    async def _deploy(
+        self, call: AcquireCall, claim: DeployClaim, lock: str
     ) -> tuple[AcquiredPod, str]:
         scope_id = call.scope_id
+        assert claim.placeholder is not None
         lease = DeployLease(
             self._deploy_state,
             scope_id,
-            placeholder,
+            claim.placeholder,
             seconds=self.deploy_lease,
-            # who leads, and when its acquire started, for the followers (deploy_state)
-            lock_token=lock_token(self._instance_id, call.started_at),
+            lock_token=lock,
+            deploy_id=claim.deploy_id,
             record_ttl=math.ceil(call.ready_timeout) + LOCK_MARGIN,
         )
-        try:
-            took = await lease.take()
-        except BaseException:
-            # the take may have set the lock before its reply was lost: give it back if it
-            # holds our token (compare-and-delete), or no cold start until the lease lapses
-            with contextlib.suppress(Exception):
-                await lease.end("none")
-            with contextlib.suppress(Exception):
-                await lease.give_back()
-            raise
-        if not took.leader:
-            await lease.give_back()
-            since = min(call.started_at, took.holder_started)
-            return await self._followers.follow(call, since), "follower"
         requester = Requester()
         # Our own task: a caller that disconnects (or whose deadline passes) does not abort a
         # deploy half-way (that would leave a pod nobody tracks, or a lease given back while
         # its deploy still runs).
         task = self._deploys.spawn(
-            self._lead(call, lease, took.orphan, requester), name=f"deploy:{scope_id}"
+            self._lead(call, lease, claim.orphan, requester), name=f"deploy:{scope_id}"
         )
         try:
-            done, _ = await asyncio.wait({task}, timeout=max(call.remaining(), 0.0))
+            # the route waits on Kubernetes, not on Redis: its place at the edge is given back
+            # meanwhile (the deploy task's own parking is not the route's: another task)
+            with admission.parked():
+                done, _ = await asyncio.wait({task}, timeout=max(call.remaining(), 0.0))
         except asyncio.CancelledError:
             requester.gone = True  # the pod, once Ready, goes to the warm pool
             raise
@@ -278,17 +310,6 @@ class ResourceOrchestrator:
         scope_id = call.scope_id
         outcome = "failed"  # the followers' notice: same image, same failure
         try:
-            # a leader that finished just before we took the lease may have brought a pod with
-            # room for us (never with pod_concurrency 1: it is full with its own session); an
-            # inherited pod is ours to adopt or delete, whatever else exists
-            shareable = int(call.pool_config.get("pod_concurrency", 1)) > 1 and orphan is None
-            fresh = None
-            if shareable:
-                fresh = await self._state.in_use_pod_since(scope_id, call.started_at)
-            if fresh is not None:
-                await lease.give_back()
-                outcome = "ok"
-                return fresh
             result = await self.deploy_and_register(
                 scope_id,
                 call.pod_spec,

@@ -120,7 +120,7 @@ class Orphans:
     async def _dead_leaders_pod(
         self, status: PodStatus, verdict: Verdict, cluster: str | None
     ) -> str | None:
-        """A pod whose deploy leader died before registering it (its scope's deploy record
+        """A pod whose deploy leader died before registering it (a deploy record of its scope
         names this incarnation) is adopted or deleted only under that deploy's lease, so that
         a route taking the deploy over never registers it too; one still starting is left to
         such a takeover, or to a later pass once Ready (its record lapses with its
@@ -128,15 +128,20 @@ class Orphans:
         one is deleted as any other)."""
         if status.dead or not status.scope_id:
             return None
-        record = await self._deploy_state.deploy_record(status.scope_id)
-        if record is None or (record.pod_id, record.uid, record.cluster) != (
-            status.pod_id, status.uid, cluster
-        ):  # fmt: skip
+        records = await self._deploy_state.deploy_records(status.scope_id)
+        deploy_id = next(
+            (d for d, r in records.items()
+             if (r.pod_id, r.uid, r.cluster) == (status.pod_id, status.uid, cluster)),
+            None,
+        )  # fmt: skip
+        if deploy_id is None:
             return None
         if not status.ready:
             return "left"
         token = lock_token("reconcile", await self._state.now())
-        took = await self._deploy_state.take_deploy_lease(status.scope_id, token, self._lease)
+        took = await self._deploy_state.take_deploy_lease(
+            status.scope_id, deploy_id, token, self._lease
+        )
         if not took.leader:
             return "left"  # a route took the deploy over: the pod is its leader's
         try:
@@ -165,7 +170,9 @@ class Orphans:
                 await self._k8s.delete(status.pod_id, status.namespace, cluster=cluster)
             return "deleted"
         finally:
-            await self._deploy_state.end_deploy_lease(status.scope_id, token, "none", self._lease)
+            await self._deploy_state.end_deploy_lease(
+                status.scope_id, deploy_id, token, "none", self._lease
+            )
 
     # --- foreign pods --------------------------------------------------------------------------
 

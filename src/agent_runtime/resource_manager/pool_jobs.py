@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 # YIELD_NOTE: the jobs run in the serving process; a loop over every pod (10k) between two
 # awaits holds requests for its whole length, so the long ones yield now and then.
 PROBE_CONCURRENCY = 16
-MAX_WARM_DEPLOYS = 8  # per replica at once
+DEFAULT_WARM_DEPLOY_CONCURRENCY = 64  # warm deploys one replica runs at once
 DEFAULT_ADOPTED_POD_TTL = 600.0
 
 
@@ -58,11 +58,14 @@ class PoolJobs:
         metrics: Metrics | None = None,
         adopted_pod_ttl: float = DEFAULT_ADOPTED_POD_TTL,
         drains: Drains | None = None,
+        warm_deploy_concurrency: int = DEFAULT_WARM_DEPLOY_CONCURRENCY,
     ) -> None:
         """``namespaces``: the allow-list reconcile may look for orphans in besides where our
         pods are (None: wherever pool configs say); ``identity``: tells our pods from others;
         ``adopted_pod_ttl``: how long a warm pod of a scope without a pool config is kept;
-        ``drains``: where the watch sends pods Kubernetes drains (default: one of its own)."""
+        ``drains``: where the watch sends pods Kubernetes drains (default: one of its own);
+        ``warm_deploy_concurrency``: warm deploys this replica runs at once (each scope's
+        also within the orchestrator's scope deploy concurrency, with its cold deploys)."""
         self._state = state
         self._deploy_state = DeployState(state)
         self._jobs_state = PoolJobsState(state)
@@ -100,6 +103,7 @@ class PoolJobs:
         )  # fmt: skip
         self._warm_deploys = BackgroundTasks()
         self._warm_targets = WarmTargets(jobs_state=self._jobs_state, sessions=sessions)
+        self._warm_deploy_concurrency = warm_deploy_concurrency
         self._unused_last_pass: set[str] = set()
 
     # --- autoscale (scenario H) ----------------------------------------------------------------
@@ -125,8 +129,11 @@ class PoolJobs:
             assert config.pod_spec is not None
             if config.budget_rule and config.budget_rule in spent_rules:
                 continue
-            for _ in range(plans[scope_id].deploy):
-                if len(self._warm_deploys) >= MAX_WARM_DEPLOYS:
+            # the scope's deploys at once, cold and warm, stay within its deploy concurrency
+            # (the plan counts the warm deploys in flight already)
+            room = self._orchestrator.scope_deploy_concurrency - in_flight[scope_id].total
+            for _ in range(min(plans[scope_id].deploy, room)):
+                if len(self._warm_deploys) >= self._warm_deploy_concurrency:
                     return started
                 token = warm_token()
                 # the deploy renews it (a lease): a replica that dies frees it within seconds

@@ -56,6 +56,7 @@ FOREIGN_COUNT_KEY = f"{P}resource:foreign_pods:count"
 # Drains (drains.py): the pods being drained, pod -> deadline (Redis seconds), beside each
 # pod's ``pod:{pod}:drain`` hash (drain_begin.lua writes both, purge.lua drops both).
 DRAINING_KEY = f"{P}resource:draining"
+DEPLOY_LOCK_PREFIX = f"{P}lock:rm:deploy:"  # + "{sid}:{deploy id}"
 IDEM_TTL = 60
 DEPLOY_TIMES_KEPT = 32  # a scope's recent deploy times (deploy_time.lua)
 DEPLOY_TIMES_TTL = 86400  # seconds the list outlives the scope's last deploy
@@ -78,8 +79,17 @@ def scope_deploying_key(scope_id: str) -> str:
     return f"{SCOPE_PREFIX}{scope_id}:deploying"
 
 
-def scope_followers_key(scope_id: str) -> str:
-    return f"{SCOPE_PREFIX}{scope_id}:deploy_followers"
+def scope_followers_key(scope_id: str, deploy_id: str) -> str:
+    """The follower room of one cold deploy: request id -> seat deadline (≤ pod_concurrency - 1
+    seats; the key lives at most ``record_ttl`` after its last seat was taken)."""
+    return f"{SCOPE_PREFIX}{scope_id}:deploy_followers:{deploy_id}"
+
+
+def scope_cold_deploys_key(scope_id: str) -> str:
+    """The scope's cold deploys (routes'): deploy id -> when it was first led (Redis seconds).
+    A member is live while its lock exists; one whose lock lapsed stays while its record
+    names a pod nobody registered (to be taken over), and leaves at the next claim or prune."""
+    return f"{SCOPE_PREFIX}{scope_id}:cold_deploys"
 
 
 def budget_rule_pods_key(rule_id: str) -> str:
@@ -120,14 +130,20 @@ def pod_reported_key(pod_id: str) -> str:
     return f"{POD_PREFIX}{pod_id}:reported"
 
 
-def deploy_lock_key(scope_id: str) -> str:
-    return f"{P}lock:rm:deploy:{scope_id}"
+def deploy_lock_key(scope_id: str, deploy_id: str) -> str:
+    """One cold deploy's leader: its token on a lease (a scope runs many deploys at once)."""
+    return f"{deploy_lock_prefix(scope_id)}{deploy_id}"
 
 
-def deploy_pod_key(scope_id: str) -> str:
-    """The deploy leader's pod, recorded once created (its name, namespace, uid and cluster,
+def deploy_lock_prefix(scope_id: str) -> str:
+    """What a script prepends to a deploy id to get its lock (deploy_claim.lua)."""
+    return f"{DEPLOY_LOCK_PREFIX}{scope_id}:"
+
+
+def deploy_pod_key(scope_id: str, deploy_id: str) -> str:
+    """One cold deploy's pod, recorded once created (its name, namespace, uid and cluster,
     under the leader's token), or the notice of a failed deploy (not in the contract)."""
-    return f"{SCOPE_PREFIX}{scope_id}:deploy_pod"
+    return f"{SCOPE_PREFIX}{scope_id}:deploy_pod:{deploy_id}"
 
 
 # the deploy record's fields (deploy_lease*.lua write them), as deploy_state reads them back
@@ -323,8 +339,7 @@ class ResourceState:
                 scope_pods_key(scope_id),
                 scope_idle_key(scope_id),
                 scope_deploying_key(scope_id),
-                scope_followers_key(scope_id),
-                deploy_lock_key(scope_id),
+                scope_cold_deploys_key(scope_id),
                 SCOPES_KEY,
                 scope_config_gen_key(scope_id),
             ],
@@ -355,9 +370,11 @@ class ResourceState:
         *,
         rule_id: str = "",
         rule_pod_budget: int = 0,
+        cold_claim: bool = False,
     ) -> AcquireOutcome:
         """``rule_id``: the rule the scope resolves through now (its units follow it there);
-        ``rule_pod_budget``: that rule's budget, 0 = unbounded."""
+        ``rule_pod_budget``: that rule's budget, 0 = unbounded. ``cold_claim``: no warm pod
+        answers "cold" and reserves nothing (the claim reserves the slot if it leads)."""
         reply = await self._acquire(
             keys=[
                 scope_config_key(scope_id),
@@ -380,6 +397,7 @@ class ResourceState:
                 rule_id,
                 rule_pod_budget,
                 self.pod_budget,
+                "1" if cold_claim else "",
             ],
         )
         return _acquire_outcome(reply, request_id)
@@ -445,18 +463,6 @@ class ResourceState:
     async def pod_info(self, pod_id: str) -> PodInfo | None:
         """The pod's info (None: not registered)."""
         return _pod_info_of(cast(dict[str, str], await self.redis.hgetall(pod_info_key(pod_id))))
-
-    async def in_use_pod_since(self, scope_id: str, since: float) -> AcquiredPod | None:
-        """The newest in-use pod of the scope registered at or after ``since`` (Redis
-        seconds): the one a deploy leader brought, for its followers."""
-        newest_first = cast(
-            list[str], await self.redis.zrevrangebyscore(scope_pods_key(scope_id), "+inf", since)
-        )
-        for pod_id in newest_first:
-            info = await self.pod_info(pod_id)
-            if info is not None and info.pod_sse_url and info.phase == "in_use":
-                return AcquiredPod(pod_id, info.pod_sse_url, info.deploy_ver)
-        return None
 
     async def record_deploy_time(self, scope_id: str, seconds: float) -> None:
         """One successful deploy's duration into the scope's recent deploy times."""

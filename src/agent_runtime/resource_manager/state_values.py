@@ -18,7 +18,9 @@ from agent_runtime.resource_manager.models import AcquiredPod
 class AcquireOutcome:
     """What the ``acquire`` script decided."""
 
-    action: Literal["cached", "reuse", "no_config", "max_reached", "budget_reached", "need_deploy"]
+    action: Literal[
+        "cached", "reuse", "no_config", "max_reached", "budget_reached", "need_deploy", "cold"
+    ]
     pod_id: str | None = None
     pod_sse_url: str | None = None
     deploy_ver: str | None = None
@@ -100,15 +102,29 @@ class LeaseTake:
 
 
 @dataclass(frozen=True, slots=True)
+class DeployClaim:
+    """What ``deploy_claim`` decided for a cold acquire: ``lead`` (a new deploy, or a lapsed
+    one with its ``orphan`` pod; ``placeholder`` its slot), ``follow`` (seated in
+    ``deploy_id``'s room, ``holder`` its leader's token), ``busy`` (the scope runs its deploy
+    concurrency), ``coming`` (no room for a pod, but a deploy is in flight), ``max_reached``
+    or ``budget_reached`` (``budget``: "global" or "rule"), with nothing on its way."""
+
+    action: str
+    deploy_id: str = ""
+    holder: str | None = None
+    orphan: OrphanPod | None = None
+    placeholder: str | None = None
+    budget: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class DeployView:
-    """A scope's deploy as a follower sees it: the leader (its lock token), a failure notice,
-    and whether live placeholders of cold deploys (routes) or warm ones (the pool) exist."""
+    """One cold deploy as its followers see it: the leader (its lock token), a failure notice,
+    and the pod its leader recorded (registered once the deploy is done)."""
 
     leader: str | None
     failed: bool
-    cold: bool
-    warm: bool
-    leader_started: float = math.inf  # as ``LeaseTake.holder_started``
+    pod_id: str | None
 
 
 @dataclass(frozen=True, slots=True)

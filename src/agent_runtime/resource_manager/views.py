@@ -23,6 +23,7 @@ from agent_runtime.resource_manager.state import (
     deploy_lock_key,
     placeholder_deadline,
     pod_info_key,
+    scope_cold_deploys_key,
     scope_config_key,
     scope_deploying_key,
     scope_followers_key,
@@ -44,17 +45,26 @@ class ResourceViews:
 
     async def scope_pool(self, scope_id: str) -> dict[str, Any]:
         """A scope's pool: parameters, pods with their phase, warm pods, live placeholders
-        (deploys in flight), the follower room and the deploy lock (its token names the
-        replica that leads the deploy)."""
+        (deploys in flight), and the cold deploys: each one's id, leader (its lock's token names
+        the replica that leads it; null once lapsed) and followers (live seats)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hgetall(scope_config_key(scope_id))
             pipe.zrange(scope_pods_key(scope_id), 0, -1)
             pipe.smembers(scope_idle_key(scope_id))
             pipe.smembers(scope_deploying_key(scope_id))
-            pipe.zcard(scope_followers_key(scope_id))
-            pipe.get(deploy_lock_key(scope_id))
+            pipe.zrange(scope_cold_deploys_key(scope_id), 0, 99)
             pipe.time()
-            config, pods, idle, deploying, followers, leader, (now, _) = await pipe.execute()
+            config, pods, idle, deploying, deploy_ids, (now, micros) = await pipe.execute()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for deploy_id in deploy_ids:
+                pipe.get(deploy_lock_key(scope_id, deploy_id))
+                pipe.zcount(scope_followers_key(scope_id, deploy_id), now + micros / 1e6, "+inf")
+            per_deploy = await pipe.execute()
+        cold = [
+            {"deploy_id": d, "leader": per_deploy[2 * i], "followers": int(per_deploy[2 * i + 1])}
+            for i, d in enumerate(deploy_ids)
+        ]
+        leaders = [c["leader"] for c in cold if c["leader"] is not None]
         async with self.redis.pipeline(transaction=False) as pipe:
             for pod_id in pods:
                 pipe.hmget(pod_info_key(pod_id), *POD_VIEW_FIELDS)
@@ -67,9 +77,10 @@ class ResourceViews:
             ],
             "idle": sorted(idle),
             "deploys_in_flight": sum(placeholder_deadline(m) >= int(now) for m in deploying),
-            "followers": int(followers),
-            "deploy_lock_held": leader is not None,
-            "deploy_leader": leader,
+            "followers": sum(int(c["followers"] or 0) for c in cold),
+            "deploy_lock_held": bool(leaders),
+            "deploy_leader": leaders[0] if leaders else None,
+            "cold_deploys": cold,
         }
 
     async def pod_info(self, pod_id: str) -> dict[str, str]:

@@ -42,7 +42,6 @@ from agent_runtime.session_manager.pod_report import PodReport
 from agent_runtime.session_manager.replies import PLACING, Placement
 from agent_runtime.session_manager.slow_route import RouteContext, SlowRoute, reused
 from agent_runtime.session_manager.state import SessionState
-from agent_runtime.single_flight import SingleFlight
 from agent_runtime.util import scope_id_of
 
 
@@ -70,7 +69,6 @@ class SessionOrchestrator:
             resources=resources,
             notifier=notifier,
             scope_full_timeout=scope_full_timeout,
-            acquiring=SingleFlight(),  # one per orchestrator: its replica's routes share it
             until_drained=self._until_drained,
         )
         self._reports = PodReport(state=state, resources=resources, metrics=metrics)

@@ -3,8 +3,9 @@
 A route whose first ``route_place`` did not answer (hot path: ``orchestrator``) becomes a
 ``SlowRoute``: it loops on ``route_place`` (``slow``: placing gives back its seat and its
 reservation in the same script), filling the resolve cache (``need_config``), getting a pod
-from the resource manager (``need_acquire``: a slot of the pod to come is reserved for it;
-concurrent routes of a scope on this replica share one acquire) or waiting for a slot
+from the resource manager (``need_acquire``: a slot of the pod to come is reserved for it, and
+the route's own acquire leads a deploy or follows one in flight: a cold burst that needs K
+pods makes K deploys at once) or waiting for a slot
 (``scope_full``, ``in_flight``) in the bounded queue, woken by the scope's ``free`` signal or
 every ``POLL``. While it runs it renews what it holds (pending replay marker, reservation,
 seat) on a short lease. It works with what its orchestrator gives it (``RouteContext``), and
@@ -43,7 +44,6 @@ from agent_runtime.session_manager.config_store import ConfigStore
 from agent_runtime.session_manager.replies import Placement, RoutePlacement
 from agent_runtime.session_manager.scope_cache import ScopeConfig
 from agent_runtime.session_manager.state import ROUTE_LEASE, SessionState, scope_free_channel
-from agent_runtime.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,9 @@ POLL = 0.5  # safety net under the free signal
 # call has just got and is about to make a candidate (it signals `free` when it does); such a
 # route waits and looks again for this long before the cap counts as real (NO_POD_AVAILABLE)
 CAP_GRACE = 0.5
-MAX_SLOW_STEPS = 20  # config fills and acquires per route: a loop that does not converge ends
+# config fills and acquires that brought a pod, per route: a loop that does not converge ends
+# (an acquire that waits for a deploy under way is bounded by the wait's deadline instead)
+MAX_SLOW_STEPS = 20
 # what the gateway is told; the reasons (Kubernetes' own text) go to the log
 NO_POD_AT_CAP = "no pod available: the scope is at its pod limit"
 NO_POD_DEPLOY_FAILED = "no pod available: a new pod could not be started"
@@ -68,8 +70,6 @@ class RouteContext:
     resources: ResourceManagerFacade
     notifier: Notifier
     scope_full_timeout: float  # a route's wait for a slot, from its first wait
-    # scope → the acquire its concurrent routes on this replica share (see SlowRoute.acquire)
-    acquiring: SingleFlight[str, bool]
     # a block whose wait ends with 503 the moment the replica starts to stop
     until_drained: Callable[[], AbstractAsyncContextManager[None]]
 
@@ -116,16 +116,20 @@ class SlowRoute:
     async def run(
         self, placement: RoutePlacement, disconnected: Callable[[], Awaitable[bool]] | None
     ) -> dict[str, Any]:
-        steps = 0
+        steps = attempts = 0  # steps: what must converge; attempts: acquires made
         while True:
             action = placement.action
             if placement.answered:
                 return placement.answer()
             if action is Placement.NEED_CONFIG:
                 await self.scope_config(fresh=True)
+                steps += 1
             elif action is Placement.NEED_ACQUIRE:  # a slot reserved, the queue seat (if any) left
                 self.seated = False
-                if not await self.acquire(steps):
+                attempts += 1
+                if await self.acquire(attempts):
+                    steps += 1
+                else:  # the scope's deploys are under way: a wait bounded by its deadline
                     await self.wait(disconnected, seat=False)
             elif action is Placement.SCOPE_FULL:  # a route holding a reservation waits on it
                 await self.wait(disconnected, seat=not placement.reserved)
@@ -133,10 +137,8 @@ class SlowRoute:
                 await self.wait(disconnected, seat=False, duplicate=True)
             else:  # REUSED: our marker lapsed and another request took the id
                 raise reused()
-            if action in (Placement.NEED_CONFIG, Placement.NEED_ACQUIRE):
-                steps += 1
-                if steps > MAX_SLOW_STEPS:
-                    raise NoPodAvailable(f"scope {self.scope_id}: placement did not converge")
+            if steps > MAX_SLOW_STEPS:
+                raise NoPodAvailable(f"scope {self.scope_id}: placement did not converge")
             placement = await self.ctx.state.route_place(
                 request_id=self.request_id,
                 session_id=self.session_id,
@@ -154,18 +156,19 @@ class SlowRoute:
         return self._config
 
     async def acquire(self, attempt: int) -> bool:
-        """Get a pod and make it a candidate; False when a deploy is in flight (wait).
+        """Get a pod and make it a candidate; False when the scope's deploys are all under
+        way (wait, then ask again).
 
-        Concurrent routes of one scope on this replica share one acquire (single flight): a
-        cold burst makes one acquire call instead of one per route (each a dozen Redis round
-        trips competing with the leader's for the loop), and every sharer then places through
-        route_place, the judge; those the pod cannot hold get need_acquire again. Shielded:
-        the route that started it going away does not cancel it for the others."""
+        Each route acquires for itself (its request id names the deploy it would lead): the
+        resource manager's claim seats it in a deploy in flight with room, or starts one, so
+        a cold burst that needs K pods makes K deploys at once; a duplicate of the request
+        joins the deploy it already leads. route_place then judges: a route the pod cannot
+        hold (another took its place) gets need_acquire again."""
         if self.asked_at is None:
             self.asked_at = asyncio.get_running_loop().time()
         try:
             async with self.ctx.until_drained():
-                return await self.ctx.acquiring.run(self.scope_id, lambda: self._acquire(attempt))
+                return await self._acquire(attempt)
         except DeployTimedOut as exc:
             # once, from its first ask: a route never waits the deploy time twice; the time
             # said is its own (a route that joined a shared acquire late waited less)
@@ -193,6 +196,7 @@ class SlowRoute:
                 rule_id=config.rule_id or "",
                 rule_pod_budget=config.rule_pod_budget,
                 asked_at=self.asked_at,
+                demand_id=self.request_id,
             )
         except DeployInProgress:
             return False

@@ -22,6 +22,9 @@
 --         and its units move along when it changes
 -- ARGV[8] that rule's pod budget (0 = unbounded), refreshed into KEYS[8]
 -- ARGV[9] the installation's pod budget
+-- ARGV[10] "1": a route's acquire, whose cold claim (deploy_claim.lua) reserves the slot in the
+--          step that decides whether it follows or leads: no warm pod answers {"cold"}, and
+--          nothing is reserved here ("" or absent: reserve as below)
 --
 -- returns {"cached", json}                 this request already got a pod (replay)
 --         {"reused"}                       the request_id got a pod of another scope: nothing
@@ -31,6 +34,7 @@
 --         {"max_reached"}                  ZCARD pods + SCARD deploying >= max_pods
 --         {"budget_reached", "global"|"rule"}  a new pod would exceed that pod budget
 --         {"need_deploy", member}          a placeholder was added (or already was: replay)
+--         {"cold"}                         no warm pod (ARGV[10] "1"): claim a deploy
 --
 -- invariant: ZCARD pods + SCARD deploying <= max_pods, and a new placeholder only while each
 -- budget's live units < its limit; expired placeholders (a crashed deployer) are dropped
@@ -63,7 +67,10 @@ if rule ~= '' then
     redis.call('HDEL', KEYS[8], rule)
   end
 end
-if mine then return {'need_deploy', mine} end
+if mine then
+  if ARGV[10] == '1' then return {'cold'} end  -- a re-sent claim finds its placeholder
+  return {'need_deploy', mine}
+end
 
 -- a config without deploy_ver matches no pod (HGET of a missing field is false on both sides)
 local version = redis.call('HGET', KEYS[1], 'deploy_ver')
@@ -86,6 +93,7 @@ if best then
   return {'reuse', best, url, version}
 end
 
+if ARGV[10] == '1' then return {'cold'} end
 local refused = room_refusal(KEYS[1], KEYS[3], KEYS[4], KEYS[6], global_limit, rule_key,
   rule_limit, now)
 if refused then return refused end

@@ -1,25 +1,27 @@
 -- deploy_lease (uses _budget.lua, _placeholders.lua): a deploy keeps its claim alive. Its
--- placeholder's deadline moves to now + lease and, for a cold deploy, the scope's deploy lock
--- too, in one step; once its pod is created the pod is recorded here, so that a leader taking
--- over after a lapse (deploy_lease_take.lua) finds it.
+-- placeholder's deadline moves to now + lease and, for a cold deploy, its deploy lock too, in
+-- one step; once its pod is created the pod is recorded here, so that a leader taking
+-- over after a lapse (deploy_claim.lua, deploy_lease_take.lua) finds it.
 --
 -- KEYS[1] resource:scope:{sid}:deploying   SET    placeholders "{token}@{deadline}"
 -- KEYS[2] resource:scope:{sid}:config      HASH   (max_pods, budget_rule)
 -- KEYS[3] resource:scope:{sid}:pods        ZSET
 -- KEYS[4] budget:pods                      ZSET   every budget unit
 -- KEYS[5] budget:rules                     SET    rule ids that have a units ZSET
--- KEYS[6] lock:rm:deploy:{sid}             STRING the leader's token, PX the lease
--- KEYS[7] resource:scope:{sid}:deploy_pod  HASH   the leader's pod (see deploy_lease_take.lua)
+-- KEYS[6] lock:rm:deploy:{sid}:{id}            STRING the leader's token, PX the lease
+-- KEYS[7] resource:scope:{sid}:deploy_pod:{id} HASH   the leader's pod (deploy_lease_take.lua)
 -- KEYS[8] resource:leased_scopes           SET    scopes the prune job looks at
+-- KEYS[9] resource:scope:{sid}:cold_deploys ZSET  the scope's cold deploys (deploy_claim.lua)
 -- ARGV[1] placeholder token (its member is "{token}@{deadline}")
 -- ARGV[2] lock token ("" for a warm deploy: a placeholder and no lock)
--- ARGV[3] lease in seconds (the lock's PX; the placeholder's deadline is whole seconds,
---         rounded up)
+-- ARGV[3] lease in seconds (the placeholder's deadline is whole seconds, rounded up; the
+--         lock's PX runs to the end of that deadline's second: they lapse together)
 -- ARGV[4] scope_id   ARGV[5] rule budget prefix (derives {prefix}{budget_rule}:pods)
 -- ARGV[6] pod_id to record ("" = none; only with a lock token)   ARGV[7] its namespace
 -- ARGV[8] seconds the record lives (the pod's own deadline: ready_timeout + margin)
 -- ARGV[9] the pod's uid (its incarnation: a pod re-created under the name is not this one)
 -- ARGV[10] the pod's cluster ("" = the process default: no `cluster` field is written)
+-- ARGV[11] the deploy's id (its member of KEYS[9]; "" for a warm deploy)
 --
 -- returns {"ok", member}   renewed; member: the placeholder's new name
 --         {"lost"}         another leader holds the lock (it took over after our lease lapsed:
@@ -67,7 +69,12 @@ end
 local renewed = add_placeholder(KEYS[1], ptoken, now, math.ceil(lease), sid, KEYS[4], rule_key,
   KEYS[5], linked, KEYS[8])
 if ltoken ~= '' then
-  redis.call('SET', KEYS[6], ltoken, 'PX', math.ceil(lease * 1000))
+  -- until the placeholder lapses (it counts through its deadline's second): a lapsed lock
+  -- means a lapsed slot, so a taker never runs beside a placeholder still counted
+  local until_ms = (placeholder_deadline(renewed) + 1) * 1000
+  local now_ms = now * 1000 + math.floor(tonumber(clock[2]) / 1000)
+  redis.call('SET', KEYS[6], ltoken, 'PX', math.max(until_ms - now_ms, math.ceil(lease * 1000)))
+  redis.call('ZADD', KEYS[9], 'NX', now, ARGV[11])  -- back in the index if a claim dropped it
   if ARGV[6] ~= '' then
     local rec = redis.call('HMGET', KEYS[7], 'token', 'pod_id')
     if rec[1] ~= ltoken or rec[2] ~= ARGV[6] then

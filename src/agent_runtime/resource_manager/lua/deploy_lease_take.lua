@@ -1,10 +1,11 @@
--- deploy_lease_take: become the scope's deploy leader, on a short lease; the pod that a leader
--- whose lease lapsed had created (recorded by deploy_lease.lua) passes to the new leader in the
--- same step.
+-- deploy_lease_take: become the leader of one cold deploy of a scope (reconcile's, for a pod it
+-- found whose record names it; a route's claim is deploy_claim.lua), on a short lease; the pod
+-- that a leader whose lease lapsed had created (recorded by deploy_lease.lua) passes to the new
+-- leader in the same step.
 --
--- KEYS[1] lock:rm:deploy:{sid}             STRING the leader's token "{uuid}@{acquire start}",
+-- KEYS[1] lock:rm:deploy:{sid}:{id}       STRING the leader's token "{uuid}@{acquire start}",
 --                                          PX the lease (renewed by deploy_lease.lua)
--- KEYS[2] resource:scope:{sid}:deploy_pod  HASH   the leader's pod: token, pod_id, namespace,
+-- KEYS[2] resource:scope:{sid}:deploy_pod:{id} HASH the leader's pod: token, pod_id, namespace,
 --                                          created (Redis seconds), uid, cluster (absent:
 --                                          the process default); or a failure
 --                                          notice: token, failed (deploy_lease_end.lua)

@@ -1,0 +1,155 @@
+-- deploy_claim (uses _budget.lua, _placeholders.lua): a cold acquire (the acquire script found
+-- no warm pod) decides in one step whether it follows a deploy in flight or leads one, and
+-- reserves the new pod's slot when it leads. In order:
+--   1. the deploy of its own demand (ARGV[3]: the route's request id) is live under another
+--      token: join it, whatever its room (a duplicate of the request, or its own retry: one
+--      request never makes two deploys at once);
+--   2. a live deploy of the scope whose follower room has a free seat (each deploy's pod holds
+--      pod_concurrency sessions: its leader + pod_concurrency - 1 followers): follow it;
+--   3. a placeholder within max_pods and the pod budgets, or else "coming" (a placeholder of a
+--      deploy in flight is live: a pod may still come) or the refusal;
+--   4. with it, take over a deploy whose lease lapsed with a pod nobody registered (its record
+--      passes to us: adopt or delete), else lead a new deploy if the scope runs fewer than its
+--      deploy concurrency, else give the placeholder back ("busy").
+--
+-- KEYS[1] resource:scope:{sid}:cold_deploys ZSET deploy id -> first led (Redis seconds)
+-- KEYS[2] resource:scope:{sid}:deploying    SET  placeholders "{token}@{deadline}"
+-- KEYS[3] resource:scope:{sid}:config       HASH (max_pods, budget_rule)
+-- KEYS[4] budget:pods                       ZSET every budget unit
+-- KEYS[5] resource:pods:all                 SET  registered pods
+-- KEYS[6] resource:leased_scopes            SET  scopes the prune job looks at
+-- KEYS[7] resource:scope:{sid}:pods         ZSET the scope's pods
+-- KEYS[8] budget:rules                      SET  rule ids that have a units ZSET
+-- KEYS[9] budget:rule_limits                HASH rule id -> pod budget
+-- ARGV[1] lock prefix "…lock:rm:deploy:{sid}:" (derives each deploy's lock {prefix}{id})
+-- ARGV[2] scope prefix "…resource:scope:{sid}:" (derives {prefix}deploy_pod:{id} and
+--         {prefix}deploy_followers:{id})
+-- ARGV[3] deploy id of a new deploy (the demand's: the route's request id)
+-- ARGV[4] lock token "{replica}/{uuid}@{acquire start}"
+-- ARGV[5] lease in milliseconds (the lock lives at least this, and until its placeholder lapses)
+-- ARGV[6] placeholder token (unique per attempt; the same on a re-sent call)
+-- ARGV[7] follower member (the acquire's request id)   ARGV[8] seat hold in seconds
+-- ARGV[9] seconds a follower room lives after its last seat was taken (ready_timeout + margin)
+-- ARGV[10] the scope's deploy concurrency (live cold deploys at once)
+-- ARGV[11] scope_id   ARGV[12] rule budget prefix (derives {prefix}{budget_rule}:pods)
+-- ARGV[13] pod_concurrency (as the caller resolved the scope: sessions one pod holds)
+-- ARGV[14] placeholder lifetime in seconds (the deploy lease: its leader renews it)
+-- ARGV[15] the installation's pod budget
+--
+-- returns {"lead", id, member}               a new deploy is ours (lock set, indexed; member:
+--                                            its placeholder)
+--         {"lead", id, member, pod_id, namespace, created, uid, cluster}
+--                                            a lapsed deploy is ours, with its pod to adopt
+--         {"follow", id, holder}             seated in that deploy's room (holder: its token)
+--         {"busy"}                           the scope runs its deploy concurrency already
+--         {"coming"}                         no slot for a pod, but a placeholder is live
+--         {"max_reached"}                    no slot (ZCARD pods + live placeholders), none live
+--         {"budget_reached", "global"|"rule"}  a pod budget is reached, nothing is on its way
+--
+-- invariant: a live deploy has at most pod_concurrency - 1 seats (+ callers of its own
+-- demand); live cold deploys <= concurrency (a renewal that takes a lapsed claim back may
+-- pass it by its own deploy); ZCARD pods + SCARD deploying <= max_pods and a placeholder only
+-- under each budget (as the acquire script); a lapsed deploy's pod passes to exactly one new
+-- holder; only a leader holds a placeholder. Replay-safe: a re-sent call of a leader finds its
+-- own token on the lock (and its placeholder by its token) and is told "lead" again; a re-sent
+-- follower keeps its seat.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local second = tonumber(t[1])
+local lock_prefix, prefix, own, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local lease_ms, ptoken, member = tonumber(ARGV[5]), ARGV[6], ARGV[7]
+local sid = ARGV[11]
+local rule = redis.call('HGET', KEYS[3], 'budget_rule') or ''
+local rule_key = rule_budget_key(ARGV[12], rule)
+local room_limit = math.max(tonumber(ARGV[13]) - 1, 0)
+
+local function room(id) return prefix .. 'deploy_followers:' .. id end
+local function record(id) return prefix .. 'deploy_pod:' .. id end
+
+-- expired placeholders leave first (with their units); ours, on a re-sent call, is found
+local mine = sweep_placeholders(KEYS[2], ptoken, second, sid, KEYS[4], rule_key)
+
+local function give_back_placeholder()
+  if mine and redis.call('SREM', KEYS[2], mine) == 1 then
+    budget_remove(KEYS[4], rule_key, sid .. ':' .. mine)
+  end
+end
+
+local function follow(id, holder)
+  redis.call('ZADD', room(id), now + tonumber(ARGV[8]), member)
+  redis.call('EXPIRE', room(id), tonumber(ARGV[9]))
+  redis.call('SADD', KEYS[6], sid)
+  give_back_placeholder()
+  return {'follow', id, holder}
+end
+
+-- a lapsed deploy's record naming a pod nobody registered (not a failure notice): inherited
+local function orphan_of(id)
+  local rec = redis.call('HMGET', record(id), 'token', 'pod_id', 'failed')
+  return rec[1] and rec[2] and not rec[3] and redis.call('SISMEMBER', KEYS[5], rec[2]) == 0
+end
+
+-- the lock lapses with the placeholder (whole seconds: it counts through its deadline's
+-- second), so a deploy whose lock lapsed holds no slot any more either
+local function lead(id)
+  local until_ms = (placeholder_deadline(mine) + 1) * 1000
+  local now_ms = second * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('SET', lock_prefix .. id, token, 'PX', math.max(until_ms - now_ms, lease_ms))
+  redis.call('ZADD', KEYS[1], 'NX', now, id)
+  redis.call('SADD', KEYS[6], sid)
+  local rec = redis.call('HMGET', record(id), 'token', 'pod_id', 'namespace', 'created', 'uid',
+    'cluster')
+  if not rec[1] then return {'lead', id, mine} end
+  if rec[1] ~= token then
+    if not orphan_of(id) then
+      redis.call('DEL', record(id))  -- a failure notice, or a pod registered by now
+      return {'lead', id, mine}
+    end
+    redis.call('HSET', record(id), 'token', token)  -- keeps its expiry: the pod's deadline
+  end
+  if not rec[2] then return {'lead', id, mine} end
+  return {'lead', id, mine, rec[2], rec[3] or '', rec[4] or '0', rec[5] or '', rec[6] or ''}
+end
+
+-- 1. our own demand's deploy (a re-sent call of its leader: the same answer)
+local own_holder = redis.call('GET', lock_prefix .. own)
+if own_holder and own_holder ~= token then return follow(own, own_holder) end
+if own_holder == token and mine then return lead(own) end
+
+-- 2. walk the scope's deploys: count the live ones, find a free seat and a lapsed pod
+local live, open, open_holder, orphan = 0, nil, nil, nil
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local holder = redis.call('GET', lock_prefix .. id)
+  if holder then
+    live = live + 1
+    if not open and room_limit > 0 then
+      redis.call('ZREMRANGEBYSCORE', room(id), '-inf', '(' .. string.format('%.6f', now))
+      if redis.call('ZCARD', room(id)) < room_limit then open, open_holder = id, holder end
+    end
+  elseif orphan_of(id) then
+    if not orphan or id == own then orphan = id end
+  else
+    redis.call('ZREM', KEYS[1], id)  -- ended, failed, or died before its create
+  end
+end
+if open then return follow(open, open_holder) end
+
+-- 3. a slot for a new pod
+if not mine then
+  local refused = room_refusal(KEYS[3], KEYS[7], KEYS[2], KEYS[4], tonumber(ARGV[15]), rule_key,
+    rule_limit_of(KEYS[9], rule), second)
+  if refused then
+    if redis.call('SCARD', KEYS[2]) > 0 then return {'coming'} end  -- swept: all live
+    return refused
+  end
+  mine = add_placeholder(KEYS[2], ptoken, second, tonumber(ARGV[14]), sid, KEYS[4], rule_key,
+    KEYS[8], rule, KEYS[6])
+end
+
+-- 4. lead: a lapsed deploy first (its pod is on its way already), else a new one
+if orphan then return lead(orphan) end
+if live >= tonumber(ARGV[10]) then
+  give_back_placeholder()
+  return {'busy'}
+end
+return lead(own)
