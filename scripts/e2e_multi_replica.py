@@ -59,7 +59,10 @@ def deploy_locks(sid: str) -> str:
     return f"resource_manager:lock:rm:deploy:{sid}:*"
 
 
-JOBS = ("sm_sweep", "scope_expiry", "rm_autoscale", "rm_reclaim", "rm_watch", "rm_reconcile")
+JOBS = (
+    "sm_sweep", "scope_expiry", "rm_autoscale", "rm_reclaim", "rm_watch", "rm_reconcile",
+    "rm_drains",
+)  # fmt: skip
 JOB_INTERVAL = 1.0  # every job's tick in this run: "two ticks" below means 2 s
 SHUTDOWN_TIMEOUT = 8.0
 SCOPE_FULL_TIMEOUT = 2.0
