@@ -129,3 +129,19 @@ async def db(migrated_url: str) -> AsyncIterator[Database]:
 
         await database.write(wipe)
         await database.close()
+
+
+@pytest.fixture
+def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kubernetes_asyncio honours proxy variables (trust_env) and the in-cluster host: the
+    simulator is local, so a test that talks to it through the real client drops them."""
+    for name in (
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)

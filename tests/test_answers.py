@@ -150,21 +150,6 @@ async def test_an_eos_request_id_reused_for_another_session_ends_nothing(
 # --- 2. gateway-facing messages carry no Kubernetes, loader or backend text ---------------------
 
 
-@pytest.fixture(autouse=False)
-def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """kubernetes_asyncio honours proxy variables (trust_env): the simulator is local."""
-    for name in (
-        "HTTP_PROXY",
-        "HTTPS_PROXY",
-        "ALL_PROXY",
-        "http_proxy",
-        "https_proxy",
-        "all_proxy",
-    ):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-
-
 @pytest.mark.usefixtures("_no_proxy")
 async def test_kubernetes_text_goes_to_the_log_not_to_the_gateway(
     tmp_path: Path, caplog: pytest.LogCaptureFixture

@@ -26,21 +26,11 @@ def number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-@pytest.mark.real_backend
-@pytest.mark.timeout(90)
-def test_quick_bench_writes_wellformed_results(tmp_path: Path) -> None:
-    out = tmp_path / "out.json"
-    env = {**os.environ, "AGENT_RUNTIME_BENCH_REDIS_URL": BENCH_REDIS_URL}
-    only = ["--only", "redis_cost", "queue_wake"]
-    files = ["--json", str(out), "--out-dir", str(tmp_path)]
+def run_bench(command: list[str], *, timeout: float, env: dict[str, str] | None = None) -> str:
+    """Run a bench to its end; its stdout. A bench that refused to run (exit 2: a backend it
+    needs is missing) fails under CI=true and is skipped elsewhere; any other failure fails."""
     done = subprocess.run(
-        [sys.executable, "bench/run.py", "--quick", *only, *files],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=80,
-        check=False,
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
     if done.returncode == EXIT_REFUSED:
         message = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "refused"
@@ -48,6 +38,17 @@ def test_quick_bench_writes_wellformed_results(tmp_path: Path) -> None:
             pytest.fail(f"CI=true and the bench refused to run: {message}", pytrace=False)
         pytest.skip(message)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.real_backend
+@pytest.mark.timeout(90)
+def test_quick_bench_writes_wellformed_results(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    env = {**os.environ, "AGENT_RUNTIME_BENCH_REDIS_URL": BENCH_REDIS_URL}
+    only = ["--only", "redis_cost", "queue_wake"]
+    files = ["--json", str(out), "--out-dir", str(tmp_path)]
+    run_bench([sys.executable, "bench/run.py", "--quick", *only, *files], timeout=80, env=env)
     report = json.loads(out.read_text())
     assert (tmp_path / "latest.json").is_file() and (tmp_path / "latest.txt").is_file()
 
@@ -98,21 +99,8 @@ def test_the_dead_pod_bench_prints_its_table(tmp_path: Path) -> None:
     out = tmp_path / "dead.json"
     rows = ["--rows", "stream:kill", "report:kill", "--trials", "1"]
     bench = [sys.executable, "-m", "bench.dead_pod", *rows, "--json", str(out)]
-    done = subprocess.run(
-        [*bench, "--redis-url", BENCH_REDIS_URL],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=110,
-        check=False,
-    )
-    if done.returncode == EXIT_REFUSED:
-        message = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "refused"
-        if IN_CI:
-            pytest.fail(f"CI=true and the bench refused to run: {message}", pytrace=False)
-        pytest.skip(message)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "dead_pod: kill → next route `rebound`" in done.stdout
+    printed = run_bench([*bench, "--redis-url", BENCH_REDIS_URL], timeout=110)
+    assert "dead_pod: kill → next route `rebound`" in printed
     report = json.loads(out.read_text())
     assert report["trials"] == 1
     assert [(r["mode"], r["death"]) for r in report["rows"]] == [

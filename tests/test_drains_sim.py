@@ -25,7 +25,7 @@ from kubesim import KubeSim
 from test_scenarios import eventually
 
 # the fixtures of test_k8s_real_sim: no proxy for the local simulator; the real client on `sim`
-_no_proxy = real_sim._no_proxy
+_direct = real_sim._direct
 client = real_sim.client
 
 ADMIN = {"Authorization": "Bearer adm"}

@@ -76,12 +76,8 @@ def spec(**overrides: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(autouse=True)
-def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """kubernetes_asyncio honours proxy variables (trust_env): the simulator is local."""
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("all_proxy", raising=False)
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # never in-cluster here
+def _direct(_no_proxy: None) -> None:
+    """Every test here talks to the local simulator through the real client (no proxy)."""
 
 
 @pytest.fixture

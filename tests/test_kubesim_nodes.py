@@ -262,19 +262,6 @@ async def test_control_delete_waits_the_grace_it_is_given(
     assert too_long.status_code == 400
 
 
-@pytest.fixture
-def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (
-        "HTTP_PROXY",
-        "HTTPS_PROXY",
-        "ALL_PROXY",
-        "http_proxy",
-        "https_proxy",
-        "all_proxy",
-    ):
-        monkeypatch.delenv(name, raising=False)
-
-
 async def test_kubernetes_asyncio_reads_and_cordons_nodes(sim: KubeSim, _no_proxy: None) -> None:
     configuration = client.Configuration()
     await config.load_kube_config(

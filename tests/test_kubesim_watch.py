@@ -368,19 +368,6 @@ async def test_a_slow_consumer_is_cut_off_not_buffered() -> None:
 
 
 @pytest.fixture
-def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (
-        "HTTP_PROXY",
-        "HTTPS_PROXY",
-        "ALL_PROXY",
-        "http_proxy",
-        "https_proxy",
-        "all_proxy",
-    ):
-        monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
 async def v1(sim: KubeSim, _no_proxy: None) -> AsyncIterator[client.CoreV1Api]:
     configuration = client.Configuration()
     await config.load_kube_config(
