@@ -93,6 +93,7 @@ def test_full_template_is_kept_as_given() -> None:
         "session_ttl": 120,
         "pod_ttl": 600,
         "min_idle_pods": 3,
+        "warm_pool": "predictive",
     }
     assert parse_item(TemplateItem, item).as_dict() == item
 
@@ -411,6 +412,7 @@ def test_scope_config_of_template() -> None:
         "max_pods": 3,
         "pod_ttl": 300,
         "pod_concurrency": 5,
+        "warm_pool": "static",
     }
 
 

@@ -856,6 +856,7 @@ async def test_each_job_tick_runs_on_one_replica_only(redis: Redis, db: Database
         "watch_interval": 0.05,
         "reconcile_interval": 0.05,
         "scope_expiry_interval": 0.05,
+        "drain_interval": 0.05,
     }
     async with two_replicas(redis, db, jobs_enabled=True, **intervals) as reps:
         runners = {"a": reps.services(reps.a).jobs, "b": reps.services(reps.b).jobs}
