@@ -73,7 +73,13 @@ def touch_body(i: int) -> dict[str, Any]:
 
 
 async def post(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> str:
-    answer = (await http.post(path, json=body)).json()
+    """The answer's placement, touch result or error code; a request the transport lost (a
+    connection the loaded machine's server closed under it) is counted, not fatal: the phase's
+    answers show it beside the round trips it measured."""
+    try:
+        answer = (await http.post(path, json=body)).json()
+    except httpx.TransportError as exc:
+        return f"transport:{type(exc).__name__}"
     data = answer.get("data") or {}
     if "placement" in data:
         return str(data["placement"])
