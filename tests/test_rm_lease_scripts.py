@@ -221,6 +221,42 @@ async def test_a_lapse_nobody_took_is_taken_again(
     assert {m.rpartition("@")[0] for m in await redis.smembers(K.deploying())} == {"someone-else"}
 
 
+async def test_a_late_renewal_never_takes_back_a_deploy_another_leader_took_and_ended(
+    rs: ResourceState, ds: DeployState, redis: Redis
+) -> None:
+    """Leader A stalled past its lease; B took deploy DID over with A's pod, registered it and
+    ended "ok" (the lock is free again). A's keeper renews late: the claim is lost — no lock,
+    no record under A's token, no index entry, no placeholder (the pod is B's). Once the
+    record itself is gone, the registered pod still tells A it lost."""
+    await configure(rs)
+    await placeholder(rs, "ph-a")
+    assert (await ds.take_deploy_lease(SID, DID, "lk-a@1", LEASE)).leader
+    pod = ("agent-p", "ns-a", "uid-p")
+    assert await ds.renew_deploy_lease(SID, "ph-a", "lk-a@1", LEASE, deploy_id=DID, pod=pod,
+                                       record_ttl=40)  # fmt: skip
+    await redis.delete(K.lock())  # A's lease lapsed
+    took = await ds.take_deploy_lease(SID, DID, "lk-b@2", LEASE)
+    assert took.leader and took.orphan is not None and took.orphan.pod_id == "agent-p"
+    await redis.sadd(K.PODS_ALL, "agent-p")  # B registered it
+    assert await ds.end_deploy_lease(SID, DID, "lk-b@2", "ok", LEASE)
+    assert await redis.zcard(K.cold()) == 0
+
+    late = await ds.renew_deploy_lease(SID, "ph-a", "lk-a@1", LEASE, deploy_id=DID, pod=pod,
+                                       record_ttl=40)  # fmt: skip
+    assert late is None
+    assert await redis.get(K.lock()) is None
+    assert await redis.hget(K.record(), "token") == "lk-b@2"
+    assert await redis.zcard(K.cold()) == 0, "the deploy is not indexed again"
+    assert await redis.scard(K.deploying()) == 0 and await redis.zcard(K.BUDGET) == 0
+
+    await redis.delete(K.record())  # the "ok" record lapsed; the pod stays registered
+    await placeholder(rs, "ph-a2")
+    late = await ds.renew_deploy_lease(SID, "ph-a2", "lk-a@1", LEASE, deploy_id=DID, pod=pod)
+    assert late is None
+    assert await redis.get(K.lock()) is None and not await redis.exists(K.record())
+    assert await redis.scard(K.deploying()) == 0
+
+
 async def test_renew_records_the_pod_under_its_own_lock_once(
     rs: ResourceState, ds: DeployState, redis: Redis
 ) -> None:

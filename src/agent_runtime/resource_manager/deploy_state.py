@@ -248,6 +248,7 @@ class DeployState:
                 deploy_pod_key(scope_id, deploy_id),
                 LEASED_SCOPES_KEY,
                 scope_cold_deploys_key(scope_id),
+                PODS_ALL_KEY,
             ],
             args=[
                 placeholder_token,
