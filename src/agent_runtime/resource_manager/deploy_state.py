@@ -3,9 +3,10 @@ record, and its own follower room, indexed per scope), the claim that decides fo
 and the prune of what a dead replica left. Keys from ``state.py``'s builders;
 each script's reply decoded here, once, into ``state_values``.
 
-The deploy lock holds the leader's token ``{owner}/{uuid}@{start}`` (``lock_token``): who
-leads (a replica id, or ``reconcile``), and when its acquire started (Redis seconds), so a
-reader knows which replica leads a deploy.
+The deploy lock holds the leader's token ``{owner}/{demand}/{uuid}@{start}`` (``lock_token``):
+who leads (a replica id, or ``reconcile``), the demand it serves (the route's request id, which
+is not its deploy's id after a takeover: deploy_claim.lua joins a demand's own deploy by it),
+and when its acquire started (Redis seconds), so a reader knows which replica leads a deploy.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 import uuid
 from typing import cast
+from urllib.parse import quote
 
 from agent_runtime.resource_manager.models import WARM_TOKEN_PREFIX
 from agent_runtime.resource_manager.state import (
@@ -48,9 +50,11 @@ BATCH = 500  # members per SSCAN page
 LEASE_PRUNE_BATCH = 20  # scopes per lease_prune call: ~8 commands, 15–30 µs a scope in Redis
 
 
-def lock_token(owner: str, started: float) -> str:
-    """A deploy lock's token: ``owner`` leads, its acquire started at ``started``."""
-    return f"{owner}/{uuid.uuid4().hex}@{started!r}"
+def lock_token(owner: str, started: float, demand: str = "") -> str:
+    """A deploy lock's token: ``owner`` leads for ``demand`` ("" for none: reconcile), its
+    acquire started at ``started``. The demand is percent-encoded (no "/" or "@" in it), so
+    that deploy_claim.lua reads it back as the segment before the uuid."""
+    return f"{owner}/{quote(demand, safe='')}/{uuid.uuid4().hex}@{started!r}"
 
 
 def warm_token() -> str:

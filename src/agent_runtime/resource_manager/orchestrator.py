@@ -212,7 +212,7 @@ class ResourceOrchestrator:
                 await self.update_pool_config(scope_id, call.pool_config, call.pod_spec)
                 wrote_config = True
                 continue
-            lock = lock_token(self._instance_id, call.started_at)
+            lock = lock_token(self._instance_id, call.started_at, call.deploy_id)
             try:
                 claim = await self._claim(call, token, lock)
                 if claim.action == "follow":
