@@ -363,10 +363,40 @@ async def test_a_failed_end_leaves_a_short_notice(ds: DeployState, redis: Redis)
     assert 0 < await redis.pttl(K.record()) <= 2000
     view = await ds.deploy_view(SID, DID)
     assert view.leader is None and view.failed and view.pod_id is None
-    # a stopped leader (or reconcile done with a pod) leaves none
+    # reconcile done with a pod leaves none
     assert (await ds.take_deploy_lease(SID, DID, "lk@2", LEASE)).leader
-    assert await ds.end_deploy_lease(SID, DID, "lk@2", "none", 2)
-    assert not await redis.exists(K.record())
+    await redis.zadd(K.cold(), {DID: 1})
+    assert await ds.end_deploy_lease(SID, DID, "lk@2", "done", 2)
+    assert not await redis.exists(K.record()) and not await redis.exists(K.cold())
+
+
+async def test_a_stopped_end_gives_back_only_the_lock_and_leaves_the_pod_to_a_taker(
+    rs: ResourceState, ds: DeployState, redis: Redis
+) -> None:
+    """ "none" (the leader stopped: cancelled, or lost): the lock goes, its record and its
+    place in the index stay, and the next cold claim of the scope takes the deploy over with
+    its pod. By another token, or replayed, it changes nothing."""
+    await configure(rs)
+    await placeholder(rs, "ph-1")
+    assert (await ds.take_deploy_lease(SID, DID, "lk@1", LEASE)).leader
+    pod = ("agent-p", "ns-a", "uid-p")
+    assert await ds.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE, deploy_id=DID, pod=pod,
+                                       record_ttl=40)  # fmt: skip
+    assert not await ds.end_deploy_lease(SID, DID, "other@2", "none", 2)
+    assert await redis.get(K.lock()) == "lk@1"
+    assert await ds.end_deploy_lease(SID, DID, "lk@1", "none", 2)
+    assert not await ds.end_deploy_lease(SID, DID, "lk@1", "none", 2), "a replay"
+    assert await redis.get(K.lock()) is None
+    assert await redis.hget(K.record(), "pod_id") == "agent-p"
+    assert 30 < await redis.ttl(K.record()) <= 40, "the record keeps the pod's deadline"
+    assert await redis.zrange(K.cold(), 0, -1) == [DID]
+    await ds.drop_placeholders_of(SID, "ph-1")  # the stopped leader gave its slot back
+    claim = await ds.claim_deploy(
+        SID, "rq-2", token="lk-2@3", lease=LEASE, placeholder_token="ph-2", member="rq-2",
+        seat_hold=5, room_ttl=60, concurrency=32, pod_concurrency=1,
+    )  # fmt: skip
+    assert claim.action == "lead" and claim.deploy_id == DID
+    assert claim.orphan is not None and claim.orphan.pod_id == "agent-p"
 
 
 # --- live placeholders -------------------------------------------------------------------------

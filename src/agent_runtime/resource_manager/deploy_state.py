@@ -273,8 +273,9 @@ class DeployState:
         self, scope_id: str, deploy_id: str, token: str, outcome: str, notice_seconds: float
     ) -> bool:
         """Give back a deploy's lock; ``outcome`` "ok" keeps its record (the registered pod,
-        for its followers) and "failed" leaves a notice, each for ``notice_seconds``
-        (deploy_lease_end.lua)."""
+        for its followers) and "failed" leaves a notice, each for ``notice_seconds``; "done"
+        drops the record and the index entry (reconcile settled the pod); "none" gives back
+        only the lock (the record stays for a taker) (deploy_lease_end.lua)."""
         released = await self._lease_end(
             keys=[
                 deploy_lock_key(scope_id, deploy_id),
