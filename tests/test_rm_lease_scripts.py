@@ -10,9 +10,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from redis.asyncio import Redis
 
 from agent_runtime.resource_manager.deploy_state import DeployState
+from agent_runtime.resource_manager.lease import DeployLease
+from agent_runtime.resource_manager.models import LeaseLost
 from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.resource_manager.state_values import LeasePrune, OrphanPod
@@ -255,6 +258,41 @@ async def test_a_late_renewal_never_takes_back_a_deploy_another_leader_took_and_
     assert late is None
     assert await redis.get(K.lock()) is None and not await redis.exists(K.record())
     assert await redis.scard(K.deploying()) == 0
+
+
+async def test_a_lost_claim_says_whether_another_leader_took_it_or_no_room_was_left(
+    rs: ResourceState, ds: DeployState, redis: Redis
+) -> None:
+    """ "no_room": nobody holds the lapsed lock but the scope's only slot went to another
+    placeholder — the recorded pod is nobody's: its record and index entry stay (for the next
+    taker or reconcile) and ``LeaseLost.taken`` is False. "taken": another leader holds the
+    lock — the pod is its: ``taken`` is True."""
+    await configure(rs, max_pods=1)
+    member = await placeholder(rs, "ph-1")
+    assert (await ds.take_deploy_lease(SID, DID, "lk@1", LEASE)).leader
+    lease = DeployLease(ds, SID, member, seconds=LEASE, lock_token="lk@1", deploy_id=DID,
+                        record_ttl=40)  # fmt: skip
+    await lease.record_pod("agent-p", "ns-a", "uid-p")
+    assert await redis.zrange(K.cold(), 0, -1) == [DID]
+    await redis.delete(K.lock(), K.deploying())  # lapsed, and its placeholder swept
+    await placeholder(rs, "someone-else")  # took the only slot meanwhile
+    renewal = await ds.renew_deploy_claim(SID, "ph-1", "lk@1", LEASE, deploy_id=DID)
+    assert (renewal.member, renewal.lost) == (None, "no_room")
+    with pytest.raises(LeaseLost) as lost:
+        await lease.confirm()
+    assert not lost.value.taken
+    assert await redis.get(K.lock()) is None
+    assert await redis.hget(K.record(), "pod_id") == "agent-p"
+    assert await redis.zrange(K.cold(), 0, -1) == [DID], "left to a taker"
+    assert await lease.end("none") is None and await redis.exists(K.record())
+
+    await redis.set(K.lock(), "other@2", px=5000)
+    renewal = await ds.renew_deploy_claim(SID, "ph-1", "lk@1", LEASE, deploy_id=DID)
+    assert (renewal.member, renewal.lost) == (None, "taken")
+    taken = DeployLease(ds, SID, member, seconds=LEASE, lock_token="lk@1", deploy_id=DID)
+    with pytest.raises(LeaseLost) as lost:
+        await taken.confirm()
+    assert lost.value.taken
 
 
 async def test_renew_records_the_pod_under_its_own_lock_once(

@@ -41,6 +41,7 @@ from agent_runtime.resource_manager.state_values import (
     DeployClaim,
     DeployView,
     LeasePrune,
+    LeaseRenewal,
     LeaseTake,
     OrphanPod,
     PlaceholderOutcome,
@@ -241,7 +242,27 @@ class DeployState:
         deploy ``deploy_id``) for ``lease`` seconds; with ``pod`` (name, namespace, uid) also
         record the pod it created, in ``cluster`` (None: the process default). The
         placeholder's new member, or None: the claim is lost (deploy_lease.lua)."""
-        status, *member = await self._lease_renew(
+        renewal = await self.renew_deploy_claim(
+            scope_id, placeholder_token, lock_token, lease, deploy_id=deploy_id, pod=pod,
+            record_ttl=record_ttl, cluster=cluster,
+        )  # fmt: skip
+        return renewal.member
+
+    async def renew_deploy_claim(
+        self,
+        scope_id: str,
+        placeholder_token: str,
+        lock_token: str,
+        lease: float,
+        *,
+        deploy_id: str = "",
+        pod: tuple[str, str, str] | None = None,
+        record_ttl: int = 0,
+        cluster: str | None = None,
+    ) -> LeaseRenewal:
+        """``renew_deploy_lease``, telling why a lost claim is lost: "taken" (another leader
+        holds or held it) or "no_room" (nobody does; no slot for its placeholder)."""
+        status, *rest = await self._lease_renew(
             keys=[
                 scope_deploying_key(scope_id),
                 scope_config_key(scope_id),
@@ -267,7 +288,9 @@ class DeployState:
                 deploy_id,
             ],
         )
-        return str(member[0]) if status == "ok" else None
+        if status == "ok":
+            return LeaseRenewal(str(rest[0]))
+        return LeaseRenewal(None, str(rest[0]) if rest else "taken")
 
     async def end_deploy_lease(
         self, scope_id: str, deploy_id: str, token: str, outcome: str, notice_seconds: float
