@@ -101,6 +101,24 @@ async def test_take_makes_one_leader_and_tells_the_others_who_leads(
     assert again.leader and await redis.get(K.lock()) == "tok-a@1.5"
 
 
+async def test_a_take_by_the_holder_extends_its_lease_and_keeps_its_pod(
+    ds: DeployState, redis: Redis
+) -> None:
+    """Reconcile takes again before it adopts or deletes (nobody renews its lease): its own
+    take extends the lock and answers the same pod; once another holds it, it is told so."""
+    record = {"token": "dead@1", "pod_id": "agent-o", "namespace": "ns", "created": "7", "uid": "u"}
+    await redis.hset(K.record(), mapping=record)
+    first = await ds.take_deploy_lease(SID, DID, "reconcile//x@2", 0.5)
+    assert first.leader and first.orphan is not None
+    assert await redis.pttl(K.lock()) <= 500
+    again = await ds.take_deploy_lease(SID, DID, "reconcile//x@2", LEASE)
+    assert again.leader and again.orphan == first.orphan
+    assert await redis.pttl(K.lock()) > 1000, "extended"
+    await redis.set(K.lock(), "route/rq/y@3", px=5000)  # a route took it over after a lapse
+    other = await ds.take_deploy_lease(SID, DID, "reconcile//x@2", LEASE)
+    assert not other.leader and other.holder == "route/rq/y@3"
+
+
 async def test_a_lapsed_leader_s_pod_passes_to_exactly_one_of_many_takers(redis: Redis) -> None:
     """The dead leader recorded its pod; its lease lapses; eight replicas try to take over at
     once: one leads and inherits the pod, the other seven follow it."""

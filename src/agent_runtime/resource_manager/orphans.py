@@ -158,7 +158,7 @@ class Orphans:
                     await self._k8s.sign(
                         status.pod_id, status.namespace, {},
                         uid=status.uid, annotations=self._identity.completion(status),
-                        within=self._lease, cluster=cluster,
+                        within=self._lease / 2, cluster=cluster,
                     )  # fmt: skip
                 except PodGone:
                     settled = "done"
@@ -166,6 +166,13 @@ class Orphans:
                 except DeployFailed as exc:  # a later pass tries again (or its record lapses)
                     log.warning("pod %s: not signed (%s); left", status.pod_id, exc)
                     return "left"
+            # nobody renews our lease: taken again (extended, or re-taken after a lapse) before
+            # we act on the pod; another holder (a route took it over meanwhile) has it now
+            again = await self._deploy_state.take_deploy_lease(
+                status.scope_id, deploy_id, token, self._lease
+            )
+            if not again.leader or again.orphan != orphan:
+                return "left"
             adopted = await self._adopt(status, verdict, cluster)
             settled = "done"  # the record goes: the pod is registered, or deleted now
             if adopted:
