@@ -400,6 +400,34 @@ async def test_reconcile_adopts_a_dead_leader_s_pod_when_no_route_comes(redis: R
         await assert_nothing_held(redis)
 
 
+async def test_reconcile_leaves_a_pod_a_route_took_over_while_it_signed(redis: Redis) -> None:
+    """Nobody renews reconcile's takeover lease: it takes the deploy again before it adopts.
+    Here its lease lapsed while it signed and a route took the deploy over: reconcile
+    neither adopts nor deletes the pod, and the route's lock and record stay untouched."""
+    k8s = FakeK8sPodClient(ready_delay=0.2)
+    async with dying_and_healthy(redis, k8s) as (a, dying, b):
+        leading = asyncio.create_task(a.acquire("r-a"))
+        orphan = await started_leading(dying, redis)
+        await eventually(lambda: lapsed(redis), "the dead leader's lease lapsed")
+        signed = k8s.sign
+
+        async def sign_then_lose(*args: Any, **kwargs: Any) -> Any:
+            result = await signed(*args, **kwargs)
+            # reconcile's lease lapsed meanwhile, and a route took the deploy over
+            await redis.set(LOCK, "replica-c/r-c/x@9", px=10_000)
+            await redis.hset(RECORD, "token", "replica-c/r-c/x@9")
+            return result
+
+        k8s.sign = sign_then_lose  # type: ignore[method-assign]
+        counts = await pool_jobs_of(b, k8s).reconcile_once()
+        assert counts["adopted"] == 0 and orphan in k8s.pods, "neither adopted nor deleted"
+        assert not await redis.sismember(rm("idle"), orphan)
+        assert await redis.get(LOCK) == "replica-c/r-c/x@9"
+        assert await redis.hget(RECORD, "token") == "replica-c/r-c/x@9"
+        await redis.delete(LOCK)
+        await finished(leading)
+
+
 async def test_reconcile_leaves_a_dead_leader_s_starting_pod_to_a_takeover(
     redis: Redis,
 ) -> None:
