@@ -258,10 +258,13 @@ class ResourceOrchestrator:
         except BaseException:
             with contextlib.suppress(Exception):
                 await self._deploy_state.drop_placeholders_of(call.scope_id, token)
-            with contextlib.suppress(Exception):
-                await self._deploy_state.end_deploy_lease(
-                    call.scope_id, call.deploy_id, lock, "none", self.deploy_lease
-                )
+            # the deploy we would lead: our demand's id, or this attempt's own when a taker
+            # holds that id (a deploy taken over lapses with its lease)
+            for deploy_id in (call.deploy_id, token):
+                with contextlib.suppress(Exception):
+                    await self._deploy_state.end_deploy_lease(
+                        call.scope_id, deploy_id, lock, "none", self.deploy_lease
+                    )
             raise
         self._claims.labels(claim.action).inc()
         return claim
