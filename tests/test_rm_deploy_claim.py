@@ -12,7 +12,11 @@ from collections import Counter
 
 from redis.asyncio import Redis
 
-from agent_runtime.resource_manager.deploy_state import DeployState
+from agent_runtime.resource_manager.deploy_state import (
+    DeployState,
+    lock_started,
+    lock_token,
+)
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.resource_manager.state_values import DeployClaim
 from helpers import other_client
@@ -220,6 +224,96 @@ async def test_a_lapsed_deploy_s_pod_passes_to_exactly_one_of_many_claims(
     assert await redis.hget(K.record("rq-dead"), "token") == holder
     assert Counter(c.action for c in claims) == {"lead": 8}
     assert await redis.zcard(K.COLD) == 8
+
+
+async def claim_as(
+    rs: ResourceState, demand: str, token: str, placeholder: str, *, pod_concurrency: int
+) -> DeployClaim:
+    """One claim of ``demand`` (its own id) with its lock and placeholder tokens."""
+    return await DeployState(rs).claim_deploy(
+        SID, demand, token=token, lease=LEASE, placeholder_token=placeholder, member=placeholder,
+        seat_hold=5, room_ttl=60, concurrency=32, pod_concurrency=pod_concurrency,
+    )  # fmt: skip
+
+
+async def dead_deploy(redis: Redis, did: str, token: str) -> None:
+    """A deploy whose leader recorded its pod and died (its lock lapsed)."""
+    await redis.zadd(K.COLD, {did: 1})
+    await redis.hset(
+        K.record(did),
+        mapping={"token": token, "pod_id": f"agent-{did}", "namespace": "ns", "created": "7",
+                 "uid": "uid"},
+    )  # fmt: skip
+
+
+async def test_after_a_takeover_a_demand_joins_the_deploy_its_holder_serves_not_its_id(
+    rs: ResourceState, redis: Redis
+) -> None:
+    """B takes over dead deploy "A" (the id stays "A"). A duplicate of B joins deploy "A"
+    (its holder serves B) instead of leading a second deploy "B"; A's own next round is not
+    B's: it finds lock "A" held for another demand and leads a deploy of its own, under
+    another id, without touching B's lock."""
+    await configure(rs, pod_concurrency=1)
+    await dead_deploy(redis, "A", lock_token("r0", 1.0, "A"))
+    lock_b = lock_token("r1", 2.0, "B")
+    taken = await claim_as(rs, "B", lock_b, "ph-b", pod_concurrency=1)
+    assert (taken.action, taken.deploy_id) == ("lead", "A") and taken.orphan is not None
+
+    dup = await claim_as(rs, "B", lock_token("r2", 3.0, "B"), "ph-b2", pod_concurrency=1)
+    assert (dup.action, dup.deploy_id, dup.holder) == ("follow", "A", lock_b)
+    assert await redis.get(K.lock("B")) is None, "no second deploy for demand B"
+    assert await redis.zrange(K.room("A"), 0, -1) == ["ph-b2"]
+
+    lock_a = lock_token("r0", 4.0, "A")
+    again = await claim_as(rs, "A", lock_a, "ph-a2", pod_concurrency=1)
+    assert again.action == "lead" and again.orphan is None
+    assert again.deploy_id == "ph-a2", "demand A's id is B's deploy now"
+    assert await redis.get(K.lock("A")) == lock_b and await redis.get(K.lock("ph-a2")) == lock_a
+    assert await redis.zrange(K.room("A"), 0, -1) == ["ph-b2"], "A took no seat in B's room"
+    assert await redis.zcard(K.COLD) == 2 and await redis.scard(K.DEPLOYING) == 2
+    replay = await claim_as(rs, "A", lock_a, "ph-a2", pod_concurrency=1)
+    assert (replay.action, replay.deploy_id, replay.placeholder) == (
+        "lead", "ph-a2", again.placeholder,
+    )  # fmt: skip
+
+
+async def test_a_demand_with_slashes_and_ats_is_read_back_from_its_token(
+    rs: ResourceState, redis: Redis
+) -> None:
+    """The demand is percent-encoded in the token: "/" and "@" in a request id neither make
+    another demand look like it nor hide the acquire's start."""
+    await configure(rs, pod_concurrency=1)
+    lead = await claim_as(rs, "rq/1@x", lock_token("r/1", 2.5, "rq/1@x"), "ph-1",
+                          pod_concurrency=1)  # fmt: skip
+    assert (lead.action, lead.deploy_id) == ("lead", "rq/1@x")
+    assert lock_started(await redis.get(K.lock("rq/1@x"))) == 2.5
+    other = await claim_as(rs, "1@x", lock_token("r/2", 3.0, "1@x"), "ph-2", pod_concurrency=1)
+    assert (other.action, other.deploy_id) == ("lead", "1@x"), "another demand"
+    dup = await claim_as(rs, "rq/1@x", lock_token("r/3", 4.0, "rq/1@x"), "ph-3",
+                         pod_concurrency=1)  # fmt: skip
+    assert (dup.action, dup.deploy_id) == ("follow", "rq/1@x")
+
+
+async def test_a_re_sent_claim_that_took_a_deploy_over_is_told_the_same(
+    rs: ResourceState, redis: Redis
+) -> None:
+    """redis-py re-sends a claim whose reply timed out: the call that took dead deploy "D"
+    over is told "lead" of "D" with its pod again — it neither follows "D" (pod_concurrency
+    3: a free seat) nor leads a second deploy."""
+    for pod_concurrency in (1, 3):
+        await redis.delete(K.COLD, K.DEPLOYING, K.lock("D"), K.room("D"), K.lock("B"))
+        await configure(rs, pod_concurrency=pod_concurrency)
+        await dead_deploy(redis, "D", lock_token("r0", 1.0, "D"))
+        lock_b = lock_token("r1", 2.0, "B")
+        first = await claim_as(rs, "B", lock_b, "ph-b", pod_concurrency=pod_concurrency)
+        again = await claim_as(rs, "B", lock_b, "ph-b", pod_concurrency=pod_concurrency)
+        assert (first.action, first.deploy_id) == ("lead", "D") and first.orphan is not None
+        assert (again.action, again.deploy_id, again.placeholder, again.orphan) == (
+            "lead", "D", first.placeholder, first.orphan,
+        ), f"pod_concurrency {pod_concurrency}"  # fmt: skip
+        assert await redis.get(K.lock("D")) == lock_b and await redis.get(K.lock("B")) is None
+        assert await redis.zcard(K.room("D")) == 0
+        assert await redis.scard(K.DEPLOYING) == 1 and await redis.zcard(K.COLD) == 1
 
 
 async def test_a_claim_with_no_slot_never_takes_a_lapsed_deploy_over(

@@ -10,9 +10,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from redis.asyncio import Redis
 
 from agent_runtime.resource_manager.deploy_state import DeployState
+from agent_runtime.resource_manager.lease import DeployLease
+from agent_runtime.resource_manager.models import LeaseLost
 from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.resource_manager.state_values import LeasePrune, OrphanPod
@@ -96,6 +99,24 @@ async def test_take_makes_one_leader_and_tells_the_others_who_leads(
     assert not second.leader and second.holder == "tok-a@1.5"
     again = await ds.take_deploy_lease(SID, DID, "tok-a@1.5", LEASE)  # a re-sent call
     assert again.leader and await redis.get(K.lock()) == "tok-a@1.5"
+
+
+async def test_a_take_by_the_holder_extends_its_lease_and_keeps_its_pod(
+    ds: DeployState, redis: Redis
+) -> None:
+    """Reconcile takes again before it adopts or deletes (nobody renews its lease): its own
+    take extends the lock and answers the same pod; once another holds it, it is told so."""
+    record = {"token": "dead@1", "pod_id": "agent-o", "namespace": "ns", "created": "7", "uid": "u"}
+    await redis.hset(K.record(), mapping=record)
+    first = await ds.take_deploy_lease(SID, DID, "reconcile//x@2", 0.5)
+    assert first.leader and first.orphan is not None
+    assert await redis.pttl(K.lock()) <= 500
+    again = await ds.take_deploy_lease(SID, DID, "reconcile//x@2", LEASE)
+    assert again.leader and again.orphan == first.orphan
+    assert await redis.pttl(K.lock()) > 1000, "extended"
+    await redis.set(K.lock(), "route/rq/y@3", px=5000)  # a route took it over after a lapse
+    other = await ds.take_deploy_lease(SID, DID, "reconcile//x@2", LEASE)
+    assert not other.leader and other.holder == "route/rq/y@3"
 
 
 async def test_a_lapsed_leader_s_pod_passes_to_exactly_one_of_many_takers(redis: Redis) -> None:
@@ -221,6 +242,77 @@ async def test_a_lapse_nobody_took_is_taken_again(
     assert {m.rpartition("@")[0] for m in await redis.smembers(K.deploying())} == {"someone-else"}
 
 
+async def test_a_late_renewal_never_takes_back_a_deploy_another_leader_took_and_ended(
+    rs: ResourceState, ds: DeployState, redis: Redis
+) -> None:
+    """Leader A stalled past its lease; B took deploy DID over with A's pod, registered it and
+    ended "ok" (the lock is free again). A's keeper renews late: the claim is lost — no lock,
+    no record under A's token, no index entry, no placeholder (the pod is B's). Once the
+    record itself is gone, the registered pod still tells A it lost."""
+    await configure(rs)
+    await placeholder(rs, "ph-a")
+    assert (await ds.take_deploy_lease(SID, DID, "lk-a@1", LEASE)).leader
+    pod = ("agent-p", "ns-a", "uid-p")
+    assert await ds.renew_deploy_lease(SID, "ph-a", "lk-a@1", LEASE, deploy_id=DID, pod=pod,
+                                       record_ttl=40)  # fmt: skip
+    await redis.delete(K.lock())  # A's lease lapsed
+    took = await ds.take_deploy_lease(SID, DID, "lk-b@2", LEASE)
+    assert took.leader and took.orphan is not None and took.orphan.pod_id == "agent-p"
+    await redis.sadd(K.PODS_ALL, "agent-p")  # B registered it
+    assert await ds.end_deploy_lease(SID, DID, "lk-b@2", "ok", LEASE)
+    assert await redis.zcard(K.cold()) == 0
+
+    late = await ds.renew_deploy_lease(SID, "ph-a", "lk-a@1", LEASE, deploy_id=DID, pod=pod,
+                                       record_ttl=40)  # fmt: skip
+    assert late is None
+    assert await redis.get(K.lock()) is None
+    assert await redis.hget(K.record(), "token") == "lk-b@2"
+    assert await redis.zcard(K.cold()) == 0, "the deploy is not indexed again"
+    assert await redis.scard(K.deploying()) == 0 and await redis.zcard(K.BUDGET) == 0
+
+    await redis.delete(K.record())  # the "ok" record lapsed; the pod stays registered
+    await placeholder(rs, "ph-a2")
+    late = await ds.renew_deploy_lease(SID, "ph-a2", "lk-a@1", LEASE, deploy_id=DID, pod=pod)
+    assert late is None
+    assert await redis.get(K.lock()) is None and not await redis.exists(K.record())
+    assert await redis.scard(K.deploying()) == 0
+
+
+async def test_a_lost_claim_says_whether_another_leader_took_it_or_no_room_was_left(
+    rs: ResourceState, ds: DeployState, redis: Redis
+) -> None:
+    """ "no_room": nobody holds the lapsed lock but the scope's only slot went to another
+    placeholder — the recorded pod is nobody's: its record and index entry stay (for the next
+    taker or reconcile) and ``LeaseLost.taken`` is False. "taken": another leader holds the
+    lock — the pod is its: ``taken`` is True."""
+    await configure(rs, max_pods=1)
+    member = await placeholder(rs, "ph-1")
+    assert (await ds.take_deploy_lease(SID, DID, "lk@1", LEASE)).leader
+    lease = DeployLease(ds, SID, member, seconds=LEASE, lock_token="lk@1", deploy_id=DID,
+                        record_ttl=40)  # fmt: skip
+    await lease.record_pod("agent-p", "ns-a", "uid-p")
+    assert await redis.zrange(K.cold(), 0, -1) == [DID]
+    await redis.delete(K.lock(), K.deploying())  # lapsed, and its placeholder swept
+    await placeholder(rs, "someone-else")  # took the only slot meanwhile
+    renewal = await ds.renew_deploy_claim(SID, "ph-1", "lk@1", LEASE, deploy_id=DID)
+    assert (renewal.member, renewal.lost) == (None, "no_room")
+    with pytest.raises(LeaseLost) as lost:
+        await lease.confirm()
+    assert not lost.value.taken
+    assert await redis.get(K.lock()) is None
+    assert await redis.hget(K.record(), "pod_id") == "agent-p"
+    assert await redis.zrange(K.cold(), 0, -1) == [DID], "left to a taker"
+    assert await lease.end("none") is None and await redis.exists(K.record())
+
+    await redis.set(K.lock(), "other@2", px=5000)
+    renewal = await ds.renew_deploy_claim(SID, "ph-1", "lk@1", LEASE, deploy_id=DID)
+    assert (renewal.member, renewal.lost) == (None, "taken")
+    taken = DeployLease(ds, SID, member, seconds=LEASE, lock_token="lk@1", deploy_id=DID)
+    with pytest.raises(LeaseLost) as lost:
+        await taken.confirm()
+    assert lost.value.taken
+
+
 async def test_renew_records_the_pod_under_its_own_lock_once(
     rs: ResourceState, ds: DeployState, redis: Redis
 ) -> None:
@@ -327,10 +419,40 @@ async def test_a_failed_end_leaves_a_short_notice(ds: DeployState, redis: Redis)
     assert 0 < await redis.pttl(K.record()) <= 2000
     view = await ds.deploy_view(SID, DID)
     assert view.leader is None and view.failed and view.pod_id is None
-    # a stopped leader (or reconcile done with a pod) leaves none
+    # reconcile done with a pod leaves none
     assert (await ds.take_deploy_lease(SID, DID, "lk@2", LEASE)).leader
-    assert await ds.end_deploy_lease(SID, DID, "lk@2", "none", 2)
-    assert not await redis.exists(K.record())
+    await redis.zadd(K.cold(), {DID: 1})
+    assert await ds.end_deploy_lease(SID, DID, "lk@2", "done", 2)
+    assert not await redis.exists(K.record()) and not await redis.exists(K.cold())
+
+
+async def test_a_stopped_end_gives_back_only_the_lock_and_leaves_the_pod_to_a_taker(
+    rs: ResourceState, ds: DeployState, redis: Redis
+) -> None:
+    """ "none" (the leader stopped: cancelled, or lost): the lock goes, its record and its
+    place in the index stay, and the next cold claim of the scope takes the deploy over with
+    its pod. By another token, or replayed, it changes nothing."""
+    await configure(rs)
+    await placeholder(rs, "ph-1")
+    assert (await ds.take_deploy_lease(SID, DID, "lk@1", LEASE)).leader
+    pod = ("agent-p", "ns-a", "uid-p")
+    assert await ds.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE, deploy_id=DID, pod=pod,
+                                       record_ttl=40)  # fmt: skip
+    assert not await ds.end_deploy_lease(SID, DID, "other@2", "none", 2)
+    assert await redis.get(K.lock()) == "lk@1"
+    assert await ds.end_deploy_lease(SID, DID, "lk@1", "none", 2)
+    assert not await ds.end_deploy_lease(SID, DID, "lk@1", "none", 2), "a replay"
+    assert await redis.get(K.lock()) is None
+    assert await redis.hget(K.record(), "pod_id") == "agent-p"
+    assert 30 < await redis.ttl(K.record()) <= 40, "the record keeps the pod's deadline"
+    assert await redis.zrange(K.cold(), 0, -1) == [DID]
+    await ds.drop_placeholders_of(SID, "ph-1")  # the stopped leader gave its slot back
+    claim = await ds.claim_deploy(
+        SID, "rq-2", token="lk-2@3", lease=LEASE, placeholder_token="ph-2", member="rq-2",
+        seat_hold=5, room_ttl=60, concurrency=32, pod_concurrency=1,
+    )  # fmt: skip
+    assert claim.action == "lead" and claim.deploy_id == DID
+    assert claim.orphan is not None and claim.orphan.pod_id == "agent-p"
 
 
 # --- live placeholders -------------------------------------------------------------------------

@@ -344,7 +344,9 @@ async def test_a_leader_that_died_before_its_create_is_replaced_by_a_new_deploy(
 async def test_a_leader_that_lost_its_lease_registers_nothing_of_its_own(redis: Redis) -> None:
     """Its Redis is away for longer than the lease while its pod starts: the other replica
     takes over with the pod. Back, the first leader neither registers the pod a second time
-    nor deletes it, and its caller gets the same pod."""
+    nor deletes it: its caller follows the taker's deploy (the same pod), or — when the taker
+    already registered it and ended — acquires anew (its renewal never takes the deploy
+    back: deploy_lease.lua) and gets a pod of its own."""
     k8s = FakeK8sPodClient()
     k8s.never_ready = True  # until the takeover is done
     killable = Killable(redis)
@@ -354,6 +356,7 @@ async def test_a_leader_that_lost_its_lease_registers_nothing_of_its_own(redis: 
             first = asyncio.create_task(a.acquire("r-a"))
             await eventually(lambda: redis.exists(RECORD), "the pod recorded")
             token_a = await redis.hget(RECORD, "token")
+            recorded = await redis.hget(RECORD, "pod_id")
             killable.dead = True
             second = asyncio.create_task(b.acquire("r-b"))
 
@@ -364,9 +367,10 @@ async def test_a_leader_that_lost_its_lease_registers_nothing_of_its_own(redis: 
             killable.dead = False
             k8s.never_ready = False
             got_a, got_b = await asyncio.gather(first, second)
-            assert got_a.pod_id == got_b.pod_id
-            assert k8s.deploy_calls == 1 and list(k8s.pods) == [got_b.pod_id]
-            assert await redis.zrange(rm("pods"), 0, -1) == [got_b.pod_id]
+            assert got_b.pod_id == recorded, "the taker adopted the pod"
+            pods = sorted({got_a.pod_id, got_b.pod_id})
+            assert k8s.deploy_calls == len(pods) and sorted(k8s.pods) == pods, "none deleted"
+            assert sorted(await redis.zrange(rm("pods"), 0, -1)) == pods
             await assert_nothing_held(redis)
     finally:
         await killable.client.aclose()
@@ -398,6 +402,34 @@ async def test_reconcile_adopts_a_dead_leader_s_pod_when_no_route_comes(redis: R
         assert k8s.deploy_calls == 1
         await finished(leading)
         await assert_nothing_held(redis)
+
+
+async def test_reconcile_leaves_a_pod_a_route_took_over_while_it_signed(redis: Redis) -> None:
+    """Nobody renews reconcile's takeover lease: it takes the deploy again before it adopts.
+    Here its lease lapsed while it signed and a route took the deploy over: reconcile
+    neither adopts nor deletes the pod, and the route's lock and record stay untouched."""
+    k8s = FakeK8sPodClient(ready_delay=0.2)
+    async with dying_and_healthy(redis, k8s) as (a, dying, b):
+        leading = asyncio.create_task(a.acquire("r-a"))
+        orphan = await started_leading(dying, redis)
+        await eventually(lambda: lapsed(redis), "the dead leader's lease lapsed")
+        signed = k8s.sign
+
+        async def sign_then_lose(*args: Any, **kwargs: Any) -> Any:
+            result = await signed(*args, **kwargs)
+            # reconcile's lease lapsed meanwhile, and a route took the deploy over
+            await redis.set(LOCK, "replica-c/r-c/x@9", px=10_000)
+            await redis.hset(RECORD, "token", "replica-c/r-c/x@9")
+            return result
+
+        k8s.sign = sign_then_lose  # type: ignore[method-assign]
+        counts = await pool_jobs_of(b, k8s).reconcile_once()
+        assert counts["adopted"] == 0 and orphan in k8s.pods, "neither adopted nor deleted"
+        assert not await redis.sismember(rm("idle"), orphan)
+        assert await redis.get(LOCK) == "replica-c/r-c/x@9"
+        assert await redis.hget(RECORD, "token") == "replica-c/r-c/x@9"
+        await redis.delete(LOCK)
+        await finished(leading)
 
 
 async def test_reconcile_leaves_a_dead_leader_s_starting_pod_to_a_takeover(

@@ -3,9 +3,10 @@ record, and its own follower room, indexed per scope), the claim that decides fo
 and the prune of what a dead replica left. Keys from ``state.py``'s builders;
 each script's reply decoded here, once, into ``state_values``.
 
-The deploy lock holds the leader's token ``{owner}/{uuid}@{start}`` (``lock_token``): who
-leads (a replica id, or ``reconcile``), and when its acquire started (Redis seconds), so a
-reader knows which replica leads a deploy.
+The deploy lock holds the leader's token ``{owner}/{demand}/{uuid}@{start}`` (``lock_token``):
+who leads (a replica id, or ``reconcile``), the demand it serves (the route's request id, which
+is not its deploy's id after a takeover: deploy_claim.lua joins a demand's own deploy by it),
+and when its acquire started (Redis seconds), so a reader knows which replica leads a deploy.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 import uuid
 from typing import cast
+from urllib.parse import quote
 
 from agent_runtime.resource_manager.models import WARM_TOKEN_PREFIX
 from agent_runtime.resource_manager.state import (
@@ -39,6 +41,7 @@ from agent_runtime.resource_manager.state_values import (
     DeployClaim,
     DeployView,
     LeasePrune,
+    LeaseRenewal,
     LeaseTake,
     OrphanPod,
     PlaceholderOutcome,
@@ -48,9 +51,11 @@ BATCH = 500  # members per SSCAN page
 LEASE_PRUNE_BATCH = 20  # scopes per lease_prune call: ~8 commands, 15–30 µs a scope in Redis
 
 
-def lock_token(owner: str, started: float) -> str:
-    """A deploy lock's token: ``owner`` leads, its acquire started at ``started``."""
-    return f"{owner}/{uuid.uuid4().hex}@{started!r}"
+def lock_token(owner: str, started: float, demand: str = "") -> str:
+    """A deploy lock's token: ``owner`` leads for ``demand`` ("" for none: reconcile), its
+    acquire started at ``started``. The demand is percent-encoded (no "/" or "@" in it), so
+    that deploy_claim.lua reads it back as the segment before the uuid."""
+    return f"{owner}/{quote(demand, safe='')}/{uuid.uuid4().hex}@{started!r}"
 
 
 def warm_token() -> str:
@@ -237,7 +242,27 @@ class DeployState:
         deploy ``deploy_id``) for ``lease`` seconds; with ``pod`` (name, namespace, uid) also
         record the pod it created, in ``cluster`` (None: the process default). The
         placeholder's new member, or None: the claim is lost (deploy_lease.lua)."""
-        status, *member = await self._lease_renew(
+        renewal = await self.renew_deploy_claim(
+            scope_id, placeholder_token, lock_token, lease, deploy_id=deploy_id, pod=pod,
+            record_ttl=record_ttl, cluster=cluster,
+        )  # fmt: skip
+        return renewal.member
+
+    async def renew_deploy_claim(
+        self,
+        scope_id: str,
+        placeholder_token: str,
+        lock_token: str,
+        lease: float,
+        *,
+        deploy_id: str = "",
+        pod: tuple[str, str, str] | None = None,
+        record_ttl: int = 0,
+        cluster: str | None = None,
+    ) -> LeaseRenewal:
+        """``renew_deploy_lease``, telling why a lost claim is lost: "taken" (another leader
+        holds or held it) or "no_room" (nobody does; no slot for its placeholder)."""
+        status, *rest = await self._lease_renew(
             keys=[
                 scope_deploying_key(scope_id),
                 scope_config_key(scope_id),
@@ -248,6 +273,7 @@ class DeployState:
                 deploy_pod_key(scope_id, deploy_id),
                 LEASED_SCOPES_KEY,
                 scope_cold_deploys_key(scope_id),
+                PODS_ALL_KEY,
             ],
             args=[
                 placeholder_token,
@@ -262,14 +288,17 @@ class DeployState:
                 deploy_id,
             ],
         )
-        return str(member[0]) if status == "ok" else None
+        if status == "ok":
+            return LeaseRenewal(str(rest[0]))
+        return LeaseRenewal(None, str(rest[0]) if rest else "taken")
 
     async def end_deploy_lease(
         self, scope_id: str, deploy_id: str, token: str, outcome: str, notice_seconds: float
     ) -> bool:
         """Give back a deploy's lock; ``outcome`` "ok" keeps its record (the registered pod,
-        for its followers) and "failed" leaves a notice, each for ``notice_seconds``
-        (deploy_lease_end.lua)."""
+        for its followers) and "failed" leaves a notice, each for ``notice_seconds``; "done"
+        drops the record and the index entry (reconcile settled the pod); "none" gives back
+        only the lock (the record stays for a taker) (deploy_lease_end.lua)."""
         released = await self._lease_end(
             keys=[
                 deploy_lock_key(scope_id, deploy_id),

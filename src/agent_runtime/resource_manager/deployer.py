@@ -128,9 +128,15 @@ class Deployer:
             # not would lead deploys of their own)
             warm = not await self._followers_waiting(lease)
         try:
-            await lease.confirm()  # a lease lost while Redis was away: the pod is another's
-        except LeaseLost:
+            await lease.confirm()  # a lease lost while Redis was away
+        except LeaseLost as exc:
             self._deploys.labels(kind, "lost").inc()
+            if not exc.taken:
+                # nobody took it, but the scope has no room for our slot again: the pod is
+                # nobody's — neither registered (beyond max_pods) nor deleted: its record,
+                # ours, stays (the caller gives back only the lock), so the next claim with a
+                # slot takes it over Ready, or reconcile adopts or deletes it
+                log.warning("scope %s: pod %s left to a taker: %s", scope_id, info.pod_id, exc)
             raise
         except Exception as exc:
             # Redis away for a whole lease: whether another leader took the pod over cannot be

@@ -57,6 +57,7 @@ class DeployLease:
         self._pod: tuple[str, str, str] | None = None
         self._pod_cluster: str | None = None
         self.lost = False
+        self.lost_to = ""  # "taken" or "no_room" (deploy_lease.lua), once lost
         self._closed = True
 
     @property
@@ -67,7 +68,7 @@ class DeployLease:
         """One renewal (with the pod, once recorded); False once the claim is lost."""
         if self.lost:
             return False
-        member = await self._state.renew_deploy_lease(
+        renewal = await self._state.renew_deploy_claim(
             self.scope_id,
             self.placeholder_token,
             self.lock_token,
@@ -77,10 +78,10 @@ class DeployLease:
             record_ttl=self._record_ttl,
             cluster=self._pod_cluster,
         )
-        if member is None:
-            self.lost = True
+        if renewal.member is None:
+            self.lost, self.lost_to = True, renewal.lost or "taken"
             return False
-        self.member = member
+        self.member = renewal.member
         return True
 
     async def confirm(self) -> None:
@@ -118,6 +119,12 @@ class DeployLease:
                 log.debug("scope %s: lease not renewed yet: %s", self.scope_id, exc)
                 await asyncio.sleep(RECORD_RETRY)
                 continue
+            if self.lost_to == "no_room":
+                raise LeaseLost(
+                    f"scope {self.scope_id}: deploy {self.deploy_id}'s lease lapsed and the "
+                    "scope has no room for it again",
+                    taken=False,
+                )
             raise LeaseLost(
                 f"scope {self.scope_id}: deploy {self.deploy_id}'s lease was taken over"
             )

@@ -218,8 +218,14 @@ class DeployTimedOut(ResourceError):
 
 
 class LeaseLost(ResourceError):
-    """A deploy's lease lapsed and another leader took it over (with the pod, if one was
-    created): the deploy stops claiming, its caller follows the new leader."""
+    """A deploy's lease lapsed and the deploy stops claiming; its caller acquires again.
+    ``taken``: another leader took it over (with the pod, if one was created: it is theirs);
+    else nobody holds it but the scope had no room for its placeholder again (a recorded pod
+    is nobody's: its record stays, for the next taker or reconcile)."""
+
+    def __init__(self, message: str, *, taken: bool = True) -> None:
+        super().__init__(message)
+        self.taken = taken
 
 
 class K8sApiError(ResourceError):

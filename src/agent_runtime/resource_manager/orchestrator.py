@@ -212,7 +212,7 @@ class ResourceOrchestrator:
                 await self.update_pool_config(scope_id, call.pool_config, call.pod_spec)
                 wrote_config = True
                 continue
-            lock = lock_token(self._instance_id, call.started_at)
+            lock = lock_token(self._instance_id, call.started_at, call.deploy_id)
             try:
                 claim = await self._claim(call, token, lock)
                 if claim.action == "follow":
@@ -258,10 +258,13 @@ class ResourceOrchestrator:
         except BaseException:
             with contextlib.suppress(Exception):
                 await self._deploy_state.drop_placeholders_of(call.scope_id, token)
-            with contextlib.suppress(Exception):
-                await self._deploy_state.end_deploy_lease(
-                    call.scope_id, call.deploy_id, lock, "none", self.deploy_lease
-                )
+            # the deploy we would lead: our demand's id, or this attempt's own when a taker
+            # holds that id (a deploy taken over lapses with its lease)
+            for deploy_id in (call.deploy_id, token):
+                with contextlib.suppress(Exception):
+                    await self._deploy_state.end_deploy_lease(
+                        call.scope_id, deploy_id, lock, "none", self.deploy_lease
+                    )
             raise
         self._claims.labels(claim.action).inc()
         return claim

@@ -144,6 +144,7 @@ class Orphans:
         )
         if not took.leader:
             return "left"  # a route took the deploy over: the pod is its leader's
+        settled = "none"  # "left": the record stays, for a taker or a later pass
         try:
             orphan = took.orphan
             if orphan is None or (orphan.pod_id, orphan.uid, orphan.cluster) != (
@@ -157,21 +158,31 @@ class Orphans:
                     await self._k8s.sign(
                         status.pod_id, status.namespace, {},
                         uid=status.uid, annotations=self._identity.completion(status),
-                        within=self._lease, cluster=cluster,
+                        within=self._lease / 2, cluster=cluster,
                     )  # fmt: skip
                 except PodGone:
+                    settled = "done"
                     return "gone"
                 except DeployFailed as exc:  # a later pass tries again (or its record lapses)
                     log.warning("pod %s: not signed (%s); left", status.pod_id, exc)
                     return "left"
-            if await self._adopt(status, verdict, cluster):
+            # nobody renews our lease: taken again (extended, or re-taken after a lapse) before
+            # we act on the pod; another holder (a route took it over meanwhile) has it now
+            again = await self._deploy_state.take_deploy_lease(
+                status.scope_id, deploy_id, token, self._lease
+            )
+            if not again.leader or again.orphan != orphan:
+                return "left"
+            adopted = await self._adopt(status, verdict, cluster)
+            settled = "done"  # the record goes: the pod is registered, or deleted now
+            if adopted:
                 return "adopted"
             with contextlib.suppress(Exception):
                 await self._k8s.delete(status.pod_id, status.namespace, cluster=cluster)
             return "deleted"
         finally:
             await self._deploy_state.end_deploy_lease(
-                status.scope_id, deploy_id, token, "none", self._lease
+                status.scope_id, deploy_id, token, settled, self._lease
             )
 
     # --- foreign pods --------------------------------------------------------------------------

@@ -137,6 +137,15 @@ class PlaceholderOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class LeaseRenewal:
+    """What ``deploy_lease`` decided: the placeholder's new member, or why the claim is lost
+    ("taken": another leader holds or held it; "no_room": nobody does, no slot for it)."""
+
+    member: str | None
+    lost: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class LeasePrune:
     """What ``lease_prune`` dropped: expired follower seats and placeholders."""
 

@@ -1,9 +1,10 @@
 -- deploy_claim (uses _budget.lua, _placeholders.lua): a cold acquire (the acquire script found
 -- no warm pod) decides in one step whether it follows a deploy in flight or leads one, and
 -- reserves the new pod's slot when it leads. In order:
---   1. the deploy of its own demand (ARGV[3]: the route's request id) is live under another
---      token: join it, whatever its room (a duplicate of the request, or its own retry: one
---      request never makes two deploys at once);
+--   1. the deploy of its own demand is live under another token: join it, whatever its room
+--      (a duplicate of the request, or its own retry: one request never makes two deploys at
+--      once). A deploy serves the demand its holder's token names (``{owner}/{demand}/{uuid}
+--      @{start}``), not the one its id names: a takeover keeps the dead demand's id;
 --   2. a live deploy of the scope whose follower room has a free seat (each deploy's pod holds
 --      pod_concurrency sessions: its leader + pod_concurrency - 1 followers): follow it;
 --   3. a placeholder within max_pods and the pod budgets, or else "coming" (a placeholder of a
@@ -24,8 +25,10 @@
 -- ARGV[1] lock prefix "…lock:rm:deploy:{sid}:" (derives each deploy's lock {prefix}{id})
 -- ARGV[2] scope prefix "…resource:scope:{sid}:" (derives {prefix}deploy_pod:{id} and
 --         {prefix}deploy_followers:{id})
--- ARGV[3] deploy id of a new deploy (the demand's: the route's request id)
--- ARGV[4] lock token "{replica}/{uuid}@{acquire start}"
+-- ARGV[3] deploy id of a new deploy (the demand's: the route's request id); when that id's
+--         lock is held for another demand (a taker of our dead deploy), ARGV[6] is the id
+-- ARGV[4] lock token "{replica}/{demand}/{uuid}@{acquire start}" (demand: ARGV[3], with "%",
+--         "/" and "@" percent-encoded; a token without it serves the demand of its deploy id)
 -- ARGV[5] lease in milliseconds (the lock lives at least this, and until its placeholder lapses)
 -- ARGV[6] placeholder token (unique per attempt; the same on a re-sent call)
 -- ARGV[7] follower member (the acquire's request id)   ARGV[8] seat hold in seconds
@@ -50,9 +53,10 @@
 -- demand); live cold deploys <= concurrency (a renewal that takes a lapsed claim back may
 -- pass it by its own deploy); ZCARD pods + SCARD deploying <= max_pods and a placeholder only
 -- under each budget (as the acquire script); a lapsed deploy's pod passes to exactly one new
--- holder; only a leader holds a placeholder. Replay-safe: a re-sent call of a leader finds its
--- own token on the lock (and its placeholder by its token) and is told "lead" again; a re-sent
--- follower keeps its seat.
+-- holder; only a leader holds a placeholder; a demand joins as its own only the deploy whose
+-- holder serves it. Replay-safe: a re-sent call of a leader finds its own token on a lock (its
+-- own deploy's or the one it took over, with its placeholder by its token) and is told "lead"
+-- with that id again; a re-sent follower keeps its seat.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local second = tonumber(t[1])
@@ -62,6 +66,15 @@ local sid = ARGV[11]
 local rule = redis.call('HGET', KEYS[3], 'budget_rule') or ''
 local rule_key = rule_budget_key(ARGV[12], rule)
 local room_limit = math.max(tonumber(ARGV[13]) - 1, 0)
+
+-- the demand a lock token serves: its segment before the uuid (nil for a token without one)
+local function demand_of(tok) return string.match(tok, '/([^/@]*)/[^/@]*@[^@]*$') end
+local own_demand = demand_of(token)
+local function serves_own(id, holder)
+  local demand = demand_of(holder)
+  if demand and own_demand then return demand == own_demand end
+  return id == own
+end
 
 local function room(id) return prefix .. 'deploy_followers:' .. id end
 local function record(id) return prefix .. 'deploy_pod:' .. id end
@@ -113,16 +126,21 @@ end
 
 -- 1. our own demand's deploy (a re-sent call of its leader: the same answer)
 local own_holder = redis.call('GET', lock_prefix .. own)
-if own_holder and own_holder ~= token then return follow(own, own_holder) end
+if own_holder and own_holder ~= token and serves_own(own, own_holder) then
+  return follow(own, own_holder)
+end
 if own_holder == token and mine then return lead(own) end
 
--- 2. walk the scope's deploys: count the live ones, find a free seat and a lapsed pod
+-- 2. walk the scope's deploys: our own (under another id after a takeover, or the one a
+-- re-sent call took over), count the live ones, find a free seat and a lapsed pod
 local live, open, open_holder, orphan = 0, nil, nil, nil
 for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   local holder = redis.call('GET', lock_prefix .. id)
+  if holder == token and mine then return lead(id) end  -- a re-sent call: the same answer
+  if holder and holder ~= token and serves_own(id, holder) then return follow(id, holder) end
   if holder then
     live = live + 1
-    if not open and room_limit > 0 then
+    if not open and room_limit > 0 and holder ~= token then
       redis.call('ZREMRANGEBYSCORE', room(id), '-inf', '(' .. string.format('%.6f', now))
       if redis.call('ZCARD', room(id)) < room_limit then open, open_holder = id, holder end
     end
@@ -152,4 +170,7 @@ if live >= tonumber(ARGV[10]) then
   give_back_placeholder()
   return {'busy'}
 end
+-- our demand's id may be held by the taker of our dead deploy (another demand's now): ours
+-- is then led under this attempt's own id
+if own_holder and own_holder ~= token then return lead(ptoken) end
 return lead(own)

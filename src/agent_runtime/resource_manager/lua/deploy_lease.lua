@@ -22,15 +22,20 @@
 -- ARGV[9] the pod's uid (its incarnation: a pod re-created under the name is not this one)
 -- ARGV[10] the pod's cluster ("" = the process default: no `cluster` field is written)
 -- ARGV[11] the deploy's id (its member of KEYS[9]; "" for a warm deploy)
+-- KEYS[10] resource:pods:all                SET    registered pods
 --
 -- returns {"ok", member}   renewed; member: the placeholder's new name
---         {"lost"}         another leader holds the lock (it took over after our lease lapsed:
---                          a recorded pod is its now), or our placeholder was swept and the
---                          scope has no room for it again. Our placeholder and its units are
---                          given back; nothing is recorded; the caller stops claiming.
+--         {"lost", "taken"}  another leader holds the lock, or held it (it took over after our
+--                          lease lapsed: the record bears its token, or our pod is registered
+--                          by now): a recorded pod is its. Nothing is taken back.
+--         {"lost", "no_room"} nobody holds it, but our placeholder was swept and the scope has
+--                          no room for it again: the pod is nobody's (the record stays for the
+--                          next taker or reconcile).
+--                          Either way our placeholder and its units are given back; nothing is
+--                          recorded; the caller stops claiming.
 --
--- invariant: only the claim's owner renews it; a claim that lapsed with nobody taking it is
--- taken again (lock, placeholder) — the placeholder only within max_pods, as it was taken;
+-- invariant: only the claim's owner renews it; a claim that lapsed with nobody taking it (no
+-- record under another token, our pod not registered) is taken again (lock, placeholder) — the placeholder only within max_pods, as it was taken;
 -- the record is written only under our own lock, and keeps its first created time.
 -- Replay-safe: the placeholder is found by its token, so a re-sent call renews it again.
 local clock = redis.call('TIME')
@@ -50,12 +55,20 @@ end
 local member = mine()
 if ltoken ~= '' then
   local holder = redis.call('GET', KEYS[6])
-  if holder and holder ~= ltoken then
+  local taken = holder and holder ~= ltoken
+  if not holder then
+    -- a lapse someone took over and ended meanwhile: its record bears the taker's token (or
+    -- lapsed after its pod was registered); taking the lock back would hand the pod out twice
+    local rec = redis.call('HGET', KEYS[7], 'token')
+    taken = (rec and rec ~= ltoken)
+      or (ARGV[6] ~= '' and redis.call('SISMEMBER', KEYS[10], ARGV[6]) == 1)
+  end
+  if taken then
     if member then
       redis.call('SREM', KEYS[1], member)
       budget_remove(KEYS[4], rule_key, sid .. ':' .. member)
     end
-    return {'lost'}
+    return {'lost', 'taken'}
   end
 end
 if member then
@@ -64,7 +77,7 @@ if member then
 else
   -- swept after it expired: taken again only if the scope still has room for it
   sweep_placeholders(KEYS[1], ptoken, now, sid, KEYS[4], rule_key)
-  if at_max_pods(KEYS[2], KEYS[3], KEYS[1]) then return {'lost'} end
+  if at_max_pods(KEYS[2], KEYS[3], KEYS[1]) then return {'lost', 'no_room'} end
 end
 local renewed = add_placeholder(KEYS[1], ptoken, now, math.ceil(lease), sid, KEYS[4], rule_key,
   KEYS[5], linked, KEYS[8])

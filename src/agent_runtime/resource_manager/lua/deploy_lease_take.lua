@@ -18,14 +18,16 @@
 --                                                   lapsed (its creator died or lost Redis):
 --                                                   ours now, to adopt or delete
 --         {"follower", holder}                      a live leader holds it (holder: its token)
+-- A call by the holder itself extends the lease to ARGV[2] from now: the same answer again.
 --
 -- invariant: one holder at a time (the lock is set only when absent); a recorded pod passes to
 -- exactly one new holder, with the lease, so two followers never both take over; a failure
 -- notice or a record of a pod that is registered by now is dropped, never inherited.
--- Replay-safe: a re-sent call of the holder gets the same answer.
+-- Replay-safe: a re-sent call of the holder gets the same answer (and extends its lease).
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[1] then return {'follower', holder} end
-if not holder then redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[2])) end
+-- absent: taken; ours: extended (reconcile takes again before it acts on the pod)
+redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[2]))
 local rec = redis.call('HMGET', KEYS[2], 'token', 'pod_id', 'namespace', 'created', 'failed',
   'uid', 'cluster')
 if not rec[1] then return {'leader'} end
