@@ -158,6 +158,7 @@ async def test_a_malformed_failed_pod_id_is_refused(redis: Redis, db: Database, 
         )
         resp = await a.client.post("/api/session/route", json=body)
         assert resp.status_code == 400, resp.text
+        assert resp.json()["error_code"] == "VALIDATION"
         assert "failed_pod_id" in resp.text
         assert not await redis.exists("session_manager:session:s1")
 
