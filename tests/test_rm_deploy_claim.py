@@ -373,9 +373,11 @@ async def test_a_renewal_keeps_the_lock_to_the_end_of_its_placeholder_s_second(
     await configure(rs, pod_concurrency=1)
     claim = await cold_claim(rs, "rq-r")
     assert claim.action == "lead" and claim.placeholder is not None
-    member = await DeployState(rs).renew_deploy_lease(
-        SID, "ph-rq-r", "lk-rq-r@1", LEASE, deploy_id="rq-r"
-    )
+    member = (
+        await DeployState(rs).renew_deploy_claim(
+            SID, "ph-rq-r", "lk-rq-r@1", LEASE, deploy_id="rq-r"
+        )
+    ).member
     assert member is not None
     seconds, micros = await redis.time()
     slot_ends_ms = (int(member.rpartition("@")[2]) + 1) * 1000

@@ -126,15 +126,17 @@ async def test_a_lapsed_leader_s_pod_passes_to_exactly_one_of_many_takers(redis:
     await configure(rs)
     member = await placeholder(rs, "dead-ph")
     assert (await DeployState(rs).take_deploy_lease(SID, DID, "dead@1.0", 0.3)).leader
-    assert await DeployState(rs).renew_deploy_lease(
-        SID,
-        "dead-ph",
-        "dead@1.0",
-        0.3,
-        deploy_id=DID,
-        pod=("agent-x", "ns-1", "uid-x"),
-        record_ttl=60,
-    )
+    assert (
+        await DeployState(rs).renew_deploy_claim(
+            SID,
+            "dead-ph",
+            "dead@1.0",
+            0.3,
+            deploy_id=DID,
+            pod=("agent-x", "ns-1", "uid-x"),
+            record_ttl=60,
+        )
+    ).member
     assert await redis.hget(K.record(), "pod_id") == "agent-x"
     await lapsed(redis, K.lock())  # the dead leader renews no more
     assert member  # (its placeholder lapses with it; not needed to take over)
@@ -187,7 +189,7 @@ async def test_renew_moves_the_placeholder_deadline_and_the_lock_with_its_budget
     member = await placeholder(rs, "ph-1")
     assert (await ds.take_deploy_lease(SID, DID, "lk@1", 0.5)).leader
     before = await redis.pttl(K.lock())
-    renewed = await ds.renew_deploy_lease(SID, "ph-1", "lk@1", 30, deploy_id=DID)
+    renewed = (await ds.renew_deploy_claim(SID, "ph-1", "lk@1", 30, deploy_id=DID)).member
     assert renewed is not None and renewed.startswith("ph-1@")
     assert deadline_of(renewed) >= await rnow(redis) + 29
     assert member not in await redis.smembers(K.deploying())
@@ -198,7 +200,7 @@ async def test_renew_moves_the_placeholder_deadline_and_the_lock_with_its_budget
     assert await redis.zscore(K.rule("rule-1"), unit) == deadline_of(renewed)
     assert await redis.zscore(K.BUDGET, f"{SID}:{member}") is None, "the old unit moved"
     # a re-sent call renews the same placeholder again: still one
-    again = await ds.renew_deploy_lease(SID, "ph-1", "lk@1", 30, deploy_id=DID)
+    again = (await ds.renew_deploy_claim(SID, "ph-1", "lk@1", 30, deploy_id=DID)).member
     assert again is not None
     assert [m for m in await redis.smembers(K.deploying()) if m.startswith("ph-1@")] == [again]
 
@@ -209,9 +211,11 @@ async def test_only_the_lock_owner_renews_a_loser_stops_claiming(
     await configure(rs)
     await placeholder(rs, "ph-old")
     await redis.set(K.lock(), "new-leader@2", px=5000)  # took over after our lease lapsed
-    lost = await ds.renew_deploy_lease(
-        SID, "ph-old", "old@1", LEASE, deploy_id=DID, pod=("p", "n", "u")
-    )
+    lost = (
+        await ds.renew_deploy_claim(
+            SID, "ph-old", "old@1", LEASE, deploy_id=DID, pod=("p", "n", "u")
+        )
+    ).member
     assert lost is None
     assert await redis.get(K.lock()) == "new-leader@2"
     assert not await redis.exists(K.record()), "a loser records nothing"
@@ -229,16 +233,18 @@ async def test_a_lapse_nobody_took_is_taken_again(
     await placeholder(rs, "ph-1")
     assert (await ds.take_deploy_lease(SID, DID, "lk@1", 0.2)).leader
     await lapsed(redis, K.lock())
-    assert await ds.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE, deploy_id=DID) is not None
+    assert (
+        await ds.renew_deploy_claim(SID, "ph-1", "lk@1", LEASE, deploy_id=DID)
+    ).member is not None
     assert await redis.get(K.lock()) == "lk@1"
 
     await redis.delete(K.deploying())  # swept (an acquire dropped it after it expired)
-    back = await ds.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE, deploy_id=DID)
+    back = (await ds.renew_deploy_claim(SID, "ph-1", "lk@1", LEASE, deploy_id=DID)).member
     assert back is not None and await redis.smembers(K.deploying()) == {back}
 
     await redis.delete(K.deploying())
     await placeholder(rs, "someone-else")  # took the only slot meanwhile
-    assert await ds.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE, deploy_id=DID) is None
+    assert (await ds.renew_deploy_claim(SID, "ph-1", "lk@1", LEASE, deploy_id=DID)).member is None
     assert {m.rpartition("@")[0] for m in await redis.smembers(K.deploying())} == {"someone-else"}
 
 
@@ -253,8 +259,8 @@ async def test_a_late_renewal_never_takes_back_a_deploy_another_leader_took_and_
     await placeholder(rs, "ph-a")
     assert (await ds.take_deploy_lease(SID, DID, "lk-a@1", LEASE)).leader
     pod = ("agent-p", "ns-a", "uid-p")
-    assert await ds.renew_deploy_lease(SID, "ph-a", "lk-a@1", LEASE, deploy_id=DID, pod=pod,
-                                       record_ttl=40)  # fmt: skip
+    assert (await ds.renew_deploy_claim(SID, "ph-a", "lk-a@1", LEASE, deploy_id=DID, pod=pod,
+                                       record_ttl=40)).member  # fmt: skip
     await redis.delete(K.lock())  # A's lease lapsed
     took = await ds.take_deploy_lease(SID, DID, "lk-b@2", LEASE)
     assert took.leader and took.orphan is not None and took.orphan.pod_id == "agent-p"
@@ -262,8 +268,8 @@ async def test_a_late_renewal_never_takes_back_a_deploy_another_leader_took_and_
     assert await ds.end_deploy_lease(SID, DID, "lk-b@2", "ok", LEASE)
     assert await redis.zcard(K.cold()) == 0
 
-    late = await ds.renew_deploy_lease(SID, "ph-a", "lk-a@1", LEASE, deploy_id=DID, pod=pod,
-                                       record_ttl=40)  # fmt: skip
+    late = (await ds.renew_deploy_claim(SID, "ph-a", "lk-a@1", LEASE, deploy_id=DID, pod=pod,
+                                       record_ttl=40)).member  # fmt: skip
     assert late is None
     assert await redis.get(K.lock()) is None
     assert await redis.hget(K.record(), "token") == "lk-b@2"
@@ -272,7 +278,9 @@ async def test_a_late_renewal_never_takes_back_a_deploy_another_leader_took_and_
 
     await redis.delete(K.record())  # the "ok" record lapsed; the pod stays registered
     await placeholder(rs, "ph-a2")
-    late = await ds.renew_deploy_lease(SID, "ph-a2", "lk-a@1", LEASE, deploy_id=DID, pod=pod)
+    late = (
+        await ds.renew_deploy_claim(SID, "ph-a2", "lk-a@1", LEASE, deploy_id=DID, pod=pod)
+    ).member
     assert late is None
     assert await redis.get(K.lock()) is None and not await redis.exists(K.record())
     assert await redis.scard(K.deploying()) == 0
@@ -320,9 +328,11 @@ async def test_renew_records_the_pod_under_its_own_lock_once(
     await placeholder(rs, "ph-1")
     assert (await ds.take_deploy_lease(SID, DID, "lk@1", LEASE)).leader
     pod = ("agent-p", "ns-a", "uid-p")
-    assert await ds.renew_deploy_lease(
-        SID, "ph-1", "lk@1", LEASE, deploy_id=DID, pod=pod, record_ttl=40
-    )
+    assert (
+        await ds.renew_deploy_claim(
+            SID, "ph-1", "lk@1", LEASE, deploy_id=DID, pod=pod, record_ttl=40
+        )
+    ).member
     record = await redis.hgetall(K.record())
     assert record["token"] == "lk@1" and record["pod_id"] == "agent-p"
     assert record["namespace"] == "ns-a" and int(record["created"]) <= await rnow(redis)
@@ -332,9 +342,11 @@ async def test_renew_records_the_pod_under_its_own_lock_once(
     }, "the renewal indexed the deploy; its record reads back by its id"
     assert 30 < await redis.ttl(K.record()) <= 40
     await redis.hset(K.record(), "created", "1")  # so that a rewrite would show
-    assert await ds.renew_deploy_lease(
-        SID, "ph-1", "lk@1", LEASE, deploy_id=DID, pod=pod, record_ttl=40
-    )
+    assert (
+        await ds.renew_deploy_claim(
+            SID, "ph-1", "lk@1", LEASE, deploy_id=DID, pod=pod, record_ttl=40
+        )
+    ).member
     assert await redis.hget(K.record(), "created") == "1", "a replay keeps the first record"
 
 
@@ -348,9 +360,11 @@ async def test_the_record_names_the_pod_s_cluster_and_a_taker_inherits_it(
     await placeholder(rs, "ph-1")
     assert (await ds.take_deploy_lease(SID, DID, "lk@1", 0.3)).leader
     pod = ("agent-e", "ns-a", "uid-e")
-    assert await ds.renew_deploy_lease(
-        SID, "ph-1", "lk@1", 0.3, deploy_id=DID, pod=pod, record_ttl=40, cluster="east"
-    )
+    assert (
+        await ds.renew_deploy_claim(
+            SID, "ph-1", "lk@1", 0.3, deploy_id=DID, pod=pod, record_ttl=40, cluster="east"
+        )
+    ).member
     assert await redis.hget(K.record(), "cluster") == "east"
     recorded = (await ds.deploy_records(SID)).get(DID)
     assert recorded is not None and recorded.cluster == "east"
@@ -375,7 +389,9 @@ async def test_a_warm_deploy_renews_its_placeholder_and_touches_no_lock(
 ) -> None:
     await configure(rs)
     member = await placeholder(rs, "warm:abc")
-    renewed = await ds.renew_deploy_lease(SID, "warm:abc", "", 20, pod=("ignored", "n", "u"))
+    renewed = (
+        await ds.renew_deploy_claim(SID, "warm:abc", "", 20, pod=("ignored", "n", "u"))
+    ).member
     assert renewed is not None and renewed != member
     assert deadline_of(renewed) >= await rnow(redis) + 19
     assert not await redis.exists(K.lock()) and not await redis.exists(K.record())
@@ -436,8 +452,8 @@ async def test_a_stopped_end_gives_back_only_the_lock_and_leaves_the_pod_to_a_ta
     await placeholder(rs, "ph-1")
     assert (await ds.take_deploy_lease(SID, DID, "lk@1", LEASE)).leader
     pod = ("agent-p", "ns-a", "uid-p")
-    assert await ds.renew_deploy_lease(SID, "ph-1", "lk@1", LEASE, deploy_id=DID, pod=pod,
-                                       record_ttl=40)  # fmt: skip
+    assert (await ds.renew_deploy_claim(SID, "ph-1", "lk@1", LEASE, deploy_id=DID, pod=pod,
+                                       record_ttl=40)).member  # fmt: skip
     assert not await ds.end_deploy_lease(SID, DID, "other@2", "none", 2)
     assert await redis.get(K.lock()) == "lk@1"
     assert await ds.end_deploy_lease(SID, DID, "lk@1", "none", 2)

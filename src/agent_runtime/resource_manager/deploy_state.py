@@ -214,7 +214,7 @@ class DeployState:
         self, scope_id: str, deploy_id: str, token: str, lease: float
     ) -> LeaseTake:
         """Lead one deploy of the scope for ``lease`` seconds (renewed by
-        ``renew_deploy_lease``), inheriting the pod of a leader whose lease lapsed
+        ``renew_deploy_claim``), inheriting the pod of a leader whose lease lapsed
         (deploy_lease_take.lua: reconcile's way to a dead leader's pod)."""
         reply = await self._lease_take(
             keys=[
@@ -225,28 +225,6 @@ class DeployState:
             args=[token, max(int(lease * 1000), 1)],
         )
         return _lease_take(reply)
-
-    async def renew_deploy_lease(
-        self,
-        scope_id: str,
-        placeholder_token: str,
-        lock_token: str,
-        lease: float,
-        *,
-        deploy_id: str = "",
-        pod: tuple[str, str, str] | None = None,
-        record_ttl: int = 0,
-        cluster: str | None = None,
-    ) -> str | None:
-        """Renew a deploy's claim (its placeholder and, with ``lock_token``, the lock of cold
-        deploy ``deploy_id``) for ``lease`` seconds; with ``pod`` (name, namespace, uid) also
-        record the pod it created, in ``cluster`` (None: the process default). The
-        placeholder's new member, or None: the claim is lost (deploy_lease.lua)."""
-        renewal = await self.renew_deploy_claim(
-            scope_id, placeholder_token, lock_token, lease, deploy_id=deploy_id, pod=pod,
-            record_ttl=record_ttl, cluster=cluster,
-        )  # fmt: skip
-        return renewal.member
 
     async def renew_deploy_claim(
         self,
@@ -260,8 +238,11 @@ class DeployState:
         record_ttl: int = 0,
         cluster: str | None = None,
     ) -> LeaseRenewal:
-        """``renew_deploy_lease``, telling why a lost claim is lost: "taken" (another leader
-        holds or held it) or "no_room" (nobody does; no slot for its placeholder)."""
+        """Renew a deploy's claim (its placeholder and, with ``lock_token``, the lock of cold
+        deploy ``deploy_id``) for ``lease`` seconds; with ``pod`` (name, namespace, uid) also
+        record the pod it created, in ``cluster`` (None: the process default). Its ``member``:
+        the placeholder's new member, or None when the claim is lost; ``lost`` says why: "taken"
+        (another leader holds or held it) or "no_room" (nobody does; no slot for it)."""
         status, *rest = await self._lease_renew(
             keys=[
                 scope_deploying_key(scope_id),
