@@ -134,10 +134,20 @@ exit 0
 }
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A free loopback port never handed out before in this process: the kernel may give a
+    just-closed port again, and a world's "other" listener must not land on the port the
+    script is told to start redis on."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def alive(pid: int) -> bool:
