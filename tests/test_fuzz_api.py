@@ -150,6 +150,9 @@ def contract_envelope(ctx: CheckContext, response: Any, case: schemathesis.Case)
 )
 def test_fuzz_every_operation(case: schemathesis.Case) -> None:
     headers = {"Authorization": f"Bearer {_token_for(case.path)}"}
+    for name, value in list((case.query or {}).items()):
+        if value in ([], {}):  # an extra parameter that serialises to nothing: the negative
+            case.query[name] = "x"  # case would reach the app as a valid request (a false 200)
     case.call_and_validate(headers=headers, additional_checks=[contract_envelope])
 
 

@@ -1118,6 +1118,30 @@ async def test_eos_on_an_expired_session_frees_it_but_is_not_touched(
     assert await four_places(redis, "s1", SID, "p1") == [False] * 4
 
 
+async def test_touch_naming_a_scope_finds_only_a_session_of_that_scope(
+    state: SessionState, redis: Redis
+) -> None:
+    await configure(redis, session_ttl=TTL)
+    await add_pod(state, "p1")
+    await route(state, "s1")
+    await set_expiry(redis, "s1", await rnow(redis) + 10)
+    other = "f" * 32
+    recorder = record(state, "touch")
+    assert await state.touch("s1", eos=False, scope_id=other) == (False, False)
+    assert await expiry_of(redis, "s1") <= await rnow(redis) + 10, "not extended"
+    assert await state.touch("s1", eos=True, request_id="r-x", scope_id=other) == (False, False)
+    assert await four_places(redis, "s1", SID, "p1") == [True] * 4, "another scope's eos: kept"
+    await expire(redis, "s1")
+    assert await state.touch("s1", eos=False, scope_id=other) == (False, False)
+    assert await four_places(redis, "s1", SID, "p1") == [True] * 4, "not evicted from there"
+    assert await recorder.again() == [0, 0]
+    await set_expiry(redis, "s1", await rnow(redis) + 10)
+    assert await state.touch("s1", eos=False, scope_id=SID) == (True, False)
+    assert await expiry_of(redis, "s1") >= await rnow(redis) + TTL - 1
+    assert await state.touch("s1", eos=True, request_id="r-y", scope_id=SID) == (True, True)
+    assert await four_places(redis, "s1", SID, "p1") == [False] * 4
+
+
 # --- sweep_idle_notify -------------------------------------------------------------------------
 
 

@@ -87,7 +87,10 @@ async def touch(envelope: TouchBody, deps: Deps) -> JSONResponse:
     """Keep a session alive, or end it with ``rawdata.eos`` (gateway)."""
     meta = envelope.metadata
     data = await deps.orchestrator.touch(
-        meta.session_id, eos=envelope.rawdata.eos, request_id=meta.request_id or ""
+        meta.session_id,
+        eos=envelope.rawdata.eos,
+        request_id=meta.request_id or "",
+        scope_id=meta.scope_id(),
     )
     return ok(meta.request_id, data)
 

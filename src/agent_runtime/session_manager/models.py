@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from agent_runtime import label_selector
@@ -21,6 +21,7 @@ from agent_runtime.session_manager.items import (
     no_control_,
     partial_model,
 )
+from agent_runtime.util import scope_id_of
 
 SessionId = Id  # any id: no session key can be another key (state.py keeps them apart)
 
@@ -59,10 +60,33 @@ class RouteEnvelope(BaseModel):
     rawdata: RouteRawdata = Field(default_factory=RouteRawdata)
 
 
+class TouchExtra(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    group_id: Id | None = None
+
+
 class TouchMetadata(BaseModel):
+    """touch: ``bot_id`` and ``extra.group_id`` are optional, but go together: with them the
+    session is looked for in that scope only (on a Redis Cluster, one call on its node)."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
     request_id: Id | None = None
     session_id: SessionId
+    bot_id: Id | None = None
+    extra: TouchExtra = Field(default_factory=TouchExtra)
+
+    @model_validator(mode="after")
+    def _scope_ids_together(self) -> TouchMetadata:
+        if (self.bot_id is None) != (self.extra.group_id is None):
+            missing = "extra.group_id" if self.extra.group_id is None else "bot_id"
+            raise ValueError(f"{missing}: required with the other scope id")
+        return self
+
+    def scope_id(self) -> str | None:
+        """The scope both ids name, or None when the gateway sent neither."""
+        if self.bot_id is None or self.extra.group_id is None:
+            return None
+        return scope_id_of(self.extra.group_id, self.bot_id)
 
 
 class TouchRawdata(BaseModel):

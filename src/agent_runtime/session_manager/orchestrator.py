@@ -189,10 +189,18 @@ class SessionOrchestrator:
     # --- touch ---------------------------------------------------------------------------------
 
     async def touch(
-        self, session_id: str, *, eos: bool = False, request_id: str = ""
+        self,
+        session_id: str,
+        *,
+        eos: bool = False,
+        request_id: str = "",
+        scope_id: str | None = None,
     ) -> dict[str, bool]:
-        """``request_id``: an eos re-sent with it (its reply lost) gets the first answer."""
-        outcome = await self._state.touch(session_id, eos=eos, request_id=request_id)
+        """``request_id``: an eos re-sent with it (its reply lost) gets the first answer.
+        ``scope_id``: the scope the gateway named (bot_id + extra.group_id), or None."""
+        outcome = await self._state.touch(
+            session_id, eos=eos, request_id=request_id, scope_id=scope_id
+        )
         if outcome is None:
             raise reused()
         if eos:

@@ -251,10 +251,11 @@ class SessionState:
         return bool(await self._route_lease(keys=keys, args=[token, request_id, seconds]))
 
     async def touch(
-        self, session_id: str, *, eos: bool, request_id: str = ""
+        self, session_id: str, *, eos: bool, request_id: str = "", scope_id: str | None = None
     ) -> TouchOutcome | None:
-        """See touch.lua. Without a request_id no eos answer is kept. None: an eos whose
-        request_id ended another session within REPLAY_TTL (nothing done)."""
+        """See touch.lua. Without a request_id no eos answer is kept. With ``scope_id`` a
+        session of another scope is unknown here. None: an eos whose request_id ended another
+        session within REPLAY_TTL (nothing done)."""
         touched, released = await self._touch(
             keys=[session_key(session_id), SESSION_EXPIRY_KEY, touch_key(request_id)],
             args=[
@@ -263,6 +264,7 @@ class SessionState:
                 "1" if eos else "0",
                 REPLAY_TTL if request_id else 0,
                 request_hash(session_id),
+                scope_id or "",
             ],
         )
         if int(touched) < 0:

@@ -8,6 +8,8 @@
 -- ARGV[4] seconds that answer is kept for the same request re-sent (0: not kept, no
 --         request_id)
 -- ARGV[5] the request's fingerprint (state.request_hash of the session)
+-- ARGV[6] the scope the gateway named (its bot_id and extra.group_id), or "" when it named
+--         none: a session of another scope is not this one (answered as unknown, untouched)
 --
 -- returns {touched, released}: touched 1 if the session was alive (eos: it was, and is now
 --         ended), 0 if unknown or expired (an expired one is evicted on the spot);
@@ -25,6 +27,9 @@ local answer = keep and redis.call('GET', KEYS[3])
 -- an answer without a fingerprint (written before answers were bound) counts as this one's
 if answer and #answer > 3 and string.sub(answer, 5) ~= fingerprint then return {-1, 0} end
 local expiry = tonumber(redis.call('HGET', KEYS[1], 'expiry') or '-1')
+if expiry >= 0 and ARGV[6] ~= '' and redis.call('HGET', KEYS[1], 'scope_id') ~= ARGV[6] then
+  expiry = -1
+end
 if expiry < 0 then
   if answer then return {tonumber(string.sub(answer, 1, 1)), tonumber(string.sub(answer, 3, 3))} end
   return {0, 0}
