@@ -1,4 +1,5 @@
-"""Command line (contract §7): ``agent-runtime serve`` and ``agent-runtime db upgrade|status``;
+"""Command line (contract §7): ``agent-runtime serve``, ``agent-runtime db upgrade|status`` and
+``agent-runtime redis status|migrate`` (the key layout, ``key_layout.py``);
 ``agent-runtime kubesim`` runs the Kubernetes API simulator for tests (docs/spec/kubesim.md),
 when its own distribution is installed (``pip install -e ./kubesim``; the service's wheel and
 image carry none of it).
@@ -180,6 +181,43 @@ def _db(args: argparse.Namespace) -> None:
         db.engine.dispose()
 
 
+def _redis(args: argparse.Namespace) -> None:
+    """``redis status``: the key layout Redis holds; ``redis migrate``: move an earlier one."""
+    from agent_runtime import key_layout
+    from agent_runtime.wiring import build_redis
+
+    settings = _settings(args)
+    if not settings.redis_url:
+        raise ConfigError("AGENT_RUNTIME_REDIS_URL is not set: nothing to look at")
+    redis = _unusable_url_is_config_error(build_redis, settings)
+
+    async def run() -> int:
+        try:
+            if args.action == "status":
+                try:
+                    await key_layout.check_only(redis)
+                except ConfigError as exc:
+                    print(str(exc))
+                    return 1
+                print(f"key layout {key_layout.LAYOUT}: current")
+                return 0
+            done = await key_layout.migrate(redis, dry_run=args.dry_run, force=args.force)
+            print(done.describe())
+            return 1 if done.clash_count else 0
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(f"redis: {type(exc).__name__}: {_first_line(exc)}") from None
+        finally:
+            await redis.aclose()
+
+    sys.exit(asyncio.run(run()))
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else ""
+
+
 KUBESIM_MISSING = (
     "kubesim is not installed (the simulator is its own distribution, agent-runtime-kubesim):"
     " install it with `pip install -e ./kubesim` from the repository root"
@@ -217,6 +255,15 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("action", choices=["upgrade", "status"])
     db.add_argument("--env-file", default=None)
     db.set_defaults(handler=_db)
+
+    redis = commands.add_parser("redis", help="Redis key layout")
+    redis.add_argument("action", choices=["status", "migrate"])
+    redis.add_argument("--dry-run", action="store_true", help="migrate: say, change nothing")
+    redis.add_argument(
+        "--force", action="store_true", help="migrate: even while job locks show replicas"
+    )
+    redis.add_argument("--env-file", default=None)
+    redis.set_defaults(handler=_redis)
 
     kubesim_help = "run the Kubernetes API simulator (tests, no cluster; installed on its own)"
     try:

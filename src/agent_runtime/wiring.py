@@ -19,7 +19,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from agent_runtime import logs
+from agent_runtime import key_layout, logs
 from agent_runtime.admin import AdminDeps
 from agent_runtime.config import ConfigError, Mode, Settings
 from agent_runtime.db import installation, schema
@@ -150,7 +150,8 @@ def build_backends(settings: Settings) -> Backends:
 
 
 async def check_backends(settings: Settings, backends: Backends) -> None:
-    """Reach Redis and the DB, and bring the schema up (local) or refuse an old one (server).
+    """Reach Redis and the DB, bring the schema up (local) or refuse an old one (server), and
+    refuse Redis keys of an earlier key layout (``key_layout``).
 
     Raises ConfigError with a one-line reason.
     """
@@ -167,12 +168,14 @@ async def check_backends(settings: Settings, backends: Backends) -> None:
         raise ConfigError(f"database unreachable: {reason}") from None
     if settings.mode is Mode.LOCAL:
         await backends.db.run(schema.upgrade, backends.db.engine)
-        return
-    status = await backends.db.run(schema.status, backends.db.engine)
-    if not status.up_to_date:
-        raise ConfigError(
-            f"database {status.describe()}: run `agent-runtime db upgrade` (same environment)"
-        )
+    else:
+        status = await backends.db.run(schema.status, backends.db.engine)
+        if not status.up_to_date:
+            raise ConfigError(
+                f"database {status.describe()}: run `agent-runtime db upgrade` (same environment)"
+            )
+    # last: a start refused for another reason writes nothing to Redis (not even the layout)
+    await key_layout.check(backends.redis)  # keys of an older version: migrate first
 
 
 async def warn_on_eviction(redis: Redis) -> str | None:

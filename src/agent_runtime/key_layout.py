@@ -1,0 +1,161 @@
+"""Which layout of key names a Redis holds, and the one-shot move from an earlier one.
+
+Layout 2 (issue 17) writes every key of one scope under the scope id's hash tag (``{sid}``),
+so that a Redis Cluster keeps a scope in one slot. A replica refuses to start on a Redis whose
+keys an earlier version wrote in layout 1, as it refuses an outdated database schema: reading
+half the keys under the old names would strand live sessions silently. The operator stops
+every replica of the older version and runs ``agent-runtime redis migrate``, which renames
+the keys in place (``RENAMENX``: a key keeps its value and its TTL) and records the layout in
+``agent_runtime:key_layout``. It refuses while job leader locks show replicas still running.
+
+Layout 1 only ever existed on a single server (its scripts cannot run on a cluster), so the
+renames never cross a node. Each module's ``legacy_keys.py`` says what its old names were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+
+from agent_runtime.config import ConfigError
+from agent_runtime.jobs import JOB_LOCK_PREFIX
+from agent_runtime.resource_manager import legacy_keys as rm_legacy
+from agent_runtime.session_manager import legacy_keys as sm_legacy
+
+LAYOUT_KEY = "agent_runtime:key_layout"
+LAYOUT = 2
+SCAN_COUNT = 1000
+RENAME_BATCH = 500  # renames per pipeline: ~0.5 ms of Redis each
+
+# (SCAN MATCH pattern, old name → current name or None), one per module
+MODULES: tuple[tuple[str, Callable[[str], str | None]], ...] = (
+    (sm_legacy.SCAN_PATTERN, sm_legacy.current_name),
+    (rm_legacy.SCAN_PATTERN, rm_legacy.current_name),
+)
+
+
+async def _legacy_keys(redis: Redis) -> AsyncIterator[tuple[str, str]]:
+    """(old name, current name) of every key still in an earlier layout."""
+    for pattern, current_name in MODULES:
+        async for key in redis.scan_iter(match=pattern, count=SCAN_COUNT):
+            new = current_name(key)
+            if new is not None:
+                yield key, new
+
+
+async def check(redis: Redis) -> None:
+    """At startup: go on only over keys of this version's layout (recording it on a Redis that
+    holds none of ours yet). ConfigError with the way out otherwise."""
+    if await check_only(redis):
+        await redis.set(LAYOUT_KEY, LAYOUT)
+
+
+async def check_only(redis: Redis) -> bool:
+    """ConfigError unless the keys are in this version's layout; True when no layout is
+    recorded yet (a Redis without keys of an earlier one: ``check`` records it)."""
+    marker = await redis.get(LAYOUT_KEY)
+    if marker is not None and str(marker) == str(LAYOUT):
+        return False
+    number = None if marker is None else _layout_number(marker)
+    if number is not None and number > LAYOUT:
+        raise ConfigError(
+            f"redis keys are in key layout {number}, newer than this version's ({LAYOUT}):"
+            " a newer version wrote them; run that version"
+        )
+    async for old, _ in _legacy_keys(redis):
+        raise ConfigError(
+            f"redis holds keys of an earlier key layout (e.g. {old!r}): stop every replica of"
+            " the older version, then run `agent-runtime redis migrate` (same environment)"
+        )
+    return True
+
+
+def _layout_number(marker: Any) -> int:
+    try:
+        return int(marker)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{LAYOUT_KEY} holds {marker!r}, not a layout number") from None
+
+
+@dataclass
+class Migration:
+    """What ``migrate`` did (or, with ``dry_run``, would do)."""
+
+    renamed: int = 0
+    # the current name existed already (a replica of this version wrote it): the old key is
+    # left where it is, named here (the first 20) for the operator to look at
+    clashes: list[str] = field(default_factory=list)
+    clash_count: int = 0
+    dry_run: bool = False
+
+    def describe(self) -> str:
+        verb = "would rename" if self.dry_run else "renamed"
+        line = f"key layout {LAYOUT}: {verb} {self.renamed} keys"
+        if self.clash_count:
+            line += (
+                f"; {self.clash_count} left under their old name (the new name exists),"
+                f" e.g. {', '.join(self.clashes[:3])}"
+            )
+        return line
+
+
+async def running_replicas(redis: Redis) -> list[str]:
+    """Job leader locks held right now: some replica (of any version) is running."""
+    return [key async for key in redis.scan_iter(match=f"{JOB_LOCK_PREFIX}*", count=SCAN_COUNT)]
+
+
+async def migrate(redis: Redis, *, dry_run: bool = False, force: bool = False) -> Migration:
+    """Rename every key of an earlier layout to its current name, then record the layout.
+    Idempotent: a second run (or one after a crash) renames what is left. Refuses while a
+    replica runs (its writes would land under the names being moved) unless ``force``."""
+    held = await running_replicas(redis)
+    if held and not force:
+        raise ConfigError(
+            f"replicas are running (job locks held: {', '.join(sorted(held)[:3])}): stop every"
+            " replica first (the locks lapse within seconds), or pass --force"
+        )
+    done = Migration(dry_run=dry_run)
+    batch: list[tuple[str, str]] = []
+
+    async def flush() -> None:
+        if dry_run:
+            done.renamed += len(batch)
+        else:
+            async with redis.pipeline(transaction=False) as pipe:
+                for old, new in batch:
+                    pipe.renamenx(old, new)
+                replies = await pipe.execute(raise_on_error=False)
+            for (old, _), moved in zip(batch, replies, strict=True):
+                if isinstance(moved, Exception):  # gone since the SCAN (its TTL ran out)
+                    continue
+                if moved:
+                    done.renamed += 1
+                elif await redis.exists(old):  # not renamed, and still there: a clash
+                    done.clash_count += 1
+                    if len(done.clashes) < 20:
+                        done.clashes.append(old)
+        batch.clear()
+
+    async for pair in _legacy_keys(redis):
+        batch.append(pair)
+        if len(batch) >= RENAME_BATCH:
+            await flush()
+    if batch:
+        await flush()
+    if not dry_run:
+        await redis.set(LAYOUT_KEY, LAYOUT)
+    return done
+
+
+__all__ = [
+    "LAYOUT",
+    "LAYOUT_KEY",
+    "Migration",
+    "check",
+    "check_only",
+    "migrate",
+    "running_replicas",
+]

@@ -1,0 +1,168 @@
+"""The key layout (issue 17): a replica refuses keys of an earlier layout, and
+``agent-runtime redis migrate`` moves them to the current names without stranding a session.
+
+Layout 1 put the scope id bare in key names; layout 2 wraps it in braces (the Redis Cluster
+hash tag). A live session written by this version, its keys given back their layout-1 names,
+is served again after the migration exactly as before (same pod, ``refresh``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import sys
+
+import pytest
+from redis.asyncio import Redis
+
+import contract_keys as K
+from agent_runtime import key_layout
+from agent_runtime.config import ConfigError
+from agent_runtime.db.engine import Database
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from helpers import envelope, real_redis_url, running_app, sync_body
+
+SID = "0123456789abcdef0123456789abcdef"
+LAYOUT_1 = {  # a layout-1 name → its layout-2 name
+    f"session_manager:scope:{SID}:sessions": f"session_manager:scope:{{{SID}}}:sessions",
+    f"session_manager:pod:{SID}:pod-1:info": f"session_manager:pod:{{{SID}}}:pod-1:info",
+    f"resource_manager:resource:scope:{SID}:pods":
+        f"resource_manager:resource:scope:{{{SID}}}:pods",
+    f"resource_manager:resource:scope:{SID}:deploy_followers:r-1":
+        f"resource_manager:resource:scope:{{{SID}}}:deploy_followers:r-1",
+    f"resource_manager:lock:rm:deploy:{SID}:r-1": f"resource_manager:lock:rm:deploy:{{{SID}}}:r-1",
+}  # fmt: skip
+UNCHANGED = ["session_manager:session:s1", "session_manager:session_expiry"]
+
+
+async def write_layout_1(redis: Redis) -> None:
+    for name in [*LAYOUT_1, *UNCHANGED]:
+        await redis.set(name, f"value of {name}")
+    await redis.expire(f"resource_manager:lock:rm:deploy:{SID}:r-1", 300)
+
+
+async def test_a_redis_without_our_keys_is_recorded_as_the_current_layout(redis: Redis) -> None:
+    await redis.set("someone_else:key", "1")
+    await key_layout.check(redis)
+    assert await redis.get(key_layout.LAYOUT_KEY) == str(key_layout.LAYOUT)
+    await key_layout.check(redis)  # and accepted from then on
+
+
+async def test_keys_of_an_earlier_layout_are_refused_with_the_way_out(redis: Redis) -> None:
+    await write_layout_1(redis)
+    with pytest.raises(ConfigError, match=r"agent-runtime redis migrate"):
+        await key_layout.check(redis)
+    assert await redis.get(key_layout.LAYOUT_KEY) is None
+    await redis.set(key_layout.LAYOUT_KEY, "3")
+    with pytest.raises(ConfigError, match="newer than this version"):
+        await key_layout.check(redis)
+
+
+async def test_migrate_renames_every_old_key_keeping_values_and_ttls(redis: Redis) -> None:
+    await write_layout_1(redis)
+    dry = await key_layout.migrate(redis, dry_run=True)
+    assert (dry.renamed, dry.clash_count) == (len(LAYOUT_1), 0)
+    assert all([await redis.exists(old) for old in LAYOUT_1]), "a dry run changes nothing"
+
+    done = await key_layout.migrate(redis)
+    assert (done.renamed, done.clash_count) == (len(LAYOUT_1), 0)
+    for old, new in LAYOUT_1.items():
+        assert not await redis.exists(old)
+        assert await redis.get(new) == f"value of {old}"
+    for name in UNCHANGED:
+        assert await redis.get(name) == f"value of {name}"
+    assert 0 < await redis.ttl(LAYOUT_1[f"resource_manager:lock:rm:deploy:{SID}:r-1"]) <= 300
+    assert await redis.get(key_layout.LAYOUT_KEY) == str(key_layout.LAYOUT)
+    await key_layout.check(redis)
+    again = await key_layout.migrate(redis)
+    assert (again.renamed, again.clash_count) == (0, 0), "idempotent"
+
+
+async def test_migrate_leaves_a_clash_under_the_old_name_and_says_so(redis: Redis) -> None:
+    old, new = next(iter(LAYOUT_1.items()))
+    await redis.set(old, "old")
+    await redis.set(new, "new")
+    done = await key_layout.migrate(redis)
+    assert (done.renamed, done.clash_count, done.clashes) == (0, 1, [old])
+    assert (await redis.get(old), await redis.get(new)) == ("old", "new")
+    assert "1 left under their old name" in done.describe()
+
+
+async def test_migrate_refuses_while_a_replica_holds_a_job_lock(redis: Redis) -> None:
+    await write_layout_1(redis)
+    await redis.set("agent_runtime:job:sm_sweep", "token", ex=10)
+    with pytest.raises(ConfigError, match="replicas are running"):
+        await key_layout.migrate(redis)
+    assert await redis.exists(next(iter(LAYOUT_1)))
+    done = await key_layout.migrate(redis, force=True)
+    assert done.renamed == len(LAYOUT_1)
+
+
+_TAG = re.compile(r"\{([^{}]+)\}")
+
+
+async def back_to_layout_1(redis: Redis) -> int:
+    """What an earlier version would have left: every scope key's braces taken off."""
+    moved = 0
+    for pattern in ("session_manager:*", "resource_manager:*"):
+        async for key in redis.scan_iter(match=pattern):
+            old = _TAG.sub(r"\1", key, count=1)
+            if old != key:
+                await redis.rename(key, old)
+                moved += 1
+    await redis.delete(key_layout.LAYOUT_KEY)
+    return moved
+
+
+async def test_a_live_session_is_served_again_after_the_migration(
+    redis: Redis, db: Database
+) -> None:
+    cluster = FakeK8sPodClient()
+    route = envelope(request_id="r-1", session_id="s1", bot_id="b1", extra={"group_id": "g1"})
+    async with running_app(redis, db, k8s=cluster) as client:
+        item = {"template_id": "tpl-a", "image": "agentserver:1", "ready_poll_interval": 0.02}
+        assert (await client.post(
+            "/api/session/config_sync", json=sync_body("template", "create", item)
+        )).status_code == 200  # fmt: skip
+        rule = {"group_id": "*", "bot_id": "*", "template_id": "tpl-a"}
+        assert (await client.post(
+            "/api/session/config_sync", json=sync_body("routing_rule", "create", rule)
+        )).status_code == 200  # fmt: skip
+        first = (await client.post("/api/session/route", json=route)).json()["data"]
+        assert first["placement"] == "placed"
+    assert await back_to_layout_1(redis) > 5
+    with pytest.raises(Exception, match="agent-runtime redis migrate"):
+        async with running_app(redis, db, k8s=cluster):
+            pass
+    assert (await key_layout.migrate(redis)).clash_count == 0
+    async with running_app(redis, db, k8s=cluster) as client:
+        again = envelope(request_id="r-2", session_id="s1", bot_id="b1", extra={"group_id": "g1"})
+        answer = (await client.post("/api/session/route", json=again)).json()["data"]
+        assert answer["placement"] == "refresh"
+        assert answer["pod_id"] == first["pod_id"]
+        scope = await redis.hget(K.sm_session("s1"), "scope_id")
+        assert await redis.sismember(K.sm_scope(scope, "sessions"), "s1")
+
+
+@pytest.mark.parametrize("redis", ["real"], indirect=True)
+async def test_the_cli_says_the_layout_and_migrates(redis: Redis) -> None:
+    env = {**os.environ, "AGENT_RUNTIME_REDIS_URL": real_redis_url()}
+
+    async def cli(*args: str) -> tuple[int, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "agent_runtime.cli", "redis", *args,
+            env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        return int(proc.returncode or 0), out.decode()
+
+    await write_layout_1(redis)
+    code, out = await cli("status")
+    assert code == 1 and "agent-runtime redis migrate" in out, out
+    code, out = await cli("migrate", "--dry-run")
+    assert code == 0 and f"would rename {len(LAYOUT_1)} keys" in out, out
+    code, out = await cli("migrate")
+    assert code == 0 and f"renamed {len(LAYOUT_1)} keys" in out, out
+    code, out = await cli("status")
+    assert code == 0 and "current" in out, out
