@@ -94,7 +94,7 @@ async def setup(svc: Services, n: int) -> tuple[str, list[str]]:
     sid = scope_id_of("route", "b")
     await svc.session_state.register_pod(sid, "bench-pod", "http://x/sse", "v")
     await svc.session_state.redis.hset(
-        f"session_manager:scope:{sid}:config",
+        f"session_manager:scope:{{{sid}}}:config",
         mapping={
             "scope_concurrency": 100,
             "pod_concurrency": 100,

@@ -59,7 +59,7 @@ async def setup_pods(
         SCOPE, {"min_idle_pods": 0, "max_pods": 100_000, "pod_ttl": 600, "pod_concurrency": 8}
     )
     await redis.hset(
-        f"session_manager:scope:{SCOPE}:config",
+        f"session_manager:scope:{{{SCOPE}}}:config",
         mapping={"scope_concurrency": "1000000", "pod_concurrency": str(SESSIONS),
                  "max_pods": "100000", "session_ttl": "600", "deploy_ver": "v1"},
     )  # fmt: skip

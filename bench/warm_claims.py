@@ -79,7 +79,7 @@ async def warm_pool(
         await route(http, group, bot, f"prime-{group}")
     started = time.monotonic()
     sid = scope_id_of(group, bot)
-    while await redis.scard(f"{RM}{sid}:idle") < n:
+    while await redis.scard(f"{RM}{{{sid}}}:idle") < n:
         if time.monotonic() - started > 120:
             raise BenchRefused(f"{group}: the warm pool did not reach {n} within 120 s")
         await asyncio.sleep(0.2)
@@ -154,16 +154,16 @@ async def burst(redis: Redis, http: httpx.AsyncClient, server: Server) -> dict[s
     await configure_pool(http, "burst", group, scope_concurrency=400, min_idle=pool)
     await warm_pool(redis, http, group, bot, pool)
     before = await server.stats()
-    pods_before = await redis.zcard(f"{RM}{sid}:pods")
+    pods_before = await redis.zcard(f"{RM}{{{sid}}}:pods")
     samples: list[tuple[float, int, int, int]] = []  # t, pods, cold deploys, placeholders
     stop = asyncio.Event()
 
     async def sample() -> None:
         while not stop.is_set():
             async with redis.pipeline(transaction=False) as pipe:
-                pipe.zcard(f"{RM}{sid}:pods")
-                pipe.zcard(f"{RM}{sid}:cold_deploys")
-                pipe.scard(f"{RM}{sid}:deploying")
+                pipe.zcard(f"{RM}{{{sid}}}:pods")
+                pipe.zcard(f"{RM}{{{sid}}}:cold_deploys")
+                pipe.scard(f"{RM}{{{sid}}}:deploying")
                 pods, cold, deploying = await pipe.execute()
             samples.append((time.monotonic(), int(pods), int(cold), int(deploying)))
             with contextlib.suppress(TimeoutError):
@@ -176,7 +176,7 @@ async def burst(redis: Redis, http: httpx.AsyncClient, server: Server) -> dict[s
         placed_at = time.monotonic()
         # the refill: until the floor is warm again (or 30 s); polled, as the sampler
         while time.monotonic() - placed_at < 30:
-            if await redis.scard(f"{RM}{sid}:idle") >= pool:
+            if await redis.scard(f"{RM}{{{sid}}}:idle") >= pool:
                 break
             await asyncio.sleep(0.1)
         refilled_at = time.monotonic()

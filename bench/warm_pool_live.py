@@ -138,8 +138,8 @@ async def sample(redis: Redis, scopes: list[Scope], began: float, until: float) 
         await asyncio.sleep(0.25)
         now = time.monotonic()
         for scope in scopes:
-            idle = await redis.scard(f"{RM_SCOPE}{scope.sid}:idle")
-            pods = set(await redis.zrange(f"{RM_SCOPE}{scope.sid}:pods", 0, -1))
+            idle = await redis.scard(f"{RM_SCOPE}{{{scope.sid}}}:idle")
+            pods = set(await redis.zrange(f"{RM_SCOPE}{{{scope.sid}}}:pods", 0, -1))
             if now - began >= WARMUP:
                 scope.idle_seconds += idle * (now - last)
                 scope.deploys += len(pods - scope.seen)

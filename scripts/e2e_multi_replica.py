@@ -56,7 +56,7 @@ SM, RM = "session_manager:", "resource_manager:resource:"
 
 def deploy_locks(sid: str) -> str:
     """The pattern of a scope's cold deploys' locks (one per deploy: many at once)."""
-    return f"resource_manager:lock:rm:deploy:{sid}:*"
+    return f"resource_manager:lock:rm:deploy:{{{sid}}}:*"
 
 
 JOBS = (
@@ -263,12 +263,12 @@ class Run:
         seconds, micros = await r.time()
         now = seconds + micros / 1e6  # seats of a dead replica expire by score (lazily dropped)
         return {
-            "waiters": int(await r.zcount(f"{SM}scope:{sid}:waiters", now, "+inf")),
-            "reserved": int(await r.zcount(f"{SM}scope:{sid}:reserved", now, "+inf")),
+            "waiters": int(await r.zcount(f"{SM}scope:{{{sid}}}:waiters", now, "+inf")),
+            "reserved": int(await r.zcount(f"{SM}scope:{{{sid}}}:reserved", now, "+inf")),
             "followers": sum(
                 [int(await r.zcount(room, now, "+inf")) for room in await self.rooms(sid)]
             ),
-            "deploying": int(await r.scard(f"{RM}scope:{sid}:deploying")),
+            "deploying": int(await r.scard(f"{RM}scope:{{{sid}}}:deploying")),
             "deploy_lock": len(await self.keys_like(deploy_locks(sid))),
         }
 
@@ -277,21 +277,21 @@ class Run:
 
     async def rooms(self, sid: str) -> list[str]:
         """The scope's follower rooms: one per cold deploy."""
-        return await self.keys_like(f"{RM}scope:{sid}:deploy_followers:*")
+        return await self.keys_like(f"{RM}scope:{{{sid}}}:deploy_followers:*")
 
     async def leftovers(self, sid: str) -> dict[str, int]:
         """Every member a scope still holds, live or past its lease (the prune job removes
         those of a dead replica), the deploy lock and the dead leader's pod record."""
         r = self.redis
         return {
-            "waiters": int(await r.zcard(f"{SM}scope:{sid}:waiters")),
-            "reserved": int(await r.zcard(f"{SM}scope:{sid}:reserved")),
+            "waiters": int(await r.zcard(f"{SM}scope:{{{sid}}}:waiters")),
+            "reserved": int(await r.zcard(f"{SM}scope:{{{sid}}}:reserved")),
             "followers": sum([int(await r.zcard(room)) for room in await self.rooms(sid)]),
-            "deploying": int(await r.scard(f"{RM}scope:{sid}:deploying")),
+            "deploying": int(await r.scard(f"{RM}scope:{{{sid}}}:deploying")),
             "deploy_lock": len(await self.keys_like(deploy_locks(sid))),
             # an ended deploy's record names its pod for one lease, then lapses
-            "deploy_pod": len(await self.keys_like(f"{RM}scope:{sid}:deploy_pod:*")),
-            "cold_deploys": int(await r.zcard(f"{RM}scope:{sid}:cold_deploys")),
+            "deploy_pod": len(await self.keys_like(f"{RM}scope:{{{sid}}}:deploy_pod:*")),
+            "cold_deploys": int(await r.zcard(f"{RM}scope:{{{sid}}}:cold_deploys")),
         }
 
     async def nothing_left(self, sid: str, within: float) -> None:
@@ -377,14 +377,14 @@ async def check_no_over_admission(run: Run) -> str:
     async def sample() -> None:
         while not done.is_set():
             async with run.redis.pipeline(transaction=True) as pipe:
-                pipe.scard(f"{SM}scope:{sid}:sessions")
-                pipe.zcard(f"{SM}scope:{sid}:waiters")
-                pipe.zrange(f"{SM}scope:{sid}:pods", 0, -1)
+                pipe.scard(f"{SM}scope:{{{sid}}}:sessions")
+                pipe.zcard(f"{SM}scope:{{{sid}}}:waiters")
+                pipe.zrange(f"{SM}scope:{{{sid}}}:pods", 0, -1)
                 scope_n, waiters, pods = await pipe.execute()
             peaks["scope"] = max(peaks["scope"], scope_n)
             peaks["waiters"] = max(peaks["waiters"], waiters)
             for pod in pods:
-                on_pod = int(await run.redis.scard(f"{SM}pod:{sid}:{pod}:sessions"))
+                on_pod = int(await run.redis.scard(f"{SM}pod:{{{sid}}}:{pod}:sessions"))
                 peaks["pod"] = max(peaks["pod"], on_pod)
             await asyncio.sleep(0.005)
 
@@ -406,7 +406,7 @@ async def check_no_over_admission(run: Run) -> str:
     # a thousand at once is past any replica's in-flight bound: the excess may be shed (OVERLOADED)
     allowed = {"OK", "SCOPE_QUEUE_FULL", "SCOPE_FULL_TIMEOUT", "OVERLOADED"}
     expect(set(codes) <= allowed, f"unexpected outcomes: {codes}")
-    expect(int(await run.redis.scard(f"{SM}scope:{sid}:sessions")) == sc, "sessions drifted")
+    expect(int(await run.redis.scard(f"{SM}scope:{{{sid}}}:sessions")) == sc, "sessions drifted")
     await run.nothing_held(sid, 8)
     return f"{n} routes: {dict(codes)}, peaks {peaks}"
 
@@ -465,7 +465,7 @@ async def check_failover(run: Run) -> str:
     expect((await run.api.route(victim.url, scope, "fo-held")).status_code == 200, "held")
     waiting = asyncio.create_task(run.api.route(victim.url, scope, "fo-wait", "fo-wait-r"))
     deadline = time.monotonic() + 5
-    while await run.redis.zscore(f"{SM}scope:{sid}:waiters", run.api.rid("fo-wait-r")) is None:
+    while await run.redis.zscore(f"{SM}scope:{{{sid}}}:waiters", run.api.rid("fo-wait-r")) is None:
         expect(time.monotonic() < deadline, "the waiter never took its seat")
         await asyncio.sleep(0.05)
     killed_at = time.monotonic()
@@ -615,7 +615,7 @@ async def check_drain(run: Run) -> str:
     for i in range(3):
         start(victim, scope, f"dr-queued-{i}")
     deadline = time.monotonic() + 5
-    while int(await run.redis.zcard(f"{SM}scope:{sid}:waiters")) < 3:
+    while int(await run.redis.zcard(f"{SM}scope:{{{sid}}}:waiters")) < 3:
         expect(time.monotonic() < deadline, "the waiters never took their seats")
         await asyncio.sleep(0.05)
     # deploys in flight: the other replica leads one the victim follows; the victim leads one
@@ -629,7 +629,7 @@ async def check_drain(run: Run) -> str:
         await wait_for_keys(run, list(deploy_of.values()), "the two deploys never started")
         start(victim, follow, "dr-follower")
         await wait_for_keys(
-            run, [f"{RM}scope:{scope_id(follow)}:deploy_followers:*"], "nobody followed"
+            run, [f"{RM}scope:{{{scope_id(follow)}}}:deploy_followers:*"], "nobody followed"
         )
         start(victim, follow, "dr-shared-follow")
         start(victim, own, "dr-shared-own")

@@ -2,7 +2,8 @@
 
 Tests that look at Redis directly name keys through these, never through the service's own
 ``state`` modules: a renamed key in the code must fail a test, not follow it silently. One
-argument order everywhere: the scope first, then the pod, then the part.
+argument order everywhere: the scope first, then the pod, then the part. A scope id in a key
+name is the key's Redis Cluster hash tag: it is written in braces (``scope:{<sid>}:pods``).
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ def sm_session(session_id: str) -> str:
 
 def sm_scope(scope_id: str, what: str) -> str:
     """sessions | pods | pod_seq | config | waiters | reserved | arrivals"""
-    return f"session_manager:scope:{scope_id}:{what}"
+    return f"session_manager:scope:{{{scope_id}}}:{what}"
 
 
 def sm_pod(scope_id: str, pod_id: str, what: str) -> str:
     """sessions | info | idle_notified"""
-    return f"session_manager:pod:{scope_id}:{pod_id}:{what}"
+    return f"session_manager:pod:{{{scope_id}}}:{pod_id}:{what}"
 
 
 def sm_pod_scopes(pod_id: str) -> str:
@@ -37,7 +38,7 @@ def route_marker(request_id: str) -> str:
 def rm_scope(scope_id: str, what: str) -> str:
     """pods | idle | config | deploying | cold_deploys | deploy_followers:{deploy id} |
     deploy_pod:{deploy id}"""
-    return f"resource_manager:resource:scope:{scope_id}:{what}"
+    return f"resource_manager:resource:scope:{{{scope_id}}}:{what}"
 
 
 def rm_pod(pod_id: str, what: str) -> str:
@@ -47,4 +48,4 @@ def rm_pod(pod_id: str, what: str) -> str:
 
 def rm_deploy_lock(scope_id: str, deploy_id: str) -> str:
     """One cold deploy's lock (a scope runs many: helpers.deploy_locks reads them all)."""
-    return f"resource_manager:lock:rm:deploy:{scope_id}:{deploy_id}"
+    return f"resource_manager:lock:rm:deploy:{{{scope_id}}}:{deploy_id}"

@@ -498,7 +498,7 @@ fake_only = pytest.mark.parametrize(("redis", "sql_backend"), [("fake", "sqlite"
 
 async def deploy_locks(client: Redis, scope_id: str) -> dict[str, str]:
     """The scope's cold deploys' locks held now: deploy id -> the leader's token."""
-    prefix = f"resource_manager:lock:rm:deploy:{scope_id}:"
+    prefix = f"resource_manager:lock:rm:deploy:{{{scope_id}}}:"
     keys = sorted(await redis_keys(client, f"{prefix}*"))
     values = await client.mget(keys) if keys else []
     return {k[len(prefix) :]: v for k, v in zip(keys, values, strict=True) if v is not None}
@@ -507,7 +507,7 @@ async def deploy_locks(client: Redis, scope_id: str) -> dict[str, str]:
 async def follower_seats(client: Redis, scope_id: str) -> list[str]:
     """Every seat in the scope's follower rooms (one room per cold deploy), live or not."""
     seats: list[str] = []
-    pattern = f"resource_manager:resource:scope:{scope_id}:deploy_followers:*"
+    pattern = f"resource_manager:resource:scope:{{{scope_id}}}:deploy_followers:*"
     for room in sorted(await redis_keys(client, pattern)):
         seats += await client.zrange(room, 0, -1)
     return sorted(seats)

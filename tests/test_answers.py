@@ -100,7 +100,7 @@ async def test_a_reused_request_id_of_another_tenant_gets_409_not_the_first_pod(
             for group_id, session_id in (("g2", "s-tenant-2"), ("g1", "s-other")):
                 sid = scope_of(group_id, "b1")
                 assert not await redis.exists(f"session_manager:session:{session_id}")
-                assert not await redis.exists(f"session_manager:scope:{sid}:reserved")
+                assert not await redis.exists(f"session_manager:scope:{{{sid}}}:reserved")
             assert cluster.deploy_calls == 1
             # the same request replays the first answer on both replicas (contract §2.3)
             for client in (a, b):

@@ -27,7 +27,7 @@ def rm_pod(pod: str, what: str) -> str:
 
 
 def rm_scope(sid: str, what: str) -> str:
-    return f"resource_manager:resource:scope:{sid}:{what}"
+    return f"resource_manager:resource:scope:{{{sid}}}:{what}"
 
 
 async def registered(rs: ResourceState, pod: str, *, warm: bool) -> None:

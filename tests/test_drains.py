@@ -374,6 +374,6 @@ async def test_a_drained_pod_stays_out_of_the_sweep_and_reconcile(
         for _ in range(2):
             await w.sweep()
             await w.svc.pool_jobs.reconcile_once()
-        assert not await redis.sismember(f"resource_manager:resource:scope:{SCOPE}:idle", pod)
+        assert not await redis.sismember(f"resource_manager:resource:scope:{{{SCOPE}}}:idle", pod)
         assert await redis.zscore(sm_scope(SCOPE, "pods"), pod) is None
         assert (await w.routed("s1"))["pod_id"] == pod

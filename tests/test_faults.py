@@ -289,12 +289,12 @@ def script_sha(package: str, name: str, prelude: str | tuple[str, ...] | None = 
 
 
 SM, RM = "agent_runtime.session_manager", "agent_runtime.resource_manager"
-SCRIPTS = {
-    "route_place": (SM, "route_place", "_session"),
-    "touch": (SM, "touch", "_session"),
+SCRIPTS = {  # each module's scripts come after its key builders (lua/_keys.lua)
+    "route_place": (SM, "route_place", ("_keys", "_session")),
+    "touch": (SM, "touch", ("_keys", "_session")),
     "waiter_gate": (lua.SHARED, "seat_gate", None),  # the shared seat gate, as the queue's
-    "acquire": (RM, "acquire", ("_budget", "_placeholders")),
-    "deploy_claim": (RM, "deploy_claim", ("_budget", "_placeholders")),
+    "acquire": (RM, "acquire", ("_keys", "_budget", "_placeholders")),
+    "deploy_claim": (RM, "deploy_claim", ("_keys", "_budget", "_placeholders")),
 }
 ROUTE_PLACE_SHA = script_sha(*SCRIPTS["route_place"])
 TOUCH_SHA = script_sha(*SCRIPTS["touch"])

@@ -247,7 +247,7 @@ async def test_a_taker_adopts_a_dead_leader_s_pod_in_the_recorded_cluster(redis:
     async with dying_and_healthy(redis, k8s) as (a, dying, b):
         leading = asyncio.create_task(a.acquire("r-a", pod_spec=takeover_spec(kubeconfig="east")))
         orphan = await started_leading(dying, redis)
-        record = f"resource_manager:resource:scope:{SCOPE_T}:deploy_pod:r-a"
+        record = f"resource_manager:resource:scope:{{{SCOPE_T}}}:deploy_pod:r-a"
         assert await redis.hget(record, "cluster") == "east"
         assert orphan in k8s.pods_in("east") and k8s.pods == {}
         got = await b.acquire("r-b", pod_spec=takeover_spec())
@@ -357,7 +357,8 @@ async def test_on_two_kubesims_a_named_cluster_s_pod_is_watched_and_reclaimed_th
             )
             assert resp.status_code == 200 and resp.json()["data"]["released"], resp.text
             deadline = time.monotonic() + 15
-            while pod_id not in await redis.smembers(f"resource_manager:resource:scope:{sid}:idle"):
+            idle = f"resource_manager:resource:scope:{{{sid}}}:idle"
+            while pod_id not in await redis.smembers(idle):
                 assert time.monotonic() < deadline, "the empty pod never went warm"
                 await svc.session_sweeper.sweep_once()
                 await svc.session_sweeper.wait_for_notices()

@@ -298,7 +298,7 @@ async def test_autoscale_stops_at_the_global_budget(redis: Redis, db: Database) 
             if await redis.hget(f"resource_manager:resource:pod:{pod_id}:info", "phase") == "idle":
                 await redis.set(f"resource_manager:resource:pod:{pod_id}:idle_since", 1)
         for group_id in ("g0", "g1", "g2"):  # no floor any more: the warm pods may go
-            key = f"resource_manager:resource:scope:{_scope(group_id)}:config"
+            key = f"resource_manager:resource:scope:{{{_scope(group_id)}}}:config"
             await redis.hset(key, "min_idle_pods", 0)
         assert await pool_jobs.reclaim_once() == 2
         assert await redis.zcard(BUDGET) == 3

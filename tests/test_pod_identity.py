@@ -336,7 +336,7 @@ async def adopt(state: ResourceState, pod_id: str, *, scope: str = SCOPE, ver: s
 
 
 def rm(what: str, scope: str = SCOPE) -> str:
-    return f"resource_manager:resource:scope:{scope}:{what}"
+    return f"resource_manager:resource:scope:{{{scope}}}:{what}"
 
 
 async def test_adopt_without_a_pool_config_registers_warm_and_counts_the_budget(

@@ -141,13 +141,18 @@ def test_every_error_code_is_in_the_table_with_its_status_and_retry_after() -> N
 
 
 def _shape(key: str) -> str:
-    """A key with its variable parts (``{scope_id}``, ``{sid}``, a SCAN ``*``) made alike."""
-    return re.sub(r"\{[^}]*\}|\*", "{}", key)
+    """A key with its variable parts made alike: the scope id's hash tag (``{sid}`` in the
+    reference, the braces part of the key; ``{*}`` in a SCAN or pub/sub pattern) stays
+    ``{sid}``, every other placeholder (``{pod_id}``, a SCAN ``*``) becomes ``{}``."""
+    return re.sub(r"\{[^}]*\}|\*", "{}", re.sub(r"\{(?:sid|\*)\}", "<sid>", key)).replace(
+        "<sid>", "{sid}"
+    )
 
 
 def _built_keys(module: ModuleType, prefix: str) -> set[str]:
     """What the module builds, without its prefix: constants and key functions, each function
-    called with its parameter names as placeholders (``session_key("{session_id}")``)."""
+    called with its parameter names as placeholders (``session_key("{session_id}")``), a scope
+    id as the bare ``sid`` (the builder must wrap it in braces: ``scope:{sid}:pods``)."""
     built = set()
     for name, value in vars(module).items():
         if name.startswith("_"):
@@ -156,7 +161,7 @@ def _built_keys(module: ModuleType, prefix: str) -> set[str]:
             params = inspect.signature(value).parameters.values()
             if any(p.default is not p.empty or p.annotation not in ("str", str) for p in params):
                 continue
-            value = value(*(f"{{{p.name}}}" for p in params))
+            value = value(*("sid" if p.name == "scope_id" else f"{{{p.name}}}" for p in params))
         if isinstance(value, str) and value.startswith(prefix) and value != prefix:
             built.add(value.removeprefix(prefix))
     return built

@@ -22,7 +22,7 @@ from agent_runtime.resource_manager.state_values import DeployClaim
 from helpers import other_client
 
 SID = "scope-c"
-CONFIG = f"resource_manager:resource:scope:{SID}:config"
+CONFIG = f"resource_manager:resource:scope:{{{SID}}}:config"
 LEASE = 5.0
 
 
@@ -33,18 +33,18 @@ class K:
 
     @staticmethod
     def lock(did: str) -> str:
-        return f"resource_manager:lock:rm:deploy:{SID}:{did}"
+        return f"resource_manager:lock:rm:deploy:{{{SID}}}:{did}"
 
     @staticmethod
     def record(did: str) -> str:
-        return f"resource_manager:resource:scope:{SID}:deploy_pod:{did}"
+        return f"resource_manager:resource:scope:{{{SID}}}:deploy_pod:{did}"
 
     @staticmethod
     def room(did: str) -> str:
-        return f"resource_manager:resource:scope:{SID}:deploy_followers:{did}"
+        return f"resource_manager:resource:scope:{{{SID}}}:deploy_followers:{did}"
 
-    COLD = f"resource_manager:resource:scope:{SID}:cold_deploys"
-    DEPLOYING = f"resource_manager:resource:scope:{SID}:deploying"
+    COLD = f"resource_manager:resource:scope:{{{SID}}}:cold_deploys"
+    DEPLOYING = f"resource_manager:resource:scope:{{{SID}}}:deploying"
 
 
 async def configure(rs: ResourceState, *, pod_concurrency: int, max_pods: int = 100) -> None:
@@ -148,7 +148,7 @@ async def test_max_pods_holds_across_leads_and_a_refused_claim_is_told_what_is_c
     for i, c in enumerate(claims):
         if c.action == "lead":
             await redis.delete(K.lock(c.deploy_id))
-            await redis.zadd(f"resource_manager:resource:scope:{SID}:pods", {f"agent-{i}": 1})
+            await redis.zadd(f"resource_manager:resource:scope:{{{SID}}}:pods", {f"agent-{i}": 1})
     assert (await cold_claim(rs, "late")).action == "max_reached"
     assert await redis.zcard(K.COLD) == 0, "deploys that ended left the index"
 

@@ -1436,7 +1436,7 @@ async def test_autoscale_keeps_within_the_replica_s_and_the_scope_s_deploy_concu
         env.orchestrator.scope_deploy_concurrency = 6
         seconds, _ = await env.redis.time()
         await env.redis.sadd(  # two cold deploys (routes') in flight
-            f"resource_manager:resource:scope:{SCOPE}:deploying",
+            f"resource_manager:resource:scope:{{{SCOPE}}}:deploying",
             f"r1:a@{seconds + 60}", f"r2:b@{seconds + 60}",
         )  # fmt: skip
         k8s.gate.set()

@@ -34,23 +34,23 @@ class K:
 
     @staticmethod
     def lock(sid: str = SID, did: str = DID) -> str:
-        return f"resource_manager:lock:rm:deploy:{sid}:{did}"
+        return f"resource_manager:lock:rm:deploy:{{{sid}}}:{did}"
 
     @staticmethod
     def record(sid: str = SID, did: str = DID) -> str:
-        return f"resource_manager:resource:scope:{sid}:deploy_pod:{did}"
+        return f"resource_manager:resource:scope:{{{sid}}}:deploy_pod:{did}"
 
     @staticmethod
     def cold(sid: str = SID) -> str:
-        return f"resource_manager:resource:scope:{sid}:cold_deploys"
+        return f"resource_manager:resource:scope:{{{sid}}}:cold_deploys"
 
     @staticmethod
     def deploying(sid: str = SID) -> str:
-        return f"resource_manager:resource:scope:{sid}:deploying"
+        return f"resource_manager:resource:scope:{{{sid}}}:deploying"
 
     @staticmethod
     def followers(sid: str = SID, did: str = DID) -> str:
-        return f"resource_manager:resource:scope:{sid}:deploy_followers:{did}"
+        return f"resource_manager:resource:scope:{{{sid}}}:deploy_followers:{did}"
 
     @staticmethod
     def rule(rule_id: str) -> str:

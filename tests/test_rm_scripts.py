@@ -47,23 +47,23 @@ class K:
 
     @staticmethod
     def config(sid: str) -> str:
-        return f"resource_manager:resource:scope:{sid}:config"
+        return f"resource_manager:resource:scope:{{{sid}}}:config"
 
     @staticmethod
     def pods(sid: str) -> str:
-        return f"resource_manager:resource:scope:{sid}:pods"
+        return f"resource_manager:resource:scope:{{{sid}}}:pods"
 
     @staticmethod
     def idle(sid: str) -> str:
-        return f"resource_manager:resource:scope:{sid}:idle"
+        return f"resource_manager:resource:scope:{{{sid}}}:idle"
 
     @staticmethod
     def deploying(sid: str) -> str:
-        return f"resource_manager:resource:scope:{sid}:deploying"
+        return f"resource_manager:resource:scope:{{{sid}}}:deploying"
 
     @staticmethod
     def followers(sid: str) -> str:
-        return f"resource_manager:resource:scope:{sid}:deploy_followers"
+        return f"resource_manager:resource:scope:{{{sid}}}:deploy_followers"
 
     @staticmethod
     def info(pod: str) -> str:
@@ -740,9 +740,9 @@ async def test_read_many_reads_each_key_in_order_and_refuses_other_commands(
     assert sets == [["p1"], []]
     counts = await js._read_many_script(keys=[K.pods("s1"), K.pods("nope")], args=["ZCARD"])
     assert counts == [1, 0]
-    await redis.rpush("resource_manager:resource:scope:s1:deploy_times", "3.5", "2.0")
+    await redis.rpush("resource_manager:resource:scope:{s1}:deploy_times", "3.5", "2.0")
     lists = await js._read_many_script(
-        keys=["resource_manager:resource:scope:s1:deploy_times", K.pods("nope")], args=["LRANGE"]
+        keys=["resource_manager:resource:scope:{s1}:deploy_times", K.pods("nope")], args=["LRANGE"]
     )
     assert lists == [["3.5", "2.0"], []]
     for command in ("DEL", "SET", "hgetall", "LPUSH"):

@@ -72,12 +72,12 @@ ALL_PODS = "resource_manager:resource:pods:all"
 
 
 def rm(what: str) -> str:
-    return f"resource_manager:resource:scope:{SCOPE}:{what}"
+    return f"resource_manager:resource:scope:{{{SCOPE}}}:{what}"
 
 
 # the deploy "r-a" leads (a cold deploy is keyed by its demand: the caller's request id), and
 # keeps when another caller takes it over
-LOCK = f"resource_manager:lock:rm:deploy:{SCOPE}:r-a"
+LOCK = f"resource_manager:lock:rm:deploy:{{{SCOPE}}}:r-a"
 RECORD = rm("deploy_pod:r-a")
 
 
@@ -308,7 +308,7 @@ async def test_beside_deploys_in_parallel_a_dead_leader_s_deploy_is_taken_over_a
         leading = asyncio.create_task(a.acquire("r-a", pool=pool))
         orphan = await started_leading(dying, redis)
         beside = asyncio.create_task(b.acquire("r-b", pool=pool))
-        lock_b = f"resource_manager:lock:rm:deploy:{SCOPE}:r-b"
+        lock_b = f"resource_manager:lock:rm:deploy:{{{SCOPE}}}:r-b"
         await eventually(lambda: redis.exists(lock_b), "r-b leading beside r-a")
         deadline = time.monotonic() + 15
         while True:  # as a route does: wait, and ask again

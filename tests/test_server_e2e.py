@@ -42,6 +42,7 @@ from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
 from agent_runtime.resource_manager.identity import PodIdentity
+from contract_keys import rm_deploy_lock
 from helpers import (
     CLAIM_KEY,
     claim_real_redis,
@@ -836,7 +837,7 @@ async def test_a_b_a_failed_deploy_is_503_and_leaves_nothing_behind(w: Scenario)
         await w.remove_fault(fault)
     assert not await w.redis.exists(sm_session(w.sid("s1")))
     assert await w.redis.scard(rm_scope(w.scope, "deploying")) == 0
-    assert not [k async for k in w.redis.scan_iter(f"resource_manager:lock:rm:deploy:{w.scope}:*")]
+    assert not [k async for k in w.redis.scan_iter(rm_deploy_lock(w.scope, "*"))]
     assert await w.waiting(0)() and await w.live_sessions() == set()
     # the image pulls again: the gateway's retry is served
     assert (await w.routed("s1"))["placement"] == "placed"

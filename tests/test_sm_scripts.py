@@ -62,47 +62,47 @@ class K:
 
     @staticmethod
     def scope_sessions(sid: str) -> str:
-        return f"{P}scope:{sid}:sessions"
+        return f"{P}scope:{{{sid}}}:sessions"
 
     @staticmethod
     def candidates(sid: str) -> str:
-        return f"{P}scope:{sid}:pods"
+        return f"{P}scope:{{{sid}}}:pods"
 
     @staticmethod
     def pod_seq(sid: str) -> str:
-        return f"{P}scope:{sid}:pod_seq"
+        return f"{P}scope:{{{sid}}}:pod_seq"
 
     @staticmethod
     def config(sid: str) -> str:
-        return f"{P}scope:{sid}:config"
+        return f"{P}scope:{{{sid}}}:config"
 
     @staticmethod
     def waiters(sid: str) -> str:
-        return f"{P}scope:{sid}:waiters"
+        return f"{P}scope:{{{sid}}}:waiters"
 
     @staticmethod
     def reserved(sid: str) -> str:
-        return f"{P}scope:{sid}:reserved"
+        return f"{P}scope:{{{sid}}}:reserved"
 
     @staticmethod
     def arrivals(sid: str) -> str:
-        return f"{P}scope:{sid}:arrivals"
+        return f"{P}scope:{{{sid}}}:arrivals"
 
     @staticmethod
     def free(sid: str) -> str:
-        return f"{P}scope:{sid}:free"
+        return f"{P}scope:{{{sid}}}:free"
 
     @staticmethod
     def pod_sessions(sid: str, pod: str) -> str:
-        return f"{P}pod:{sid}:{pod}:sessions"
+        return f"{P}pod:{{{sid}}}:{pod}:sessions"
 
     @staticmethod
     def pod_info(sid: str, pod: str) -> str:
-        return f"{P}pod:{sid}:{pod}:info"
+        return f"{P}pod:{{{sid}}}:{pod}:info"
 
     @staticmethod
     def idle_notified(sid: str, pod: str) -> str:
-        return f"{P}pod:{sid}:{pod}:idle_notified"
+        return f"{P}pod:{{{sid}}}:{pod}:idle_notified"
 
     @staticmethod
     def pod_scopes(pod: str) -> str:

@@ -16,11 +16,11 @@ LEASED = f"{P}leased_scopes"
 
 
 def waiters(sid: str) -> str:
-    return f"{P}scope:{sid}:waiters"
+    return f"{P}scope:{{{sid}}}:waiters"
 
 
 def reserved(sid: str) -> str:
-    return f"{P}scope:{sid}:reserved"
+    return f"{P}scope:{{{sid}}}:reserved"
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ async def test_a_seat_and_a_reservation_put_their_scope_in_the_index(
     assert await state.take_waiter_seat("sa", "r1", 3.0, 4)
     assert not await state.take_waiter_seat("sb", "r1", 3.0, 0), "refused: not indexed"
     await redis.hset(
-        f"{P}scope:sc:config",
+        f"{P}scope:{{sc}}:config",
         mapping={"scope_concurrency": 4, "pod_concurrency": 2, "max_pods": 2, "session_ttl": 60},
     )
     reply = spelled(

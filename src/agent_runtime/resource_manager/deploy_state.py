@@ -35,6 +35,7 @@ from agent_runtime.resource_manager.state import (
     scope_config_key,
     scope_deploying_key,
     scope_followers_key,
+    scope_key_head,
     scope_pods_key,
 )
 from agent_runtime.resource_manager.state_values import (
@@ -111,13 +112,13 @@ class DeployState:
         self.redis = state.redis
         self.pod_budget = state.pod_budget
         placeholders = ("_budget", "_placeholders")
-        self._placeholder = state.script("placeholder", placeholders)
+        self._placeholder = state.script("placeholder", *placeholders)
         self._drop_placeholder = state.script("drop_placeholder", "_budget")
-        self._claim = state.script("deploy_claim", placeholders)
+        self._claim = state.script("deploy_claim", *placeholders)
         self._lease_take = state.script("deploy_lease_take")
-        self._lease_renew = state.script("deploy_lease", placeholders)
+        self._lease_renew = state.script("deploy_lease", *placeholders)
         self._lease_end = state.script("deploy_lease_end")
-        self._lease_prune = state.script("lease_prune", placeholders)
+        self._lease_prune = state.script("lease_prune", *placeholders)
 
     # --- placeholders --------------------------------------------------------------------------
 
@@ -192,7 +193,7 @@ class DeployState:
             ],
             args=[
                 deploy_lock_prefix(scope_id),
-                f"{SCOPE_PREFIX}{scope_id}:",
+                scope_key_head(scope_id),
                 deploy_id,
                 token,
                 max(int(lease * 1000), 1),

@@ -41,6 +41,7 @@ from agent_runtime.resource_manager.state import (
     scope_deploy_times_key,
     scope_deploying_key,
     scope_idle_key,
+    scope_of_config_key,
     scope_pods_key,
 )
 from agent_runtime.resource_manager.state_values import (
@@ -73,7 +74,7 @@ class PoolJobsState:
         self._budget_fill = state.script("budget_fill", "_budget")
         self._budget_prune = state.script("budget_prune", "_budget")
         self._foreign_report = state.script("foreign_report")
-        self._adopt = state.script("adopt", ("_budget", "_placeholders"))
+        self._adopt = state.script("adopt", "_budget", "_placeholders")
         self._purge = state.script("purge", "_budget")
 
     # --- scopes and their pools, in slices -----------------------------------------------------
@@ -266,10 +267,10 @@ class PoolJobsState:
     async def index_scopes(self) -> int:
         """Add to the index every scope whose config it lacks (a SCAN of the keyspace, never
         KEYS: run by reconcile, not by every tick); returns how many were added."""
-        prefix, suffix = len(SCOPE_PREFIX), len(":config")
         found = [
-            key[prefix:-suffix]
+            sid
             async for key in self.redis.scan_iter(match=SCOPE_CONFIG_PATTERN, count=BATCH)
+            if (sid := scope_of_config_key(key))
         ]
         added = 0
         for i in range(0, len(found), BATCH):

@@ -30,6 +30,10 @@ from agent_runtime.resource_manager.state_values import (
     PoolConfig,
 )
 
+# Every key of one scope's state carries the scope id as its Redis Cluster hash tag, braces
+# included ("resource:scope:{<sid>}:pods", "lock:rm:deploy:{<sid>}:<deploy id>"): a script
+# that touches one scope touches one slot. A script given SCOPE_PREFIX derives the same names
+# with lua/_keys.lua.
 SCOPE_PREFIX = f"{P}resource:scope:"
 POD_PREFIX = f"{P}resource:pod:"
 PODS_ALL_KEY = f"{P}resource:pods:all"
@@ -38,7 +42,7 @@ PODS_ALL_KEY = f"{P}resource:pods:all"
 # sessions ~150k keys, 300 round trips a tick). Written with the config; reconcile adds any
 # config the index lacks (an upgrade from a version without it, a config written by hand).
 SCOPES_KEY = f"{P}resource:scopes"
-SCOPE_CONFIG_PATTERN = f"{SCOPE_PREFIX}*:config"
+SCOPE_CONFIG_PATTERN = f"{SCOPE_PREFIX}{{*}}:config"
 # Not in the contract: scopes that took a follower seat or a placeholder since the prune job
 # last found them empty, where a dead replica's leftovers can be (lease_prune.lua).
 LEASED_SCOPES_KEY = f"{P}resource:leased_scopes"
@@ -56,40 +60,55 @@ FOREIGN_COUNT_KEY = f"{P}resource:foreign_pods:count"
 # Drains (drains.py): the pods being drained, pod -> deadline (Redis seconds), beside each
 # pod's ``pod:{pod}:drain`` hash (drain_begin.lua writes both, purge.lua drops both).
 DRAINING_KEY = f"{P}resource:draining"
-DEPLOY_LOCK_PREFIX = f"{P}lock:rm:deploy:"  # + "{sid}:{deploy id}"
+DEPLOY_LOCK_PREFIX = f"{P}lock:rm:deploy:"  # + "{<sid>}:<deploy id>"
 IDEM_TTL = 60
 DEPLOY_TIMES_KEPT = 32  # a scope's recent deploy times (deploy_time.lua)
 DEPLOY_TIMES_TTL = 86400  # seconds the list outlives the scope's last deploy
 PACKAGE = "agent_runtime.resource_manager"  # where the lua/ folder is
+KEYS_PRELUDE = "_keys"  # the prelude that derives key names in Lua, before any other
+
+
+def scope_key_head(scope_id: str) -> str:
+    """The head of a scope's keys, ``resource_manager:resource:scope:{<sid>}:`` (what
+    deploy_claim.lua is given to derive a deploy's room and record)."""
+    return f"{SCOPE_PREFIX}{{{scope_id}}}:"
+
+
+def scope_of_config_key(key: str) -> str | None:
+    """The scope id of a ``resource:scope:{<sid>}:config`` key found by a SCAN (None: not
+    one of this layout's)."""
+    head, _, rest = key.partition("{")
+    sid, closed, tail = rest.partition("}")
+    return sid if head == SCOPE_PREFIX and closed and tail == ":config" else None
 
 
 def scope_config_key(scope_id: str) -> str:
-    return f"{SCOPE_PREFIX}{scope_id}:config"
+    return f"{scope_key_head(scope_id)}config"
 
 
 def scope_pods_key(scope_id: str) -> str:
-    return f"{SCOPE_PREFIX}{scope_id}:pods"
+    return f"{scope_key_head(scope_id)}pods"
 
 
 def scope_idle_key(scope_id: str) -> str:
-    return f"{SCOPE_PREFIX}{scope_id}:idle"
+    return f"{scope_key_head(scope_id)}idle"
 
 
 def scope_deploying_key(scope_id: str) -> str:
-    return f"{SCOPE_PREFIX}{scope_id}:deploying"
+    return f"{scope_key_head(scope_id)}deploying"
 
 
 def scope_followers_key(scope_id: str, deploy_id: str) -> str:
     """The follower room of one cold deploy: request id -> seat deadline (≤ pod_concurrency - 1
     seats; the key lives at most ``record_ttl`` after its last seat was taken)."""
-    return f"{SCOPE_PREFIX}{scope_id}:deploy_followers:{deploy_id}"
+    return f"{scope_key_head(scope_id)}deploy_followers:{deploy_id}"
 
 
 def scope_cold_deploys_key(scope_id: str) -> str:
     """The scope's cold deploys (routes'): deploy id -> when it was first led (Redis seconds).
     A member is live while its lock exists; one whose lock lapsed stays while its record
     names a pod nobody registered (to be taken over), and leaves at the next claim or prune."""
-    return f"{SCOPE_PREFIX}{scope_id}:cold_deploys"
+    return f"{scope_key_head(scope_id)}cold_deploys"
 
 
 def budget_rule_pods_key(rule_id: str) -> str:
@@ -99,13 +118,13 @@ def budget_rule_pods_key(rule_id: str) -> str:
 def scope_deploy_times_key(scope_id: str) -> str:
     """The scope's recent deploy times, seconds, newest first (deploy_time.lua; at most
     DEPLOY_TIMES_KEPT): a predictive warm pool plans with a high percentile of them."""
-    return f"{SCOPE_PREFIX}{scope_id}:deploy_times"
+    return f"{scope_key_head(scope_id)}deploy_times"
 
 
 def scope_config_gen_key(scope_id: str) -> str:
     """The config_sync generation that last wrote the scope's pool config (not in the
     contract: the config hash keeps exactly the contract's fields)."""
-    return f"{SCOPE_PREFIX}{scope_id}:config_gen"
+    return f"{scope_key_head(scope_id)}config_gen"
 
 
 def pod_info_key(pod_id: str) -> str:
@@ -137,13 +156,13 @@ def deploy_lock_key(scope_id: str, deploy_id: str) -> str:
 
 def deploy_lock_prefix(scope_id: str) -> str:
     """What a script prepends to a deploy id to get its lock (deploy_claim.lua)."""
-    return f"{DEPLOY_LOCK_PREFIX}{scope_id}:"
+    return f"{DEPLOY_LOCK_PREFIX}{{{scope_id}}}:"
 
 
 def deploy_pod_key(scope_id: str, deploy_id: str) -> str:
     """One cold deploy's pod, recorded once created (its name, namespace, uid and cluster,
     under the leader's token), or the notice of a failed deploy (not in the contract)."""
-    return f"{SCOPE_PREFIX}{scope_id}:deploy_pod:{deploy_id}"
+    return f"{scope_key_head(scope_id)}deploy_pod:{deploy_id}"
 
 
 # the deploy record's fields (deploy_lease*.lua write them), as deploy_state reads them back
@@ -167,10 +186,10 @@ def placeholder_deadline(member: str) -> float:
 
 def registered_channel(scope_id: str) -> str:
     """Pub/sub: a pod of the scope was registered (payload: pod id). Wakes deploy followers."""
-    return f"{SCOPE_PREFIX}{scope_id}:registered"
+    return f"{scope_key_head(scope_id)}registered"
 
 
-REGISTERED_PATTERN = f"{SCOPE_PREFIX}*:registered"
+REGISTERED_PATTERN = f"{SCOPE_PREFIX}{{*}}:registered"
 
 
 def idem_key(request_id: str) -> str:
@@ -287,16 +306,19 @@ class ResourceState:
         self.redis = redis
         self.pod_budget = pod_budget  # the installation's: pods + placeholders of all scopes
         self._observe = observe
-        self._acquire = self.script("acquire", ("_budget", "_placeholders"))
+        self._acquire = self.script("acquire", "_budget", "_placeholders")
         self._register = self.script("register", "_budget")
         self._release = self.script("release")
         self._pool_config_script = self.script("pool_config")
         self._scope_expire = self.script("scope_expire")
         self._deploy_time = self.script("deploy_time")
 
-    def script(self, name: str, prelude: str | tuple[str, ...] | None = None) -> Any:
-        """A script of the resource manager's ``lua/`` folder on this client (EVALSHA)."""
-        return lua.register(self.redis, PACKAGE, name, prelude=prelude, observe=self._observe)
+    def script(self, name: str, *preludes: str) -> Any:
+        """A script of the resource manager's ``lua/`` folder on this client (EVALSHA), after
+        the key builders (lua/_keys.lua) and ``preludes``."""
+        return lua.register(
+            self.redis, PACKAGE, name, prelude=(KEYS_PRELUDE, *preludes), observe=self._observe
+        )
 
     def shared_script(self, name: str, *, label: str) -> Any:
         """A script of the shared ground (``agent_runtime/lua_shared/``) on this client, timed

@@ -19,6 +19,7 @@ from agent_runtime.resource_manager.session_side import (
     ARRIVAL_SLOW_WINDOW,
     ScopeDemand,
 )
+from agent_runtime.session_manager.state import KEYS_PRELUDE
 
 DEMAND_BATCH = 200  # scopes per scope_demand call (~4 commands each: ≲ 0.5 ms in Redis)
 _FIELDS = 5  # per scope: fast, slow, at, sessions, queued
@@ -29,7 +30,11 @@ class DemandState:
 
     def __init__(self, redis: Redis, *, observe: lua.ScriptObserver | None = None) -> None:
         self._scope_demand = lua.register(
-            redis, "agent_runtime.session_manager", "scope_demand", observe=observe
+            redis,
+            "agent_runtime.session_manager",
+            "scope_demand",
+            prelude=KEYS_PRELUDE,
+            observe=observe,
         )
 
     async def scope_demand(self, scope_ids: Sequence[str]) -> dict[str, ScopeDemand]:

@@ -26,6 +26,7 @@ from agent_runtime.session_manager.scope_cache import ScopeConfig
 from agent_runtime.session_manager.state import (
     CONFIG_GEN_KEY,
     CONFIG_SYNC_LOCK_KEY,
+    KEYS_PRELUDE,
     PODS_REGISTERED_KEY,
     SCOPE_CONFIG_PATTERN,
     SCOPE_IDLE_KEY,
@@ -66,7 +67,7 @@ class ScopeState:
         pkg = "agent_runtime.session_manager"
 
         def script(name: str) -> Any:
-            return lua.register(redis, pkg, name, observe=observe)
+            return lua.register(redis, pkg, name, prelude=KEYS_PRELUDE, observe=observe)
 
         self._scope_put = script("scope_put")
         self._scope_idle_mark = script("scope_idle_mark")

@@ -45,26 +45,39 @@ from agent_runtime.session_manager.replies import (
 )
 
 # --- key names -------------------------------------------------------------------------------
+# Every key of one scope's state carries the scope id as its Redis Cluster hash tag, braces
+# included ("scope:{<sid>}:sessions"): a script that touches one scope touches one slot. The
+# scripts derive the same names with lua/_keys.lua.
+
+
+def _scope(scope_id: str) -> str:
+    """The head of a scope's keys: ``session_manager:scope:{<sid>}:``."""
+    return f"{P}scope:{{{scope_id}}}:"
+
+
+def _pod(scope_id: str, pod_id: str) -> str:
+    """The head of a pod's keys in a scope: ``session_manager:pod:{<sid>}:<pod>:``."""
+    return f"{P}pod:{{{scope_id}}}:{pod_id}:"
 
 
 def scope_config_key(scope_id: str) -> str:
-    return f"{P}scope:{scope_id}:config"
+    return f"{_scope(scope_id)}config"
 
 
 def scope_pods_key(scope_id: str) -> str:
-    return f"{P}scope:{scope_id}:pods"
+    return f"{_scope(scope_id)}pods"
 
 
 def pod_info_key(scope_id: str, pod_id: str) -> str:
-    return f"{P}pod:{scope_id}:{pod_id}:info"
+    return f"{_pod(scope_id, pod_id)}info"
 
 
 def pod_sessions_key(scope_id: str, pod_id: str) -> str:
-    return f"{P}pod:{scope_id}:{pod_id}:sessions"
+    return f"{_pod(scope_id, pod_id)}sessions"
 
 
 def pod_idle_notified_key(scope_id: str, pod_id: str) -> str:
-    return f"{P}pod:{scope_id}:{pod_id}:idle_notified"
+    return f"{_pod(scope_id, pod_id)}idle_notified"
 
 
 def pod_scopes_key(pod_id: str) -> str:
@@ -76,30 +89,30 @@ def session_key(session_id: str) -> str:
 
 
 def scope_sessions_key(scope_id: str) -> str:
-    return f"{P}scope:{scope_id}:sessions"
+    return f"{_scope(scope_id)}sessions"
 
 
 def scope_free_channel(scope_id: str) -> str:
-    return f"{P}scope:{scope_id}:free"
+    return f"{_scope(scope_id)}free"
 
 
 def scope_waiters_key(scope_id: str) -> str:
-    return f"{P}scope:{scope_id}:waiters"
+    return f"{_scope(scope_id)}waiters"
 
 
 def scope_reserved_key(scope_id: str) -> str:
     """Routes headed for a pod being acquired: request_id → lease deadline (route_place)."""
-    return f"{P}scope:{scope_id}:reserved"
+    return f"{_scope(scope_id)}reserved"
 
 
 def scope_arrivals_key(scope_id: str) -> str:
     """The scope's arrival rate of new sessions: EWMAs ``fast``, ``slow`` and ``at``
     (route_place.lua counts each placement; the warm pool's demand, read by demand_state)."""
-    return f"{P}scope:{scope_id}:arrivals"
+    return f"{_scope(scope_id)}arrivals"
 
 
 def scope_pod_seq_key(scope_id: str) -> str:
-    return f"{P}scope:{scope_id}:pod_seq"
+    return f"{_scope(scope_id)}pod_seq"
 
 
 def route_key(request_id: str) -> str:
@@ -126,7 +139,9 @@ def previous_pod_key(session_id: str) -> str:
     return f"{P}previous_pod:{session_id}"  # not under session:{id}: ids may hold ":"
 
 
-FREE_PATTERN = f"{P}scope:*:free"
+# the prelude that derives the scope's key names in Lua (lua/_keys.lua), before any other
+KEYS_PRELUDE = "_keys"
+FREE_PATTERN = f"{_scope('*')}free"
 REPLAY_TTL = 60
 # seconds a running route's pending marker, reservation and seat live unless renewed: a route
 # renews them every ROUTE_LEASE / 3 (route_lease.lua); one that died or lost Redis frees them
@@ -142,7 +157,7 @@ SESSION_EXPIRY_KEY = f"{P}session_expiry"
 CONFIG_SYNC_LOCK_KEY = f"{P}lock:config_sync"
 SCOPE_REGISTRY_KEY = f"{P}scope_registry"
 CONFIG_GEN_KEY = f"{P}config_gen"
-SCOPE_CONFIG_PATTERN = f"{P}scope:*:config"
+SCOPE_CONFIG_PATTERN = f"{_scope('*')}config"
 SCOPE_IDLE_KEY = f"{P}scope_idle"
 # scopes that took a queue seat or a reservation since the prune job last found them empty:
 # where a dead replica's leftovers can be (seat_prune.lua), so the job never walks every scope
@@ -197,8 +212,10 @@ class SessionState:
         self.observe = observe  # the script observer, for the session side's other readers
         pkg = "agent_runtime.session_manager"
 
-        def script(name: str, prelude: str | None = None) -> Any:
-            return lua.register(redis, pkg, name, prelude=prelude, observe=observe)
+        def script(name: str, *preludes: str) -> Any:
+            return lua.register(
+                redis, pkg, name, prelude=(KEYS_PRELUDE, *preludes), observe=observe
+            )
 
         self._route_place = script("route_place", "_session")
         self._evict = script("evict", "_session")

@@ -16,8 +16,7 @@ local now = tonumber(redis.call('TIME')[1])
 local added = 0
 for i = 3, #ARGV do
   local sid = ARGV[i]
-  local base = ARGV[1] .. sid
-  local rule = redis.call('HGET', base .. ':config', 'budget_rule') or ''
+  local rule = redis.call('HGET', scope_key(ARGV[1], sid, 'config'), 'budget_rule') or ''
   local rule_key = rule_budget_key(ARGV[2], rule)
   local function fill(unit, score)
     added = added + redis.call('ZADD', KEYS[1], score, unit)
@@ -26,8 +25,8 @@ for i = 3, #ARGV do
       redis.call('SADD', KEYS[2], rule)
     end
   end
-  for _, pod in ipairs(redis.call('ZRANGE', base .. ':pods', 0, -1)) do fill(pod, '+inf') end
-  for _, member in ipairs(redis.call('SMEMBERS', base .. ':deploying')) do
+  for _, pod in ipairs(redis.call('ZRANGE', scope_key(ARGV[1], sid, 'pods'), 0, -1)) do fill(pod, '+inf') end
+  for _, member in ipairs(redis.call('SMEMBERS', scope_key(ARGV[1], sid, 'deploying'))) do
     local deadline = placeholder_deadline(member)
     if deadline >= now then fill(sid .. ':' .. member, deadline) end
   end

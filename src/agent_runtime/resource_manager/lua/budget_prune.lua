@@ -14,7 +14,7 @@
 local rule = ARGV[1]
 local now = tonumber(redis.call('TIME')[1])
 local function linked(sid)
-  return rule == '' or redis.call('HGET', ARGV[2] .. sid .. ':config', 'budget_rule') == rule
+  return rule == '' or redis.call('HGET', scope_key(ARGV[2], sid, 'config'), 'budget_rule') == rule
 end
 local dropped = 0
 for i = 4, #ARGV do
@@ -24,11 +24,11 @@ for i = 4, #ARGV do
   if colon then
     local sid, member = string.sub(unit, 1, colon - 1), string.sub(unit, colon + 1)
     valid = placeholder_deadline(member) >= now
-      and redis.call('SISMEMBER', ARGV[2] .. sid .. ':deploying', member) == 1 and linked(sid)
+      and redis.call('SISMEMBER', scope_key(ARGV[2], sid, 'deploying'), member) == 1 and linked(sid)
   else
     local sid = redis.call('HGET', ARGV[3] .. unit .. ':info', 'scope_id')
     valid = redis.call('SISMEMBER', KEYS[2], unit) == 1
-      and (rule == '' or (sid and redis.call('ZSCORE', ARGV[2] .. sid .. ':pods', unit)
+      and (rule == '' or (sid and redis.call('ZSCORE', scope_key(ARGV[2], sid, 'pods'), unit)
         and linked(sid)))
   end
   if not valid then dropped = dropped + redis.call('ZREM', KEYS[1], unit) end

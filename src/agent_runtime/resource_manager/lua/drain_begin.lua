@@ -48,7 +48,7 @@ else
 end
 redis.call('ZADD', KEYS[3], deadline, ARGV[1])
 if state == 'draining' then
-  redis.call('SREM', ARGV[6] .. scope .. ':idle', ARGV[1])
+  redis.call('SREM', scope_key(ARGV[6], scope, 'idle'), ARGV[1])
   redis.call('DEL', KEYS[4])
   redis.call('HSET', KEYS[1], 'phase', 'draining')
 end

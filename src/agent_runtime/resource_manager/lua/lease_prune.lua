@@ -26,7 +26,7 @@ local now = tonumber(redis.call('TIME')[1])
 local seats, placeholders = 0, 0
 for i = 4, #ARGV do
   local sid = ARGV[i]
-  local s = ARGV[1] .. sid .. ':'
+  local s = scope_key(ARGV[1], sid, '')
   local before = redis.call('SCARD', s .. 'deploying')
   if before > 0 then
     local rule = redis.call('HGET', s .. 'config', 'budget_rule')
@@ -36,7 +36,7 @@ for i = 4, #ARGV do
   for _, id in ipairs(redis.call('ZRANGE', s .. 'cold_deploys', 0, -1)) do
     seats = seats + redis.call('ZREMRANGEBYSCORE', s .. 'deploy_followers:' .. id, '-inf',
       '(' .. now)
-    if redis.call('EXISTS', ARGV[3] .. sid .. ':' .. id) == 0 then
+    if redis.call('EXISTS', scope_key(ARGV[3], sid, id)) == 0 then
       local record = redis.call('HMGET', s .. 'deploy_pod:' .. id, 'token', 'pod_id', 'failed')
       if not record[1] or record[3] or not record[2]
           or redis.call('SISMEMBER', KEYS[3], record[2]) == 1 then

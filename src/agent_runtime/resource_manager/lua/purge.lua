@@ -22,8 +22,8 @@ redis.call('SREM', KEYS[4], ARGV[1])
 redis.call('ZREM', KEYS[7], ARGV[1])
 redis.call('ZREM', KEYS[5], ARGV[1])
 if not scope then return false end
-local rule = redis.call('HGET', ARGV[2] .. scope .. ':config', 'budget_rule')
+local rule = redis.call('HGET', scope_key(ARGV[2], scope, 'config'), 'budget_rule')
 budget_remove(KEYS[5], rule_budget_key(ARGV[3], rule), ARGV[1])
-redis.call('ZREM', ARGV[2] .. scope .. ':pods', ARGV[1])
-redis.call('SREM', ARGV[2] .. scope .. ':idle', ARGV[1])
+redis.call('ZREM', scope_key(ARGV[2], scope, 'pods'), ARGV[1])
+redis.call('SREM', scope_key(ARGV[2], scope, 'idle'), ARGV[1])
 return scope

@@ -1,5 +1,6 @@
--- Shared by evict.lua, touch.lua and route_place.lua (prepended when they are loaded).
--- Key names are derived from the prefix p ("session_manager:") and the session's own hash.
+-- Shared by evict.lua, touch.lua and route_place.lua (prepended when they are loaded, after
+-- _keys.lua). Key names are derived from the prefix p ("session_manager:") and the session's
+-- own hash, with _keys.lua's builders.
 
 -- Current Redis time in seconds, with microseconds.
 local function redis_now()
@@ -16,12 +17,12 @@ local function evict_session(p, session_key, expiry_key, session_id, tombstone_t
   redis.call('ZREM', expiry_key, session_id)
   redis.call('DEL', session_key)
   if not scope or not pod then return nil end
-  redis.call('SREM', p .. 'scope:' .. scope .. ':sessions', session_id)
-  local pod_sessions = p .. 'pod:' .. scope .. ':' .. pod .. ':sessions'
+  redis.call('SREM', scope_key(p, scope, 'sessions'), session_id)
+  local pod_sessions = pod_key(p, scope, pod, 'sessions')
   redis.call('SREM', pod_sessions, session_id)
   if tombstone_ttl and tombstone_ttl > 0 then
     redis.call('SET', p .. 'previous_pod:' .. session_id, pod, 'EX', math.ceil(tombstone_ttl))
   end
-  redis.call('PUBLISH', p .. 'scope:' .. scope .. ':free', session_id)
+  redis.call('PUBLISH', scope_key(p, scope, 'free'), session_id)
   return {scope, pod, redis.call('SCARD', pod_sessions)}
 end

@@ -13,9 +13,9 @@ for i = 2, #ARGV do
   local member = ARGV[i]
   local colon = string.find(member, ':', 1, true) or 0
   local sid, pod = string.sub(member, 1, colon - 1), string.sub(member, colon + 1)
-  local candidate = redis.call('ZSCORE', p .. 'scope:' .. sid .. ':pods', pod) and 1 or 0
+  local candidate = redis.call('ZSCORE', scope_key(p, sid, 'pods'), pod) and 1 or 0
   out[k + 1] = candidate
-  out[k + 2] = redis.call('SCARD', p .. 'pod:' .. sid .. ':' .. pod .. ':sessions')
+  out[k + 2] = redis.call('SCARD', pod_key(p, sid, pod, 'sessions'))
   k = k + 2
 end
 return out

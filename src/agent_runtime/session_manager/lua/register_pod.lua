@@ -27,5 +27,5 @@ redis.call('HSET', KEYS[3], 'sse_url', ARGV[4], 'deploy_ver', ARGV[5],
 redis.call('SADD', KEYS[4], ARGV[2] .. ':' .. ARGV[3])
 redis.call('SADD', KEYS[5], ARGV[2])
 redis.call('DEL', KEYS[6])
-redis.call('PUBLISH', ARGV[1] .. 'scope:' .. ARGV[2] .. ':free', 'pod:' .. ARGV[3])
+redis.call('PUBLISH', scope_key(ARGV[1], ARGV[2], 'free'), 'pod:' .. ARGV[3])
 return 1

@@ -16,7 +16,7 @@
 local p, pod = ARGV[1], ARGV[2]
 local sessions = 0
 for _, sid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  redis.call('ZREM', p .. 'scope:' .. sid .. ':pods', pod)
-  sessions = sessions + redis.call('SCARD', p .. 'pod:' .. sid .. ':' .. pod .. ':sessions')
+  redis.call('ZREM', scope_key(p, sid, 'pods'), pod)
+  sessions = sessions + redis.call('SCARD', pod_key(p, sid, pod, 'sessions'))
 end
 return sessions

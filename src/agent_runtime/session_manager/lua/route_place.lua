@@ -91,8 +91,6 @@ local function answer(placement, pod, url, previous)
   return {placement, pod, url, previous or ''}
 end
 
-local function pod_key(pod, what) return p .. 'pod:' .. scope .. ':' .. pod .. ':' .. what end
-
 local now = redis_now()
 local previous = nil
 
@@ -105,7 +103,8 @@ if bound[2] then
     local expiry = now + tonumber(bound[4])
     redis.call('HSET', KEYS[1], 'expiry', string.format('%.6f', expiry))
     redis.call('ZADD', KEYS[2], expiry, sid)
-    return answer('refresh', bound[2], redis.call('HGET', pod_key(bound[2], 'info'), 'sse_url') or '')
+    local url = redis.call('HGET', pod_key(p, scope, bound[2], 'info'), 'sse_url')
+    return answer('refresh', bound[2], url or '')
   end
   -- expired (lazy), pod gone, or another scope. A pod that left is remembered in the
   -- tombstone like one that died: this call may answer need_* and the one that places later
@@ -146,7 +145,7 @@ end
 -- (3) first-fit over the candidates in arrival order
 local chosen = nil
 for _, pod in ipairs(redis.call('ZRANGE', KEYS[4], 0, -1)) do
-  if redis.call('SCARD', pod_key(pod, 'sessions')) < pod_concurrency then
+  if redis.call('SCARD', pod_key(p, scope, pod, 'sessions')) < pod_concurrency then
     chosen = pod
     break
   end
@@ -170,8 +169,8 @@ redis.call('HSET', KEYS[1], 'scope_id', scope, 'pod_id', chosen,
   'expiry', string.format('%.6f', expiry), 'session_ttl', ttl)
 redis.call('ZADD', KEYS[2], expiry, sid)
 redis.call('SADD', KEYS[3], sid)
-redis.call('SADD', pod_key(chosen, 'sessions'), sid)
-redis.call('DEL', pod_key(chosen, 'idle_notified'), KEYS[8])
+redis.call('SADD', pod_key(p, scope, chosen, 'sessions'), sid)
+redis.call('DEL', pod_key(p, scope, chosen, 'idle_notified'), KEYS[8])
 if mine then redis.call('ZREM', KEYS[9], rid) end
 if slow then redis.call('ZREM', KEYS[10], rid) end
 -- (5) one more arrival in the scope's rates (a replay returned above: counted once)
@@ -182,6 +181,6 @@ local slow = (tonumber(rates[2]) or 0) * math.exp(-since / slow_window) + 1 / sl
 redis.call('HSET', KEYS[12], 'fast', string.format('%.9g', fast),
   'slow', string.format('%.9g', slow), 'at', string.format('%.6f', now))
 redis.call('EXPIRE', KEYS[12], arrivals_ttl)
-local url = redis.call('HGET', pod_key(chosen, 'info'), 'sse_url') or ''
+local url = redis.call('HGET', pod_key(p, scope, chosen, 'info'), 'sse_url') or ''
 if previous then return answer('rebound', chosen, url, previous) end
 return answer('placed', chosen, url, nil)

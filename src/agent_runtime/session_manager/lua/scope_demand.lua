@@ -13,13 +13,13 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local out = {t[1], t[2]}
 for i = 2, #ARGV do
-  local s = p .. 'scope:' .. ARGV[i]
-  local rates = redis.call('HMGET', s .. ':arrivals', 'fast', 'slow', 'at')
+  local sid = ARGV[i]
+  local rates = redis.call('HMGET', scope_key(p, sid, 'arrivals'), 'fast', 'slow', 'at')
   out[#out + 1] = rates[1] or ''
   out[#out + 1] = rates[2] or ''
   out[#out + 1] = rates[3] or ''
-  out[#out + 1] = redis.call('SCARD', s .. ':sessions')
-  out[#out + 1] = redis.call('ZCOUNT', s .. ':waiters', now, '+inf')
-    + redis.call('ZCOUNT', s .. ':reserved', now, '+inf')
+  out[#out + 1] = redis.call('SCARD', scope_key(p, sid, 'sessions'))
+  out[#out + 1] = redis.call('ZCOUNT', scope_key(p, sid, 'waiters'), now, '+inf')
+    + redis.call('ZCOUNT', scope_key(p, sid, 'reserved'), now, '+inf')
 end
 return out

@@ -16,11 +16,11 @@ local reply = redis.call('HSCAN', KEYS[1], ARGV[2], 'COUNT', tonumber(ARGV[3]))
 local page, seen, empty = reply[2], 0, 0
 for i = 1, #page, 2 do
   local sid = page[i]
-  local s = p .. 'scope:' .. sid .. ':'
   seen = seen + 1
-  if redis.call('SCARD', s .. 'sessions') == 0 and redis.call('ZCARD', s .. 'pods') == 0
-      and redis.call('ZCOUNT', s .. 'waiters', now, '+inf') == 0
-      and redis.call('ZCOUNT', s .. 'reserved', now, '+inf') == 0 then
+  if redis.call('SCARD', scope_key(p, sid, 'sessions')) == 0
+      and redis.call('ZCARD', scope_key(p, sid, 'pods')) == 0
+      and redis.call('ZCOUNT', scope_key(p, sid, 'waiters'), now, '+inf') == 0
+      and redis.call('ZCOUNT', scope_key(p, sid, 'reserved'), now, '+inf') == 0 then
     redis.call('ZADD', KEYS[2], 'NX', now, sid)
     empty = empty + 1
   else

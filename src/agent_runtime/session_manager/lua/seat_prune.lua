@@ -16,10 +16,11 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local seats, reserved = 0, 0
 for i = 2, #ARGV do
-  local s = ARGV[1] .. 'scope:' .. ARGV[i] .. ':'
-  seats = seats + redis.call('ZREMRANGEBYSCORE', s .. 'waiters', '-inf', '(' .. now)
-  reserved = reserved + redis.call('ZREMRANGEBYSCORE', s .. 'reserved', '-inf', '(' .. now)
-  if redis.call('ZCARD', s .. 'waiters') == 0 and redis.call('ZCARD', s .. 'reserved') == 0 then
+  local waiters = scope_key(ARGV[1], ARGV[i], 'waiters')
+  local reserved_key = scope_key(ARGV[1], ARGV[i], 'reserved')
+  seats = seats + redis.call('ZREMRANGEBYSCORE', waiters, '-inf', '(' .. now)
+  reserved = reserved + redis.call('ZREMRANGEBYSCORE', reserved_key, '-inf', '(' .. now)
+  if redis.call('ZCARD', waiters) == 0 and redis.call('ZCARD', reserved_key) == 0 then
     redis.call('SREM', KEYS[1], ARGV[i])
   end
 end

@@ -26,15 +26,15 @@ for _, member in ipairs(page[2]) do
   local colon = string.find(member, ':', 1, true)
   if colon then
     local sid, pod = string.sub(member, 1, colon - 1), string.sub(member, colon + 1)
-    local base = p .. 'pod:' .. sid .. ':' .. pod
-    if redis.call('SCARD', base .. ':sessions') == 0 and redis.call('EXISTS', base .. ':info') == 1 then
+    local info = pod_key(p, sid, pod, 'info')
+    if redis.call('SCARD', pod_key(p, sid, pod, 'sessions')) == 0 and redis.call('EXISTS', info) == 1 then
       if now == nil then
         local t = redis.call('TIME')
         now = tonumber(t[1]) + tonumber(t[2]) / 1000000
       end
-      local since = tonumber(redis.call('HGET', base .. ':info', 'registered_at') or '0')
-      if now - since >= grace and redis.call('SET', base .. ':idle_notified', '1', 'NX', 'EX', 60) then
-        redis.call('ZREM', p .. 'scope:' .. sid .. ':pods', pod)
+      local since = tonumber(redis.call('HGET', info, 'registered_at') or '0')
+      if now - since >= grace and redis.call('SET', pod_key(p, sid, pod, 'idle_notified'), '1', 'NX', 'EX', 60) then
+        redis.call('ZREM', scope_key(p, sid, 'pods'), pod)
         out[#out + 1] = member
       end
     end

@@ -1,0 +1,12 @@
+-- Key names a session-manager script derives (prepended before the script and its other
+-- preludes). Every key of one scope's state carries the scope id as its Redis Cluster hash
+-- tag, braces included, so that a script touching one scope touches one slot. The layout is
+-- spelled here once for Lua (and in state.py for Python); p is the prefix "session_manager:".
+
+-- p .. 'scope:{' .. sid .. '}:' .. what   (sessions, pods, waiters, reserved, arrivals, free)
+local function scope_key(p, sid, what) return p .. 'scope:{' .. sid .. '}:' .. what end
+
+-- p .. 'pod:{' .. sid .. '}:' .. pod .. ':' .. what   (sessions, info, idle_notified)
+local function pod_key(p, sid, pod, what)
+  return p .. 'pod:{' .. sid .. '}:' .. pod .. ':' .. what
+end
