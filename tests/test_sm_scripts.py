@@ -337,7 +337,7 @@ async def test_the_calls_match_the_script_headers(state: SessionState) -> None:
     assert calls["evict"] == ([K.session("s1"), K.EXPIRY], [P, "s1", "1"])
     assert calls["touch"] == (
         [K.session("s1"), K.EXPIRY, f"{P}touch:r1"],
-        [P, "s1", "1", 60, request_hash("s1")],
+        [P, "s1", "1", 60, request_hash("s1"), ""],
     )
     assert calls["register_pod"] == (
         [
