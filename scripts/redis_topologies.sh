@@ -80,7 +80,7 @@ wait_for() { # what seconds command... (true once the command succeeds)
   local what=$1 seconds=$2 deadline=$((SECONDS + $2)); shift 2
   until "$@" >/dev/null 2>&1; do
     if [ $SECONDS -ge $deadline ]; then say "$what: not ready within ${seconds} s"; return 1; fi
-    sleep 0.5
+    sleep 0.1
   done
 }
 

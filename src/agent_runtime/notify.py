@@ -27,6 +27,7 @@ from typing import cast
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import SentinelConnectionPool
 
 from agent_runtime.redis_client import is_cluster
 
@@ -100,10 +101,12 @@ class Notifier:
                 pubsub = await self._pubsub()
                 await pubsub.psubscribe(*self._patterns)
                 self._ready.set()
-                while True:
+                while not self._master_moved(pubsub):
                     message = await pubsub.get_message(timeout=1.0)
                     if message is not None and message.get("type") == "pmessage":
                         self._dispatch(str(message["channel"]), str(message["data"]))
+                log.info("notifier: the sentinels name another master; subscribing there")
+                continue  # (finally closes the old connection)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -114,6 +117,19 @@ class Notifier:
                 if pubsub is not None:
                     with contextlib.suppress(Exception):
                         await pubsub.aclose()
+
+    def _master_moved(self, pubsub: PubSub) -> bool:
+        """Sentinel: the pool (which asks the sentinels while commands flow) names a master
+        other than the one this connection is subscribed on. A demoted master goes on
+        serving its subscribers, but the publishes now reach the new master, and the old
+        one replicates them only once the sentinels have turned it into a replica (seconds
+        later): subscribe on the new one at once."""
+        pool = getattr(self._redis, "connection_pool", None)  # a RedisCluster has none
+        connection = pubsub.connection
+        if not isinstance(pool, SentinelConnectionPool) or connection is None:
+            return False
+        master = pool.master_address
+        return master is not None and (connection.host, connection.port) != tuple(master)
 
     async def _pubsub(self) -> PubSub:
         """A pub/sub of its own: the pool's (one server, Sentinel), or one cluster node's."""

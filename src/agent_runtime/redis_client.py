@@ -18,7 +18,9 @@ whichever node or new master lacks them).
 
 from __future__ import annotations
 
+import contextlib
 import re
+import time
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, cast
@@ -135,9 +137,50 @@ class ClientOptions:
     retries: int = 1
 
 
+MASTER_CHECK = 0.5  # seconds between two questions to the sentinels while commands flow
+
+
 class SentinelBlockingPool(SentinelConnectionPool, BlockingConnectionPool):
     """The sentinel's master pool, blocking: a burst waits (at most ``timeout``) for a free
-    connection instead of failing at once (as the single server's pool)."""
+    connection instead of failing at once (as the single server's pool).
+
+    And it follows a failover on its own: redis-py's async pool keeps a connection to the
+    old master until a write on it fails (READONLY), and a forced failover leaves the old
+    master a master for seconds, taking writes that are then lost, and a read-only script
+    served by it reads old data. So while commands flow the pool asks the sentinels at most
+    every ``MASTER_CHECK`` seconds; when they name another master, idle connections are
+    dropped and a connection handed out to the old one is reconnected first."""
+
+    _next_check = 0.0
+
+    async def get_connection(self, *args: Any, **options: Any) -> Any:
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + MASTER_CHECK
+            # a change drops the idle connections; sentinels out of reach: go on as we are
+            with contextlib.suppress(Exception):
+                await self.get_master_address()
+        connection = await super().get_connection(*args, **options)
+        master = self.master_address
+        if master is not None and (connection.host, connection.port) != tuple(master):
+            try:  # a connection of the old master's: to the new one before it is used
+                await connection.disconnect()
+                await self.ensure_connection(connection)
+            except BaseException:
+                await self.release(connection)
+                raise
+        return connection
+
+
+class SentinelMaster(Redis):
+    """The master's client; closing it closes the connections to the sentinels too."""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        pool = self.connection_pool
+        await super().aclose(close_connection_pool)
+        if isinstance(pool, SentinelConnectionPool):
+            for sentinel in pool.sentinel_manager.sentinels:
+                await sentinel.aclose()
 
 
 def _retry(retries: int) -> Retry:
@@ -196,6 +239,7 @@ def build(target: RedisTarget, options: ClientOptions) -> Redis:
     # drops itself; the retry asks the sentinels again and lands on the new master.
     return sentinel.master_for(
         target.master,
+        redis_class=SentinelMaster,
         connection_pool_class=SentinelBlockingPool,
         db=target.db,
         username=target.username,
