@@ -21,6 +21,10 @@
 # AGENT_RUNTIME_TEST_REDIS_CLUSTER_URL and AGENT_RUNTIME_TEST_REDIS_SENTINEL_URL (their defaults
 # name these ports).
 #
+# When none of a topology's servers that this script started runs any more (a reboot, a kill),
+# `start` forgets their files (nodes.conf, sentinel.conf) and makes it anew; one server of it
+# that died is restarted from its files and rejoins.
+#
 # A port that answers but whose server this script did not start is never touched: one line
 # says so (exit 1). What this script started is recorded with its PID and start time, with the
 # nodes' files, in the folder `topologies` of the services state folder
@@ -136,8 +140,23 @@ cluster_fresh() { # every node knows only itself and holds no slot
     [ "$(cli "$port" cluster info | tr -d '\r' | sed -n 's/^cluster_known_nodes://p')" = 1 ] || return 1
   done
 }
+none_alive() { # name-prefix ports... -> true when no server of these that we started runs
+  local prefix=$1 port; shift
+  for port in "$@"; do ! ours "$prefix-$port" || return 1; done
+}
+forget() { # what globs... : files of servers of ours that all are gone (a reboot, a kill):
+  # a restart from them would bring back a stale cluster or master; start afresh instead
+  local what=$1 path found=''; shift
+  for path in "$@"; do [ -e "$path" ] && found=1; done
+  [ -n "$found" ] || return 0
+  change "forgetting the files of the $what this script started before (none of them runs)"
+  rm -rf "$@"
+}
 cluster_up() { # -> 0 usable
   local port ok=0 addrs=()
+  if [ "$action" = start ] && none_alive cluster "${cluster_ports[@]}"; then
+    forget "redis cluster" "$STATE"/cluster-*
+  fi
   for port in "${cluster_ports[@]}"; do
     ensure "cluster-$port" "$port" "redis cluster node (in memory)" --cluster-enabled yes \
       --cluster-config-file nodes.conf --cluster-node-timeout 3000 --save "" --appendonly no || ok=1
@@ -198,6 +217,9 @@ EOF
 }
 sentinel_up() { # -> 0 usable
   local port ok=0 master='' role i
+  if [ "$action" = start ] && none_alive data "${data_ports[@]}" && none_alive sentinel "${sentinel_ports[@]}"; then
+    forget "redis sentinel set" "$STATE"/data-* "$STATE"/sentinel-*
+  fi
   # the data servers: a restarted one joins the master the sentinels name, if they name one
   for port in "${sentinel_ports[@]}"; do
     if ours "sentinel-$port" && port_open "$port"; then master=$(sentinel_master "$port") && break; fi

@@ -153,6 +153,28 @@ def test_start_check_stop_and_a_foreign_server_is_left_alone(topo: dict[str, str
         stranger.wait(timeout=10)
 
 
+@pytest.mark.timeout(300)
+def test_after_its_servers_died_start_makes_both_anew(topo: dict[str, str]) -> None:
+    """Everything it started killed (a reboot, a CI machine's cleanup): the nodes' files would
+    bring back a stale cluster and master, so `start` forgets them and starts afresh."""
+    first = run(topo, "start")
+    assert first.returncode == 0, first.stderr
+    for pid in recorded(topo):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in recorded(topo)):
+        assert time.monotonic() < deadline, "the killed servers stay"
+        time.sleep(0.1)
+    again = run(topo, "start")
+    assert again.returncode == 0, again.stderr
+    assert "forgetting the files of the redis cluster" in again.stderr
+    assert "forgetting the files of the redis sentinel set" in again.stderr
+    assert "creating the redis cluster" in again.stderr
+    assert again.stderr.count(": usable") == 2
+    stopped = run(topo, "stop")
+    assert stopped.returncode == 0 and stopped.stderr.count("CHANGE: stopping") == 11
+
+
 LISTENER = """
 import socket, sys
 s = socket.socket()
