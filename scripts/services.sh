@@ -20,6 +20,11 @@
 # $XDG_RUNTIME_DIR or /tmp, agent-runtime-services-UID): `stop` ends exactly those processes, as
 # the same user. A server started here stays set up (the MariaDB root login over TCP, the
 # PostgreSQL trust line, role and database live in its data folder) after `stop`.
+#
+# The Redis Cluster and the Sentinel set of the topology tests are scripts/redis_topologies.sh's
+# (its ports, its state in the folder `topologies` of the state folder): `start`, `check` and
+# `stop` here run it with the same word (AGENT_RUNTIME_SERVICES_TOPOLOGIES names another script,
+# empty: none), and a topology it cannot make usable counts as a backend that is not usable.
 set -euo pipefail
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
@@ -38,6 +43,7 @@ STATE=${AGENT_RUNTIME_SERVICES_STATE_DIR:-$state_default}
 SBIN=${AGENT_RUNTIME_SERVICES_SBIN-/usr/sbin:/sbin}
 PG_ETC=${AGENT_RUNTIME_SERVICES_PG_ETC:-/etc/postgresql}
 MYSQLD_RUN=${AGENT_RUNTIME_SERVICES_MYSQLD_RUN:-/run/mysqld}
+TOPOLOGIES=${AGENT_RUNTIME_SERVICES_TOPOLOGIES-$(dirname "$0")/redis_topologies.sh}
 
 say() { printf 'services: %s\n' "$*" >&2; }
 change() { printf 'services: CHANGE: %s\n' "$*" >&2; }  # every change this script makes
@@ -306,12 +312,18 @@ stop_one() { # name signal (redis, mariadbd: SIGTERM; postgres: SIGINT, its fast
   rm -f "$STATE/$name"
 }
 
+topologies() { # start|check|stop -> redis_topologies.sh with the same word (none: true)
+  [ -n "$TOPOLOGIES" ] || return 0
+  bash "$TOPOLOGIES" "$1"
+}
+
 if [ "$action" = stop ]; then
+  rc=0
+  topologies stop || rc=1
   if ! [ -f "$STATE/redis" ] && ! [ -f "$STATE/mariadb" ] && ! [ -f "$STATE/postgresql" ]; then
     say "nothing to stop: this script started no server (state folder $STATE)"
-    exit 0
+    exit $rc
   fi
-  rc=0
   stop_one postgresql INT || rc=1
   stop_one mariadb TERM || rc=1
   stop_one redis TERM || rc=1
@@ -323,7 +335,10 @@ fi
 if [ "$action" = start ]; then
   packages=()
   if is_local "$r_host"; then
-    port_open "$r_host" "$r_port" || sbin redis-server >/dev/null || packages+=(redis-server)
+    # the topologies run the machine's redis-server even when the single server answers
+    if ! port_open "$r_host" "$r_port" || [ -n "$TOPOLOGIES" ]; then
+      sbin redis-server >/dev/null || packages+=(redis-server)
+    fi
     have redis-cli || [[ " ${packages[*]} " == *" redis-server "* ]] || packages+=(redis-tools)
   fi
   if is_local "$m_host"; then
@@ -377,9 +392,12 @@ backend() { # name where host port
 backend redis "$r_where" "$r_host" "$r_port"
 backend mariadb "$m_where" "$m_host" "$m_port"
 backend postgresql "$p_where" "$p_host" "$p_port"
+if [ -n "$TOPOLOGIES" ]; then
+  topologies "$action" || unusable+=(redis-topologies)
+fi
 
 if [ ${#unusable[@]} -eq 0 ]; then
-  say "redis, mariadb and postgresql are ready"
+  say "redis${TOPOLOGIES:+ (single, cluster, sentinel)}, mariadb and postgresql are ready"
   exit 0
 fi
 if [ "$action" = check ] || in_ci; then

@@ -9,9 +9,11 @@ run; elsewhere it is skipped with the reason.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -33,9 +35,14 @@ from helpers import (
     CLAIM_KEY,
     REDIS_URL,
     SqlBackend,
+    claim_cluster,
     claim_real_redis,
+    claim_sentinel,
     make_sql_backend,
     real_redis_url,
+    release_cluster,
+    sentinel_url,
+    topology_client,
 )
 
 
@@ -52,6 +59,25 @@ def _release_real_redis() -> Iterator[None]:
             client.flushdb()
     finally:
         client.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _release_sentinel_db() -> Iterator[None]:
+    """At the end of the run, the Sentinel set's db this process claimed: left empty."""
+    yield
+    if not helpers._claimed_sentinel_url:
+        return
+
+    async def release() -> None:
+        client = topology_client(sentinel_url())
+        try:
+            if await client.get(CLAIM_KEY) == f"{socket.gethostname()}:{os.getpid()}":
+                await client.flushdb()
+        finally:
+            await client.aclose()
+
+    with contextlib.suppress(Exception):
+        asyncio.run(release())
 
 
 @pytest.fixture(params=["fake", "real"])
@@ -76,6 +102,46 @@ async def redis(request: pytest.FixtureRequest) -> AsyncIterator[Redis]:
         # closing waits up to the connect timeout (2 s) for every socket to be seen closed: on
         # a loaded machine, after a test that opened a hundred connections, that wait can run
         # out with nothing wrong (each socket was closed; the db is flushed and marked above)
+        with contextlib.suppress(RedisTimeoutError):
+            await client.aclose()
+
+
+@pytest.fixture
+def cluster_tag() -> str:
+    """The mark of every key a cluster test writes: its hash tag (``{tag}``) or part of a
+    name of its own; what ``redis_cluster`` deletes after the test."""
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def redis_cluster(cluster_tag: str) -> AsyncIterator[Redis]:
+    """A RedisCluster client (typed as the Redis API) on the tests' cluster
+    (AGENT_RUNTIME_TEST_REDIS_CLUSTER_URL; scripts/redis_topologies.sh starts it). Only db 0
+    and maybe other test processes on it: never flushed; the keys with ``cluster_tag`` are
+    deleted after the test."""
+    client = await claim_cluster(cluster_tag)
+    try:
+        yield client
+    finally:
+        await release_cluster(client, cluster_tag)
+        with contextlib.suppress(RedisTimeoutError):
+            await client.aclose()
+
+
+@pytest.fixture
+async def redis_sentinel() -> AsyncIterator[Redis]:
+    """A master_for client (AGENT_RUNTIME_TEST_REDIS_SENTINEL_URL) on a db index of the
+    Sentinel set's master that this process claimed (as the ``redis`` fixture's): flushed and
+    marked again after the test."""
+    client = await claim_sentinel()
+    owner = await client.get(CLAIM_KEY)
+    try:
+        yield client
+    finally:
+        async with client.pipeline(transaction=True) as pipe:
+            pipe.flushdb()
+            pipe.set(CLAIM_KEY, owner)
+            await pipe.execute()
         with contextlib.suppress(RedisTimeoutError):
             await client.aclose()
 

@@ -19,10 +19,12 @@ from typing import Any
 import httpx
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import WatchError
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
+from agent_runtime import redis_client
 from agent_runtime.config import Mode, Settings
 from agent_runtime.db.engine import Database, normalize_url
 from agent_runtime.main import create_app
@@ -104,7 +106,6 @@ async def claim_real_redis() -> Redis:
     taken over; a db with keys and no marker belongs to someone else and is never flushed.
     """
     global _claimed_url
-    me = f"{socket.gethostname()}:{os.getpid()}"
     base, _, index = REDIS_URL.rpartition("/")
     candidates = (
         [_claimed_url]
@@ -121,24 +122,11 @@ async def claim_real_redis() -> Redis:
         except Exception as exc:
             await client.aclose()
             unavailable(f"redis at {url}", exc)
-        # check and claim in one transaction (WATCH): two runs that see the same free db at
-        # once must not both take it, and a db is never empty and unmarked in between
-        async with client.pipeline(transaction=True) as pipe:
-            try:
-                await pipe.watch(CLAIM_KEY)
-                owner = await pipe.get(CLAIM_KEY)
-                size = await pipe.dbsize()
-                free = (owner is None and size == 0) or owner == me
-                if free or (owner and not _owner_alive(owner)):
-                    pipe.multi()
-                    pipe.flushdb()
-                    pipe.set(CLAIM_KEY, me)
-                    await pipe.execute()
-                    _claimed_url = url
-                    return client
-            except WatchError:  # another run claimed it at this very moment
-                owner = "another run, just now"
-        refused.append(f"{url} ({'held by ' + owner if owner else f'{size} foreign keys'})")
+        why = await _claim_db(client)
+        if why is None:
+            _claimed_url = url
+            return client
+        refused.append(f"{url} ({why})")
         await client.aclose()
     pytest.fail(
         "no free real-Redis db for the tests: "
@@ -148,8 +136,126 @@ async def claim_real_redis() -> Redis:
     )
 
 
+async def _claim_db(client: Redis) -> str | None:
+    """Claim the client's db for this process (flushed, marked); None when it is ours now,
+    else why not. Check and claim are one transaction (WATCH): two runs that see the same
+    free db at once must not both take it, and a db is never empty and unmarked in between."""
+    me = f"{socket.gethostname()}:{os.getpid()}"
+    async with client.pipeline(transaction=True) as pipe:
+        try:
+            await pipe.watch(CLAIM_KEY)
+            owner = await pipe.get(CLAIM_KEY)
+            size = await pipe.dbsize()
+            free = (owner is None and size == 0) or owner == me
+            if free or (owner and not _owner_alive(owner)):
+                pipe.multi()
+                pipe.flushdb()
+                pipe.set(CLAIM_KEY, me)
+                await pipe.execute()
+                return None
+        except WatchError:  # another run claimed it at this very moment
+            owner = "another run, just now"
+    return f"held by {owner}" if owner else f"{size} foreign keys"
+
+
 async def redis_keys(client: Redis, pattern: str = "*") -> set[str]:
     return {k async for k in client.scan_iter(match=pattern) if k != CLAIM_KEY}
+
+
+# --- Redis Cluster and Sentinel (scripts/redis_topologies.sh) ---
+
+CLUSTER_URL = os.environ.get(
+    "AGENT_RUNTIME_TEST_REDIS_CLUSTER_URL",
+    "redis+cluster://127.0.0.1:17101,127.0.0.1:17102,127.0.0.1:17103",
+)
+SENTINEL_URL = os.environ.get(
+    "AGENT_RUNTIME_TEST_REDIS_SENTINEL_URL",
+    "redis+sentinel://127.0.0.1:17211,127.0.0.1:17212,127.0.0.1:17213/agent-runtime-test/13",
+)
+# the cluster is the tests' while it holds this key (set while it was empty): a cluster with
+# keys and without it is someone else's and never touched
+CLUSTER_CLAIM = "agent_runtime_test:cluster"
+_claimed_sentinel_url: str | None = None
+
+
+def topology_client(url: str, *, max_connections: int = 64) -> Redis:
+    """The service's own client for a URL (redis_client.build), with the tests' timeouts."""
+    return redis_client.build(
+        redis_client.parse(url),
+        redis_client.ClientOptions(max_connections=max_connections, timeout=TEST_CONNECT_TIMEOUT),
+    )
+
+
+async def claim_cluster(tag: str) -> Redis:
+    """A client on the tests' Redis Cluster. The cluster has only db 0, and several test
+    processes (xdist workers, two runs) may use it at once, so nothing is ever flushed: each
+    test puts its ``tag`` in every key it writes (``{tag}`` as the hash tag, or a name of
+    its own such as a job's), and ``release_cluster`` deletes exactly those. A cluster that
+    holds keys but not the tests' marker is someone else's: refused."""
+    client = topology_client(CLUSTER_URL)
+    try:
+        await client.ping()
+        if not await client.exists(CLUSTER_CLAIM):
+            sizes = await client.dbsize(target_nodes="primaries")  # type: ignore[call-arg]
+            total = sum(sizes.values()) if isinstance(sizes, dict) else int(sizes)
+            if total:
+                await client.aclose()
+                pytest.fail(
+                    f"the Redis Cluster at {CLUSTER_URL} holds {total} keys and not the tests' "
+                    f"marker {CLUSTER_CLAIM}: not ours, left alone — point "
+                    "AGENT_RUNTIME_TEST_REDIS_CLUSTER_URL at an empty cluster",
+                    pytrace=False,
+                )
+            await client.set(CLUSTER_CLAIM, socket.gethostname(), nx=True)
+    except Exception as exc:
+        await client.aclose()
+        unavailable(f"redis cluster at {CLUSTER_URL}", exc)
+    return client
+
+
+async def release_cluster(client: Redis, tag: str) -> None:
+    """Delete the keys this test wrote (every key with its tag), on each master (the cluster
+    client's scan walks every master)."""
+    keys = [k async for k in client.scan_iter(match=f"*{tag}*", count=500)]
+    for key in keys:
+        await client.unlink(key)
+
+
+def sentinel_url() -> str:
+    return _claimed_sentinel_url or SENTINEL_URL
+
+
+async def claim_sentinel() -> Redis:
+    """A master_for client on a db index of the Sentinel set's master that this test process
+    owns, flushed: the configured db (13) or, while another live run holds it, the next lower
+    ones down to 9 — the single server's claim (``_claim_db``)."""
+    global _claimed_sentinel_url
+    base, _, index = SENTINEL_URL.rstrip("/").rpartition("/")
+    if not index.isdigit():
+        base, index = SENTINEL_URL.rstrip("/"), "0"
+    candidates = (
+        [_claimed_sentinel_url]
+        if _claimed_sentinel_url
+        else [f"{base}/{db}" for db in range(int(index), max(int(index) - 5, -1), -1)]
+    )
+    refused = []
+    for url in candidates:
+        client = topology_client(url)
+        try:
+            await client.ping()
+        except Exception as exc:
+            await client.aclose()
+            unavailable(f"redis sentinel set at {url}", exc)
+        why = await _claim_db(client)
+        if why is None:
+            _claimed_sentinel_url = url
+            return client
+        refused.append(f"{url} ({why})")
+        await client.aclose()
+    pytest.fail(
+        "no free db on the Sentinel set's master for the tests: " + "; ".join(refused),
+        pytrace=False,
+    )
 
 
 # --- SQL ---
@@ -401,8 +507,12 @@ class GatedK8s(FakeK8sPodClient):
 
 
 def other_client(redis: Redis) -> Redis:
-    """A second connection to the same Redis (another replica): same fake server, or the
-    same real server and db."""
+    """A second connection to the same Redis (another replica): same fake server, the same
+    real server and db, the same cluster, or the same Sentinel set's master and db."""
+    if redis_client.is_cluster(redis):
+        return topology_client(CLUSTER_URL)
+    if isinstance(redis.connection_pool, SentinelConnectionPool):
+        return topology_client(sentinel_url())
     kwargs = redis.connection_pool.connection_kwargs
     if "server" in kwargs:  # fakeredis
         import fakeredis

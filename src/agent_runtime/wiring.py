@@ -14,12 +14,8 @@ import math
 from dataclasses import dataclass
 
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from agent_runtime import key_layout, logs
+from agent_runtime import key_layout, logs, redis_client
 from agent_runtime.admin import AdminDeps
 from agent_runtime.config import ConfigError, Mode, Settings
 from agent_runtime.db import installation, schema
@@ -91,6 +87,8 @@ REDIS_RETRIES = 1  # a command whose reply was lost is re-sent once (scripts are
 
 
 def build_redis(settings: Settings, *, max_connections: int | None = None) -> Redis:
+    """The client ``AGENT_RUNTIME_REDIS_URL`` names: one server, a Redis Cluster or a
+    Sentinel set's master (redis_client.py); fakeredis in local mode without a URL."""
     # A blocking pool: a burst of more concurrent commands than connections waits (server: at most
     # redis_timeout) for a free one. redis-py's default pool raises at once instead, which
     # turned a burst of routes into 503 BACKEND_UNAVAILABLE while Redis was fine.
@@ -105,22 +103,15 @@ def build_redis(settings: Settings, *, max_connections: int | None = None) -> Re
         )
     assert settings.redis_url is not None
     # Scripts are replay-safe, so a command whose reply was lost may be re-sent once; timeouts
-    # keep a dead Redis a fast 503 instead of a hang. redis-py uses one Retry for the command,
-    # for connect() and for the health-check PING, so the attempts multiply: one retry and no
-    # health check keep a command within 2 x 2 x redis_timeout (a slow reply: 2 x) plus the
-    # backoff. A connection that died while idle fails its next command, which is re-sent.
-    pool = BlockingConnectionPool.from_url(
-        settings.redis_url,
-        max_connections=max_connections or redis_pool_size(settings),
-        timeout=settings.redis_timeout,  # the wait for a free connection
-        decode_responses=True,
-        socket_timeout=settings.redis_timeout,
-        socket_connect_timeout=settings.redis_timeout,
-        health_check_interval=0,
-        retry=Retry(ExponentialBackoff(cap=0.1, base=0.02), retries=REDIS_RETRIES),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+    # keep a dead Redis a fast 503 instead of a hang.
+    return redis_client.build(
+        redis_client.parse(settings.redis_url),
+        redis_client.ClientOptions(
+            max_connections=max_connections or redis_pool_size(settings),
+            timeout=settings.redis_timeout,
+            retries=REDIS_RETRIES,
+        ),
     )
-    return Redis.from_pool(pool)  # the client owns the pool: aclose() closes it
 
 
 def build_backends(settings: Settings) -> Backends:
@@ -181,21 +172,35 @@ async def check_backends(settings: Settings, backends: Backends) -> None:
 async def warn_on_eviction(redis: Redis) -> str | None:
     """Loudly, at startup: a Redis that may evict keys under memory pressure can drop a
     session, a seat or a lock silently (over-admission). Returns the policy it found (None
-    where CONFIG is not allowed, e.g. some managed services: nothing to check then)."""
+    where CONFIG is not allowed, e.g. some managed services: nothing to check then). On a
+    Redis Cluster each master is asked (each holds its own setting): the first one that may
+    evict is named."""
     try:
-        reply = await redis.config_get("maxmemory-policy")
+        masters = await redis_client.primaries(redis)
+        if masters:
+            replies = [
+                (node.name, await redis.config_get("maxmemory-policy", target_nodes=node))
+                for node in masters
+            ]
+        else:
+            replies = [("", await redis.config_get("maxmemory-policy"))]
     except Exception as exc:  # CONFIG disabled or renamed
         log.info("redis maxmemory-policy could not be read (%s); make sure it is noeviction", exc)
         return None
-    policy = str(reply.get("maxmemory-policy", "")) if isinstance(reply, dict) else ""
-    if policy and policy != "noeviction":
-        log.warning(
-            "REDIS MAY EVICT KEYS: maxmemory-policy is %r, not 'noeviction'. Under memory "
-            "pressure Redis can drop sessions, queue seats and locks without a trace, and "
-            "limits stop holding. Set maxmemory-policy noeviction for this database.",
-            policy,
-        )
-    return policy or None
+    found = ""
+    for where, reply in replies:
+        policy = str(reply.get("maxmemory-policy", "")) if isinstance(reply, dict) else ""
+        if policy and policy != "noeviction":
+            log.warning(
+                "REDIS MAY EVICT KEYS: maxmemory-policy is %r%s, not 'noeviction'. Under memory "
+                "pressure Redis can drop sessions, queue seats and locks without a trace, and "
+                "limits stop holding. Set maxmemory-policy noeviction for this database.",
+                policy,
+                f" on {where}" if where else "",
+            )
+            return policy
+        found = found or policy
+    return found or None
 
 
 async def load_pod_identity(settings: Settings, db: Database) -> PodIdentity:
