@@ -572,18 +572,22 @@ async def test_a_leader_whose_route_goes_away_still_brings_its_followers_their_p
 ) -> None:
     """The route that leads the deploy goes away mid-deploy: the deploy goes on, and its pod,
     with followers waiting in its room, is theirs (in use), not the warm pool's."""
-    k8s = FakeK8sPodClient(ready_delay=0.3)
-    async with two_replicas(redis, db, k8s=k8s, scope_full_timeout=5.0) as reps:
+    # the pod is Ready only when the test says so: the followers seated, the leader gone
+    k8s = FakeK8sPodClient(ready_delay=0.05)
+    k8s.never_ready = True
+    async with two_replicas(redis, db, k8s=k8s, scope_full_timeout=30.0) as reps:
         await configure(reps.a, scope_concurrency=20, pod_concurrency=10)
         await warm_resolve_cache(reps)
         calls = count_acquires(reps, monkeypatch)
         first = asyncio.create_task(route(reps.a, "starter", "r-starter"))
-        await eventually(lambda: _true(calls["a"] == 1), what="the leader's acquire started")
+        await eventually(lambda: _true(k8s.deploy_calls == 1), what="the leader's deploy started")
         others = [asyncio.create_task(route(reps.a, f"o-{i}", f"r-o-{i}")) for i in range(5)]
-        await asyncio.sleep(0.05)
+        room = rm_scope(SID, "deploy_followers:r-starter")
+        await eventually(lambda: _seated(redis, room, 5), what="five followers seated")
         first.cancel()  # the client of the starting route goes away mid-deploy
         with contextlib.suppress(asyncio.CancelledError):
             await first
+        k8s.never_ready = False
         answers = await asyncio.gather(*others)
         assert [a.status_code for a in answers] == [200] * 5, [a.text for a in answers]
         assert calls["a"] == 6 and k8s.deploy_calls == 1
@@ -596,6 +600,10 @@ async def test_a_leader_whose_route_goes_away_still_brings_its_followers_their_p
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def _seated(redis: Redis, room: str, n: int) -> bool:
+    return int(await redis.zcard(room)) >= n
 
 
 async def _no_marker(redis: Redis, request_id: str) -> bool:
