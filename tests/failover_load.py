@@ -92,6 +92,14 @@ class Failover:
     promoted: float = 0.0  # the new master answers ROLE master
     named: float = 0.0  # every sentinel names it
     demoted: float = 0.0  # the old master answers ROLE slave
+    promoted_at_offset: int = 0  # the replication offset the new master took over at
+    old_last_offset: int = 0  # the old master's offset when last seen a master
+
+    @property
+    def lost_bytes(self) -> int:
+        """The replication stream the old master wrote after the promotion: lost (writes,
+        and the sentinels' hello messages, a few hundred bytes every 2 s)."""
+        return max(0, self.old_last_offset - self.promoted_at_offset)
 
 
 class SentinelSet:
@@ -122,16 +130,6 @@ class SentinelSet:
             if reply:
                 out.add((str(reply[0]), int(reply[1])))
         return out
-
-    @staticmethod
-    async def role(addr: tuple[str, int]) -> str:
-        client = Redis(host=addr[0], port=addr[1], decode_responses=True, socket_timeout=2)
-        try:
-            return str((await client.execute_command("ROLE"))[0])
-        except Exception:
-            return "unreachable"
-        finally:
-            await client.aclose()
 
     async def ready(self, within: float = 60.0) -> tuple[str, int]:
         """Wait until the sentinels agree on a master whose replica is in sync and known to
@@ -178,9 +176,23 @@ class SentinelSet:
         return True
 
     async def failover(self, within: float = 30.0) -> Failover:
-        """Force one failover and follow it to its end (old master demoted)."""
+        """Force one failover and follow it to its end (old master demoted), reading both
+        servers' replication offsets: what the old master took after the promotion is lost."""
         old = await self.ready()
-        fo = Failover(old)
+        old_client = _direct(old)
+        try:
+            replica = (await old_client.info("replication"))["slave0"]
+            fo = Failover(old, (str(replica["ip"]), int(replica["port"])))
+            new_client = _direct(fo.new)
+            try:
+                await self._force(fo, old_client, new_client, within)
+            finally:
+                await new_client.aclose()
+        finally:
+            await old_client.aclose()
+        return fo
+
+    async def _force(self, fo: Failover, old: Redis, new: Redis, within: float) -> None:
         deadline = time.monotonic() + within
         fo.commanded = time.monotonic()
         while True:
@@ -199,18 +211,25 @@ class SentinelSet:
                     f"(sentinel errors: {self.errors[-3:]})"
                 )
             now = time.monotonic()
-            named = await self.named()
-            candidates = {a for a in named if a != old}
-            if fo.new is None and candidates:
-                fo.new = next(iter(candidates))
-            if fo.new and not fo.promoted and await self.role(fo.new) == "master":
-                fo.promoted = now
-            if fo.new and not fo.named and named == {fo.new}:
+            with contextlib.suppress(Exception):
+                info = await new.info("replication")
+                if not fo.promoted and info.get("role") == "master":
+                    fo.promoted = now
+                    fo.promoted_at_offset = int(info.get("second_repl_offset", 0))
+            with contextlib.suppress(Exception):
+                info = await old.info("replication")
+                if info.get("role") == "master":
+                    fo.old_last_offset = int(info.get("master_repl_offset", 0))
+                elif not fo.demoted:
+                    fo.demoted = now
+            if not fo.named and await self.named() == {fo.new}:
                 fo.named = now
-            if not fo.demoted and await self.role(old) == "slave":
-                fo.demoted = now
             await asyncio.sleep(0.01)
-        return fo
+
+
+def _direct(addr: tuple[str, int] | None) -> Redis:
+    assert addr is not None
+    return Redis(host=addr[0], port=addr[1], decode_responses=True, socket_timeout=2)
 
 
 def _pairs(row: Any) -> dict[str, str]:
@@ -296,7 +315,7 @@ class Gateway:
                 if self.stop.is_set():
                     return
                 await asyncio.sleep(0.05)  # a gateway's pause before it tries again (load only)
-            for _ in range(self._rng.randint(2, 6)):
+            for _ in range(self._rng.randint(4, 30)):
                 if self.stop.is_set():
                     break
                 kind = self._rng.choice(("route", "touch"))
@@ -500,7 +519,8 @@ class Outcome:
         return (
             f"failover {fo.old[1]}->{fo.new[1] if fo.new else '?'}: "
             f"promoted +{fo.promoted - fo.commanded:.2f}s "
-            f"demoted +{fo.demoted - fo.commanded:.2f}s | calls {self.calls} "
+            f"demoted +{fo.demoted - fo.commanded:.2f}s, old master wrote {fo.lost_bytes} B "
+            f"after the promotion | calls {self.calls} "
             f"{dict(self.codes)} | window {self.window_s:.2f}s (first failure "
             f"{'-' if self.first_fail_s is None else f'+{self.first_fail_s:.2f}s'}) "
             f"gap {self.gap_s:.2f}s slowest {self.slowest_s:.2f}s placed again "
@@ -645,22 +665,48 @@ async def _judge(out: Outcome, record: Record, svc: Service, observer: Redis) ->
                 out.unexposed_anomalies.append(f"ended session back: {s}")
         elif s is not None and not s.certain:
             out.unacknowledged += 1
-    # seats beyond a cap once the sessions Redis forgot count too (the pods still carry them)
-    pods: dict[tuple[str, str], set[str]] = {}
-    scopes: dict[str, set[str]] = {}
-    for session_id, (sid, pod) in [*state.bindings.items(), *held.items()]:
-        pods.setdefault((sid, pod), set()).add(session_id)
-        scopes.setdefault(sid, set()).add(session_id)
-    over = 0
-    for (sid, _), sessions in pods.items():
-        cap = state.caps.get(sid)
-        over += max(0, len(sessions) - cap.pod_concurrency) if cap else 0
-    for sid, sessions in scopes.items():
-        cap = state.caps.get(sid)
-        over += max(0, len(sessions) - cap.scope_concurrency) if cap else 0
-    out.seats_over_cap = over
+    # seats beyond a cap: the conversations each pod carries by what the gateway was told (a
+    # session leaves its pod when its eos or its move is sent, joins one when the answer
+    # arrives: never more than it really carries), against the caps
+    out.seats_over_cap = _peak_over_cap(calls, state.caps)
     registered = await invariants.registered_pod_ids(observer)
     out.pods_unregistered = len(set(svc.k8s.pods) - registered)
+
+
+def _peak_over_cap(calls: list[Call], caps: dict[str, invariants.Caps]) -> int:
+    """The most sessions beyond their caps (pods' and scopes' excess summed) at any moment of
+    the gateway's view; 0 when no lost write made the service overfill a pod or a scope."""
+    events: list[tuple[float, int, Call]] = []
+    for c in calls:
+        if c.code != "OK":
+            continue
+        if c.kind in ("route_new", "route"):
+            events += [(c.started, 0, c), (c.ended, 1, c)]  # leave the old pod, join the new
+        elif c.kind == "eos" or c.note == "binding_lost":
+            events.append((c.started, 0, c))
+    where: dict[str, tuple[str, str]] = {}
+    pods: Counter[tuple[str, str]] = Counter()
+    scopes: Counter[str] = Counter()
+    peak = 0
+    for _, joins, c in sorted(events, key=lambda e: (e[0], e[1])):
+        if not joins:
+            left = where.get(c.session_id)
+            moves = c.kind == "eos" or bool(c.note) or left != (c.scope_id, c.pod_id)
+            if left is not None and moves:  # a refresh stays put
+                del where[c.session_id]
+                pods[left] -= 1
+                scopes[left[0]] -= 1
+            continue
+        if where.get(c.session_id) == (c.scope_id, c.pod_id):
+            continue  # a refresh: still where it was
+        where[c.session_id] = (c.scope_id, c.pod_id)
+        pods[(c.scope_id, c.pod_id)] += 1
+        scopes[c.scope_id] += 1
+        excess = sum(
+            max(0, n - caps[sid].pod_concurrency) for (sid, _), n in pods.items() if sid in caps
+        ) + sum(max(0, n - caps[sid].scope_concurrency) for sid, n in scopes.items() if sid in caps)
+        peak = max(peak, excess)
+    return peak
 
 
 async def _clean(out: Outcome, record: Record, svc: Service, observer: Redis) -> None:
