@@ -50,7 +50,11 @@ async def master_url(url: str) -> str:
 
     sentinels = SentinelSet(url)
     try:
-        host, port = await sentinels.ready()
+        host, port = await sentinels.ready(within=30)
+    except TimeoutError as exc:
+        raise BenchRefused(
+            f"the Sentinel set of {url.split('@')[-1]} is not usable: {exc}"
+        ) from None
     finally:
         await sentinels.aclose()
     return f"redis://{host}:{port}/{redis_client.parse(url).db}"
