@@ -15,8 +15,9 @@ checks the test asserts (answers outside the contract, Redis inconsistent). Then
 Needs the Sentinel set of scripts/redis_topologies.sh (``--sentinel-url``, default
 ``AGENT_RUNTIME_BENCH_REDIS_SENTINEL_URL`` or its sentinels 17211-17213, master
 agent-runtime-test, db 4). The db must hold only this service's keys (as every bench's);
-only those are deleted. ``--no-master-check`` turns the client's check of the sentinels off
-(the redis-py behaviour before it: follow the switch only once the old master is demoted).
+only those are deleted. ``--no-master-check`` turns the client's periodic question to the
+sentinels off (redis_client.MASTER_CHECK: asked at the first connection only, then only when a
+connection is opened): what the check buys.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ async def run(url: str, failovers: int, master_check: bool) -> dict[str, Any]:
     from helpers import topology_client
 
     if not master_check:
-        redis_client.SentinelBlockingPool.MASTER_CHECK = math.inf
+        redis_client.MASTER_CHECK = math.inf  # asked once, at the first connection
     shape = Shape()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
