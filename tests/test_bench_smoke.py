@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from helpers import IN_CI
+from helpers import IN_CI, SENTINEL_URL
 
 ROOT = Path(__file__).resolve().parent.parent
 # a db index of its own: not the tests' (13 down to 9), not a developer's bench run (4)
@@ -109,3 +109,20 @@ def test_the_dead_pod_bench_prints_its_table(tmp_path: Path) -> None:
     ]
     for row in report["rows"]:
         assert row["n"] == 1 and all(number(row[k]) for k in ("p50_s", "p99_s", "max_s"))
+
+
+@pytest.mark.real_backend
+@pytest.mark.timeout(240)
+def test_the_failover_bench_prints_its_table(tmp_path: Path) -> None:
+    """``bench/failover.py``, one forced failover of the tests' Sentinel set (db 3 of its
+    master, as the other benches' db here): the table printed, the JSON well formed, and
+    the answers it saw within the contract."""
+    url = SENTINEL_URL.rstrip("/").rpartition("/")[0] + "/3"
+    out = tmp_path / "failover.json"
+    bench = [sys.executable, "-m", "bench.failover", "--failovers", "1", "--json", str(out)]
+    printed = run_bench([*bench, "--sentinel-url", url], timeout=220)
+    assert "failover: 1 x SENTINEL FAILOVER mid-load" in printed
+    report = json.loads(out.read_text())
+    [row] = report["rows"]
+    assert all(number(row[k]) for k in ("promoted_s", "named_s", "demoted_s", "window_s"))
+    assert row["bad_answers"] == 0 and row["redis_consistent"] is True, row
