@@ -18,6 +18,7 @@ whichever node or new master lacks them).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import time
@@ -138,6 +139,7 @@ class ClientOptions:
 
 
 MASTER_CHECK = 0.5  # seconds between two questions to the sentinels while commands flow
+WATCH_IDLE = 5.0  # seconds without a command after which the master watch stops (restarts on use)
 
 
 class SentinelBlockingPool(SentinelConnectionPool, BlockingConnectionPool):
@@ -147,19 +149,18 @@ class SentinelBlockingPool(SentinelConnectionPool, BlockingConnectionPool):
     And it follows a failover on its own: redis-py's async pool keeps a connection to the
     old master until a write on it fails (READONLY), and a forced failover leaves the old
     master a master for seconds, taking writes that are then lost, and a read-only script
-    served by it reads old data. So while commands flow the pool asks the sentinels at most
-    every ``MASTER_CHECK`` seconds; when they name another master, idle connections are
-    dropped and a connection handed out to the old one is reconnected first."""
+    served by it reads old data. So while commands flow a task of the pool's asks the
+    sentinels every ``MASTER_CHECK`` seconds — off the request path: a slow or unreachable
+    sentinel never holds a command up — and when they name another master, idle connections
+    are dropped and a connection handed out to the old one is reconnected first."""
 
-    _next_check = 0.0
+    _watch: asyncio.Task[None] | None = None
+    _last_use = 0.0
 
     async def get_connection(self, *args: Any, **options: Any) -> Any:
-        now = time.monotonic()
-        if now >= self._next_check:
-            self._next_check = now + MASTER_CHECK
-            # a change drops the idle connections; sentinels out of reach: go on as we are
-            with contextlib.suppress(Exception):
-                await self.get_master_address()
+        self._last_use = time.monotonic()
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.create_task(self._watch_master(), name="sentinel-master-watch")
         connection = await super().get_connection(*args, **options)
         master = self.master_address
         if master is not None and (connection.host, connection.port) != tuple(master):
@@ -171,12 +172,28 @@ class SentinelBlockingPool(SentinelConnectionPool, BlockingConnectionPool):
                 raise
         return connection
 
+    async def _watch_master(self) -> None:
+        """While commands flow (one within ``WATCH_IDLE`` s), ask the sentinels which master
+        they name (a change drops the idle connections: ``get_master_address``); sentinels
+        out of reach: go on as we are, and ask again."""
+        while time.monotonic() - self._last_use < WATCH_IDLE:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.get_master_address(), timeout=4 * MASTER_CHECK)
+            await asyncio.sleep(MASTER_CHECK)
+
+    def stop_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+
 
 class SentinelMaster(Redis):
     """The master's client; closing it closes the connections to the sentinels too."""
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
         pool = self.connection_pool
+        if isinstance(pool, SentinelBlockingPool):
+            pool.stop_watch()
         await super().aclose(close_connection_pool)
         if isinstance(pool, SentinelConnectionPool):
             for sentinel in pool.sentinel_manager.sentinels:
