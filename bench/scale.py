@@ -215,7 +215,9 @@ async def populate(
     outcomes = await place(svc, sids, n_sessions, "s-", "setup-")
     t2 = time.perf_counter()
     mem_with_replay = ctx.redis.used_memory()
-    await unlink(redis, [sm.route_key(f"setup-{k}") for k in range(n_sessions)])
+    await unlink(
+        redis, [sm.route_key(sids[k % len(sids)], f"setup-{k}") for k in range(n_sessions)]
+    )
     await asyncio.sleep(0.2)  # UNLINK frees in the background
     mem_after = ctx.redis.used_memory()
     setup = {

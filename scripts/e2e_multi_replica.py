@@ -483,7 +483,7 @@ async def check_failover(run: Run) -> str:
     expect(len(taken) == len(its_jobs), f"jobs not taken over: {set(its_jobs) - set(taken)}")
     # its client's seat and marker lapse with the route lease; the prune job removes them
     await run.nothing_left(sid, 6)
-    marker = str(await run.redis.get(f"{SM}route:{run.api.rid('fo-wait-r')}") or "")
+    marker = str(await run.redis.get(f"{SM}route:{{{sid}}}:{run.api.rid('fo-wait-r')}") or "")
     expect(not marker.startswith("pending:"), f"pending marker left: {marker}")
     # the others carry on
     other = run.live()[0]

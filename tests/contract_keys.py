@@ -31,8 +31,8 @@ def sm_pod_scopes(pod_id: str) -> str:
     return f"session_manager:pods:{pod_id}:scopes"
 
 
-def route_marker(request_id: str) -> str:
-    return f"session_manager:route:{request_id}"
+def route_marker(scope_id: str, request_id: str) -> str:
+    return f"session_manager:route:{{{scope_id}}}:{request_id}"
 
 
 def rm_scope(scope_id: str, what: str) -> str:

@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 
 from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.wiring import Services
 from helpers import envelope, running_app, sync_body
 
 ADMIN = {"Authorization": "Bearer adm-tok"}
@@ -97,6 +98,32 @@ async def test_scope_pod_and_session_views(redis: Redis, db: Database) -> None:
             "/api/session/touch", json=envelope({"eos": True}, session_id="s-1"), headers=GATEWAY
         )
         assert (await waiting).status_code == 200
+
+
+async def test_a_session_whose_pod_died_shows_its_tombstone_in_the_scope_asked(
+    redis: Redis, db: Database
+) -> None:
+    """Tombstones are kept per scope (previous_pod:{sid}:{session_id}) and the dead pod took
+    the binding with it: the view finds the tombstone in the scope ``scope_id`` names."""
+    async with app(redis, db, k8s=FakeK8sPodClient()) as client:
+        await configure(client, "tpl-a", "g-a", "b-a", scope_concurrency=2, pod_concurrency=2)
+        first = await route(client, "s-1", "g-a", "b-a")
+        services: Services = client.app.state.services  # type: ignore[attr-defined]
+        assert await services.sessions.notify_pod_dead(first["pod_id"]) == 1
+        sid = sid_of("g-a", "b-a")
+        resp = await client.get(f"{BASE}/sessions/s-1", params={"scope_id": sid}, headers=ADMIN)
+        assert resp.json()["data"] == {
+            "session_id": "s-1",
+            "binding": None,
+            "previous_pod_id": first["pod_id"],
+        }
+        other = sid_of("g-b", "b-a")
+        for params in ({}, {"scope_id": other}):
+            resp = await client.get(f"{BASE}/sessions/s-1", params=params, headers=ADMIN)
+            assert resp.status_code == 404, params
+        for query in (f"scope_id={sid}&scope_id={sid}", "scope_id=%0A", "scope_id=", "x=1"):
+            resp = await client.get(f"{BASE}/sessions/s-1?{query}", headers=ADMIN)
+            assert resp.status_code == 400 and resp.json()["error_code"] == "VALIDATION", query
 
 
 async def test_tokens_ids_and_unknowns(redis: Redis, db: Database) -> None:

@@ -68,9 +68,12 @@ def route_body(request_id: str, session_id: str, group_id: str = "g1", bot_id: s
 # --- 1. a used request_id replays only for its own request -------------------------------------
 
 
-async def test_a_reused_request_id_of_another_tenant_gets_409_not_the_first_pod(
+async def test_a_reused_request_id_gets_409_in_its_scope_and_never_the_first_pod(
     redis: Redis, db: Database
 ) -> None:
+    """Another session of the scope with a used request_id gets 409 on either replica; answers
+    are kept per scope (route:{sid}:{request_id}), so another tenant or bot with the id is
+    another request: served on its own with a pod of its scope, never the first answer."""
     cluster = FakeK8sPodClient()
     second = other_client(redis)
     try:
@@ -81,35 +84,33 @@ async def test_a_reused_request_id_of_another_tenant_gets_409_not_the_first_pod(
             await configure(a)
             first = await a.post(ROUTE, json=route_body("r-shared", "s-tenant-1", "g1"))
             assert first.status_code == 200, first.text
-            # another tenant (group), another session of the same tenant, another bot: each on
-            # either replica gets 409 and nothing of the first answer
+            first_pod = first.json()["data"]["pod_id"]
             for client in (a, b):
-                for body in (
-                    route_body("r-shared", "s-tenant-2", "g2"),
-                    route_body("r-shared", "s-other", "g1"),
-                    route_body("r-shared", "s-tenant-1", "g1", "b2"),
-                ):
-                    resp = await client.post(ROUTE, json=body)
-                    assert resp.status_code == 409, resp.text
-                    failure = resp.json()
-                    assert failure["error_code"] == "REQUEST_ID_REUSED"
-                    assert failure["request_id"] == "r-shared"
-                    assert first.json()["data"]["pod_id"] not in resp.text
-                    assert "retry_after" not in failure
-            # nothing was done for them: no session, no pod, no reservation
-            for group_id, session_id in (("g2", "s-tenant-2"), ("g1", "s-other")):
-                sid = scope_of(group_id, "b1")
-                assert not await redis.exists(f"session_manager:session:{session_id}")
-                assert not await redis.exists(f"session_manager:scope:{{{sid}}}:reserved")
+                resp = await client.post(ROUTE, json=route_body("r-shared", "s-other", "g1"))
+                assert resp.status_code == 409, resp.text
+                failure = resp.json()
+                assert failure["error_code"] == "REQUEST_ID_REUSED"
+                assert failure["request_id"] == "r-shared"
+                assert first_pod not in resp.text
+                assert "retry_after" not in failure
+            # nothing was done for it: no session, no reservation
+            assert not await redis.exists("session_manager:session:s-other")
+            sid = scope_of("g1", "b1")
+            assert not await redis.exists(f"session_manager:scope:{{{sid}}}:reserved")
             assert cluster.deploy_calls == 1
-            # the same request replays the first answer on both replicas (contract §2.3)
+            # another tenant (group) and another bot: their own request, their own pod, and
+            # the same answer again on the other replica
+            for session_id, group_id, bot_id in (("s-tenant-2", "g2", "b1"), ("s-3", "g1", "b2")):
+                body = route_body("r-shared", session_id, group_id, bot_id)
+                theirs = await a.post(ROUTE, json=body)
+                assert theirs.status_code == 200, theirs.text
+                assert theirs.json()["data"]["pod_id"] != first_pod
+                assert (await b.post(ROUTE, json=body)).json() == theirs.json()
+            assert cluster.deploy_calls == 3
+            # the first request still replays the first answer on both replicas (contract §2.3)
             for client in (a, b):
                 again = await client.post(ROUTE, json=route_body("r-shared", "s-tenant-1", "g1"))
                 assert again.status_code == 200 and again.json() == first.json()
-            # a fresh request_id serves the other tenant normally
-            fresh = await b.post(ROUTE, json=route_body("r-fresh", "s-tenant-2", "g2"))
-            assert fresh.status_code == 200
-            assert fresh.json()["data"]["pod_id"] != first.json()["data"]["pod_id"]
             schema = (await a.get("/openapi.json")).json()
             route_409 = schema["paths"][ROUTE]["post"]["responses"]["409"]
             assert "REQUEST_ID_REUSED" in str(schema["components"]["schemas"]) + str(route_409)
@@ -317,8 +318,15 @@ async def test_admin_views_accept_exactly_the_ids_route_accepts(redis: Redis, db
             ("/pods/{pod_id}", "pod_id"),
             ("/scopes/{scope_id}", "scope_id"),
         ):
-            (param,) = schema["paths"][base + path]["get"]["parameters"]
+            param, *query = schema["paths"][base + path]["get"]["parameters"]
             assert param["name"] == name and param["in"] == "path"
+            # the session view's tombstone scope: an id by the same rule
+            assert [q["name"] for q in query] == (["scope_id"] if name == "session_id" else [])
+            for extra in query:
+                assert (
+                    extra["in"] == "query"
+                    and extra["schema"]["pattern"] == (param["schema"]["pattern"])
+                )
             assert param["schema"]["minLength"] == 1 and param["schema"]["maxLength"] == 256
             route_schema = schema["paths"][ROUTE]["post"]["requestBody"]["content"]
             session = route_schema["application/json"]["schema"]["properties"]["metadata"]

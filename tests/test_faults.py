@@ -976,7 +976,7 @@ async def test_routes_cancelled_at_random_points_hold_nothing_beyond_the_lease(
             data = body["data"]
             assert data["pod_id"] in pods, data
             # the request id's own answer: what the replay cache holds for it
-            cached = await redis.get(route_marker(request_id))
+            cached = await redis.get(route_marker(SID, request_id))
             assert cached is not None, request_id
             stored = json.loads(cached)
             assert stored.pop("request_hash"), "the answer is bound to its request"

@@ -15,7 +15,6 @@ import pytest
 from redis.asyncio import Redis
 
 from agent_runtime import spec_fields
-from agent_runtime.errors import RequestIdReused
 from agent_runtime.notify import Notifier
 from agent_runtime.resource_manager.deploy_state import DeployState
 from agent_runtime.resource_manager.facade import (
@@ -141,7 +140,7 @@ async def test_cold_acquire_deploys_and_registers_one_pod(
     assert info["namespace"] == "default" and float(info["created_ts"]) > 0
     assert await redis.zrange(scope_pods_key(SCOPE), 0, -1) == [pod_id]
     assert await redis.sismember("resource_manager:resource:pods:all", pod_id)
-    assert await redis.ttl(idem_key("r1")) > 0
+    assert await redis.ttl(idem_key(SCOPE, "r1")) > 0
     await assert_nothing_held(redis)
 
 
@@ -183,17 +182,18 @@ async def test_same_request_id_replays_the_first_answer(
     assert k8s.deploy_calls == 1
 
 
-async def test_a_request_id_of_another_scope_gets_no_pod_of_that_scope(
+async def test_a_request_id_of_another_scope_never_gets_a_pod_of_the_first(
     rm: Instance, rm2: Instance, k8s: FakeK8sPodClient
 ) -> None:
-    """A deployed pod's cached result (idem:{request_id}) is bound to its scope: the same id
-    from another scope, on any replica, is refused and nothing is deployed for it."""
+    """A deployed pod's cached result (idem:{sid}:{request_id}) is its scope's: the same id
+    from another scope, on any replica, is another request's, served with a pod of its own
+    scope (one, replayed on either replica), never the first scope's pod."""
     first = await acquire(rm, "r1")
     other = "fedcba9876543210fedcba9876543210"
-    for instance in (rm, rm2):
-        with pytest.raises(RequestIdReused):
-            await instance.facade.acquire(other, spec(), pool(), "r1")
-    assert k8s.deploy_calls == 1
+    theirs = await rm.facade.acquire(other, spec(), pool(), "r1")
+    assert theirs.pod_id != first.pod_id
+    assert await rm2.facade.acquire(other, spec(), pool(), "r1") == theirs
+    assert k8s.deploy_calls == 2
     assert await acquire(rm2, "r1") == first, "the first scope still replays"
 
 
@@ -255,7 +255,7 @@ async def test_deploy_failure_gives_everything_back(
         await acquire(rm, "r1")
     await assert_nothing_held(redis)
     assert await redis.zcard(scope_pods_key(SCOPE)) == 0
-    assert not await redis.exists(idem_key("r1"))
+    assert not await redis.exists(idem_key(SCOPE, "r1"))
     # the scope is not stuck: the next acquire deploys
     assert (await acquire(rm, "r2")).pod_id
 

@@ -28,7 +28,6 @@ from hypothesis.stateful import (
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from agent_runtime.errors import RequestIdReused
 from agent_runtime.resource_manager.deploy_state import DeployState
 from agent_runtime.resource_manager.models import AcquiredPod
 from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
@@ -88,8 +87,8 @@ class K:
         return f"resource_manager:budget:rule:{rule_id}:pods"
 
     @staticmethod
-    def idem(request_id: str) -> str:
-        return f"resource_manager:idem:{request_id}"
+    def idem(sid: str, request_id: str) -> str:
+        return f"resource_manager:idem:{{{sid}}}:{request_id}"
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -178,7 +177,7 @@ async def second_client(redis: Redis) -> AsyncIterator[Redis]:
 
 def acquire_call(sid: str, request_id: str, token: str) -> dict[str, Any]:
     """The exact EVALSHA keys/args ``ResourceState.acquire`` sends."""
-    keys = [K.config(sid), K.idle(sid), K.pods(sid), K.deploying(sid), K.idem(request_id)]
+    keys = [K.config(sid), K.idle(sid), K.pods(sid), K.deploying(sid), K.idem(sid, request_id)]
     keys += [K.BUDGET, K.BUDGET_RULES, K.BUDGET_LIMITS, K.LEASED]
     args = [POD_PREFIX, token, TTL, 60, sid, "resource_manager:budget:rule:", "", 0, 1000]
     return {"keys": keys, "args": args}
@@ -192,7 +191,7 @@ async def test_acquire_without_config_is_no_config_and_writes_nothing(
 ) -> None:
     out = await rs.acquire("s1", "r1", "t1", TTL)
     assert out == AcquireOutcome("no_config")
-    assert not await redis.exists(K.deploying("s1"), K.idem("r1"), K.config("s1"))
+    assert not await redis.exists(K.deploying("s1"), K.idem("s1", "r1"), K.config("s1"))
 
 
 async def test_acquire_reuses_only_a_warm_pod_of_the_current_version(
@@ -230,13 +229,13 @@ async def test_acquire_reuse_pops_the_pod_and_caches_the_result(
     assert not await redis.exists(K.idle_since("p1"))
     assert await redis.hget(K.info("p1"), "phase") == "in_use"
     assert "p1" in await zmembers(redis, K.pods("s1"))  # still one of the scope's pods
-    assert json.loads(await redis.get(K.idem("r1"))) == {
+    assert json.loads(await redis.get(K.idem("s1", "r1"))) == {
         "pod_id": "p1",
         "pod_sse_url": sse("p1"),
         "deploy_ver": ver,
         "scope_id": "s1",  # the binding: replayed for this scope only
     }
-    assert 0 < await redis.ttl(K.idem("r1")) <= 60
+    assert 0 < await redis.ttl(K.idem("s1", "r1")) <= 60
 
     again = await rs.acquire("s1", "r1", "t1-retry", TTL)  # same request id
     assert again == AcquireOutcome("cached", "p1", sse("p1"), ver)
@@ -247,22 +246,21 @@ async def test_acquire_reuse_pops_the_pod_and_caches_the_result(
 async def test_acquire_result_replays_only_for_its_own_scope(
     rs: ResourceState, redis: Redis
 ) -> None:
-    """idem:{request_id} holds the scope it was acquired for: the same id from another scope
-    (another tenant) gets REQUEST_ID_REUSED, never the first scope's pod, and takes nothing."""
+    """idem:{sid}:{request_id} is the scope's: the same id from another scope (another tenant)
+    is another request's — it gets a pod of its own scope, never the first scope's — and the
+    first scope's answer still replays."""
     await configure(rs, "s1")
     await configure(rs, "s2")
     await add_pod(rs, "s1", "p1", warm=True)
     await add_pod(rs, "s2", "q1", warm=True)
     first = await rs.acquire("s1", "r1", "t1", TTL)
     assert first.action == "reuse" and first.pod_id == "p1"
-    stored = await redis.get(K.idem("r1"))
-    with pytest.raises(RequestIdReused):
-        await rs.acquire("s2", "r1", "t2", TTL)
-    with pytest.raises(RequestIdReused):
-        await rs.cached_result("s2", "r1")
-    assert await redis.get(K.idem("r1")) == stored, "the first answer stays the first scope's"
-    assert await smembers(redis, K.idle("s2")) == {"q1"}, "nothing taken for the reused id"
-    assert not await redis.exists(K.deploying("s2"))
+    stored = await redis.get(K.idem("s1", "r1"))
+    assert await rs.cached_result("s2", "r1") is None
+    other = await rs.acquire("s2", "r1", "t2", TTL)
+    assert other.action == "reuse" and other.pod_id == "q1"
+    assert json.loads(await redis.get(K.idem("s2", "r1")))["pod_id"] == "q1"
+    assert await redis.get(K.idem("s1", "r1")) == stored, "the first answer stays the first's"
     again = await rs.acquire("s1", "r1", "t1-retry", TTL)
     assert again == AcquireOutcome("cached", "p1", sse("p1"), first.deploy_ver)
     assert await rs.cached_result("s1", "r1") == AcquiredPod(
@@ -270,9 +268,6 @@ async def test_acquire_result_replays_only_for_its_own_scope(
         pod_sse_url=sse("p1"),
         deploy_ver=first.deploy_ver or "",
     )
-    # a result cached before results were bound (no scope_id) replays as it did
-    await redis.set(K.idem("r-old"), json.dumps({"pod_id": "p9", "pod_sse_url": "u"}), ex=60)
-    assert (await rs.acquire("s2", "r-old", "t3", TTL)).action == "cached"
 
 
 async def test_acquire_reuse_replayed_evalsha_is_cached(rs: ResourceState, redis: Redis) -> None:
@@ -320,7 +315,7 @@ async def test_acquire_max_reached_counts_pods_and_placeholders(
     assert full == AcquireOutcome("max_reached")
     assert await redis.scard(K.deploying("s1")) == 2
     assert not any(m.startswith("t2@") for m in await smembers(redis, K.deploying("s1")))
-    assert not await redis.exists(K.idem("r2"))
+    assert not await redis.exists(K.idem("s1", "r2"))
 
     # an old-version warm pod counts too (it is one of the scope's pods until reclaimed)
     await configure(rs, "s2", max_pods=1, ver="v1")
@@ -354,7 +349,7 @@ async def test_acquire_need_deploy_adds_exactly_one_placeholder_and_replay_keeps
     assert await rs._acquire(**raw) == ["need_deploy", out.placeholder]
     assert await rs._acquire(**raw) == ["need_deploy", out.placeholder]
     assert await smembers(redis, K.deploying("s1")) == {out.placeholder}
-    assert not await redis.exists(K.idem("r1"))  # only a handed-out pod is cached
+    assert not await redis.exists(K.idem("s1", "r1"))  # only a handed-out pod is cached
 
 
 async def test_acquire_replay_at_the_cap_still_returns_its_placeholder(
@@ -451,7 +446,7 @@ async def test_acquire_concurrent_reuses_each_warm_pod_once_then_reserves_up_to_
     assert await redis.scard(K.deploying("s1")) == 3
     cached = {i for i, o in enumerate(outs) if o.action == "reuse"}
     for i in range(30):
-        assert bool(await redis.exists(K.idem(f"r{i}"))) == (i in cached)
+        assert bool(await redis.exists(K.idem("s1", f"r{i}"))) == (i in cached)
 
 
 # --- placeholder -------------------------------------------------------------------------------

@@ -298,9 +298,9 @@ async def assert_nothing_held(
     assert await deploy_locks(redis, sid) == {}
     pending = [
         key
-        async for key in redis.scan_iter(match="session_manager:route:*", count=1000)
+        async for key in redis.scan_iter(match=route_marker(sid, "*"), count=1000)
         if str(await redis.get(key) or "").startswith("pending:")
-        and key.removeprefix("session_manager:route:") not in pending_ok
+        and key.removeprefix(route_marker(sid, "")) not in pending_ok
     ]
     assert pending == [], pending
 
@@ -353,7 +353,7 @@ async def assert_burst_answers(redis: Redis, outcomes: list[Outcome], allowed: s
             assert body["ok"] is True and body["request_id"] == o.request_id
             assert body["data"]["placement"] == "placed", body
             assert body["data"]["pod_sse_url"].startswith("http://"), body
-            cached = await redis.get(route_marker(o.request_id))
+            cached = await redis.get(route_marker(SID, o.request_id))
             assert cached is not None
             stored = json.loads(cached)
             assert stored.pop("request_hash"), "the answer is bound to its request"
@@ -361,7 +361,7 @@ async def assert_burst_answers(redis: Redis, outcomes: list[Outcome], allowed: s
         else:
             assert o.code in allowed, o.resp.text
             assert_error(o.resp, o.code)
-            assert not await redis.exists(route_marker(o.request_id)), o.request_id
+            assert not await redis.exists(route_marker(SID, o.request_id)), o.request_id
 
 
 # --- 200 concurrent routes over two replicas ---------------------------------------------------
@@ -611,7 +611,7 @@ async def _seated(redis: Redis, room: str, n: int) -> bool:
 
 
 async def _no_marker(redis: Redis, request_id: str) -> bool:
-    return await redis.get(route_marker(request_id)) is None
+    return await redis.get(route_marker(SID, request_id)) is None
 
 
 # --- the issue's worked example ------------------------------------------------------------
@@ -791,7 +791,7 @@ async def test_concurrent_duplicates_on_two_replicas_place_once_and_answer_alike
         first = asyncio.create_task(route(reps.a, "s-dup", "r-dup"))
 
         async def first_is_running() -> bool:
-            return str(await redis.get(route_marker("r-dup")) or "").startswith("pending:")
+            return str(await redis.get(route_marker(SID, "r-dup")) or "").startswith("pending:")
 
         await eventually(first_is_running, what="the first call's pending marker")
         duplicate = await route(reps.b, "s-dup", "r-dup")
@@ -1040,7 +1040,7 @@ async def test_a_waiter_whose_client_disconnects_leaves_the_queue(
         assert time.monotonic() - started < 1.0  # noticed within a poll, not at the deadline
         assert status == 499  # nobody reads it; what an access log shows
         assert not await seated(redis)
-        assert not await redis.exists(route_marker("r-gone"))
+        assert not await redis.exists(route_marker(SID, "r-gone"))
         await assert_in_no_place(redis, "s-gone")
         await assert_nothing_held(redis)
 
@@ -1054,12 +1054,12 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_its_request_id_runs_again
         first = await route(reps.a, "s-held")
         waiting = asyncio.create_task(route(reps.b, "s-cancel", "r-cancel"))
         await eventually(lambda: seated(redis, "r-cancel"), what="the waiter's seat")
-        assert str(await redis.get(route_marker("r-cancel"))).startswith("pending:")
+        assert str(await redis.get(route_marker(SID, "r-cancel"))).startswith("pending:")
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
         assert not await seated(redis)
-        assert not await redis.exists(route_marker("r-cancel"))
+        assert not await redis.exists(route_marker(SID, "r-cancel"))
 
         await eos(reps.a, "s-held")
         retry = await route(reps.a, "s-cancel", "r-cancel")  # same request_id, other replica
@@ -1080,7 +1080,7 @@ async def test_a_timed_out_route_leaves_no_seat_and_its_request_id_runs_again(
         late = await route(reps.b, "s-late", "r-late")
         assert_error(late, "SCOPE_FULL_TIMEOUT")
         assert not await seated(redis)
-        assert not await redis.exists(route_marker("r-late"))
+        assert not await redis.exists(route_marker(SID, "r-late"))
         await eos(reps.b, "s-held")
         retry = await route(reps.a, "s-late", "r-late")
         assert retry.status_code == 200, retry.text
@@ -1194,7 +1194,7 @@ async def test_redis_connections_killed_mid_wait_end_in_contract_errors_and_leak
         assert await redis.zrange(sm_scope(SID, "waiters"), 0, -1) == []
         await assert_nothing_held(redis)
         for i in range(4):
-            assert not await redis.exists(route_marker(f"r-k-{i}"))
+            assert not await redis.exists(route_marker(SID, f"r-k-{i}"))
 
         # the notifiers' pub/sub links too: they reconnect, and the free signal works again
         assert await kill_connections(redis, "pubsub") >= 2
@@ -1248,7 +1248,7 @@ async def test_redis_unreachable_mid_wait_is_503_and_a_seat_it_could_not_give_ba
             # their replay markers could not be given back either: they lapse with the route
             # lease (see test_a_route_that_failed_in_an_outage_runs_again_on_retry)
             for rid in ("r-u-0", "r-u-1"):
-                assert await redis.pttl(route_marker(rid)) <= 3000
+                assert await redis.pttl(route_marker(SID, rid)) <= 3000
             # while the stale seats hold the queue (2 × 1) full, a new waiter is refused ...
             if len(left) == 2:
                 assert_error(await route(reps.b, "u-new"), "SCOPE_QUEUE_FULL")

@@ -53,12 +53,12 @@ class K:
         return f"{P}session:{session_id}"
 
     @staticmethod
-    def tombstone(session_id: str) -> str:
-        return f"{P}previous_pod:{session_id}"
+    def tombstone(session_id: str, sid: str = SID) -> str:
+        return f"{P}previous_pod:{{{sid}}}:{session_id}"
 
     @staticmethod
-    def route(request_id: str) -> str:
-        return f"{P}route:{request_id}"
+    def route(request_id: str, sid: str = SID) -> str:
+        return f"{P}route:{{{sid}}}:{request_id}"
 
     @staticmethod
     def scope_sessions(sid: str) -> str:
@@ -824,8 +824,10 @@ async def test_concurrent_duplicates_of_one_request_place_once(
 async def test_an_answered_request_id_replays_only_for_its_own_request(
     state: SessionState, redis: Redis
 ) -> None:
-    """Another session or another scope with a used request_id gets "reused" — never the first
-    caller's pod — and nothing is done for it; the first request keeps replaying (any replica)."""
+    """Another session of the scope with a used request_id gets "reused" — never the first
+    caller's pod — and nothing is done for it; the first request keeps replaying (any replica).
+    Replays are kept per scope (route:{sid}:{request_id}): in another scope the id is another
+    request's, placed there on its own, and never sees the first answer."""
     await configure(redis)
     await configure(redis, "scope-b")
     await add_pod(state, "p1")
@@ -834,10 +836,12 @@ async def test_an_answered_request_id_replays_only_for_its_own_request(
     assert first == placed("p1")
     stored = await redis.get(K.route("r1"))
     assert await route(state, "s2", request_id="r1", token="t2") == ["reused"]
-    assert await route(state, "s1", "scope-b", request_id="r1", token="t3") == ["reused"]
     assert not await redis.exists(K.session("s2"))
     assert await redis.smembers(K.scope_sessions(SID)) == {"s1"}
-    assert not await redis.exists(K.scope_sessions("scope-b"), K.reserved("scope-b"))
+    assert not await redis.exists(K.reserved(SID))
+    assert await route(state, "s3", "scope-b", request_id="r1", token="t3") == placed("q1")
+    assert await redis.smembers(K.scope_sessions("scope-b")) == {"s3"}
+    assert json.loads(await redis.get(K.route("r1", "scope-b")))["pod_id"] == "q1"
     assert await redis.get(K.route("r1")) == stored, "the first answer is left as it was"
     client = other_client(redis)
     try:
@@ -1794,7 +1798,7 @@ class SessionMachine(RuleBasedStateMachine):
             for session in self.known:
                 pipe.hgetall(K.session(session))
                 pipe.zscore(K.EXPIRY, session)
-                pipe.get(K.tombstone(session))
+                pipe.get(K.tombstone(session, sid))
             pipe.time()
             replies = await pipe.execute()
         scope_sessions, candidates, registered, reserved = replies[:4]

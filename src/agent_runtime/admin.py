@@ -120,18 +120,21 @@ def _request_id(request: Request) -> str:
     return given if is_id(given) else f"admin-{uuid.uuid4().hex[:12]}"
 
 
-def _only_query(request: Request, *names: str) -> None:
+def _only_query(request: Request, *names: str, ids: tuple[str, ...] = ()) -> None:
     """Only the named parameters, each at most once (a repeated one would silently lose all
     but its last value), and every value a plain decimal integer: pydantic's lax parsing would
-    take ``0.0``, `` 1`` or ``1_0`` for one, which the OpenAPI's ``integer`` does not."""
-    unknown = sorted(set(request.query_params) - set(names))
+    take ``0.0``, `` 1`` or ``1_0`` for one, which the OpenAPI's ``integer`` does not. The
+    ``ids`` parameters hold an id (the id rule) instead."""
+    unknown = sorted(set(request.query_params) - set(names) - set(ids))
     if unknown:
         raise ValidationFailed(f"unknown query parameter {unknown[0][:64]!r}")
-    for name in names:
+    for name in (*names, *ids):
         values = request.query_params.getlist(name)
         if len(values) > 1:
             raise ValidationFailed(f"query parameter {name!r} given more than once")
-        if values and not _DECIMAL.fullmatch(values[0]):
+        if values and name in ids:
+            _checked(name, values[0])
+        elif values and not _DECIMAL.fullmatch(values[0]):
             raise ValidationFailed(f"query parameter {name!r}: a decimal integer, digits only")
 
 
@@ -237,10 +240,23 @@ async def foreign_pods(request: Request, deps: Admin) -> JSONResponse:
 
 
 @router.get("/sessions/{session_id:anyid}")
-async def get_session(request: Request, deps: Admin, session_id: SessionId) -> JSONResponse:
-    _only_query(request)
+async def get_session(
+    request: Request,
+    deps: Admin,
+    session_id: SessionId,
+    scope_id: Annotated[
+        str,
+        Query(
+            description="the scope whose tombstone to read (default: the binding's scope)",
+            min_length=1,
+            max_length=ID_MAX,
+            json_schema_extra={"pattern": PRINTABLE_PATTERN},
+        ),
+    ] = "",
+) -> JSONResponse:
+    _only_query(request, ids=("scope_id",))
     sid = _checked("session_id", session_id)
-    view = await deps.sessions.session_view(sid)
+    view = await deps.sessions.session_view(sid, scope_id)
     if view is None:
         raise NotFound(f"session {sid} is not known")
     return ok(_request_id(request), {"session_id": sid, **view})

@@ -22,7 +22,6 @@ from redis.asyncio import Redis
 
 from agent_runtime import lua
 from agent_runtime.config import RM_KEY_PREFIX as P
-from agent_runtime.errors import RequestIdReused
 from agent_runtime.resource_manager.models import AcquiredPod
 from agent_runtime.resource_manager.state_values import (
     AcquireOutcome,
@@ -192,13 +191,10 @@ def registered_channel(scope_id: str) -> str:
 REGISTERED_PATTERN = f"{SCOPE_PREFIX}{{*}}:registered"
 
 
-def idem_key(request_id: str) -> str:
-    """The acquire result for 60 s, bound to its scope (``scope_id`` in the JSON)."""
-    return f"{P}idem:{request_id}"
-
-
-def _reused(request_id: str) -> RequestIdReused:
-    return RequestIdReused(f"acquire {request_id}: the request_id got a pod of another scope")
+def idem_key(scope_id: str, request_id: str) -> str:
+    """The acquire result for 60 s, kept per scope (another scope's acquire with the id is
+    another request's and never reads it; ``scope_id`` is in the JSON too)."""
+    return f"{P}idem:{{{scope_id}}}:{request_id}"
 
 
 # --- typed values and the decoding of hashes and replies ---------------------------------------
@@ -248,18 +244,14 @@ def _pod_info_of(raw: dict[str, str]) -> PodInfo | None:
     )
 
 
-def _idem_of(raw: str) -> tuple[str | None, AcquiredPod]:
-    """An ``idem:{rid}`` value: the scope it was acquired for (None in a result cached before
-    results were bound to their scope) and the pod."""
+def _idem_of(raw: str) -> AcquiredPod:
+    """An ``idem:{sid}:{rid}`` value's pod."""
     cached = cast(dict[str, str], json.loads(raw))
-    pod = AcquiredPod(cached["pod_id"], cached["pod_sse_url"], cached.get("deploy_ver") or "")
-    return cached.get("scope_id"), pod
+    return AcquiredPod(cached["pod_id"], cached["pod_sse_url"], cached.get("deploy_ver") or "")
 
 
-def _acquire_outcome(reply: list[str], request_id: str) -> AcquireOutcome:
+def _acquire_outcome(reply: list[str]) -> AcquireOutcome:
     action = reply[0]
-    if action == "reused":
-        raise _reused(request_id)
     if action == "cached":
         cached = json.loads(reply[1])
         return AcquireOutcome(
@@ -403,7 +395,7 @@ class ResourceState:
                 scope_idle_key(scope_id),
                 scope_pods_key(scope_id),
                 scope_deploying_key(scope_id),
-                idem_key(request_id),
+                idem_key(scope_id, request_id),
                 BUDGET_PODS_KEY,
                 BUDGET_RULES_KEY,
                 BUDGET_LIMITS_KEY,
@@ -422,25 +414,20 @@ class ResourceState:
                 "1" if cold_claim else "",
             ],
         )
-        return _acquire_outcome(reply, request_id)
+        return _acquire_outcome(reply)
 
     async def cached_result(self, scope_id: str, request_id: str) -> AcquiredPod | None:
-        """The pod this request_id got for this scope within IDEM_TTL; RequestIdReused when
-        it got one for another scope (never handed to this one)."""
-        raw = cast(str | None, await self.redis.get(idem_key(request_id)))
-        if not raw:
-            return None
-        owner, pod = _idem_of(raw)
-        if owner is not None and owner != scope_id:
-            raise _reused(request_id)
-        return pod
+        """The pod this request_id got for this scope within IDEM_TTL (another scope's result
+        with the id is under that scope's key: never read here)."""
+        raw = cast(str | None, await self.redis.get(idem_key(scope_id, request_id)))
+        return _idem_of(raw) if raw else None
 
     async def cache_result(self, scope_id: str, request_id: str, pod: AcquiredPod) -> None:
         value = json.dumps(
             {"pod_id": pod.pod_id, "pod_sse_url": pod.pod_sse_url,
              "deploy_ver": pod.deploy_ver, "scope_id": scope_id}
         )  # fmt: skip
-        await self.redis.set(idem_key(request_id), value, ex=IDEM_TTL)
+        await self.redis.set(idem_key(scope_id, request_id), value, ex=IDEM_TTL)
 
     # --- a pod's registration and release ------------------------------------------------------
 

@@ -115,10 +115,10 @@ def scope_pod_seq_key(scope_id: str) -> str:
     return f"{_scope(scope_id)}pod_seq"
 
 
-def route_key(request_id: str) -> str:
-    """Replay of a route: its answer (JSON, with the request's ``request_hash``) for 60 s, or
-    ``pending:{token}\n{request_hash}`` while running."""
-    return f"{P}route:{request_id}"
+def route_key(scope_id: str, request_id: str) -> str:
+    """Replay of a route in its scope: its answer (JSON, with the request's ``request_hash``)
+    for 60 s, or ``pending:{token}\n{request_hash}`` while running."""
+    return f"{P}route:{{{scope_id}}}:{request_id}"
 
 
 def request_hash(first: str, second: str = "") -> str:
@@ -134,9 +134,10 @@ def touch_key(request_id: str) -> str:
     return f"{P}touch:{request_id}"
 
 
-def previous_pod_key(session_id: str) -> str:
-    """Tombstone: the pod that died under the session (for ``rebound``), for session_ttl."""
-    return f"{P}previous_pod:{session_id}"  # not under session:{id}: ids may hold ":"
+def previous_pod_key(scope_id: str, session_id: str) -> str:
+    """Tombstone in the session's scope: the pod that died under the session (for
+    ``rebound``), for session_ttl (_keys.lua derives the same name)."""
+    return f"{P}previous_pod:{{{scope_id}}}:{session_id}"  # not under session:{id}: ids hold ":"
 
 
 # the prelude that derives the scope's key names in Lua (lua/_keys.lua), before any other
@@ -264,7 +265,11 @@ class SessionState:
         return await self._lease(scope_id, request_id, token, 0)
 
     async def _lease(self, scope_id: str, request_id: str, token: str, seconds: float) -> bool:
-        keys = [route_key(request_id), scope_reserved_key(scope_id), scope_waiters_key(scope_id)]
+        keys = [
+            route_key(scope_id, request_id),
+            scope_reserved_key(scope_id),
+            scope_waiters_key(scope_id),
+        ]
         return bool(await self._route_lease(keys=keys, args=[token, request_id, seconds]))
 
     async def touch(
@@ -442,8 +447,8 @@ def _route_call(
         scope_pods_key(scope_id),
         scope_config_key(scope_id),
         PODS_REGISTERED_KEY,
-        route_key(request_id),
-        previous_pod_key(session_id),
+        route_key(scope_id, request_id),
+        previous_pod_key(scope_id, session_id),
         scope_reserved_key(scope_id),
         scope_waiters_key(scope_id),
         LEASED_SCOPES_KEY,

@@ -129,9 +129,12 @@ class SessionViews:
             "reserved": [{"request_id": m, "deadline": d} for m, d in reserved],
         }
 
-    async def session_view(self, session_id: str) -> dict[str, Any] | None:
-        binding = await self.redis.hgetall(session_key(session_id))
-        tombstone = await self.redis.get(previous_pod_key(session_id))
+    async def session_view(self, session_id: str, scope_id: str = "") -> dict[str, Any] | None:
+        """The binding, and the tombstone in ``scope_id`` or else in the binding's scope (a
+        tombstone is kept per scope; a session whose pod died has no binding left)."""
+        binding = cast(dict[str, str], await self.redis.hgetall(session_key(session_id)))
+        scope = scope_id or binding.get("scope_id", "")
+        tombstone = await self.redis.get(previous_pod_key(scope, session_id)) if scope else None
         if not binding and tombstone is None:
             return None
         return {"binding": binding or None, "previous_pod_id": tombstone}

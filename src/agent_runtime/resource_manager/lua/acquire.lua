@@ -5,7 +5,7 @@
 -- KEYS[2] resource:scope:{sid}:idle       SET   warm pool
 -- KEYS[3] resource:scope:{sid}:pods       ZSET  every pod of the scope
 -- KEYS[4] resource:scope:{sid}:deploying  SET   placeholders "{token}@{deadline}"
--- KEYS[5] idem:{request_id}               STRING cached acquire result (JSON, with its scope_id)
+-- KEYS[5] idem:{sid}:{request_id}         STRING cached acquire result (JSON, with its scope_id)
 -- KEYS[6] budget:pods                     ZSET  every budget unit (see _budget.lua)
 -- KEYS[7] budget:rules                    SET   rule ids that have a units ZSET
 -- KEYS[8] budget:rule_limits              HASH  rule id -> pod budget
@@ -15,7 +15,7 @@
 -- ARGV[2] placeholder token (unique per attempt; the same token on a re-sent call)
 -- ARGV[3] placeholder lifetime in seconds (the deploy lease: its deployer renews it)
 -- ARGV[4] idem TTL in seconds
--- ARGV[5] scope_id: a cached result replays only for the scope it was acquired for
+-- ARGV[5] scope_id (written into the cached result)
 -- ARGV[6] rule budget prefix "resource_manager:budget:rule:" (derives {prefix}{rule}:pods of
 --         the scope's old and new rule: the other derived keys)
 -- ARGV[7] rule id the scope resolves through now ("" = none): the scope's link is set to it
@@ -27,8 +27,6 @@
 --          nothing is reserved here ("" or absent: reserve as below)
 --
 -- returns {"cached", json}                 this request already got a pod (replay)
---         {"reused"}                       the request_id got a pod of another scope: nothing
---                                          is done, that pod is never handed out here
 --         {"reuse", pod_id, pod_sse_url, deploy_ver}   a warm pod left the pool, now in use
 --         {"no_config"}                    the scope has no pool config yet
 --         {"max_reached"}                  ZCARD pods + SCARD deploying >= max_pods
@@ -40,13 +38,7 @@
 -- budget's live units < its limit; expired placeholders (a crashed deployer) are dropped
 -- before counting, so a crash never lowers the cap or a budget for good.
 local cached = redis.call('GET', KEYS[5])
-if cached then
-  -- a result without a scope_id (written before results were bound) replays as it did
-  local decoded, first = pcall(cjson.decode, cached)
-  local owner = decoded and type(first) == 'table' and first.scope_id
-  if owner and owner ~= ARGV[5] then return {'reused'} end
-  return {'cached', cached}
-end
+if cached then return {'cached', cached} end  -- the key is the scope's: its own result
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'no_config'} end
 
 local sid, prefix, rule = ARGV[5], ARGV[6], ARGV[7]

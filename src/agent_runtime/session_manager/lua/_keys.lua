@@ -6,6 +6,11 @@
 -- p .. 'scope:{' .. sid .. '}:' .. what   (sessions, pods, waiters, reserved, arrivals, free)
 local function scope_key(p, sid, what) return p .. 'scope:{' .. sid .. '}:' .. what end
 
+-- p .. 'previous_pod:{' .. sid .. '}:' .. session_id   (the tombstone of a pod that died)
+local function previous_pod_key(p, sid, session_id)
+  return p .. 'previous_pod:{' .. sid .. '}:' .. session_id
+end
+
 -- p .. 'pod:{' .. sid .. '}:' .. pod .. ':' .. what   (sessions, info, idle_notified)
 local function pod_key(p, sid, pod, what)
   return p .. 'pod:{' .. sid .. '}:' .. pod .. ':' .. what

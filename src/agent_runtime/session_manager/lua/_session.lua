@@ -9,9 +9,11 @@ local function redis_now()
 end
 
 -- Take a session out of its four places at once and signal a waiter of its scope. With
--- `tombstone_ttl` > 0 the pod it was on is remembered, so its next route says `rebound`.
+-- `tombstone_ttl` > 0 the pod it was on is remembered, so its next route says `rebound`: in
+-- `tombstone_key` (route_place's: the route's scope), else in the session's scope.
 -- Returns scope, pod and the sessions left on the pod, or nil for an unknown session.
-local function evict_session(p, session_key, expiry_key, session_id, tombstone_ttl)
+local function evict_session(p, session_key, expiry_key, session_id, tombstone_ttl,
+                             tombstone_key)
   local scope = redis.call('HGET', session_key, 'scope_id')
   local pod = redis.call('HGET', session_key, 'pod_id')
   redis.call('ZREM', expiry_key, session_id)
@@ -21,7 +23,8 @@ local function evict_session(p, session_key, expiry_key, session_id, tombstone_t
   local pod_sessions = pod_key(p, scope, pod, 'sessions')
   redis.call('SREM', pod_sessions, session_id)
   if tombstone_ttl and tombstone_ttl > 0 then
-    redis.call('SET', p .. 'previous_pod:' .. session_id, pod, 'EX', math.ceil(tombstone_ttl))
+    redis.call('SET', tombstone_key or previous_pod_key(p, scope, session_id), pod, 'EX',
+      math.ceil(tombstone_ttl))
   end
   redis.call('PUBLISH', scope_key(p, scope, 'free'), session_id)
   return {scope, pod, redis.call('SCARD', pod_sessions)}

@@ -5,7 +5,7 @@
 -- KEYS[2] session_expiry         ZSET
 -- ARGV[1] key prefix "session_manager:" (derives scope:{sid}:sessions,
 --         pod:{sid}:{pod}:sessions, the channel scope:{sid}:free and, with ARGV[3],
---         previous_pod:{session_id})
+--         previous_pod:{sid}:{session_id})
 -- ARGV[2] session_id
 -- ARGV[3] "1" when the pod died: remember it for session_ttl so the next route is `rebound`
 --

@@ -1,7 +1,7 @@
 -- route_lease: what a route on its slow path holds — its pending replay marker, its
 -- reservation, its queue seat — kept alive while it runs, or given back when it fails.
 --
--- KEYS[1] route:{request_id}       STRING "pending:{token}\n{fingerprint}" while the route runs
+-- KEYS[1] route:{sid}:{request_id} STRING "pending:{token}\n{fingerprint}" while the route runs
 -- KEYS[2] scope:{sid}:reserved     ZSET request_id -> lease deadline
 -- KEYS[3] scope:{sid}:waiters      ZSET request_id -> deadline
 -- ARGV[1] token   ARGV[2] request_id

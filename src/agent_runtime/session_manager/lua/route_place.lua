@@ -7,9 +7,9 @@
 -- KEYS[4] scope:{sid}:pods                    ZSET candidates in arrival order
 -- KEYS[5] scope:{sid}:config                  HASH resolve cache (the scope's policy)
 -- KEYS[6] pods:registered                     SET "{sid}:{pod}"
--- KEYS[7] route:{request_id}                  STRING replay: the answer JSON (with the request's
+-- KEYS[7] route:{sid}:{request_id}            STRING replay: the answer JSON (with the request's
 --         fingerprint in its "request_hash" field), or "pending:{token}\n{fingerprint}"
--- KEYS[8] previous_pod:{session_id}   STRING tombstone of a pod that died under it
+-- KEYS[8] previous_pod:{sid}:{session_id}     STRING tombstone of a pod that died under it
 --         (written by evict with pod_died, or here when the bound pod is no longer
 --         registered; read for `rebound`, deleted when the session is placed again)
 -- KEYS[9] scope:{sid}:reserved                ZSET request_id -> lease deadline: routes headed
@@ -114,7 +114,7 @@ if bound[2] then
     previous = bound[2]
     tombstone_ttl = tonumber(bound[4])
   end
-  evict_session(p, KEYS[1], KEYS[2], sid, tombstone_ttl)
+  evict_session(p, KEYS[1], KEYS[2], sid, tombstone_ttl, KEYS[8])
 end
 previous = previous or redis.call('GET', KEYS[8]) or nil
 
