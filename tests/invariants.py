@@ -230,10 +230,10 @@ async def check(
                     where = sm_pod(sid, pod, "sessions")
                     report.misplaced.append(Misplaced(session_id, sid, pod, ("hash",), where))
         report.leftovers += await _leftovers(redis, sid, now)
+        report.leftovers += await _pending_routes(redis, sid)
 
     for session_id in sorted(expiry - set(hashes)):
         report.misplaced.append(Misplaced(session_id, "", "", ("hash",), where=SM_SESSION_EXPIRY))
-    report.leftovers += await _pending_routes(redis)
     return report
 
 
@@ -259,15 +259,16 @@ async def _leftovers(redis: Redis, sid: str, now: float) -> list[Leftover]:
     return out
 
 
-async def _pending_routes(redis: Redis) -> list[Leftover]:
+async def _pending_routes(redis: Redis, sid: str) -> list[Leftover]:
+    """The scope's routes still marked running (the replay cache is the scope's)."""
     out: list[Leftover] = []
-    prefix = route_marker("")
-    for key in await _scan(redis, route_marker("*")):
+    prefix = route_marker(sid, "")
+    for key in await _scan(redis, route_marker(sid, "*")):
         value = await redis.get(key)
         if value is not None and value.startswith("pending:"):
             ttl_ms = await redis.pttl(key)
             lapses = ttl_ms / 1000 if ttl_ms >= 0 else None
-            out.append(Leftover("pending_route", "", key[len(prefix) :], lapses))
+            out.append(Leftover("pending_route", sid, key[len(prefix) :], lapses))
     return out
 
 

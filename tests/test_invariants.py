@@ -61,7 +61,7 @@ async def test_each_fault_is_reported(redis: Redis) -> None:
     await redis.zadd(rm_scope(SID, "deploy_followers:d1"), {"r-fol": now + 30})
     await redis.sadd(rm_scope(SID, "deploying"), f"tok@{now + 30}")
     await redis.set(rm_deploy_lock(SID, "d1"), "leader", px=30_000)
-    await redis.set(route_marker("r-pend"), "pending:tok", px=30_000)
+    await redis.set(route_marker(SID, "r-pend"), "pending:tok", px=30_000)
 
     report = await invariants.check(redis, [SID])
     assert not report.consistent
