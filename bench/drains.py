@@ -1,7 +1,7 @@
 """drains: what a drain costs, in process over the bench Redis (the fake Kubernetes):
 
 - the two scripts of a drain's start, one call each: ``drain_begin`` (RM: marked and out of
-  the warm pool) and ``retire_pod`` (SM: out of every scope's candidates), µs per round trip;
+  the warm pool) and ``retire_pod`` (SM: out of its scope's candidates), µs per round trip;
 - a node drain (the facade's ``drain_node``) of ``PODS`` pods on one node, each carrying
   ``SESSIONS`` sessions: ms for the whole call;
 - one ``rm_drains`` tick (``drains_once``) when all those pods reach their deadline at once:
@@ -86,7 +86,7 @@ async def script_costs(redis: Redis, calls: int) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, call in (
         ("drain_begin", lambda: drains.begin(pod, trigger="admin", pending=False, seconds=60)),
-        ("retire_pod", lambda: sm.retire_pod(pod)),
+        ("retire_pod", lambda: sm.retire_pod(SCOPE, pod)),
     ):
         took = []
         for _ in range(calls):

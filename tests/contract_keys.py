@@ -27,10 +27,6 @@ def sm_pod(scope_id: str, pod_id: str, what: str) -> str:
     return f"session_manager:pod:{{{scope_id}}}:{pod_id}:{what}"
 
 
-def sm_pod_scopes(pod_id: str) -> str:
-    return f"session_manager:pods:{pod_id}:scopes"
-
-
 def route_marker(scope_id: str, request_id: str) -> str:
     return f"session_manager:route:{{{scope_id}}}:{request_id}"
 

@@ -109,8 +109,8 @@ async def test_a_session_whose_pod_died_shows_its_tombstone_in_the_scope_asked(
         await configure(client, "tpl-a", "g-a", "b-a", scope_concurrency=2, pod_concurrency=2)
         first = await route(client, "s-1", "g-a", "b-a")
         services: Services = client.app.state.services  # type: ignore[attr-defined]
-        assert await services.sessions.notify_pod_dead(first["pod_id"]) == 1
         sid = sid_of("g-a", "b-a")
+        assert await services.sessions.notify_pod_dead(sid, first["pod_id"]) == 1
         resp = await client.get(f"{BASE}/sessions/s-1", params={"scope_id": sid}, headers=ADMIN)
         assert resp.json()["data"] == {
             "session_id": "s-1",

@@ -1,7 +1,7 @@
 """The drain scripts, on fakeredis and real Redis: ``drain_begin.lua`` (marked and out of the
 warm pool in one step; idempotent; a deadline only comes forward; pending → draining),
 ``release.lua`` refusing a draining pod, ``purge.lua`` dropping a drain, and the session
-side's ``retire_pod.lua`` (out of every scope's candidates, sessions counted, none touched).
+side's ``retire_pod.lua`` (out of its scope's candidates, sessions counted, none touched).
 Keys are read by their documented names (docs/reference/redis-keys.md), spelled out here.
 """
 
@@ -16,7 +16,7 @@ from agent_runtime.resource_manager.drain_state import DrainState
 from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.session_manager.state import SessionState
-from contract_keys import sm_pod, sm_pod_scopes, sm_scope
+from contract_keys import sm_pod, sm_scope
 
 SID = "s" * 32
 DRAINING = "resource_manager:resource:draining"
@@ -165,23 +165,23 @@ async def sm_pod_registered(redis: Redis, state: SessionState, sid: str, pod: st
     assert await state.register_pod(sid, pod, f"http://{pod}", "v1")
 
 
-async def test_retire_pod_leaves_every_candidate_list_and_counts_sessions(redis: Redis) -> None:
+async def test_retire_pod_leaves_its_scopes_candidates_and_counts_sessions(redis: Redis) -> None:
     state = SessionState(redis)
     other = "o" * 32
     await sm_pod_registered(redis, state, SID, "p1")
-    await sm_pod_registered(redis, state, other, "p1")
+    await sm_pod_registered(redis, state, other, "p1")  # the same pod id in another scope
     await sm_pod_registered(redis, state, SID, "p2")
     placed = await state.route_place(
         request_id="r1", session_id="s1", scope_id=SID, token="t", slow=False
     )
     assert placed.pod_id == "p1"
-    assert await state.retire_pod("p1") == 1
+    assert await state.retire_pod(SID, "p1") == 1
     assert await redis.zrange(sm_scope(SID, "pods"), 0, -1) == ["p2"]
-    assert await redis.zrange(sm_scope(other, "pods"), 0, -1) == []
-    # registrations and the session stay
-    assert set(await redis.smembers(sm_pod_scopes("p1"))) == {SID, other}
+    assert await redis.zrange(sm_scope(other, "pods"), 0, -1) == ["p1"], "only its own scope"
+    # the registration and the session stay
+    assert await redis.exists(sm_pod(SID, "p1", "info"))
     assert await redis.smembers(sm_pod(SID, "p1", "sessions")) == {"s1"}
-    assert await state.retire_pod("p1") == 1  # idempotent
+    assert await state.retire_pod(SID, "p1") == 1  # idempotent
     # the next new session goes to p2, the old one stays on p1
     again = await state.route_place(
         request_id="r2", session_id="s2", scope_id=SID, token="t", slow=False
@@ -191,4 +191,4 @@ async def test_retire_pod_leaves_every_candidate_list_and_counts_sessions(redis:
         request_id="r3", session_id="s1", scope_id=SID, token="t", slow=False
     )
     assert refresh.pod_id == "p1"
-    assert await state.retire_pod("unknown") == 0
+    assert await state.retire_pod(SID, "unknown") == 0

@@ -34,11 +34,16 @@ LAYOUT_1 = {  # a layout-1 name → its layout-2 name
     f"resource_manager:lock:rm:deploy:{SID}:r-1": f"resource_manager:lock:rm:deploy:{{{SID}}}:r-1",
 }  # fmt: skip
 UNCHANGED = ["session_manager:session:s1", "session_manager:session_expiry"]
+# retired names: the migration deletes them (the scopes that referenced a pod: the resource
+# manager names a pod's one scope now)
+RETIRED = ["session_manager:pods:pod-1:scopes"]
 
 
 async def write_layout_1(redis: Redis) -> None:
     for name in [*LAYOUT_1, *UNCHANGED]:
         await redis.set(name, f"value of {name}")
+    for name in RETIRED:
+        await redis.sadd(name, SID)
     await redis.expire(f"resource_manager:lock:rm:deploy:{SID}:r-1", 300)
 
 
@@ -62,11 +67,14 @@ async def test_keys_of_an_earlier_layout_are_refused_with_the_way_out(redis: Red
 async def test_migrate_renames_every_old_key_keeping_values_and_ttls(redis: Redis) -> None:
     await write_layout_1(redis)
     dry = await key_layout.migrate(redis, dry_run=True)
-    assert (dry.renamed, dry.clash_count) == (len(LAYOUT_1), 0)
-    assert all([await redis.exists(old) for old in LAYOUT_1]), "a dry run changes nothing"
+    assert (dry.renamed, dry.deleted, dry.clash_count) == (len(LAYOUT_1), len(RETIRED), 0)
+    assert f"would delete {len(RETIRED)} retired" in dry.describe()
+    assert all([await redis.exists(old) for old in [*LAYOUT_1, *RETIRED]]), "a dry run: nothing"
 
     done = await key_layout.migrate(redis)
-    assert (done.renamed, done.clash_count) == (len(LAYOUT_1), 0)
+    assert (done.renamed, done.deleted, done.clash_count) == (len(LAYOUT_1), len(RETIRED), 0)
+    for name in RETIRED:
+        assert not await redis.exists(name)
     for old, new in LAYOUT_1.items():
         assert not await redis.exists(old)
         assert await redis.get(new) == f"value of {old}"
@@ -76,7 +84,17 @@ async def test_migrate_renames_every_old_key_keeping_values_and_ttls(redis: Redi
     assert await redis.get(key_layout.LAYOUT_KEY) == str(key_layout.LAYOUT)
     await key_layout.check(redis)
     again = await key_layout.migrate(redis)
-    assert (again.renamed, again.clash_count) == (0, 0), "idempotent"
+    assert (again.renamed, again.deleted, again.clash_count) == (0, 0, 0), "idempotent"
+
+
+async def test_a_retired_key_alone_is_refused_and_migrate_deletes_it(redis: Redis) -> None:
+    await redis.sadd(RETIRED[0], SID)
+    with pytest.raises(ConfigError, match=r"agent-runtime redis migrate"):
+        await key_layout.check(redis)
+    done = await key_layout.migrate(redis)
+    assert (done.renamed, done.deleted) == (0, 1)
+    assert not await redis.exists(RETIRED[0])
+    await key_layout.check(redis)
 
 
 async def test_migrate_leaves_a_clash_under_the_old_name_and_says_so(redis: Redis) -> None:

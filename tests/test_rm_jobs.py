@@ -47,7 +47,6 @@ from contract_keys import (
     rm_pod,
     rm_scope,
     sm_pod,
-    sm_pod_scopes,
     sm_scope,
     sm_session,
 )
@@ -109,9 +108,9 @@ class SpySessions(SessionManagerFacade):
         self.dead: list[str] = []
         self.evicted: dict[str, int] = {}
 
-    async def notify_pod_dead(self, pod_id: str) -> int:
+    async def notify_pod_dead(self, scope_id: str, pod_id: str) -> int:
         self.dead.append(pod_id)
-        evicted = await super().notify_pod_dead(pod_id)
+        evicted = await super().notify_pod_dead(scope_id, pod_id)
         self.evicted[pod_id] = self.evicted.get(pod_id, 0) + evicted
         return evicted
 
@@ -227,7 +226,6 @@ async def add_sessions(
     first-fit (False: a sunset pod, or one the idle notice took out)."""
     expiry = int((await redis.time())[0]) + 600
     await redis.sadd(SM_PODS_REGISTERED, f"{scope}:{pod_id}")
-    await redis.sadd(sm_pod_scopes(pod_id), scope)
     await redis.hset(sm_pod(scope, pod_id, "info"), mapping={"sse_url": "x", "deploy_ver": "v"})
     if candidate:
         await redis.zadd(sm_scope(scope, "pods"), {pod_id: 1})
@@ -261,7 +259,7 @@ async def assert_sessions_evicted(
     assert await redis.scard(sm_pod(scope, pod_id, "sessions")) == 0
     assert not await redis.sismember(SM_PODS_REGISTERED, f"{scope}:{pod_id}")
     assert await redis.zscore(sm_scope(scope, "pods"), pod_id) is None
-    assert not await redis.exists(sm_pod_scopes(pod_id))
+    assert not await redis.exists(sm_pod(scope, pod_id, "info"))
 
 
 async def assert_sessions_alive(
@@ -676,6 +674,22 @@ async def test_a_dead_pod_is_deleted_purged_and_its_sessions_evicted(
     await assert_sessions_evicted(env.redis, pod_id, ["s1", "s2"])
     await assert_sessions_alive(env.redis, healthy, ["s3"])
     await assert_in_use(env.redis, healthy)
+
+
+async def test_the_session_side_is_told_the_scope_of_the_pods_record(env: Env) -> None:
+    """The session side keeps no pod → scopes index: the scope comes with the pod, from the
+    purged record, or from what a later door read of it before another door's purge."""
+    await configure(env, max_pods=2)
+    pod_id = await take_in_use(env, "r1")
+    await add_sessions(env.redis, pod_id, ["s1"], candidate=True)
+    # another door purged the record, and its word to the session side was lost
+    assert await PoolJobsState(env.state).purge(pod_id) == SCOPE
+    await env.pool_jobs.dead_pods.forget(pod_id)  # no record, no scope read: nobody to tell
+    assert env.sessions.dead == []
+    await assert_sessions_alive(env.redis, pod_id, ["s1"])
+    await env.pool_jobs.dead_pods.forget(pod_id, SCOPE)  # a door that read the record first
+    assert env.sessions.dead == [pod_id]
+    await assert_sessions_evicted(env.redis, pod_id, ["s1"])
 
 
 async def test_kill_is_dead(env: Env) -> None:

@@ -37,7 +37,6 @@ from contract_keys import (
     rm_pod,
     rm_scope,
     sm_pod,
-    sm_pod_scopes,
     sm_scope,
     sm_session,
 )
@@ -237,7 +236,6 @@ class World:
     async def assert_pod_known(self, pod_id: str) -> None:
         """Registered on both sides."""
         assert await self.redis.sismember(SM_PODS_REGISTERED, f"{SCOPE}:{pod_id}")
-        assert await self.redis.sismember(sm_pod_scopes(pod_id), SCOPE)
         assert await self.redis.exists(sm_pod(SCOPE, pod_id, "info"))
         assert await self.redis.sismember(RM_PODS_ALL, pod_id)
         assert await self.redis.zscore(rm_scope(SCOPE, "pods"), pod_id) is not None
@@ -250,7 +248,6 @@ class World:
         assert await self.redis.zscore(sm_scope(SCOPE, "pods"), pod_id) is None
         for what in ("info", "sessions", "idle_notified"):
             assert not await self.redis.exists(sm_pod(SCOPE, pod_id, what)), what
-        assert not await self.redis.exists(sm_pod_scopes(pod_id))
         assert not await self.redis.sismember(RM_PODS_ALL, pod_id)
         assert await self.redis.zscore(rm_scope(SCOPE, "pods"), pod_id) is None
         assert not await self.redis.sismember(rm_scope(SCOPE, "idle"), pod_id)
@@ -1332,7 +1329,7 @@ async def test_with_the_jobs_running_an_abandoned_session_ends_and_its_pod_is_re
 
         async def reclaimed() -> bool:  # deleted in Kubernetes, then forgotten in Redis
             return pod in w.k8s.deleted and not await redis.exists(
-                sm_pod_scopes(pod), rm_pod(pod, "info")
+                sm_pod(SCOPE, pod, "info"), rm_pod(pod, "info")
             )
 
         # session_ttl 1 s → evicted; the 2 s grace → handed back; pod_ttl 1 s → deleted

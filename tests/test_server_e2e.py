@@ -62,7 +62,6 @@ from test_scenarios import (
     rm_scope,
     scope_of,
     sm_pod,
-    sm_pod_scopes,
     sm_scope,
     sm_session,
 )
@@ -633,7 +632,6 @@ class Scenario:
         return all(
             [
                 await self.redis.sismember(SM_PODS_REGISTERED, f"{self.scope}:{pod_id}"),
-                await self.redis.sismember(sm_pod_scopes(pod_id), self.scope),
                 await self.redis.exists(sm_pod(self.scope, pod_id, "info")),
                 await self.redis.sismember(RM_PODS_ALL, pod_id),
                 await self.redis.zscore(rm_scope(self.scope, "pods"), pod_id) is not None,
@@ -653,7 +651,6 @@ class Scenario:
                 await self.redis.sismember(rm_scope(self.scope, "idle"), pod_id),
             ]
             keys = [sm_pod(self.scope, pod_id, w) for w in ("info", "sessions", "idle_notified")]
-            keys += [sm_pod_scopes(pod_id)]
             keys += [rm_pod(pod_id, w) for w in ("info", "idle_since", "health_fails")]
             return not any(named) and not await self.redis.exists(*keys)
 

@@ -15,8 +15,8 @@ from agent_runtime.session_manager.state import (
     SessionState,
     pod_idle_notified_key,
     pod_info_key,
-    pod_scopes_key,
     pod_sessions_key,
+    previous_pod_key,
     scope_free_channel,
     scope_pods_key,
     scope_sessions_key,
@@ -30,7 +30,6 @@ async def register_pod(redis: Redis, scope_id: str, pod_id: str, order: int = 1)
     await redis.zadd(scope_pods_key(scope_id), {pod_id: order})
     await redis.hset(pod_info_key(scope_id, pod_id), mapping={"sse_url": "u", "deploy_ver": "v"})
     await redis.sadd(PODS_REGISTERED_KEY, f"{scope_id}:{pod_id}")
-    await redis.sadd(pod_scopes_key(pod_id), scope_id)
 
 
 async def place(redis: Redis, session_id: str, scope_id: str, pod_id: str) -> None:
@@ -103,31 +102,51 @@ async def test_cleanup_pod_refuses_while_sessions_remain_but_leaves_the_candidat
     await state.evict("s1")
     await redis.set(pod_idle_notified_key(SID, "p1"), "1")
     assert await state.cleanup_pod(SID, "p1") == 1
-    for key in (pod_info_key(SID, "p1"), pod_idle_notified_key(SID, "p1"), pod_scopes_key("p1")):
+    for key in (pod_info_key(SID, "p1"), pod_idle_notified_key(SID, "p1")):
         assert not await redis.exists(key)
     assert not await redis.sismember(PODS_REGISTERED_KEY, f"{SID}:p1")
     assert await state.cleanup_pod(SID, "p1") == 0  # idempotent
 
 
-async def test_notify_pod_dead_evicts_every_session_in_every_scope(redis: Redis) -> None:
+async def test_notify_pod_dead_evicts_every_session_of_the_pod_in_its_scope(
+    redis: Redis,
+) -> None:
     facade = SessionManagerFacade(state=SessionState(redis))
     await register_pod(redis, SID, "p1")
-    await register_pod(redis, "scope-2", "p1")  # a pod referenced by two scopes
+    await register_pod(redis, "scope-2", "p1")  # the same pod id in another scope: not this pod
     await register_pod(redis, SID, "p2", order=2)
     for i in range(5):
         await place(redis, f"a{i}", SID, "p1")
     await place(redis, "b0", "scope-2", "p1")
     await place(redis, "c0", SID, "p2")
 
-    assert await facade.notify_pod_dead("p1") == 6
+    assert await facade.notify_pod_dead(SID, "p1") == 5
     for i in range(5):
         assert await in_four_places(redis, f"a{i}", SID, "p1") == [False] * 4
-    assert await in_four_places(redis, "b0", "scope-2", "p1") == [False] * 4
+        assert await redis.get(previous_pod_key(SID, f"a{i}")) == "p1", "rebound next"
+    assert await in_four_places(redis, "b0", "scope-2", "p1") == [True] * 4, "another scope's"
     assert await in_four_places(redis, "c0", SID, "p2") == [True] * 4, "other pods untouched"
     assert await redis.zrange(scope_pods_key(SID), 0, -1) == ["p2"]
+    assert await redis.smembers(PODS_REGISTERED_KEY) == {f"{SID}:p2", "scope-2:p1"}
+    assert await facade.notify_pod_dead(SID, "p1") == 0  # idempotent
+    assert await facade.notify_pod_dead(SID, "never-seen") == 0
+    assert await facade.notify_pod_dead("scope-2", "p1") == 1
     assert await redis.smembers(PODS_REGISTERED_KEY) == {f"{SID}:p2"}
-    assert await facade.notify_pod_dead("p1") == 0  # idempotent
-    assert await facade.notify_pod_dead("never-seen") == 0
+
+
+async def test_retire_pod_leaves_its_scopes_candidates_and_counts_its_sessions(
+    redis: Redis,
+) -> None:
+    facade = SessionManagerFacade(state=SessionState(redis))
+    await register_pod(redis, SID, "p1")
+    await register_pod(redis, SID, "p2", order=2)
+    await place(redis, "s1", SID, "p1")
+    await place(redis, "s2", SID, "p1")
+    assert await facade.retire_pod(SID, "p1") == 2
+    assert await redis.zrange(scope_pods_key(SID), 0, -1) == ["p2"]
+    assert await in_four_places(redis, "s1", SID, "p1") == [True] * 4, "sessions stay"
+    assert await facade.retire_pod(SID, "p1") == 2  # idempotent
+    assert await facade.retire_pod(SID, "never-seen") == 0
 
 
 async def test_concurrent_notifications_evict_each_session_once(redis: Redis) -> None:
@@ -135,7 +154,7 @@ async def test_concurrent_notifications_evict_each_session_once(redis: Redis) ->
     await register_pod(redis, SID, "p1")
     for i in range(20):
         await place(redis, f"s{i}", SID, "p1")
-    counts = await asyncio.gather(*(facade.notify_pod_dead("p1") for _ in range(5)))
+    counts = await asyncio.gather(*(facade.notify_pod_dead(SID, "p1") for _ in range(5)))
     assert sum(counts) == 20
     assert await redis.scard(scope_sessions_key(SID)) == 0
     assert not await redis.sismember(PODS_REGISTERED_KEY, f"{SID}:p1")

@@ -104,10 +104,6 @@ class K:
     def idle_notified(sid: str, pod: str) -> str:
         return f"{P}pod:{{{sid}}}:{pod}:idle_notified"
 
-    @staticmethod
-    def pod_scopes(pod: str) -> str:
-        return f"{P}pods:{pod}:scopes"
-
 
 # --- helpers -----------------------------------------------------------------------------------
 
@@ -306,6 +302,7 @@ async def test_the_calls_match_the_script_headers(state: SessionState) -> None:
             "cleanup_pod",
             "waiter_gate",
             "route_lease",
+            "retire_pod",
         )
     }
     await state.route_place(request_id="r1", session_id="s1", scope_id=SID, token="t1")
@@ -316,6 +313,7 @@ async def test_the_calls_match_the_script_headers(state: SessionState) -> None:
     await state.cleanup_pod(SID, "p1")
     await state.take_waiter_seat(SID, "r1", 30, 6)
     await state.renew_route(SID, "r1", "t1")
+    await state.retire_pod(SID, "p1")
     calls = {name: rec.calls[0] for name, rec in recorders.items()}
     assert calls["route_place"] == (
         [
@@ -345,7 +343,6 @@ async def test_the_calls_match_the_script_headers(state: SessionState) -> None:
             K.pod_seq(SID),
             K.pod_info(SID, "p1"),
             K.REGISTERED,
-            K.pod_scopes("p1"),
             K.idle_notified(SID, "p1"),
             K.config(SID),
         ],
@@ -360,10 +357,11 @@ async def test_the_calls_match_the_script_headers(state: SessionState) -> None:
             K.pod_sessions(SID, "p1"),
             K.idle_notified(SID, "p1"),
             K.REGISTERED,
-            K.pod_scopes("p1"),
         ],
         [SID, "p1"],
     )
+    # the resource manager names the pod's scope: its keys, nothing derived
+    assert calls["retire_pod"] == ([K.candidates(SID), K.pod_sessions(SID, "p1")], ["p1"])
     assert calls["waiter_gate"] == ([K.waiters(SID), K.LEASED], ["r1", 30, 6, SID])
     assert calls["route_lease"] == (
         [K.route("r1"), K.reserved(SID), K.waiters(SID)],
@@ -1289,7 +1287,6 @@ async def test_register_pod_makes_a_candidate_in_arrival_order_and_signals(
     assert info["sse_url"] == url("p1") and info["deploy_ver"] == "v1"
     assert before <= float(info["registered_at"]) <= await rnow(redis)
     assert await redis.smembers(K.REGISTERED) == {f"{SID}:p1", f"{SID}:p2"}
-    assert await redis.smembers(K.pod_scopes("p1")) == {SID}
 
 
 async def test_register_pod_refuses_a_pod_of_an_old_version(
@@ -1299,7 +1296,7 @@ async def test_register_pod_refuses_a_pod_of_an_old_version(
     async with listening(redis) as pubsub:
         assert await add_pod(state, "old", ver="v1") is False
         assert await signal(pubsub, within=0.2) is None
-    for key in (K.candidates(SID), K.pod_info(SID, "old"), K.pod_scopes("old"), K.pod_seq(SID)):
+    for key in (K.candidates(SID), K.pod_info(SID, "old"), K.pod_seq(SID)):
         assert not await redis.exists(key), key
     assert not await redis.sismember(K.REGISTERED, f"{SID}:old")
     # a candidate that is now of an old version is refused too (kept as it is)
@@ -1315,12 +1312,13 @@ async def test_register_pod_without_a_cache_registers(state: SessionState, redis
 
 
 async def test_one_pod_in_two_scopes(state: SessionState, redis: Redis) -> None:
+    """A pod id's registrations are per scope: cleaning one leaves the other as it was."""
     await add_pod(state, "p1", SID)
     await add_pod(state, "p1", "scope-b")
-    assert await redis.smembers(K.pod_scopes("p1")) == {SID, "scope-b"}
     assert await state.cleanup_pod(SID, "p1") == 1
-    assert await redis.smembers(K.pod_scopes("p1")) == {"scope-b"}
     assert await redis.smembers(K.REGISTERED) == {"scope-b:p1"}
+    assert await redis.zrange(K.candidates("scope-b"), 0, -1) == ["p1"]
+    assert await redis.exists(K.pod_info("scope-b", "p1"))
 
 
 # --- cleanup_pod -------------------------------------------------------------------------------
@@ -1344,7 +1342,6 @@ async def test_cleanup_pod_branches_and_replay(state: SessionState, redis: Redis
         K.pod_info(SID, "p1"),
         K.pod_sessions(SID, "p1"),
         K.idle_notified(SID, "p1"),
-        K.pod_scopes("p1"),
     ):
         assert not await redis.exists(key), key
     assert not await redis.sismember(K.REGISTERED, f"{SID}:p1")

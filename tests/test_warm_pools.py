@@ -248,7 +248,7 @@ async def test_placements_count_arrivals_in_the_same_call(redis: Redis, db: Data
         none = (await services(client).sessions.scope_demand(["scope-none"]))["scope-none"]
         assert (none.arrivals_fast, none.arrivals_slow, none.sessions) == (0.0, 0.0, 0)
         # the pod dies: the session's next route is a rebound, which needs a slot: counted
-        await services(client).sessions.notify_pod_dead(first.json()["data"]["pod_id"])
+        await services(client).sessions.notify_pod_dead(SID, first.json()["data"]["pod_id"])
         again = await route(client, "s-1")
         assert again.json()["data"]["placement"] == "rebound"
         slow = float(await redis.hget(sm_scope(SID, "arrivals"), "slow"))

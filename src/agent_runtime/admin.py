@@ -214,7 +214,7 @@ async def get_pod(request: Request, deps: Admin, pod_id: PodId) -> JSONResponse:
     _only_query(request)
     pid = _checked("pod_id", pod_id)
     info = await deps.resources.pod_info(pid)
-    registrations = await deps.sessions.pod_registrations(pid)
+    registrations = await deps.sessions.pod_registrations(pid, info.get("scope_id", ""))
     _, reported = await deps.resources.foreign_pods()
     foreign = [p for p in reported if p.get("pod_id") == pid]
     if not info and not registrations and not foreign:
@@ -403,7 +403,7 @@ async def list_drains(
     count, drains = await deps.resources.drains(limit)
     pods = []
     for drain in drains:
-        registrations = await deps.sessions.pod_registrations(drain["pod_id"])
+        registrations = await deps.sessions.pod_registrations(drain["pod_id"], drain["scope_id"])
         pods.append(
             {
                 **drain,

@@ -9,7 +9,9 @@ the keys in place (``RENAMENX``: a key keeps its value and its TTL) and records 
 ``agent_runtime:key_layout``. It refuses while job leader locks show replicas still running.
 
 Layout 1 only ever existed on a single server (its scripts cannot run on a cluster), so the
-renames never cross a node. Each module's ``legacy_keys.py`` says what its old names were.
+renames never cross a node. Each module's ``legacy_keys.py`` says what its old names were,
+and which of them are retired: those are deleted (``pods:{pod_id}:scopes``: nothing reads it
+any more).
 """
 
 from __future__ import annotations
@@ -30,19 +32,21 @@ LAYOUT = 2
 SCAN_COUNT = 1000
 RENAME_BATCH = 500  # renames per pipeline: ~0.5 ms of Redis each
 
-# (SCAN MATCH pattern, old name → current name or None), one per module
-MODULES: tuple[tuple[str, Callable[[str], str | None]], ...] = (
-    (sm_legacy.SCAN_PATTERN, sm_legacy.current_name),
-    (rm_legacy.SCAN_PATTERN, rm_legacy.current_name),
+# (SCAN MATCH pattern, old name → current name or None, old name → retired), one per module
+MODULES: tuple[tuple[str, Callable[[str], str | None], Callable[[str], bool]], ...] = (
+    (sm_legacy.SCAN_PATTERN, sm_legacy.current_name, sm_legacy.retired),
+    (rm_legacy.SCAN_PATTERN, rm_legacy.current_name, rm_legacy.retired),
 )
 
 
-async def _legacy_keys(redis: Redis) -> AsyncIterator[tuple[str, str]]:
-    """(old name, current name) of every key still in an earlier layout."""
-    for pattern, current_name in MODULES:
+async def _legacy_keys(redis: Redis) -> AsyncIterator[tuple[str, str | None]]:
+    """(old name, current name) of every key still in an earlier layout; current name None:
+    a retired key, to be deleted."""
+    for pattern, current_name, retired in MODULES:
         async for key in redis.scan_iter(match=pattern, count=SCAN_COUNT):
-            new = current_name(key)
-            if new is not None:
+            if retired(key):
+                yield key, None
+            elif (new := current_name(key)) is not None:
                 yield key, new
 
 
@@ -85,6 +89,7 @@ class Migration:
     """What ``migrate`` did (or, with ``dry_run``, would do)."""
 
     renamed: int = 0
+    deleted: int = 0  # retired keys (no current name)
     # the current name existed already (a replica of this version wrote it): the old key is
     # left where it is, named here (the first 20) for the operator to look at
     clashes: list[str] = field(default_factory=list)
@@ -94,6 +99,8 @@ class Migration:
     def describe(self) -> str:
         verb = "would rename" if self.dry_run else "renamed"
         line = f"key layout {LAYOUT}: {verb} {self.renamed} keys"
+        if self.deleted:
+            line += f", {'would delete' if self.dry_run else 'deleted'} {self.deleted} retired ones"
         if self.clash_count:
             line += (
                 f"; {self.clash_count} left under their old name (the new name exists),"
@@ -108,7 +115,8 @@ async def running_replicas(redis: Redis) -> list[str]:
 
 
 async def migrate(redis: Redis, *, dry_run: bool = False, force: bool = False) -> Migration:
-    """Rename every key of an earlier layout to its current name, then record the layout.
+    """Rename every key of an earlier layout to its current name (delete a retired one), then
+    record the layout.
     Idempotent: a second run (or one after a crash) renames what is left. Refuses while a
     replica runs (its writes would land under the names being moved) unless ``force``."""
     held = await running_replicas(redis)
@@ -118,20 +126,26 @@ async def migrate(redis: Redis, *, dry_run: bool = False, force: bool = False) -
             " replica first (the locks lapse within seconds), or pass --force"
         )
     done = Migration(dry_run=dry_run)
-    batch: list[tuple[str, str]] = []
+    batch: list[tuple[str, str | None]] = []
 
     async def flush() -> None:
         if dry_run:
-            done.renamed += len(batch)
+            done.deleted += sum(new is None for _, new in batch)
+            done.renamed += sum(new is not None for _, new in batch)
         else:
             async with redis.pipeline(transaction=False) as pipe:
                 for old, new in batch:
-                    pipe.renamenx(old, new)
+                    if new is None:
+                        pipe.delete(old)
+                    else:
+                        pipe.renamenx(old, new)
                 replies = await pipe.execute(raise_on_error=False)
-            for (old, _), moved in zip(batch, replies, strict=True):
+            for (old, new), moved in zip(batch, replies, strict=True):
                 if isinstance(moved, Exception):  # gone since the SCAN (its TTL ran out)
                     continue
-                if moved:
+                if new is None:
+                    done.deleted += int(moved)
+                elif moved:
                     done.renamed += 1
                 elif await redis.exists(old):  # not renamed, and still there: a clash
                     done.clash_count += 1

@@ -79,16 +79,22 @@ class DeadPods:
         by: str,
         cordoned_nodes: Collection[str] = (),
         now: float | None = None,
+        scope_id: str | None = None,
     ) -> bool:
         """Clean the pod if Kubernetes' view says it is dead, drain it if it is being retired
         (``cordoned_nodes``: its cluster's cordoned nodes, as far as the caller knows them);
         whether it cleaned it. A gateway's report (``by="report"``) comes after a failed
-        probe: a pod being deleted is then dead whatever its grace (nothing to drain to)."""
+        probe: a pod being deleted is then dead whatever its grace (nothing to drain to).
+        ``scope_id``: the pod's scope as the caller read it from the pod's record, if it did
+        (see ``forget``)."""
         if by == "report" or (self.why_dead(status) is None and not cordoned_nodes):
             why = self.why_dead(status)
             if why is None:
                 return False
-            await self.clean(pod_id, namespace, cluster, exists=status is not None, why=why, by=by)
+            await self.clean(
+                pod_id, namespace, cluster, exists=status is not None, why=why, by=by,
+                scope_id=scope_id,
+            )  # fmt: skip
             return True
         if now is None and status is not None and status.phase == "Terminating":
             now = await self._clock()
@@ -100,25 +106,42 @@ class DeadPods:
             return False
         if condition.state == "dead":
             why = "missing" if status is None else status.phase
-            await self.clean(pod_id, namespace, cluster, exists=status is not None, why=why, by=by)
+            await self.clean(
+                pod_id, namespace, cluster, exists=status is not None, why=why, by=by,
+                scope_id=scope_id,
+            )  # fmt: skip
             return True
         return False
 
     async def clean(
-        self, pod_id: str, namespace: str, cluster: str | None, *, exists: bool, why: str, by: str
+        self,
+        pod_id: str,
+        namespace: str,
+        cluster: str | None,
+        *,
+        exists: bool,
+        why: str,
+        by: str,
+        scope_id: str | None = None,
     ) -> None:
         """Delete (if it ``exists``), purge and tell the session side; ``by``: which door."""
         log.info("pod %s: %s; cleaning it (%s)", pod_id, why, by)
         if exists:
             with contextlib.suppress(Exception):  # reconcile retries a delete that failed
                 await self._k8s.delete(pod_id, namespace, cluster=cluster)
-        await self.forget(pod_id)
+        await self.forget(pod_id, scope_id)
         self._cleaned[by].inc()
 
-    async def forget(self, pod_id: str) -> None:
-        """Purge the pod's RM keys and tell the session side (both idempotent)."""
-        await self._jobs_state.purge(pod_id)
+    async def forget(self, pod_id: str, scope_id: str | None = None) -> None:
+        """Purge the pod's RM keys and tell the session side (both idempotent). The session
+        side is told the pod's scope: the one the purged record named, else ``scope_id`` (what
+        the caller read of it; a door that comes after another's purge). Neither: the record
+        was gone and the caller knew none; the door that purged it told the session side."""
+        scope = await self._jobs_state.purge(pod_id) or scope_id
+        if scope is None:
+            log.info("pod %s: no record left; the session side was told by its purger", pod_id)
+            return
         try:
-            await self._sessions.notify_pod_dead(pod_id)
-        except Exception as exc:  # reconcile repeats it
+            await self._sessions.notify_pod_dead(scope, pod_id)
+        except Exception as exc:  # a door that read the record before the purge repeats it
             log.warning("pod %s: notify_pod_dead failed: %s", pod_id, exc)

@@ -182,8 +182,8 @@ class Drains:
                      pod_id, begun.trigger, begun.state, begun.deadline)  # fmt: skip
         if begun.state == "pending":
             return DrainStatus(pod_id, "pending", begun.trigger, begun.deadline, begun.started, 0)
-        sessions = await self._sessions.retire_pod(pod_id)
-        if sessions == 0 and await self._finish(pod_id, begun.trigger, "empty"):
+        sessions = await self._sessions.retire_pod(info.scope_id, pod_id)
+        if sessions == 0 and await self._finish(info.scope_id, pod_id, begun.trigger, "empty"):
             return DrainStatus(pod_id, "deleted", begun.trigger, begun.deadline, begun.started, 0)
         state: Literal["draining"] = "draining"
         return DrainStatus(pod_id, state, begun.trigger, begun.deadline, begun.started, sessions)
@@ -223,10 +223,12 @@ class Drains:
                     )
                     if begun is None:
                         continue
-                sessions = await self._sessions.retire_pod(drain.pod_id)
+                sessions = await self._sessions.retire_pod(drain.scope_id, drain.pod_id)
                 if sessions == 0 or now >= drain.deadline:
                     outcome = "empty" if sessions == 0 else "deadline"
-                    finished += await self._finish(drain.pod_id, drain.trigger, outcome)
+                    finished += await self._finish(
+                        drain.scope_id, drain.pod_id, drain.trigger, outcome
+                    )
             except Exception as exc:  # one pod's failure holds up no other; next tick retries
                 log.warning("pod %s: drain step failed: %s", drain.pod_id, exc)
         return finished
@@ -241,10 +243,10 @@ class Drains:
         wait = deploy_timing(config.pod_spec)[0] if config and config.pod_spec else 0.0
         return now >= drain.since + wait + REPLACEMENT_SLACK
 
-    async def _finish(self, pod_id: str, trigger: str, outcome: str) -> bool:
+    async def _finish(self, scope_id: str, pod_id: str, trigger: str, outcome: str) -> bool:
         """Evict what is left (rebound at the next route), delete the pod, forget it. False
         when Kubernetes could not be asked: the drain stays, the next tick tries again."""
-        evicted = await self._sessions.notify_pod_dead(pod_id)
+        evicted = await self._sessions.notify_pod_dead(scope_id, pod_id)
         info = await self._state.pod_info(pod_id)
         if info is not None:
             namespace = info.namespace or self._default_namespace

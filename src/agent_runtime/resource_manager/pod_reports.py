@@ -102,12 +102,15 @@ class PodReports:
         status = await self._get(pod_id, namespace, info.cluster)
         if status is not _GET_FAILED:
             listed = status if isinstance(status, PodStatus) else None
-            if await self._dead.settle(pod_id, namespace, info.cluster, listed, by="report"):
+            if await self._dead.settle(
+                pod_id, namespace, info.cluster, listed, by="report", scope_id=info.scope_id
+            ):
                 return PodVerdict.DEAD
         if await self._jobs_state.count_health_failure(pod_id) >= HEALTH_FAILS_TO_DEAD:
             await self._dead.clean(
-                pod_id, namespace, info.cluster, exists=True, why="half-dead", by="report"
-            )
+                pod_id, namespace, info.cluster, exists=True, why="half-dead", by="report",
+                scope_id=info.scope_id,
+            )  # fmt: skip
             return PodVerdict.DEAD
         return PodVerdict.SUSPECT
 

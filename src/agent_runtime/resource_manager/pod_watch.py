@@ -243,6 +243,7 @@ class PodWatch:
         self, place: Place, pod_id: str, status: PodStatus | None, *, check_known: bool
     ) -> None:
         cluster, namespace = place
+        scope_id: str | None = None
         try:
             async with self._clean_slots:
                 if check_known:
@@ -254,7 +255,10 @@ class PodWatch:
                         info.namespace or self._default_namespace,
                     ) != (cluster, namespace):
                         return
-                await self._dead.settle(pod_id, namespace, cluster, status, by="stream")
+                    scope_id = info.scope_id
+                await self._dead.settle(
+                    pod_id, namespace, cluster, status, by="stream", scope_id=scope_id
+                )
         except Exception as exc:  # the pass finds it again
             log.warning("pod %s: the watch stream could not clean it: %s", pod_id, exc)
         finally:

@@ -249,11 +249,11 @@ class PoolJobs:
             log.warning("pod %s: reclaim delete failed (%s); back to the pool", pod_id, exc)
             await self._state.release(scope_id, pod_id)
             return False
-        await self._forget(pod_id)
+        await self._forget(pod_id, scope_id)
         return True
 
-    async def _forget(self, pod_id: str) -> None:
-        await self.dead_pods.forget(pod_id)
+    async def _forget(self, pod_id: str, scope_id: str | None = None) -> None:
+        await self.dead_pods.forget(pod_id, scope_id)
 
     # --- watch (scenarios J, N) ----------------------------------------------------------------
 

@@ -42,14 +42,15 @@ class ScopeDemand:
 
 
 class SessionSide(Protocol):
-    async def notify_pod_dead(self, pod_id: str) -> int:
-        """The pod is gone: evict its sessions and drop its registrations. Returns the
-        sessions evicted."""
+    async def notify_pod_dead(self, scope_id: str, pod_id: str) -> int:
+        """The pod (of ``scope_id``: a pod belongs to one scope, the resource manager's record
+        names it) is gone: evict its sessions and drop its registration. Returns the sessions
+        evicted."""
         ...
 
-    async def retire_pod(self, pod_id: str) -> int:
-        """The pod is being drained: no new session may be placed on it (its sessions stay
-        until they end or are rebound). Returns the live sessions it still carries."""
+    async def retire_pod(self, scope_id: str, pod_id: str) -> int:
+        """The pod (of ``scope_id``) is being drained: no new session may be placed on it (its
+        sessions stay until they end or are rebound). Returns the live sessions it still carries."""
         ...
 
     async def reconcile_pods(self, view: Mapping[str, str]) -> dict[str, PodUsage]:

@@ -27,29 +27,26 @@ class SessionManagerFacade:
         self._state = state
         self._demand = DemandState(state.redis, observe=state.observe)
 
-    async def notify_pod_dead(self, pod_id: str) -> int:
-        """The pod is gone (deleted, dead, half-dead, reclaimed): evict its sessions (each
-        frees its slot and wakes a waiter; the next route re-places the session) and drop
-        every registration of it. Idempotent; returns the sessions evicted."""
+    async def notify_pod_dead(self, scope_id: str, pod_id: str) -> int:
+        """The pod of ``scope_id`` is gone (deleted, dead, half-dead, reclaimed): evict its
+        sessions (each frees its slot and wakes a waiter; the next route re-places the
+        session) and drop its registration. Idempotent; returns the sessions evicted."""
         evicted = 0
-        for scope_id in await self._state.pod_scopes(pod_id):
-            for _ in range(MAX_CLEANUP_ROUNDS):
-                if (
-                    await self._state.cleanup_pod(scope_id, pod_id)
-                    is not PodCleanup.SESSIONS_REMAIN
-                ):
-                    break
-                for session_id in await self._state.pod_sessions(scope_id, pod_id):
-                    if await self._state.evict(session_id, pod_died=True) is not None:
-                        evicted += 1
-            else:
-                log.warning("pod %s in scope %s: sessions keep arriving", pod_id, scope_id)
+        for _ in range(MAX_CLEANUP_ROUNDS):
+            if await self._state.cleanup_pod(scope_id, pod_id) is not PodCleanup.SESSIONS_REMAIN:
+                break
+            for session_id in await self._state.pod_sessions(scope_id, pod_id):
+                if await self._state.evict(session_id, pod_died=True) is not None:
+                    evicted += 1
+        else:
+            log.warning("pod %s in scope %s: sessions keep arriving", pod_id, scope_id)
         return evicted
 
-    async def retire_pod(self, pod_id: str) -> int:
-        """The pod is being drained: it leaves the placement candidates of every scope (as a
-        sunset pod: its sessions stay); returns the live sessions it still carries."""
-        return await self._state.retire_pod(pod_id)
+    async def retire_pod(self, scope_id: str, pod_id: str) -> int:
+        """The pod of ``scope_id`` is being drained: it leaves the scope's placement
+        candidates (as a sunset pod: its sessions stay); returns the live sessions it still
+        carries."""
+        return await self._state.retire_pod(scope_id, pod_id)
 
     async def reconcile_pods(self, view: Mapping[str, str]) -> dict[str, PodUsage]:
         """For each ``pod_id → scope_id``: is it a placement candidate, how many sessions."""

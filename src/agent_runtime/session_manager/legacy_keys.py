@@ -19,6 +19,10 @@ SCAN_PATTERN = f"{P}*"
 # without ':' and braces in tests): the tag goes around it, the rest stays as it was
 _SCOPE_BARE = re.compile(rf"^({re.escape(P)}(?:scope|pod):)([^:{{}}]+)(:.+)$")
 
+# pods:{pod_id}:scopes, the SET of the scopes that referenced a pod: gone (a pod belongs to one
+# scope, and the resource manager names it when it asks the session side)
+_POD_SCOPES = re.compile(rf"^{re.escape(P)}pods:[^{{}}]+:scopes$")
+
 
 def current_name(key: str) -> str | None:
     """The layout-2 name of a layout-1 key, or None when ``key`` is not one (already
@@ -28,3 +32,8 @@ def current_name(key: str) -> str | None:
         return None
     head, scope_id, rest = match.groups()
     return f"{head}{{{scope_id}}}{rest}"
+
+
+def retired(key: str) -> bool:
+    """Whether ``key`` is of a name no current version uses: the migration deletes it."""
+    return _POD_SCOPES.match(key) is not None

@@ -80,10 +80,6 @@ def pod_idle_notified_key(scope_id: str, pod_id: str) -> str:
     return f"{_pod(scope_id, pod_id)}idle_notified"
 
 
-def pod_scopes_key(pod_id: str) -> str:
-    return f"{P}pods:{pod_id}:scopes"
-
-
 def session_key(session_id: str) -> str:
     return f"{P}session:{session_id}"
 
@@ -316,7 +312,6 @@ class SessionState:
                     scope_pod_seq_key(scope_id),
                     pod_info_key(scope_id, pod_id),
                     PODS_REGISTERED_KEY,
-                    pod_scopes_key(pod_id),
                     pod_idle_notified_key(scope_id, pod_id),
                     scope_config_key(scope_id),
                 ],
@@ -346,16 +341,19 @@ class SessionState:
                         pod_sessions_key(scope_id, pod_id),
                         pod_idle_notified_key(scope_id, pod_id),
                         PODS_REGISTERED_KEY,
-                        pod_scopes_key(pod_id),
                     ],
                     args=[scope_id, pod_id],
                 )
             )
         )
 
-    async def retire_pod(self, pod_id: str) -> int:
-        """A drained pod leaves every scope's candidates (retire_pod.lua); its live sessions."""
-        return int(await self._retire_pod(keys=[pod_scopes_key(pod_id)], args=[P, pod_id]))
+    async def retire_pod(self, scope_id: str, pod_id: str) -> int:
+        """A drained pod leaves its scope's candidates (retire_pod.lua); its live sessions."""
+        return int(
+            await self._retire_pod(
+                keys=[scope_pods_key(scope_id), pod_sessions_key(scope_id, pod_id)], args=[pod_id]
+            )
+        )
 
     # --- the sweeper's passes (scripts) --------------------------------------------------------
 
@@ -408,9 +406,6 @@ class SessionState:
         if not scope_id or not pod_id:
             return None
         return PodRef(str(scope_id), str(pod_id))
-
-    async def pod_scopes(self, pod_id: str) -> list[str]:
-        return cast(list[str], list(await self.redis.smembers(pod_scopes_key(pod_id))))
 
     async def pod_sessions(self, scope_id: str, pod_id: str) -> list[str]:
         return cast(list[str], list(await self.redis.smembers(pod_sessions_key(scope_id, pod_id))))

@@ -139,17 +139,18 @@ class SessionViews:
             return None
         return {"binding": binding or None, "previous_pod_id": tombstone}
 
-    async def pod_registrations(self, pod_id: str) -> list[dict[str, Any]]:
-        """Every scope that references the pod, with its sessions there and whether it is a
-        candidate."""
-        scopes = sorted(await self._state.pod_scopes(pod_id))
+    async def pod_registrations(self, pod_id: str, scope_id: str) -> list[dict[str, Any]]:
+        """The pod's registration in its scope (the resource manager's record names it; none
+        when ``scope_id`` is empty or the scope does not reference the pod), with its sessions
+        there and whether it is a candidate."""
+        scopes = [scope_id] if scope_id else []
         async with self.redis.pipeline(transaction=False) as pipe:
             for sid in scopes:
                 pipe.scard(pod_sessions_key(sid, pod_id))
                 pipe.zscore(scope_pods_key(sid), pod_id)
                 pipe.hgetall(pod_info_key(sid, pod_id))
             replies = await pipe.execute()
-        return [
+        views = [
             {
                 "scope_id": sid,
                 "sessions": int(replies[3 * i]),
@@ -158,3 +159,4 @@ class SessionViews:
             }
             for i, sid in enumerate(scopes)
         ]
+        return [v for v in views if v["sessions"] or v["candidate"] or v["info"]]

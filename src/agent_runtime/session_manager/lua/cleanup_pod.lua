@@ -5,7 +5,6 @@
 -- KEYS[3] pod:{sid}:{pod}:sessions        SET
 -- KEYS[4] pod:{sid}:{pod}:idle_notified   STRING
 -- KEYS[5] pods:registered                 SET "{sid}:{pod}"
--- KEYS[6] pods:{pod}:scopes               SET
 -- ARGV[1] scope_id   ARGV[2] pod_id
 --
 -- returns -1 if sessions are still on the pod: it has left the candidates (no session can
@@ -18,6 +17,4 @@
 redis.call('ZREM', KEYS[1], ARGV[2])
 if redis.call('SCARD', KEYS[3]) > 0 then return -1 end
 redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
-local was = redis.call('SREM', KEYS[5], ARGV[1] .. ':' .. ARGV[2])
-redis.call('SREM', KEYS[6], ARGV[1])
-return was
+return redis.call('SREM', KEYS[5], ARGV[1] .. ':' .. ARGV[2])

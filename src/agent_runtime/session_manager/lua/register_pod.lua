@@ -4,9 +4,8 @@
 -- KEYS[2] scope:{sid}:pod_seq          STRING arrival counter
 -- KEYS[3] pod:{sid}:{pod}:info         HASH (sse_url, deploy_ver, registered_at)
 -- KEYS[4] pods:registered              SET "{sid}:{pod}"
--- KEYS[5] pods:{pod}:scopes            SET
--- KEYS[6] pod:{sid}:{pod}:idle_notified STRING
--- KEYS[7] scope:{sid}:config           HASH resolve cache (deploy_ver)
+-- KEYS[5] pod:{sid}:{pod}:idle_notified STRING
+-- KEYS[6] scope:{sid}:config           HASH resolve cache (deploy_ver)
 -- ARGV[1] key prefix "session_manager:" (derives the channel scope:{sid}:free)
 -- ARGV[2] scope_id   ARGV[3] pod_id   ARGV[4] sse_url   ARGV[5] the pod's deploy_ver
 --
@@ -16,7 +15,7 @@
 --
 -- invariant: scope:{sid}:pods ⊆ pods:registered; a new candidate signals `free` so a waiting
 -- route re-runs first-fit at once. Replay-safe.
-local current = redis.call('HGET', KEYS[7], 'deploy_ver')
+local current = redis.call('HGET', KEYS[6], 'deploy_ver')
 if current and current ~= ARGV[5] then return 0 end
 if redis.call('ZSCORE', KEYS[1], ARGV[3]) then return 1 end
 local t = redis.call('TIME')
@@ -25,7 +24,6 @@ redis.call('ZADD', KEYS[1], seq, ARGV[3])
 redis.call('HSET', KEYS[3], 'sse_url', ARGV[4], 'deploy_ver', ARGV[5],
   'registered_at', string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000))
 redis.call('SADD', KEYS[4], ARGV[2] .. ':' .. ARGV[3])
-redis.call('SADD', KEYS[5], ARGV[2])
-redis.call('DEL', KEYS[6])
+redis.call('DEL', KEYS[5])
 redis.call('PUBLISH', scope_key(ARGV[1], ARGV[2], 'free'), 'pod:' .. ARGV[3])
 return 1
