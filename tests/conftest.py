@@ -88,11 +88,16 @@ TOPOLOGY_KINDS = [*REDIS_KINDS, "sentinel", "cluster"]
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    # a parametrize mark, before pytest's own hooks: it takes the fixture's params' place
-    if "redis" in metafunc.fixturenames and metafunc.definition.get_closest_marker("topologies"):
-        metafunc.definition.add_marker(
-            pytest.mark.parametrize("redis", TOPOLOGY_KINDS, indirect=True)
-        )
+    # a parametrize mark, before pytest's own hooks: it takes the fixture's params' place; a
+    # test that names its own redis kinds (``both_redis_server_dbs``, …) keeps them
+    definition = metafunc.definition
+    named = any("redis" in str(mark.args[0]) for mark in definition.iter_markers("parametrize"))
+    if (
+        "redis" in metafunc.fixturenames
+        and definition.get_closest_marker("topologies")
+        and not named
+    ):
+        definition.add_marker(pytest.mark.parametrize("redis", TOPOLOGY_KINDS, indirect=True))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -572,6 +572,16 @@ class GatedK8s(FakeK8sPodClient):
         return await super().deploy(**kwargs)
 
 
+def url_of(redis: Redis) -> str:
+    """The URL of a real Redis fixture's server (the one server's claimed db, the Sentinel
+    set's, or the cluster): what a replica built as the service builds it is given."""
+    if redis_client.is_cluster(redis):
+        return CLUSTER_URL
+    if isinstance(redis.connection_pool, SentinelConnectionPool):
+        return sentinel_url()
+    return real_redis_url()
+
+
 def other_client(redis: Redis) -> Redis:
     """A second connection to the same Redis (another replica): same fake server, the same
     real server and db, the same cluster, or the same Sentinel set's master and db."""
@@ -615,8 +625,9 @@ def run_redis_state_machine(
     examples: int = 100,
 ) -> None:
     """Run a Hypothesis ``RuleBasedStateMachine`` whose rules drive an async Redis client on a
-    loop of their own: fakeredis, or the real Redis db this process claimed (flushed after,
-    still ours)."""
+    loop of their own: fakeredis, the real Redis db this process claimed (flushed after, still
+    ours), the Sentinel set's master (a claimed db, likewise) or the cluster (owned by this
+    run, emptied after)."""
     from hypothesis import HealthCheck, settings
     from hypothesis.stateful import run_state_machine_as_test
 
@@ -625,10 +636,16 @@ def run_redis_state_machine(
             import fakeredis
 
             return fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
+        if backend == "cluster":
+            return await claim_cluster_whole()
+        if backend == "sentinel":
+            return await claim_sentinel()
         return await claim_real_redis()
 
     async def release(client: Redis) -> None:
-        if backend == "real":
+        if backend == "cluster":
+            await release_cluster_whole(client)
+        if backend in ("real", "sentinel"):
             owner = await client.get(CLAIM_KEY)
             async with client.pipeline(transaction=True) as pipe:
                 pipe.flushdb()

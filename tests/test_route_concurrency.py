@@ -55,7 +55,10 @@ from helpers import (
     real_redis_url,
     running_app,
     sync_body,
+    url_of,
 )
+
+pytestmark = pytest.mark.topologies
 
 ROUTE = "/api/session/route"
 TOUCH = "/api/session/touch"
@@ -129,7 +132,7 @@ def replica_client(redis: Redis, url: str | None = None, timeout: float = 2.0) -
             connection_pool_class=BlockingConnectionPool,
             max_connections=redis_pool_size(make_settings()),
         )
-    return build_redis(make_settings(redis_url=url or real_redis_url(), redis_timeout=timeout))
+    return build_redis(make_settings(redis_url=url or url_of(redis), redis_timeout=timeout))
 
 
 async def configure(

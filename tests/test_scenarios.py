@@ -43,7 +43,10 @@ from contract_keys import (
 from helpers import envelope, running_app, sync_body
 
 # every test: fakeredis and the real Redis (the `redis` fixture), on SQLite
-pytestmark = pytest.mark.parametrize("sql_backend", ["sqlite"], indirect=True)
+pytestmark = [
+    pytest.mark.parametrize("sql_backend", ["sqlite"], indirect=True),
+    pytest.mark.topologies,
+]
 
 ROUTE = "/api/session/route"
 TOUCH = "/api/session/touch"

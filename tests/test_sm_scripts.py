@@ -35,6 +35,8 @@ from agent_runtime.session_manager.scope_state import ScopeState
 from agent_runtime.session_manager.state import SessionState, request_hash
 from helpers import other_client, run_redis_state_machine, spelled
 
+pytestmark = pytest.mark.topologies
+
 T = TypeVar("T")
 P = "session_manager:"
 SID = "scope-a"
@@ -1856,7 +1858,7 @@ class SessionMachine(RuleBasedStateMachine):
             await self.redis.srem(K.REGISTERED, *registered)
 
 
-@pytest.mark.parametrize("backend", ["fake", "real"])
+@pytest.mark.parametrize("backend", ["fake", "real", "sentinel", "cluster"])
 def test_session_state_machine(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # reservations and markers must not lapse while an example runs (leases are tested alone)
     monkeypatch.setattr("agent_runtime.session_manager.state.ROUTE_LEASE", 600.0)

@@ -11,6 +11,8 @@ from redis.asyncio import Redis
 from agent_runtime.session_manager.state import SessionState
 from helpers import spelled
 
+pytestmark = pytest.mark.topologies
+
 P = "session_manager:"
 LEASED = f"{P}leased_scopes"
 
