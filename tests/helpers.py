@@ -704,3 +704,15 @@ async def follower_seats(client: Redis, scope_id: str) -> list[str]:
     for room in sorted(await redis_keys(client, pattern)):
         seats += await client.zrange(room, 0, -1)
     return sorted(seats)
+
+
+async def session_hashes(redis: Redis, session_id: str = "*") -> list[str]:
+    """The session's hash keys in any scope (``session:{<sid>}:<session_id>``, by SCAN): for a
+    test that does not know, or checks, which scope holds a session."""
+    pattern = f"session_manager:session:{{*}}:{session_id}"
+    return sorted([str(k) async for k in redis.scan_iter(match=pattern, count=1000)])
+
+
+def session_id_of(key: str) -> str:
+    """The session id of a ``session:{<sid>}:<session_id>`` key."""
+    return key.partition("}:")[2]
