@@ -26,6 +26,6 @@ local function evict_session(p, session_key, expiry_key, session_id, tombstone_t
     redis.call('SET', tombstone_key or previous_pod_key(p, scope, session_id), pod, 'EX',
       math.ceil(tombstone_ttl))
   end
-  redis.call('PUBLISH', scope_key(p, scope, 'free'), session_id)
+  redis.call('SPUBLISH', scope_key(p, scope, 'free'), session_id)
   return {scope, pod, redis.call('SCARD', pod_sessions)}
 end
