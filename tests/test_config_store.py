@@ -78,7 +78,7 @@ def store(redis: Redis, counting_db: CountingDatabase) -> ConfigStore:
             orchestrator=ResourceOrchestrator(
                 state=ResourceState(redis),
                 k8s=FakeK8sPodClient(),
-                notifier=Notifier(redis, patterns=[]),
+                notifier=Notifier(redis),
                 default_namespace="default",
                 identity=IDENTITY,
             )

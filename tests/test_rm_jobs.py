@@ -38,7 +38,7 @@ from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.pod_manifest import pod_labels
 from agent_runtime.resource_manager.pool_jobs import PoolJobs
 from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
-from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
+from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
 from contract_keys import (
@@ -135,7 +135,7 @@ def k8s() -> FakeK8sPodClient:
 @pytest.fixture
 async def env(redis: Redis, k8s: FakeK8sPodClient) -> AsyncIterator[Env]:
     state = ResourceState(redis)
-    notifier = Notifier(redis, patterns=[REGISTERED_PATTERN])
+    notifier = Notifier(redis)
     await notifier.start()
     orchestrator = ResourceOrchestrator(
         state=state, k8s=k8s, notifier=notifier, default_namespace="default", identity=IDENTITY

@@ -1199,21 +1199,26 @@ async def test_redis_connections_killed_mid_wait_end_in_contract_errors_and_leak
         for i in range(4):
             assert not await redis.exists(route_marker(SID, f"r-k-{i}"))
 
-        # the notifiers' pub/sub links too: they reconnect, and the free signal works again
-        assert await kill_connections(redis, "pubsub") >= 2
+        # the notifiers' pub/sub links too (each subscribed to the scope's channel while
+        # something there listens to it): they reconnect, and the free signal works again
+        async with contextlib.AsyncExitStack() as listening:
+            for replica in (reps.a, reps.b):
+                notifier = reps.services(replica).notifier
+                await listening.enter_async_context(notifier.listen(sm_scope(SID, "free")))
+            assert await kill_connections(redis, "pubsub") >= 2
 
-        async def resubscribed() -> bool:
-            return await our_connections(redis, "pubsub") >= 2
+            async def resubscribed() -> bool:
+                return await our_connections(redis, "pubsub") >= 2
 
-        await eventually(resubscribed, what="both notifiers subscribed again")
-        waiter = asyncio.create_task(route(reps.b, "k-after", "r-k-after"))
-        await eventually(lambda: seated(redis, "r-k-after"), what="a new waiter")
-        await asyncio.sleep(0.05)
-        started = time.monotonic()
-        await eos(reps.a, "k-held-1")
-        resp = await waiter
-        assert resp.status_code == 200, resp.text
-        assert time.monotonic() - started < 0.4  # the signal, not the 500 ms poll
+            await eventually(resubscribed, what="both notifiers subscribed again")
+            waiter = asyncio.create_task(route(reps.b, "k-after", "r-k-after"))
+            await eventually(lambda: seated(redis, "r-k-after"), what="a new waiter")
+            await asyncio.sleep(0.05)
+            started = time.monotonic()
+            await eos(reps.a, "k-held-1")
+            resp = await waiter
+            assert resp.status_code == 200, resp.text
+            assert time.monotonic() - started < 0.4  # the signal, not the 500 ms poll
         await assert_nothing_held(redis)
 
 

@@ -25,7 +25,7 @@ local function evict_session(p, sid, session_id, tombstone_ttl)
   if tombstone_ttl and tombstone_ttl > 0 then
     redis.call('SET', previous_pod_key(p, sid, session_id), pod, 'EX', math.ceil(tombstone_ttl))
   end
-  redis.call('PUBLISH', scope_key(p, sid, 'free'), session_id)
+  redis.call('SPUBLISH', scope_key(p, sid, 'free'), session_id)
   return {pod, redis.call('SCARD', pod_sessions)}
 end
 

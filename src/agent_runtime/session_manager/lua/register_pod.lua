@@ -25,5 +25,5 @@ redis.call('HSET', KEYS[3], 'sse_url', ARGV[4], 'deploy_ver', ARGV[5],
   'registered_at', string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000))
 redis.call('SADD', KEYS[4], ARGV[3])
 redis.call('DEL', KEYS[5])
-redis.call('PUBLISH', scope_key(ARGV[1], ARGV[2], 'free'), 'pod:' .. ARGV[3])
+redis.call('SPUBLISH', scope_key(ARGV[1], ARGV[2], 'free'), 'pod:' .. ARGV[3])
 return 1
