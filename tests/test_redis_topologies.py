@@ -34,7 +34,7 @@ from agent_runtime.redis_client import (
     parse,
 )
 from agent_runtime.wiring import warn_on_eviction
-from helpers import envelope, other_client, running_app, sentinel_url, sync_body
+from helpers import CLUSTER_URL, envelope, other_client, running_app, sentinel_url, sync_body
 
 RM = "agent_runtime.resource_manager"
 WAIT = 60.0  # any state a test waits for: far above what it takes on a loaded 2-core box
@@ -198,6 +198,26 @@ async def test_a_registered_script_runs_by_evalsha_on_every_master(
     # a script stays in one slot: the client refuses keys of two before sending
     with pytest.raises(RedisClusterException, match="same key slot"):
         await script(keys=keys[:2], args=["HGETALL"])
+
+
+@pytest.mark.real_backend
+async def test_a_burst_beyond_the_cluster_pool_waits_for_a_connection(
+    redis_cluster: Redis, cluster_tag: str
+) -> None:
+    """200 concurrent commands over a client of 4 connections per node: each waits for a
+    place (redis-py's cluster pool alone raises MaxConnectionsError at the fifth)."""
+    client = redis_client.build(
+        redis_client.parse(CLUSTER_URL),
+        redis_client.ClientOptions(max_connections=4, timeout=10.0),
+    )
+    try:
+        keys = keys_on_every_master(redis_cluster, cluster_tag)
+        got = await asyncio.gather(*(client.incr(keys[i % len(keys)]) for i in range(200)))
+        assert sorted(got)[-1] >= 200 // len(keys) and len(got) == 200
+        totals = [int(await redis_cluster.get(k) or 0) for k in keys]
+        assert sum(totals) == 200
+    finally:
+        await client.aclose()
 
 
 @pytest.mark.real_backend

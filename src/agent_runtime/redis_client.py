@@ -142,6 +142,34 @@ MASTER_CHECK = 0.5  # seconds between two questions to the sentinels while comma
 WATCH_IDLE = 5.0  # seconds without a command after which the master watch stops (restarts on use)
 
 
+class GatedCluster(RedisCluster):
+    """A ``RedisCluster`` whose commands wait for a free connection, as the single server's
+    blocking pool does. redis-py's cluster pool raises ``MaxConnectionsError`` at once when a
+    node's ``max_connections`` are all busy: a burst of more concurrent routes than that would
+    be answered 503 while Redis is fine. At most ``gate_size`` commands of this client are in
+    flight (so no node's pool is ever short); a command waits ``gate_timeout`` s for a place,
+    then fails as a Redis timeout does (503 + ``Retry-After``). A pipeline is one command to
+    it (one connection per node it reaches)."""
+
+    def __init__(self, *args: Any, gate_size: int, gate_timeout: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._gate = asyncio.Semaphore(gate_size)
+        self._gate_timeout = gate_timeout
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            async with asyncio.timeout(self._gate_timeout):
+                await self._gate.acquire()
+        except TimeoutError:
+            raise RedisTimeoutError(
+                f"no free Redis connection within {self._gate_timeout} s"
+            ) from None
+        try:
+            return await super().execute_command(*args, **kwargs)
+        finally:
+            self._gate.release()
+
+
 class SentinelBlockingPool(SentinelConnectionPool, BlockingConnectionPool):
     """The sentinel's master pool, blocking: a burst waits (at most ``timeout``) for a free
     connection instead of failing at once (as the single server's pool).
@@ -233,7 +261,9 @@ def build(target: RedisTarget, options: ClientOptions) -> Redis:
         # or timeout marks the node, re-reads the slot map and retries: a master that died
         # answers again through its promoted replica once the cluster has failed it over
         # (cluster-node-timeout), within the retries' backoff or at the next call.
-        cluster = RedisCluster(
+        cluster = GatedCluster(
+            gate_size=options.max_connections,
+            gate_timeout=options.timeout,
             startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],
             username=target.username,
             password=target.password,
