@@ -33,6 +33,7 @@ from agent_runtime.db.engine import Database
 from agent_runtime.errors import ConfigSyncBusy
 from agent_runtime.resource_manager import state as rms
 from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.scope_buckets import BUCKETS
 from agent_runtime.session_manager import state as sm
 from agent_runtime.session_manager.models import ConfigSyncRequest
 from agent_runtime.util import scope_id_of
@@ -179,16 +180,20 @@ async def expire(svc: Services, redis_url: str) -> dict[str, Any] | None:
         return None
     sweeper._scope_idle_ttl = 1.0
     client = sync_redis.Redis.from_url(redis_url, decode_responses=True)
-    before = client.hlen(sm.SCOPE_REGISTRY_KEY)
+
+    def registered() -> int:
+        return sum(int(client.hlen(sm.scope_registry_key(b))) for b in range(BUCKETS))
+
+    before = registered()
     memory_before = client.info("memory")["used_memory"]
     started, ticks = time.perf_counter(), 0
-    while client.hlen(sm.SCOPE_REGISTRY_KEY) > 1 and ticks < 200:
+    while registered() > 1 and ticks < 200:
         await sweeper.expire_scopes_once()
         ticks += 1
         await asyncio.sleep(0.2)
     out = {
         "registry_before": before,
-        "registry_after": client.hlen(sm.SCOPE_REGISTRY_KEY),
+        "registry_after": registered(),
         "rm_index_after": client.scard(rms.SCOPES_KEY),
         "used_memory_mb_before": round(memory_before / 2**20, 1),
         "used_memory_mb_after": round(client.info("memory")["used_memory"] / 2**20, 1),

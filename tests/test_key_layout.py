@@ -9,6 +9,7 @@ is served again after the migration exactly as before (same pod, ``refresh``).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import sys
@@ -200,9 +201,9 @@ async def test_a_session_and_the_indexes_over_scopes_move_under_the_scopes_tag(
     redis: Redis,
 ) -> None:
     """Layout 1's session hash (named by its session id), the global expiry set, the global
-    registered pods and the leased scopes: each session goes under its scope's tag with its
-    expiry, its session-scope index and its scope's expiry mark; the pods and leases split by
-    scope; the global expiry set is deleted."""
+    registered pods, the leased scopes and the scope registry: each session goes under its
+    scope's tag with its expiry, its session-scope index and its scope's expiry mark; the pods,
+    leases and registry split by scope; the global expiry set and idle marks are deleted."""
     other = "f" * 32
     now = float((await redis.time())[0])
     for session_id, sid in (("s1", SID), ("s:2", SID), ("s3", other)):
@@ -215,14 +216,21 @@ async def test_a_session_and_the_indexes_over_scopes_move_under_the_scopes_tag(
     await redis.hset("session_manager:session:half", "pod_id", "pod-1")  # no scope: dropped
     await redis.sadd("session_manager:pods:registered", f"{SID}:pod-1", f"{other}:pod-1")
     await redis.sadd("session_manager:leased_scopes", SID)
+    await redis.hset("session_manager:scope_registry", SID, json.dumps(["g1", "b1", "tpl-a", 4]))
+    await redis.zadd("session_manager:scope_idle", {SID: now})
     dry = await key_layout.migrate(redis, dry_run=True)
-    assert (dry.converted, dry.deleted) == (6, 1)
+    assert (dry.converted, dry.deleted) == (7, 2)
     with pytest.raises(ConfigError, match="redis migrate"):
         await key_layout.check(redis)
 
     done = await key_layout.migrate(redis)
-    assert (done.converted, done.deleted, done.clash_count) == (5, 1, 0)
-    assert "converted 5" in done.describe()
+    assert (done.converted, done.deleted, done.clash_count) == (6, 2, 0)
+    assert "converted 6" in done.describe()
+    # the registry: each scope's record under its tag, its bucket entry
+    record = await redis.get(f"session_manager:scope:{{{SID}}}:entry")
+    assert json.loads(record) == ["g1", "b1", "tpl-a", 4]
+    bucket = K.sm_bucket("scope_registry", bucket_of(SID))
+    assert json.loads(await redis.hget(bucket, SID)) == ["g1", "b1"]
     for session_id, sid in (("s1", SID), ("s:2", SID), ("s3", other)):
         binding = await redis.hgetall(K.sm_session(sid, session_id))
         assert binding["pod_id"] == "pod-1" and binding["scope_id"] == sid
@@ -234,7 +242,10 @@ async def test_a_session_and_the_indexes_over_scopes_move_under_the_scopes_tag(
     assert await redis.smembers(K.sm_pods_registered(SID)) == {"pod-1"}
     assert await redis.smembers(K.sm_pods_registered(other)) == {"pod-1"}
     assert await redis.zscore(K.sm_bucket("leased_scopes", bucket_of(SID)), SID) is not None
-    for gone in ("session_expiry", "pods:registered", "leased_scopes", "session:half"):
+    for gone in (
+        "session_expiry", "pods:registered", "leased_scopes", "session:half", "scope_registry",
+        "scope_idle",
+    ):  # fmt: skip
         assert not await redis.exists(f"session_manager:{gone}"), gone
     await key_layout.check(redis)
     again = await key_layout.migrate(redis)

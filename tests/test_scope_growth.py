@@ -19,6 +19,7 @@ from agent_runtime.resource_manager.facade import PoolConfigUpdate, ResourceMana
 from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.state import ResourceState
+from agent_runtime.scope_buckets import BUCKETS, bucket_of
 from agent_runtime.session_manager import state as sms
 from agent_runtime.session_manager.config_store import ConfigStore
 from agent_runtime.session_manager.models import ConfigSyncRequest
@@ -73,7 +74,7 @@ class Env:
         return sid
 
     async def registered(self, sid: str) -> bool:
-        return bool(await self.redis.hexists(sms.SCOPE_REGISTRY_KEY, sid))
+        return bool(await self.redis.hexists(sms.scope_registry_key(bucket_of(sid)), sid))
 
     async def expire_until(self, done: Callable[[], Awaitable[bool]], ticks: int = 40) -> bool:
         """Tick the expiry job by hand until ``done`` (generous: a loaded machine)."""
@@ -112,7 +113,8 @@ async def test_an_empty_scope_leaves_redis_after_the_ttl_and_comes_back_from_the
         sms.template_index_key("t1"),
         sms.group_index_key("g"),
         sms.bot_index_key("b"),
-        sms.SCOPE_IDLE_KEY,
+        sms.scope_idle_key(bucket_of(sid)),
+        sms.scope_entry_key(sid),
     ):
         assert not await env.redis.exists(key), key
     assert not await env.redis.sismember(rms.SCOPES_KEY, sid)
@@ -226,10 +228,11 @@ async def test_the_scope_registry_stays_bounded_under_a_flood_of_scopes_that_end
         return await env.state.scope_count() == 0
 
     assert await env.expire_until(empty, ticks=80)
-    assert await env.redis.hlen(sms.SCOPE_REGISTRY_KEY) == 0
+    for bucket in range(BUCKETS):
+        assert await env.redis.hlen(sms.scope_registry_key(bucket)) == 0
+        assert await env.redis.zcard(sms.scope_idle_key(bucket)) == 0
     assert not await env.redis.exists(sms.template_index_key("t1"))
     assert not await env.redis.exists(sms.bot_index_key("b"))
-    assert await env.redis.zcard(sms.SCOPE_IDLE_KEY) == 0
 
 
 def _no_full_walk(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -380,11 +383,11 @@ async def test_over_http_a_scope_whose_last_pod_is_reclaimed_expires_and_routes_
             await asyncio.sleep(0.2)
         else:
             raise AssertionError("the warm pod was never reclaimed")
-        assert await redis.hexists(sms.SCOPE_REGISTRY_KEY, sid)
+        assert await redis.hexists(sms.scope_registry_key(bucket_of(sid)), sid)
 
         for _ in range(60):
             assert await svc.jobs.run_once("scope_expiry")
-            if not await redis.hexists(sms.SCOPE_REGISTRY_KEY, sid):
+            if not await redis.hexists(sms.scope_registry_key(bucket_of(sid)), sid):
                 break
             await asyncio.sleep(TTL / 2)
         else:
@@ -393,5 +396,5 @@ async def test_over_http_a_scope_whose_last_pod_is_reclaimed_expires_and_routes_
 
         again = await route("s2")
         assert again["placement"] == "placed" and again["pod_id"] != pod
-        assert await redis.hexists(sms.SCOPE_REGISTRY_KEY, sid)
+        assert await redis.hexists(sms.scope_registry_key(bucket_of(sid)), sid)
         assert await redis.hget(rms.scope_config_key(sid), "pod_ttl") == "1"

@@ -50,7 +50,7 @@ class Resources:
 async def state(redis: Redis) -> SessionState:
     policy = {"scope_concurrency": "10", "pod_concurrency": "10", "max_pods": "1"}
     await redis.hset(f"{P}scope:{{{SID}}}:config", mapping={**policy, "session_ttl": str(TTL)})
-    await redis.hset(f"{P}scope_registry", SID, json.dumps(["g", "b", "", 0]))
+    await redis.hset(f"{P}scope_registry:{{b{bucket_of(SID):02d}}}", SID, json.dumps(["g", "b"]))
     state = SessionState(redis)
     await state.register_pod(SID, "p1", "http://p1", "")
     return state

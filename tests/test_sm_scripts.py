@@ -31,6 +31,7 @@ from hypothesis.stateful import (
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
+from agent_runtime.scope_buckets import bucket_of
 from agent_runtime.session_manager.scope_state import ScopeState
 from agent_runtime.session_manager.state import SessionState, request_hash
 from helpers import other_client, run_redis_state_machine, spelled
@@ -195,7 +196,7 @@ async def configure(
     await redis.delete(K.config(sid))
     await redis.hset(K.config(sid), mapping=fields)
     # registered (as resolve's scope_put would): the sweeper's walks go over the registry
-    await redis.hset(f"{P}scope_registry", sid, json.dumps([f"g-{sid}", "bot", "", 0]))
+    await redis.hset(f"{P}scope_registry:{{b{bucket_of(sid):02d}}}", sid, json.dumps(["g", "bot"]))
 
 
 async def add_pod(state: SessionState, pod: str, sid: str = SID, ver: str = "v1") -> bool:
@@ -1894,8 +1895,11 @@ class SessionMachine(RuleBasedStateMachine):
         for name in ("expiry_due", "leased_scopes"):
             async for key in self.redis.scan_iter(match=f"{P}{name}:*", count=500):
                 await self.redis.zrem(key, self.sid)
-        async for key in self.redis.scan_iter(match=f"{P}scope_registry*", count=500):
-            await self.redis.hdel(key, self.sid)
+        for name in ("scope_registry", "scope_idle"):
+            async for key in self.redis.scan_iter(match=f"{P}{name}:*", count=500):
+                await (self.redis.hdel if name == "scope_registry" else self.redis.zrem)(
+                    key, self.sid
+                )
 
 
 @pytest.mark.parametrize("backend", ["fake", "real", "sentinel", "cluster"])

@@ -4,7 +4,7 @@ the next ``}``). A flow through the state classes and the sweeper calls every sc
 ``session_manager/lua/`` and the shared ones the session manager uses; each call is recorded
 as it is sent and judged. The last part: the same flow on the tests' Redis Cluster, where a
 script whose keys span slots is refused (CROSSSLOT) and one deriving a key of another slot
-fails.
+fails: there the scope records' scripts (scope_put, scope_empty, scope_expire) run too.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from redis.crc import key_slot
 
 from agent_runtime import lua
-from agent_runtime.scope_buckets import BUCKETS
+from agent_runtime.scope_buckets import BUCKETS, bucket_of
 from agent_runtime.session_manager.demand_state import DemandState
 from agent_runtime.session_manager.scope_state import ScopeState
 from agent_runtime.session_manager.state import SessionState
@@ -28,10 +28,6 @@ SM = "agent_runtime.session_manager"
 # the shared scripts the session manager calls, under its labels (scope_buckets, seat_gate)
 SHARED_LABELS = {"waiter_gate", *(f"{i}_{v}" for i in ("expiry_due", "leased_scopes") for v in (
     "due", "mark", "settle"))}  # fmt: skip
-# Not moved yet (item 5 of the issue's plan: the scope registry, scope_idle, the config
-# generation and the scope indexes are still global keys beside the scope's): these three
-# scripts are judged the other way round, so the list must shrink when they move.
-NOT_YET_ONE_SLOT = {"scope_put", "scope_idle_mark", "scope_expire"}
 
 Call = tuple[str, list[str]]
 
@@ -87,7 +83,8 @@ async def every_script(redis: Redis, sid: str, other: str, *, records: bool = Tr
             await scopes.apply_scope(scope_id, f"g-{scope_id}", "bot", None, generation, POLICY)
         else:
             await redis.hset(f"session_manager:scope:{{{scope_id}}}:config", mapping=POLICY)
-            await redis.hset("session_manager:scope_registry", scope_id, '["g", "bot", "", 0]')
+            registry = f"session_manager:scope_registry:{{b{bucket_of(scope_id):02d}}}"
+            await redis.hset(registry, scope_id, '["g", "bot"]')
     await state.register_pod(sid, "p1", "http://p1", "")
     await state.register_pod(other, "q1", "http://q1", "")
 
@@ -140,9 +137,6 @@ def judge(calls: list[Call]) -> dict[str, set[int]]:
     seen: dict[str, set[int]] = {}
     for name, keys in calls:
         slots = {key_slot(k.encode()) for k in keys}
-        if name in NOT_YET_ONE_SLOT:
-            seen.setdefault(name, set()).update(slots)
-            continue
         assert keys, f"{name}: a call with no keys (the cluster cannot route it)"
         assert len(slots) == 1, f"{name}: keys of {len(slots)} slots: {keys}"
         seen.setdefault(name, set()).update(slots)
@@ -154,8 +148,6 @@ async def test_every_script_call_touches_one_slot(redis: Redis, calls: list[Call
     seen = judge(calls)
     expected = {n for n in sm_scripts() if not n.startswith("_")} | SHARED_LABELS
     assert set(seen) == expected, "every script was called"
-    for name in NOT_YET_ONE_SLOT:  # still spanning slots: this list shrinks as they move
-        assert len(seen[name]) > 1, f"{name} is single-slot now: take it off NOT_YET_ONE_SLOT"
 
 
 @pytest.mark.real_backend
@@ -167,12 +159,16 @@ async def test_the_scripts_run_on_the_cluster(
     slot. The bucket indexes' entries name the test's scopes: taken out at the end."""
     sid, other = f"{cluster_tag}-a", f"{cluster_tag}-b"
     try:
-        await every_script(redis_cluster, sid, other, records=False)
+        await every_script(redis_cluster, sid, other)
         seen = judge(calls)
-        assert not set(seen) & NOT_YET_ONE_SLOT
-        assert len(seen) == len(sm_scripts() - NOT_YET_ONE_SLOT) - 2 + len(SHARED_LABELS)
-    finally:
-        for index in ("expiry_due", "leased_scopes"):
+        assert set(seen) == {n for n in sm_scripts() if not n.startswith("_")} | SHARED_LABELS
+    finally:  # what names the test's scopes in keys of no scope (the fixture finds the rest)
+        for index in ("expiry_due", "leased_scopes", "scope_idle"):
             for bucket in range(BUCKETS):
                 await redis_cluster.zrem(f"session_manager:{index}:{{b{bucket:02d}}}", sid, other)
-        await redis_cluster.hdel("session_manager:scope_registry", sid, other)
+        for bucket in range(BUCKETS):
+            await redis_cluster.hdel(
+                f"session_manager:scope_registry:{{b{bucket:02d}}}", sid, other
+            )
+        for index in (f"group:g-{sid}", f"group:g-{other}", "bot:bot"):
+            await redis_cluster.srem(f"session_manager:scope_index:{index}", sid, other)

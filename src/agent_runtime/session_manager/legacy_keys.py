@@ -13,12 +13,16 @@ slot:
   ``expiry_due`` mark written beside it (a conversion);
 - ``pods:registered`` (members ``<sid>:<pod>``) → ``pods:{<sid>}:registered`` (a conversion);
 - ``leased_scopes`` (a SET) → each scope marked due now in ``leased_scopes:{bNN}``;
-- ``session_expiry``, ``touch:<request_id>`` (a 60 s replay answer that names no scope) and
-  ``pods:<pod_id>:scopes`` are deleted: each session's hash carries its expiry.
+- ``scope_registry`` (sid → ``[group, bot, template, generation]``) → each scope's record
+  ``scope:{<sid>}:entry`` and its bucket ``scope_registry:{bNN}``;
+- ``session_expiry``, ``scope_idle`` (the expiry's marks: the next walk marks again),
+  ``touch:<request_id>`` (a 60 s replay answer that names no scope) and ``pods:<pod_id>:scopes``
+  are deleted: each session's hash carries its expiry.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import cast
@@ -26,10 +30,13 @@ from typing import cast
 from redis.asyncio import Redis
 
 from agent_runtime.config import SM_KEY_PREFIX as P
+from agent_runtime.scope_buckets import bucket_of
 from agent_runtime.session_manager.state import (
     SessionState,
     pods_registered_key,
+    scope_entry_key,
     scope_expiry_key,
+    scope_registry_key,
     session_key,
     session_scope_key,
 )
@@ -44,13 +51,14 @@ _SCOPE_BARE = re.compile(rf"^({re.escape(P)}(?:scope|pod):)([^:{{}}]+)(:.+)$")
 # retired: pods:{pod_id}:scopes (a pod belongs to one scope, the resource manager names it);
 # the global session_expiry (each hash carries its expiry); touch:{request_id} without a scope
 _RETIRED = re.compile(
-    rf"^{re.escape(P)}(?:pods:[^{{}}]+:scopes|session_expiry|touch:(?!\{{[^{{}}]*\}}:).*)$"
+    rf"^{re.escape(P)}(?:pods:[^{{}}]+:scopes|session_expiry|scope_idle|touch:(?!\{{[^{{}}]*\}}:).*)$"
 )
 
 _SESSION = f"{P}session:"
 _CURRENT_SESSION = re.compile(rf"^{re.escape(_SESSION)}\{{([^{{}}]*)\}}:(.*)$", re.DOTALL)
 _PODS_REGISTERED = f"{P}pods:registered"
 _LEASED_SCOPES = f"{P}leased_scopes"
+_SCOPE_REGISTRY = f"{P}scope_registry"
 
 
 def current_name(key: str) -> str | None:
@@ -72,7 +80,7 @@ def convertible(key: str) -> bool:
     """Whether ``key`` is a layout-1 key whose content moves (``convert``): a session hash named
     by its session id alone, ``pods:registered``, the ``leased_scopes`` SET. (A layout-1 session
     id that itself looks like ``{…}:…`` is taken for a current name and left.)"""
-    if key in (_PODS_REGISTERED, _LEASED_SCOPES):
+    if key in (_PODS_REGISTERED, _LEASED_SCOPES, _SCOPE_REGISTRY):
         return True
     if not key.startswith(_SESSION):
         return False
@@ -91,6 +99,20 @@ async def convert(redis: Redis, key: str) -> bool:
             pipe.delete(key)
             await pipe.execute()
         return bool(members)
+    if key == _SCOPE_REGISTRY:
+        entries = cast(dict[str, str], await redis.hgetall(key))
+        async with redis.pipeline(transaction=False) as pipe:
+            for scope_id, value in entries.items():
+                group_id, bot_id = json.loads(value)[:2]
+                pipe.set(scope_entry_key(scope_id), value, nx=True)
+                pipe.hset(
+                    scope_registry_key(bucket_of(scope_id)),
+                    scope_id,
+                    json.dumps([group_id, bot_id]),
+                )
+            pipe.delete(key)
+            await pipe.execute()
+        return bool(entries)
     state = SessionState(redis)
     if key == _LEASED_SCOPES:
         scopes = [str(m) for m in await redis.smembers(key)]

@@ -111,7 +111,7 @@ class ScopeExpired(NamedTuple):
 
 
 class IdleMarkPage(NamedTuple):
-    """One ``scope_idle_mark`` page of the registry."""
+    """One page of the scope expiry's mark walk over the registry (``scope_empty`` per scope)."""
 
     cursor: str  # where the next page starts; "0": the walk is done
     marked: int  # scopes seen empty

@@ -3,14 +3,21 @@ generation, the scope expiry's marks and the config_sync lock.
 
 What config_sync, resolve and the scope expiry need, apart from the sessions and pods the
 routes use (``state.SessionState``). Key names come from ``state``'s builders (the only place
-that spells them); the cache hash's layout from ``scope_cache``; a registry entry is JSON
-``[group_id, bot_id, template_id, generation]`` (written by scope_put.lua, read here only).
+that spells them); the cache hash's layout from ``scope_cache``. A scope's record
+(``scope:{sid}:entry``, JSON ``[group_id, bot_id, template_id, generation]``) and its cache
+are written by scope_put.lua, one slot; what spans scopes — the registry's bucket
+(``scope_registry:{bNN}``: sid → ``[group_id, bot_id]``), the scope indexes, ``config_gen``,
+``scope_idle:{bNN}`` — is written here beside the scripts. The order keeps them a superset:
+a scope is registered and indexed before its record is written and again after it (a scope
+expiry racing a resolve cannot leave a recorded scope out of the registry); an expiry takes
+it out after the record went, and puts it back if a resolve wrote the record again meanwhile.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager, suppress
 from typing import Any, cast
@@ -19,7 +26,7 @@ from redis.asyncio import Redis
 from redis.exceptions import LockError
 
 from agent_runtime import lua
-from agent_runtime.config import SM_KEY_PREFIX as P
+from agent_runtime.scope_buckets import BUCKETS, bucket_of
 from agent_runtime.session_manager.replies import IdleMarkPage
 from agent_runtime.session_manager.scope_cache import ScopeConfig
 from agent_runtime.session_manager.state import (
@@ -27,15 +34,20 @@ from agent_runtime.session_manager.state import (
     CONFIG_SYNC_LOCK_KEY,
     KEYS_PRELUDE,
     SCOPE_CONFIG_PATTERN,
-    SCOPE_IDLE_KEY,
-    SCOPE_REGISTRY_KEY,
+    ScriptCall,
     bot_index_key,
     group_index_key,
+    pipelined,
     pod_info_key,
+    pods_registered_key,
     registered_in,
+    registry_page,
     scope_config_key,
+    scope_entry_key,
+    scope_idle_key,
     scope_pod_seq_key,
     scope_pods_key,
+    scope_registry_key,
     scope_reserved_key,
     scope_sessions_key,
     scope_waiters_key,
@@ -46,13 +58,13 @@ log = logging.getLogger(__name__)
 
 CONFIG_SYNC_LOCK_TTL = 60  # seconds; a config_sync is a handful of DB and Redis calls
 SCOPE_BATCH = 200  # registry entries per HMGET
-# registry entries per scope_idle_mark call: ~3.5 µs each inside Redis (4 reads + a ZADD/ZREM),
-# measured 0.7 ms mean / 1.4 ms max at 200 on the 2-core box: 100 keeps a call near 0.35 ms
+# registry entries per mark page: one scope_empty call each (pipelined), then one ZADD and
+# one ZREM for the page's bucket
 MARK_PAGE = 100
 
 
 def registry_ids(value: str | bytes) -> tuple[str, str]:
-    """(group_id, bot_id) of a ``scope_registry`` entry."""
+    """(group_id, bot_id) of a registry entry (a bucket's value, or a scope's record)."""
     entry = json.loads(value)
     return str(entry[0]), str(entry[1])
 
@@ -68,7 +80,7 @@ class ScopeState:
             return lua.register(redis, pkg, name, prelude=KEYS_PRELUDE, observe=observe)
 
         self._scope_put = script("scope_put")
-        self._scope_idle_mark = script("scope_idle_mark")
+        self._scope_empty = script("scope_empty")
         self._scope_expire = script("scope_expire")
 
     # --- resolve cache -----------------------------------------------------------------------
@@ -129,15 +141,40 @@ class ScopeState:
         mode: str,
         fields: dict[str, str] | None,
     ) -> bool:
+        if mode == "apply" and await self.config_generation() > generation:
+            return False  # a later config_sync bumped: it re-resolves this scope itself
+        await self._register(scope_id, group_id, bot_id, template_id)
         flat = [x for kv in (fields or {}).items() for x in kv]
-        written = await self._scope_put(
-            keys=[CONFIG_GEN_KEY, SCOPE_REGISTRY_KEY, scope_config_key(scope_id)],
-            args=[
-                P, scope_id, group_id, bot_id, template_id, generation, mode,
-                "write" if fields else "drop", *flat,
-            ],
-        )  # fmt: skip
-        return bool(written)
+        written, before = await self._scope_put(
+            keys=[scope_entry_key(scope_id), scope_config_key(scope_id)],
+            args=[group_id, bot_id, template_id, generation, "write" if fields else "drop", *flat],
+        )
+        if not int(written):
+            return False
+        await self._register(scope_id, group_id, bot_id, template_id, str(before))
+        if mode == "fill" and await self.config_generation() != generation:
+            # a config_sync came between the DB read and this write: what was read may be
+            # stale; dropped (the next route resolves again at the new generation)
+            await self.redis.delete(scope_config_key(scope_id))
+            return False
+        return True
+
+    async def _register(
+        self, scope_id: str, group_id: str, bot_id: str, template_id: str, old_template: str = ""
+    ) -> None:
+        """The scope in its registry bucket and its indexes (one pipeline; idempotent); a
+        template it left, out of that index."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(
+                scope_registry_key(bucket_of(scope_id)), scope_id, json.dumps([group_id, bot_id])
+            )
+            if template_id:
+                pipe.sadd(template_index_key(template_id), scope_id)
+            pipe.sadd(group_index_key(group_id), scope_id)
+            pipe.sadd(bot_index_key(bot_id), scope_id)
+            if old_template and old_template != template_id:
+                pipe.srem(template_index_key(old_template), scope_id)
+            await pipe.execute()
 
     async def write_scope_config(
         self, scope_id: str, group_id: str, bot_id: str, fields: dict[str, str]
@@ -186,30 +223,37 @@ class ScopeState:
 
     async def registry_entries(self, scope_ids: Iterable[str]) -> dict[str, tuple[str, str]]:
         """sid → (group_id, bot_id) of the given scopes that are registered (HMGET slices)."""
-        ids = list(scope_ids)
+        by_bucket: dict[int, list[str]] = defaultdict(list)
+        for sid in scope_ids:
+            by_bucket[bucket_of(sid)].append(sid)
         out: dict[str, tuple[str, str]] = {}
-        for i in range(0, len(ids), SCOPE_BATCH):
-            chunk = ids[i : i + SCOPE_BATCH]
-            values = await self.redis.hmget(SCOPE_REGISTRY_KEY, chunk)
-            for sid, value in zip(chunk, values, strict=True):
-                if value is not None:
-                    out[sid] = registry_ids(value)
+        for bucket, ids in sorted(by_bucket.items()):
+            for i in range(0, len(ids), SCOPE_BATCH):
+                chunk = ids[i : i + SCOPE_BATCH]
+                values = await self.redis.hmget(scope_registry_key(bucket), chunk)
+                for sid, value in zip(chunk, values, strict=True):
+                    if value is not None:
+                        out[sid] = registry_ids(value)
         return out
 
     async def known_scopes(self) -> dict[str, tuple[str, str]]:
         """Every scope that ever resolved: sid → (group_id, bot_id)."""
-        return {
-            sid: registry_ids(value)
-            async for sid, value in self.redis.hscan_iter(SCOPE_REGISTRY_KEY, count=500)
-        }
+        known: dict[str, tuple[str, str]] = {}
+        for bucket in range(BUCKETS):
+            async for sid, value in self.redis.hscan_iter(scope_registry_key(bucket), count=500):
+                known[sid] = registry_ids(value)
+        return known
 
     async def registry_page(self, cursor: str, count: int) -> tuple[str, list[str]]:
-        """One HSCAN page of the registry: (next cursor, "0" at the end; scope ids)."""
-        next_cursor, page = await self.redis.hscan(SCOPE_REGISTRY_KEY, int(cursor), count=count)
-        return str(next_cursor), [str(sid) for sid in cast(dict[str, str], page)]
+        """One HSCAN page of the registry's buckets: (next cursor, "0" at the end; scope ids)."""
+        following, page = await registry_page(self.redis, cursor, count)
+        return following, list(page)
 
     async def scope_count(self) -> int:
-        return int(await self.redis.hlen(SCOPE_REGISTRY_KEY))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for bucket in range(BUCKETS):
+                pipe.hlen(scope_registry_key(bucket))
+            return sum(int(n) for n in await pipe.execute())
 
     # --- pods, as config_sync sees them --------------------------------------------------------
 
@@ -232,44 +276,96 @@ class ScopeState:
     # --- the scope expiry ----------------------------------------------------------------------
 
     async def mark_idle_scopes(self, cursor: str, page: int = MARK_PAGE) -> IdleMarkPage:
-        """One HSCAN page of the registry: empty scopes join ``scope_idle``, used ones leave
-        it (scope_idle_mark.lua)."""
-        reply = await self._scope_idle_mark(
-            keys=[SCOPE_REGISTRY_KEY, SCOPE_IDLE_KEY], args=[P, cursor, page]
-        )
-        return IdleMarkPage(str(reply[0]), int(reply[2]))
+        """One HSCAN page of a registry bucket: each scope asked whether it is empty
+        (scope_empty.lua, one slot a call, pipelined); empty ones join the bucket's
+        ``scope_idle`` (first time seen empty: NX), used ones leave it."""
+        following, entries = await registry_page(self.redis, cursor, page)
+        scopes = list(entries)
+        calls: list[ScriptCall] = [
+            (
+                self._scope_empty,
+                [
+                    scope_sessions_key(sid),
+                    scope_pods_key(sid),
+                    pods_registered_key(sid),
+                    scope_waiters_key(sid),
+                    scope_reserved_key(sid),
+                ],
+                [],
+            )
+            for sid in scopes
+        ]
+        replies = await pipelined(self.redis, calls)
+        empty = [sid for sid, is_empty in zip(scopes, replies, strict=True) if int(is_empty)]
+        used = [sid for sid in scopes if sid not in set(empty)]
+        if scopes:
+            key = scope_idle_key(bucket_of(scopes[0]))  # a page is of one bucket
+            now = await self.now()
+            async with self.redis.pipeline(transaction=False) as pipe:
+                if empty:
+                    pipe.zadd(key, dict.fromkeys(empty, now), nx=True)
+                if used:
+                    pipe.zrem(key, *used)
+                await pipe.execute()
+        return IdleMarkPage(following, len(empty))
 
     async def idle_scopes_due(self, idle_ttl: float, limit: int) -> list[str]:
-        """Scopes seen empty at least ``idle_ttl`` seconds ago (Redis clock), oldest first."""
+        """Scopes seen empty at least ``idle_ttl`` seconds ago (Redis clock), oldest first in
+        each bucket, up to ``limit`` over the buckets."""
         now = await self.now()
-        return cast(
-            list[str],
-            await self.redis.zrangebyscore(
-                SCOPE_IDLE_KEY, "-inf", now - idle_ttl, start=0, num=limit
-            ),
-        )
+        due: list[str] = []
+        for bucket in range(BUCKETS):
+            if len(due) >= limit:
+                break
+            found = await self.redis.zrangebyscore(
+                scope_idle_key(bucket), "-inf", now - idle_ttl, start=0, num=limit - len(due)
+            )
+            due += [str(sid) for sid in found]
+        return due
 
     async def expire_scope(self, scope_id: str, idle_ttl: float) -> bool:
-        """The scope's session-side keys leave Redis if it is still empty and was so for
-        ``idle_ttl`` (scope_expire.lua, one step)."""
-        return bool(
-            await self._scope_expire(
-                keys=[
-                    SCOPE_REGISTRY_KEY,
-                    SCOPE_IDLE_KEY,
-                    scope_config_key(scope_id),
-                    scope_pod_seq_key(scope_id),
-                    scope_sessions_key(scope_id),
-                    scope_pods_key(scope_id),
-                    scope_waiters_key(scope_id),
-                    scope_reserved_key(scope_id),
-                ],
-                args=[P, scope_id, idle_ttl],
-            )
+        """The scope's session-side keys leave Redis if it is still marked idle for
+        ``idle_ttl`` and still empty (scope_expire.lua: checked and deleted in one step);
+        then it leaves the registry and the indexes, and comes back to them at once if a
+        resolve wrote its record again meanwhile."""
+        idle = scope_idle_key(bucket_of(scope_id))
+        since = await self.redis.zscore(idle, scope_id)
+        if since is None or float(since) + idle_ttl > await self.now():
+            return False
+        gone, entry = await self._scope_expire(
+            keys=[
+                scope_entry_key(scope_id),
+                scope_config_key(scope_id),
+                scope_pod_seq_key(scope_id),
+                scope_sessions_key(scope_id),
+                scope_pods_key(scope_id),
+                scope_waiters_key(scope_id),
+                scope_reserved_key(scope_id),
+                pods_registered_key(scope_id),
+            ],
+            args=[],
         )
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrem(idle, scope_id)
+            if int(gone):
+                pipe.hdel(scope_registry_key(bucket_of(scope_id)), scope_id)
+                if entry:
+                    group_id, bot_id, template_id = json.loads(entry)[:3]
+                    if template_id:
+                        pipe.srem(template_index_key(template_id), scope_id)
+                    pipe.srem(group_index_key(group_id), scope_id)
+                    pipe.srem(bot_index_key(bot_id), scope_id)
+            await pipe.execute()
+        if not int(gone):
+            return False
+        again = await self.redis.get(scope_entry_key(scope_id))
+        if again:  # a resolve recorded the scope again between the script and the removal
+            group_id, bot_id, template_id = json.loads(again)[:3]
+            await self._register(scope_id, group_id, bot_id, template_id)
+        return True
 
     async def forget_idle_mark(self, scope_id: str) -> None:
-        await self.redis.zrem(SCOPE_IDLE_KEY, scope_id)
+        await self.redis.zrem(scope_idle_key(bucket_of(scope_id)), scope_id)
 
     async def now(self) -> float:
         seconds, micros = await self.redis.time()

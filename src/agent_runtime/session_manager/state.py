@@ -1,16 +1,16 @@
 """Session manager state in Redis: the only module that knows the ``session_manager:`` key names.
 
 Key table: contract §4 (and ``docs/design/hld.md``). Keys of this module that are not in the
-contract because nothing outside reads them: ``scope_registry`` (every scope known, sid →
-[group_id, bot_id, template_id, generation], so a config change finds the scopes it affects
-even when their cache was dropped), the scope indexes ``scope_index:template:{tid}``,
-``scope_index:group:{group_id}`` and ``scope_index:bot:{bot_id}`` (SETs of sids, kept in the
-same script as the registry entry: a config change walks only the scopes its item can reach),
-``scope_idle`` (ZSET sid → when first seen empty: the scope expiry's candidates) and
-``config_gen`` (bumped by every config change; a resolve fills the cache only if the
-generation it read before its DB query is still current, so a resolve racing a config_sync
-cannot write back a stale cache; a propagation writes a scope only if no later config_sync
-wrote it already).
+contract because nothing outside reads them: ``scope:{sid}:entry`` (the scope's record, [group_id,
+bot_id, template_id, generation]), ``scope_registry:{bNN}`` (every scope known, per bucket, so a
+config change finds the scopes it affects even when their cache was dropped), the scope indexes
+``scope_index:template:{tid}``, ``scope_index:group:{group_id}`` and ``scope_index:bot:{bot_id}``
+(SETs of sids, written before the scope's record and again after it: a config change walks only
+the scopes its item can reach), ``scope_idle:{bNN}`` (sid → when first seen empty: the scope
+expiry's candidates) and ``config_gen`` (bumped by every config change; a resolve's cache fill
+is dropped again when the generation it read before its DB query moved meanwhile, so a resolve
+racing a config_sync cannot leave a stale cache; a propagation writes a scope only if no later
+config_sync bumped, nor wrote the scope's record already).
 
 A session's keys carry its scope's tag (``session:{<sid>}:<id>``, ``scope:{<sid>}:session_expiry``,
 ``touch:{<sid>}:<rid>``, ``pods:{<sid>}:registered``): every script of ``SessionState`` touches one
@@ -45,7 +45,7 @@ from agent_runtime.config import SM_KEY_PREFIX as P
 from agent_runtime.errors import BackendUnavailable
 from agent_runtime.redis_client import is_cluster
 from agent_runtime.resource_manager.session_side import ARRIVAL_FAST_WINDOW, ARRIVAL_SLOW_WINDOW
-from agent_runtime.scope_buckets import DueIndex, bucket_tag
+from agent_runtime.scope_buckets import BUCKETS, DueIndex, bucket_tag
 from agent_runtime.session_manager.replies import (
     PLACING,
     Eviction,
@@ -198,10 +198,25 @@ ARRIVALS_TTL = int(10 * ARRIVAL_SLOW_WINDOW)
 
 
 CONFIG_SYNC_LOCK_KEY = f"{P}lock:config_sync"
-SCOPE_REGISTRY_KEY = f"{P}scope_registry"
 CONFIG_GEN_KEY = f"{P}config_gen"
 SCOPE_CONFIG_PATTERN = f"{_scope('*')}config"
-SCOPE_IDLE_KEY = f"{P}scope_idle"
+
+
+def scope_entry_key(scope_id: str) -> str:
+    """The scope's record: JSON ``[group_id, bot_id, template_id, generation]`` (scope_put.lua;
+    the generation is what a config_sync's apply compares)."""
+    return f"{_scope(scope_id)}entry"
+
+
+def scope_registry_key(bucket: int) -> str:
+    """A bucket of the scope registry: sid → JSON ``[group_id, bot_id]``, every scope Redis
+    knows (written beside scope_put, before and after it; what the walks over scopes read)."""
+    return f"{P}scope_registry:{bucket_tag(bucket)}"
+
+
+def scope_idle_key(bucket: int) -> str:
+    """A bucket of the scope expiry's candidates: sid → when first seen empty."""
+    return f"{P}scope_idle:{bucket_tag(bucket)}"
 
 
 def template_index_key(template_id: str) -> str:
@@ -246,15 +261,29 @@ def _placement(reply: list[Any]) -> RoutePlacement:
     return RoutePlacement(action)
 
 
+async def registry_page(redis: Redis, cursor: str, count: int) -> tuple[str, dict[str, str]]:
+    """One HSCAN page of the registry's buckets, from ``cursor`` (``"<bucket>:<hscan cursor>"``,
+    "0" to start): (the next cursor, "0" when every bucket was walked; sid → entry)."""
+    bucket, _, inner = cursor.partition(":")
+    at, inner_cursor = int(bucket), int(inner or 0)
+    next_inner, page = await redis.hscan(scope_registry_key(at), inner_cursor, count=count)
+    if int(next_inner):
+        following = f"{at}:{next_inner}"
+    else:
+        following = f"{at + 1}:0" if at + 1 < BUCKETS else "0"
+    return following, {str(k): str(v) for k, v in cast(dict[str, str], page).items()}
+
+
 async def registry_pages(redis: Redis, count: int = 500) -> AsyncIterator[list[str]]:
-    """Every registered scope id, a page at a time (HSCAN of the registry): the walks over
-    every scope (empty pods, registered pods, the indexes' safety walk) go a page at a time."""
-    cursor = 0
+    """Every registered scope id, a page at a time (the registry's buckets, HSCAN): the walks
+    over every scope (empty pods, registered pods, the indexes' safety walk) go a page at a
+    time."""
+    cursor = "0"
     while True:
-        cursor, page = await redis.hscan(SCOPE_REGISTRY_KEY, cursor, count=count)
+        cursor, page = await registry_page(redis, cursor, count)
         if page:
-            yield [str(sid) for sid in cast(dict[str, str], page)]
-        if int(cursor) == 0:
+            yield list(page)
+        if cursor == "0":
             return
 
 

@@ -95,12 +95,18 @@ class SessionSweeper:
         return evicted
 
     async def safety_once(self) -> int:
-        """One registry page of the safety walk (resumed where the last tick stopped): marks
-        lost with a crashed replica made again; how many."""
-        self._safety_cursor, page = await self._scopes.registry_page(
-            self._safety_cursor, SAFETY_PAGE
-        )
-        return await self._state.safety_walk(page) if page else 0
+        """SAFETY_PAGE scopes of the safety walk (registry pages from where the last tick
+        stopped, up to the end of the registry's buckets): marks lost with a crashed replica
+        made again; how many."""
+        scopes: list[str] = []
+        for _ in range(BUCKETS):  # at most a pass over the buckets (most may be empty)
+            self._safety_cursor, page = await self._scopes.registry_page(
+                self._safety_cursor, SAFETY_PAGE - len(scopes)
+            )
+            scopes += page
+            if len(scopes) >= SAFETY_PAGE or self._safety_cursor == "0":
+                break
+        return await self._state.safety_walk(scopes) if scopes else 0
 
     async def notify_idle_once(self) -> int:
         """Every registered pod is looked at inside Redis, a page of them per script: Python

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+from agent_runtime.scope_buckets import BUCKETS
 from agent_runtime.session_manager.scope_state import ScopeState, registry_ids
 from agent_runtime.session_manager.state import (
-    SCOPE_REGISTRY_KEY,
     SessionState,
     pod_info_key,
     pod_sessions_key,
     previous_pod_key,
+    registry_page,
     registry_pages,
     scope_config_key,
     scope_pods_key,
@@ -70,10 +71,21 @@ class SessionViews:
 
     async def scopes_page(self, cursor: int, limit: int) -> tuple[int, list[tuple[str, str, str]]]:
         """One page of the scope registry: (next cursor, 0 at the end; [(sid, group, bot)]).
-        HSCAN's COUNT is a hint, so a page may hold a little more or less than ``limit``."""
-        next_cursor, page = await self.redis.hscan(SCOPE_REGISTRY_KEY, cursor, count=limit)
-        entries = cast(dict[str, str], page).items()
-        return int(next_cursor), [(sid, *registry_ids(value)) for sid, value in entries]
+        The registry is split in buckets: the cursor is ``hscan cursor × BUCKETS + bucket``,
+        and a page goes on into the next buckets until it holds something. HSCAN's COUNT is a
+        hint, so a page may hold a little more or less than ``limit``."""
+        inner, bucket = divmod(cursor, BUCKETS)
+        at = f"{bucket}:{inner}"
+        out: list[tuple[str, str, str]] = []
+        while True:
+            at, page = await registry_page(self.redis, at, limit)
+            out += [(sid, *registry_ids(value)) for sid, value in page.items()]
+            if at == "0" or len(out) >= limit:
+                break
+        if at == "0":
+            return 0, out
+        next_bucket, _, next_inner = at.partition(":")
+        return int(next_inner) * BUCKETS + int(next_bucket), out
 
     async def registered_pods_by_scope(self, scope_ids: set[str]) -> dict[str, list[str]]:
         """Registered pod ids of the given scopes (candidates or not)."""
