@@ -76,12 +76,14 @@ class ScopeState:
         self.redis = redis
         pkg = "agent_runtime.session_manager"
 
-        def script(name: str) -> Any:
-            return lua.register(redis, pkg, name, prelude=KEYS_PRELUDE, observe=observe)
+        def script(name: str, *preludes: str) -> Any:
+            return lua.register(
+                redis, pkg, name, prelude=(KEYS_PRELUDE, *preludes), observe=observe
+            )
 
         self._scope_put = script("scope_put")
-        self._scope_empty = script("scope_empty")
-        self._scope_expire = script("scope_expire")
+        self._scope_empty = script("scope_empty", "_scope")
+        self._scope_expire = script("scope_expire", "_scope")
 
     # --- resolve cache -----------------------------------------------------------------------
 

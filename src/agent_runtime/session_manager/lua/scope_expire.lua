@@ -1,4 +1,4 @@
--- scope_expire: the session side of a scope leaves Redis if it is still empty; checked and
+-- scope_expire (uses _scope.lua): the session side of a scope leaves Redis if it is still empty; checked and
 -- deleted in one step, so a route either saw the scope before (and then holds a session, a
 -- reservation or a seat here: the scope is not empty) or finds it gone and rebuilds it from
 -- the DB (resolve → scope_put). The caller asked the resource side first (its facade:
@@ -11,14 +11,7 @@
 -- KEYS[7] scope:{sid}:reserved KEYS[8] pods:{sid}:registered
 --
 -- returns {1, entry JSON or ""} expired, {0, ""} kept (in use again)
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-if redis.call('SCARD', KEYS[4]) > 0 or redis.call('ZCARD', KEYS[5]) > 0
-    or redis.call('SCARD', KEYS[8]) > 0
-    or redis.call('ZCOUNT', KEYS[6], now, '+inf') > 0
-    or redis.call('ZCOUNT', KEYS[7], now, '+inf') > 0 then
-  return {0, ''}
-end
+if scope_in_use(KEYS[4], KEYS[5], KEYS[8], KEYS[6], KEYS[7]) then return {0, ''} end
 local entry = redis.call('GET', KEYS[1]) or ''
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8])
 return {1, entry}
