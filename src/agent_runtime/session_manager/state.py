@@ -275,16 +275,25 @@ async def registry_page(redis: Redis, cursor: str, count: int) -> tuple[str, dic
 
 
 async def registry_pages(redis: Redis, count: int = 500) -> AsyncIterator[list[str]]:
-    """Every registered scope id, a page at a time (the registry's buckets, HSCAN): the walks
-    over every scope (empty pods, registered pods, the indexes' safety walk) go a page at a
-    time."""
-    cursor = "0"
-    while True:
-        cursor, page = await registry_page(redis, cursor, count)
-        if page:
-            yield list(page)
-        if cursor == "0":
-            return
+    """Every registered scope id, ``count`` at most a page: the walks over every scope (empty
+    pods, registered pods, the live-session gauge). The registry's buckets are read together,
+    one pipelined HSCAN per bucket a round (on a cluster the pipeline splits by node), so a
+    walk costs round trips by the size of the largest bucket, not by the number of buckets."""
+    cursors = dict.fromkeys(range(BUCKETS), 0)
+    while cursors:
+        async with redis.pipeline(transaction=False) as pipe:
+            for bucket, cursor in cursors.items():
+                pipe.hscan(scope_registry_key(bucket), cursor, count=count)
+            replies = await pipe.execute()
+        found: list[str] = []
+        following: dict[int, int] = {}
+        for bucket, (cursor, entries) in zip(cursors, replies, strict=True):
+            found += [str(sid) for sid in entries]
+            if int(cursor):
+                following[bucket] = int(cursor)
+        cursors = following
+        for i in range(0, len(found), count):
+            yield found[i : i + count]
 
 
 ScriptCall = tuple[Any, list[str], list[Any]]  # (registered script, KEYS, ARGV)

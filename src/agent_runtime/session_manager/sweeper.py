@@ -34,6 +34,7 @@ EXPIRY_BATCH = 50  # evictions per script call (~10 µs each inside Redis: ~0.5 
 MAX_EXPIRY_BATCHES = 200  # per tick: a backlog is worked off over several ticks
 DUE_PER_BUCKET = 100  # scopes due read per bucket and tick (expiry and prune alike)
 SAFETY_PAGE = 100  # registry entries the safety walk looks at per tick (one pipeline)
+SAFETY_BUCKET_PAGES = 8  # registry pages (HSCAN round trips) it reads for them at most
 IDLE_GRACE = 2.0  # seconds: a pod registered this recently is getting its first session
 SCOPE_MARK_PAGES = 200  # registry pages (~100 scopes) marked per tick: ~20k scopes a tick
 SCOPE_EXPIRE_BATCH = 500  # scopes expired per tick at most (two script calls each)
@@ -96,10 +97,10 @@ class SessionSweeper:
 
     async def safety_once(self) -> int:
         """SAFETY_PAGE scopes of the safety walk (registry pages from where the last tick
-        stopped, up to the end of the registry's buckets): marks lost with a crashed replica
-        made again; how many."""
+        stopped, at most SAFETY_BUCKET_PAGES of them: a small registry's pass takes 64 / 8
+        ticks): marks lost with a crashed replica made again; how many."""
         scopes: list[str] = []
-        for _ in range(BUCKETS):  # at most a pass over the buckets (most may be empty)
+        for _ in range(SAFETY_BUCKET_PAGES):  # bounded round trips (most buckets may be empty)
             self._safety_cursor, page = await self._scopes.registry_page(
                 self._safety_cursor, SAFETY_PAGE - len(scopes)
             )
