@@ -193,6 +193,8 @@ class World:
         """Move a session's expiry (hash and ZSET together), instead of waiting for it."""
         await self.redis.hset(sm_session(SCOPE, session_id), "expiry", f"{expiry:.6f}")
         await self.redis.zadd(sm_expiry(SCOPE), {session_id: expiry})
+        # as time passing would: the scope's expiry mark is due by then at the latest
+        await self.redis.zadd(sm_bucket("expiry_due", bucket_of(SCOPE)), {SCOPE: expiry}, lt=True)
 
     async def age_pod(self, pod_id: str, seconds: float = 60.0) -> None:
         """Registered ``seconds`` ago: past the sweeper's grace for a new pod."""

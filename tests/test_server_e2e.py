@@ -42,6 +42,7 @@ from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
 from agent_runtime.resource_manager.identity import PodIdentity
+from agent_runtime.scope_buckets import bucket_of
 from contract_keys import rm_deploy_lock
 from helpers import (
     CLAIM_KEY,
@@ -59,6 +60,7 @@ from test_scenarios import (
     rm_pod,
     rm_scope,
     scope_of,
+    sm_bucket,
     sm_expiry,
     sm_pod,
     sm_pods_registered,
@@ -582,6 +584,9 @@ class Scenario:
         key = self.sid(session_id)
         await self.redis.hset(sm_session(self.scope, key), "expiry", f"{expiry:.6f}")
         await self.redis.zadd(sm_expiry(self.scope), {key: expiry})
+        # as time passing would: the scope's expiry mark is due by then at the latest
+        due = sm_bucket("expiry_due", bucket_of(self.scope))
+        await self.redis.zadd(due, {self.scope: expiry}, lt=True)
 
     async def places(self, session_id: str, pod_id: str) -> list[bool]:
         """The four places of a live session (contract §4 invariant)."""
