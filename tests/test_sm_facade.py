@@ -63,7 +63,7 @@ async def test_evict_leaves_all_four_places_and_signals_free(redis: Redis) -> No
     await place(redis, "s1", SID, "p1")
     await place(redis, "s2", SID, "p1")
     pubsub = redis.pubsub()
-    await pubsub.subscribe(scope_free_channel(SID))
+    await pubsub.ssubscribe(scope_free_channel(SID))  # (the scripts SPUBLISH)
     await pubsub.get_message(timeout=1)  # the subscribe confirmation
 
     assert await state.evict("s1") == (SID, "p1", 1)

@@ -259,9 +259,9 @@ async def listening(redis: Redis, sid: str = SID) -> AsyncIterator[PubSub]:
     client = other_client(redis)
     pubsub = client.pubsub()
     try:
-        await pubsub.subscribe(K.free(sid))
+        await pubsub.ssubscribe(K.free(sid))  # (the scripts SPUBLISH: sharded)
         confirm = await pubsub.get_message(timeout=2)
-        assert confirm is not None and confirm["type"] == "subscribe"
+        assert confirm is not None and confirm["type"] == "ssubscribe"
         yield pubsub
     finally:
         await pubsub.aclose()

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 from redis.asyncio import BlockingConnectionPool, Redis
 
-from agent_runtime import key_layout, logs, redis_client
+from agent_runtime import key_layout, logs, lua, redis_client
 from agent_runtime.admin import AdminDeps
 from agent_runtime.config import ConfigError, Mode, Settings
 from agent_runtime.db import installation, schema
@@ -167,6 +168,32 @@ async def check_backends(settings: Settings, backends: Backends) -> None:
             )
     # last: a start refused for another reason writes nothing to Redis (not even the layout)
     await key_layout.check(backends.redis)  # keys of an older version: migrate first
+
+
+WAIT_LOG_EVERY = 10.0  # seconds between two log lines of short WAITs (each one is counted)
+
+
+def replica_wait(settings: Settings, metrics: Metrics) -> lua.ReplicaWait | None:
+    """The admission scripts' WAIT (``AGENT_RUNTIME_REDIS_WAIT_*``), None when off. A short
+    one is counted always and logged at most every ``WAIT_LOG_EVERY`` s: with no replica in
+    reach every placement is short, and the log would repeat it per call."""
+    replicas, timeout_ms = settings.redis_wait_replicas, settings.redis_wait_timeout_ms
+    if replicas <= 0 or not settings.redis_url:  # (the embedded fakeredis has no replica)
+        return None
+    logged = [-WAIT_LOG_EVERY]
+
+    def short(use: str, acked: int) -> None:
+        metrics.redis_wait_short.labels(use).inc()
+        now = time.monotonic()
+        if now - logged[0] >= WAIT_LOG_EVERY:
+            logged[0] = now
+            log.warning(
+                "redis WAIT after %s: %d of %d replicas acknowledged within %d ms (counted in "
+                "agent_runtime_redis_wait_short_total; the write is on the master)",
+                use, acked, replicas, timeout_ms,
+            )  # fmt: skip
+
+    return lua.ReplicaWait(replicas, timeout_ms, short)
 
 
 async def warn_on_eviction(redis: Redis) -> str | None:
@@ -330,10 +357,11 @@ def wire(
     redis = backends.redis
     db = backends.db.observed(metrics.db_call)
     k8s = MeteredK8sPodClient(backends.k8s, metrics.k8s_call)
-    session_state = SessionState(redis, observe=metrics.redis_call)
+    wait = replica_wait(settings, metrics)
+    session_state = SessionState(redis, observe=metrics.redis_call, wait=wait)
     scope_state = ScopeState(redis, observe=metrics.redis_call)
     resource_state = ResourceState(
-        redis, observe=metrics.redis_call, pod_budget=settings.pod_budget
+        redis, observe=metrics.redis_call, pod_budget=settings.pod_budget, wait=wait
     )
     notifier = Notifier(redis)
     orchestrator = ResourceOrchestrator(

@@ -183,6 +183,11 @@ def pod_ref(member: str) -> PodRef:
     return PodRef(scope_id, pod_id)
 
 
+def _binds(reply: list[Any]) -> bool:
+    """route_place made a new binding (what a WAIT after it is for)."""
+    return reply[0] in (Placement.PLACED, Placement.REBOUND)
+
+
 def _placement(reply: list[Any]) -> RoutePlacement:
     """route_place.lua's reply (its header): the action first, then what that action says."""
     try:
@@ -204,9 +209,16 @@ def _placement(reply: list[Any]) -> RoutePlacement:
 class SessionState:
     """Typed operations on sessions, pods and routes (client with decode_responses)."""
 
-    def __init__(self, redis: Redis, *, observe: lua.ScriptObserver | None = None) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        observe: lua.ScriptObserver | None = None,
+        wait: lua.ReplicaWait | None = None,
+    ) -> None:
         self.redis = redis
         self.observe = observe  # the script observer, for the session side's other readers
+        self.wait = wait  # WAIT after a placement that binds (AGENT_RUNTIME_REDIS_WAIT_*)
         pkg = "agent_runtime.session_manager"
 
         def script(name: str, *preludes: str) -> Any:
@@ -238,7 +250,11 @@ class SessionState:
         """One EVALSHA: replay, refresh, or first-fit placement (see route_place.lua).
         ``slow``: the caller may hold a seat or a reservation; placing gives them back."""
         keys, args = _route_call(request_id, session_id, scope_id, token, slow)
-        return _placement(await self._route_place(keys=keys, args=args))
+        reply = await lua.run_acked(
+            self.redis, self._route_place, keys=keys, args=args, wait=self.wait,
+            use="route_place", binds=_binds,
+        )  # fmt: skip
+        return _placement(reply)
 
     async def place_many(
         self, requests: Sequence[tuple[str, str, str]], token: str
