@@ -29,6 +29,8 @@ import json
 import math
 import sys
 import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,19 @@ async def master_url(url: str) -> str:
     finally:
         await sentinels.aclose()
     return f"redis://{host}:{port}/{redis_client.parse(url).db}"
+
+
+@asynccontextmanager
+async def claimed(url: str) -> AsyncIterator[BenchRedis]:
+    """The bench db on the master the sentinels name, claimed (own keys only), released after
+    on whichever master they name then."""
+    bench_redis = BenchRedis(await master_url(url))
+    bench_redis.claim()
+    try:
+        yield bench_redis
+    finally:
+        BenchRedis(await master_url(url)).release()
+        bench_redis.client.close()
 
 
 async def run(
@@ -197,15 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     failovers = args.failovers or (2 if args.quick else 5)
 
     async def go() -> dict[str, Any]:
-        bench_redis = BenchRedis(await master_url(args.sentinel_url))
-        bench_redis.claim()
-        try:
+        async with claimed(args.sentinel_url):
             return await run(
                 args.sentinel_url, failovers, not args.no_master_check, args.wait_replicas
             )
-        finally:
-            BenchRedis(await master_url(args.sentinel_url)).release()
-            bench_redis.client.close()
 
     try:
         results = asyncio.run(go())

@@ -27,8 +27,8 @@ for extra in (ROOT, ROOT / "tests"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
-from bench.common import BenchRedis, BenchRefused, machine, pct  # noqa: E402
-from bench.failover import DEFAULT_URL, master_url  # noqa: E402
+from bench.common import BenchRefused, machine, pct  # noqa: E402
+from bench.failover import DEFAULT_URL, claimed  # noqa: E402
 
 NAME = "redis_wait"
 
@@ -109,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     calls = max(1, min(args.calls, 20_000))
 
     async def go() -> list[dict[str, Any]]:
-        bench_redis = BenchRedis(await master_url(args.sentinel_url))
-        bench_redis.claim()
-        try:
+        async with claimed(args.sentinel_url) as bench_redis:
             rows = []
             for replicas in (0, args.wait_replicas):
                 rows.append(
@@ -119,9 +117,6 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 bench_redis.wipe()
             return rows
-        finally:
-            BenchRedis(await master_url(args.sentinel_url)).release()
-            bench_redis.client.close()
 
     try:
         rows = asyncio.run(go())
