@@ -152,6 +152,7 @@ async def check_backends(settings: Settings, backends: Backends) -> None:
     except Exception as exc:
         raise ConfigError(f"redis unreachable: {type(exc).__name__}: {exc}") from None
     if settings.redis_url:  # the embedded fakeredis never evicts: nothing to say about it
+        await check_redis_version(backends.redis)
         await warn_on_eviction(backends.redis)
     try:
         await backends.db.ping()
@@ -194,6 +195,41 @@ def replica_wait(settings: Settings, metrics: Metrics) -> lua.ReplicaWait | None
             )  # fmt: skip
 
     return lua.ReplicaWait(replicas, timeout_ms, short)
+
+
+MIN_REDIS = (7, 0)  # the scripts' wake-ups are SPUBLISH (sharded pub/sub)
+
+
+async def check_redis_version(redis: Redis) -> str | None:
+    """Refuse a Redis older than 7.0 (each master of a cluster asked): its scripts would fail at
+    their SPUBLISH — every eos, eviction and pod registration. Returns the oldest version seen
+    (None where INFO is not allowed: nothing to check then)."""
+    try:
+        masters = await redis_client.primaries(redis)
+        if masters:
+            replies = [await redis.info("server", target_nodes=node) for node in masters]
+        else:
+            replies = [await redis.info("server")]
+    except Exception as exc:  # INFO disabled or renamed
+        log.info("redis version could not be read (%s); it must be 7.0 or later", exc)
+        return None
+    versions = []
+    for reply in replies:
+        if isinstance(reply, dict) and len(reply) == 1 and "redis_version" not in reply:
+            reply = next(iter(reply.values()))  # a cluster's answer, keyed by its node
+        text = str(reply.get("redis_version", "")) if isinstance(reply, dict) else ""
+        numbers = tuple(int(p) for p in text.split(".")[:2] if p.isdigit())
+        if len(numbers) == 2:
+            versions.append((numbers, text))
+    if not versions:
+        return None
+    oldest, text = min(versions)
+    if oldest < MIN_REDIS:
+        raise ConfigError(
+            f"redis {text} is too old: agent-runtime needs Redis 7.0 or later (the wake-ups "
+            "are sharded pub/sub, SPUBLISH)"
+        )
+    return text
 
 
 async def warn_on_eviction(redis: Redis) -> str | None:
