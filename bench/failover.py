@@ -103,7 +103,7 @@ async def run(
         try:
             async with service(url, db, shape) as svc:
                 for i in range(failovers):
-                    out = await one_failover(svc, sentinels, observer, shape)
+                    out = await one_failover(svc, sentinels.failover, observer, shape)
                     print(f"  [{i + 1}/{failovers}] {out.summary()}", file=sys.stderr)
                     rows.append(row(out))
         finally:

@@ -21,6 +21,7 @@ from agent_runtime import key_layout
 from agent_runtime.config import ConfigError
 from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.scope_buckets import bucket_of
 from helpers import envelope, real_redis_url, running_app, sync_body
 
 SID = "0123456789abcdef0123456789abcdef"
@@ -33,10 +34,11 @@ LAYOUT_1 = {  # a layout-1 name → its layout-2 name
         f"resource_manager:resource:scope:{{{SID}}}:deploy_followers:r-1",
     f"resource_manager:lock:rm:deploy:{SID}:r-1": f"resource_manager:lock:rm:deploy:{{{SID}}}:r-1",
 }  # fmt: skip
-UNCHANGED = ["session_manager:session:s1", "session_manager:session_expiry"]
+UNCHANGED = ["session_manager:config_gen", "session_manager:lock:config_sync"]
 # retired names: the migration deletes them (the scopes that referenced a pod: the resource
-# manager names a pod's one scope now)
-RETIRED = ["session_manager:pods:pod-1:scopes"]
+# manager names a pod's one scope now; the global expiry set: each session hash carries its
+# expiry; an eos's 60 s answer that names no scope)
+RETIRED = ["session_manager:pods:pod-1:scopes", "session_manager:touch:r-9"]
 
 
 async def write_layout_1(redis: Redis) -> None:
@@ -118,17 +120,37 @@ async def test_migrate_refuses_while_a_replica_holds_a_job_lock(redis: Redis) ->
 
 
 _TAG = re.compile(r"\{([^{}]+)\}")
+_SESSION = re.compile(r"^session_manager:session:\{([^{}]+)\}:(.*)$")
+_EXPIRY = re.compile(r"^session_manager:scope:\{([^{}]+)\}:session_expiry$")
+_REGISTERED = re.compile(r"^session_manager:pods:\{([^{}]+)\}:registered$")
+_GONE = re.compile(r"^session_manager:(session_scope|expiry_due|leased_scopes|touch):")
 
 
 async def back_to_layout_1(redis: Redis) -> int:
-    """What an earlier version would have left: every scope key's braces taken off."""
+    """What an earlier version would have left: every scope key's braces taken off, a session
+    hash named by its session id, one expiry set and one registered-pods set for all scopes,
+    none of the indexes layout 2 keeps beside them."""
     moved = 0
     for pattern in ("session_manager:*", "resource_manager:*"):
         async for key in redis.scan_iter(match=pattern):
-            old = _TAG.sub(r"\1", key, count=1)
-            if old != key:
+            if _GONE.match(key):
+                await redis.delete(key)
+            elif match := _SESSION.match(key):
+                await redis.hdel(key, "index_until")
+                await redis.rename(key, f"session_manager:session:{match[2]}")
+            elif match := _EXPIRY.match(key):
+                members = await redis.zrange(key, 0, -1, withscores=True)
+                await redis.zadd("session_manager:session_expiry", dict(members))
+                await redis.delete(key)
+            elif match := _REGISTERED.match(key):
+                pods = [f"{match[1]}:{pod}" for pod in await redis.smembers(key)]
+                await redis.sadd("session_manager:pods:registered", *pods)
+                await redis.delete(key)
+            elif (old := _TAG.sub(r"\1", key, count=1)) != key:
                 await redis.rename(key, old)
-                moved += 1
+            else:
+                continue
+            moved += 1
     await redis.delete(key_layout.LAYOUT_KEY)
     return moved
 
@@ -159,8 +181,64 @@ async def test_a_live_session_is_served_again_after_the_migration(
         answer = (await client.post("/api/session/route", json=again)).json()["data"]
         assert answer["placement"] == "refresh"
         assert answer["pod_id"] == first["pod_id"]
-        scope = await redis.hget(K.sm_session("s1"), "scope_id")
+        scope = await redis.get(K.sm_session_scope("s1"))
+        assert await redis.hget(K.sm_session(scope, "s1"), "scope_id") == scope
         assert await redis.sismember(K.sm_scope(scope, "sessions"), "s1")
+        assert await redis.sismember(K.sm_pods_registered(scope), first["pod_id"])
+        # the session still ends by its expiry: the conversion marked its scope (its time
+        # brought forward here instead of waiting for it)
+        due = K.sm_bucket("expiry_due", bucket_of(scope))
+        assert await redis.zscore(due, scope) is not None
+        await redis.zadd(K.sm_expiry(scope), {"s1": 1.0})
+        await redis.zadd(due, {scope: 1.0})
+        services = client.app.state.services  # type: ignore[attr-defined]
+        assert await services.session_sweeper.expire_once() == 1
+        assert not await redis.exists(K.sm_session(scope, "s1"))
+
+
+async def test_a_session_and_the_indexes_over_scopes_move_under_the_scopes_tag(
+    redis: Redis,
+) -> None:
+    """Layout 1's session hash (named by its session id), the global expiry set, the global
+    registered pods and the leased scopes: each session goes under its scope's tag with its
+    expiry, its session-scope index and its scope's expiry mark; the pods and leases split by
+    scope; the global expiry set is deleted."""
+    other = "f" * 32
+    now = float((await redis.time())[0])
+    for session_id, sid in (("s1", SID), ("s:2", SID), ("s3", other)):
+        await redis.hset(
+            f"session_manager:session:{session_id}",
+            mapping={"scope_id": sid, "pod_id": "pod-1", "expiry": f"{now + 60:.6f}",
+                     "session_ttl": "60"},
+        )  # fmt: skip
+        await redis.zadd("session_manager:session_expiry", {session_id: now + 60})
+    await redis.hset("session_manager:session:half", "pod_id", "pod-1")  # no scope: dropped
+    await redis.sadd("session_manager:pods:registered", f"{SID}:pod-1", f"{other}:pod-1")
+    await redis.sadd("session_manager:leased_scopes", SID)
+    dry = await key_layout.migrate(redis, dry_run=True)
+    assert (dry.converted, dry.deleted) == (6, 1)
+    with pytest.raises(ConfigError, match="redis migrate"):
+        await key_layout.check(redis)
+
+    done = await key_layout.migrate(redis)
+    assert (done.converted, done.deleted, done.clash_count) == (5, 1, 0)
+    assert "converted 5" in done.describe()
+    for session_id, sid in (("s1", SID), ("s:2", SID), ("s3", other)):
+        binding = await redis.hgetall(K.sm_session(sid, session_id))
+        assert binding["pod_id"] == "pod-1" and binding["scope_id"] == sid
+        assert await redis.zscore(K.sm_expiry(sid), session_id) == pytest.approx(now + 60)
+        assert await redis.get(K.sm_session_scope(session_id)) == sid
+        assert 0 < await redis.ttl(K.sm_session_scope(session_id)) <= 120
+        due = K.sm_bucket("expiry_due", bucket_of(sid))
+        assert await redis.zscore(due, sid) == pytest.approx(now + 60, abs=0.01)
+    assert await redis.smembers(K.sm_pods_registered(SID)) == {"pod-1"}
+    assert await redis.smembers(K.sm_pods_registered(other)) == {"pod-1"}
+    assert await redis.zscore(K.sm_bucket("leased_scopes", bucket_of(SID)), SID) is not None
+    for gone in ("session_expiry", "pods:registered", "leased_scopes", "session:half"):
+        assert not await redis.exists(f"session_manager:{gone}"), gone
+    await key_layout.check(redis)
+    again = await key_layout.migrate(redis)
+    assert (again.renamed, again.converted, again.deleted) == (0, 0, 0), "idempotent"
 
 
 @pytest.mark.parametrize("redis", ["real"], indirect=True)

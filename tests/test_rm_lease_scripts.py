@@ -21,6 +21,8 @@ from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.resource_manager.state_values import LeasePrune, OrphanPod
 from helpers import other_client
 
+pytestmark = pytest.mark.topologies
+
 RULE_PREFIX = "resource_manager:budget:rule:"
 SID = "scope-l"
 DID = "rq-1"  # the cold deploy the tests lead (a scope runs many; each is keyed by its id)

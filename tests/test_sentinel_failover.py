@@ -41,7 +41,7 @@ async def test_a_sentinel_failover_mid_load_answers_in_contract_and_keeps_redis_
     sentinels = SentinelSet(sentinel_url())
     try:
         async with service(sentinel_url(), db, shape) as svc:
-            out = await one_failover(svc, sentinels, redis_sentinel, shape)
+            out = await one_failover(svc, sentinels.failover, redis_sentinel, shape)
             print("\n" + out.summary())
             fo = out.failover
             assert fo.new != fo.old and fo.demoted >= fo.promoted > 0, fo
