@@ -61,6 +61,14 @@ async def test_sentinel_master_with_its_replica_acknowledges(redis_sentinel: Red
     shorts = Shorts()
     wait = lua.ReplicaWait(replicas=1, timeout_ms=2000, short=shorts)
     key = f"agent_runtime_test:{uuid.uuid4().hex[:8]}:w"
+    # the set healthy first (its replica online and in sync: a failover just before leaves it
+    # resyncing for a moment)
+    await redis_sentinel.set(key, "0", ex=60)
+    for _ in range(100):
+        if await redis_sentinel.wait(1, 100) == 1:
+            break
+    else:
+        pytest.fail("the Sentinel set's replica never acknowledged within 10 s")
     for _ in range(5):
         assert await run(redis_sentinel, key, "binds", wait) == "binds"
     assert shorts.seen == []  # WAIT 1 answered 1 each time
