@@ -10,7 +10,8 @@ replication lost (bindings the gateway holds that Redis forgot, ended sessions b
 beyond a cap once the forgotten sessions count, pods whose registration vanished), plus the
 checks the test asserts (answers outside the contract, Redis inconsistent). Then p50 / max.
 
-  .venv/bin/python -m bench.failover [--quick] [--failovers N] [--no-master-check] [--json F]
+  .venv/bin/python -m bench.failover [--quick] [--failovers N] [--no-master-check]
+      [--wait-replicas N] [--json F]
 
 Needs the Sentinel set of scripts/redis_topologies.sh (``--sentinel-url``, default
 ``AGENT_RUNTIME_BENCH_REDIS_SENTINEL_URL`` or its sentinels 17211-17213, master
@@ -28,6 +29,8 @@ import json
 import math
 import sys
 import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +64,22 @@ async def master_url(url: str) -> str:
     return f"redis://{host}:{port}/{redis_client.parse(url).db}"
 
 
-async def run(url: str, failovers: int, master_check: bool) -> dict[str, Any]:
+@asynccontextmanager
+async def claimed(url: str) -> AsyncIterator[BenchRedis]:
+    """The bench db on the master the sentinels name, claimed (own keys only), released after
+    on whichever master they name then."""
+    bench_redis = BenchRedis(await master_url(url))
+    bench_redis.claim()
+    try:
+        yield bench_redis
+    finally:
+        BenchRedis(await master_url(url)).release()
+        bench_redis.client.close()
+
+
+async def run(
+    url: str, failovers: int, master_check: bool, wait_replicas: int = 0
+) -> dict[str, Any]:
     from sqlalchemy import create_engine
 
     from agent_runtime import redis_client
@@ -72,7 +90,7 @@ async def run(url: str, failovers: int, master_check: bool) -> dict[str, Any]:
 
     if not master_check:
         redis_client.MASTER_CHECK = math.inf  # asked once, at the first connection
-    shape = Shape()
+    shape = Shape(wait_replicas=wait_replicas)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         db_url = f"sqlite:///{tmp}/config.db"
@@ -150,7 +168,11 @@ COLUMNS = [
 def print_table(results: dict[str, Any]) -> None:
     rows = results["rows"]
     check = "on" if results["master_check"] else "off"
-    print(f"\nfailover: {results['failovers']} x SENTINEL FAILOVER mid-load (master check {check})")
+    wait = results["shape"]["wait_replicas"]
+    print(
+        f"\nfailover: {results['failovers']} x SENTINEL FAILOVER mid-load (master check {check}, "
+        f"WAIT replicas {wait})"
+    )
     print("| # | " + " | ".join(title for _, title in COLUMNS) + " |")
     print("|" + "---|" * (len(COLUMNS) + 1))
     for i, r in enumerate(rows, 1):
@@ -179,18 +201,21 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("AGENT_RUNTIME_BENCH_REDIS_SENTINEL_URL", DEFAULT_URL),
     )
     parser.add_argument("--no-master-check", action="store_true")
+    parser.add_argument(
+        "--wait-replicas",
+        type=int,
+        default=0,
+        help="AGENT_RUNTIME_REDIS_WAIT_REPLICAS of the replicas (default 0: off)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     failovers = args.failovers or (2 if args.quick else 5)
 
     async def go() -> dict[str, Any]:
-        bench_redis = BenchRedis(await master_url(args.sentinel_url))
-        bench_redis.claim()
-        try:
-            return await run(args.sentinel_url, failovers, not args.no_master_check)
-        finally:
-            BenchRedis(await master_url(args.sentinel_url)).release()
-            bench_redis.client.close()
+        async with claimed(args.sentinel_url):
+            return await run(
+                args.sentinel_url, failovers, not args.no_master_check, args.wait_replicas
+            )
 
     try:
         results = asyncio.run(go())

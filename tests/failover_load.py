@@ -77,6 +77,9 @@ class Shape:
     # short, so that a seat a lost eos left (the session is back) frees within seconds; the
     # gateway refreshes or touches its session every few tens of milliseconds
     session_ttl: int = 10
+    # AGENT_RUNTIME_REDIS_WAIT_REPLICAS / _TIMEOUT_MS: WAIT after a binding and a registration
+    wait_replicas: int = 0
+    wait_timeout_ms: int = 50
 
 
 # --- the Sentinel set ------------------------------------------------------------------------
@@ -446,6 +449,9 @@ async def service(url: str, db: Database, shape: Shape) -> AsyncIterator[Service
                     scope_full_timeout=shape.scope_full_timeout,
                     # the load, not the edge, is under test: no refusal at a replica's door
                     max_in_flight=256,
+                    redis_url=url,  # (a server's Redis: the WAIT setting applies)
+                    redis_wait_replicas=shape.wait_replicas,
+                    redis_wait_timeout_ms=shape.wait_timeout_ms,
                 )
             )
             for i, c in enumerate(clients)

@@ -14,11 +14,12 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterPubSub
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import WatchError
 from sqlalchemy import create_engine, text
@@ -716,3 +717,13 @@ async def session_hashes(redis: Redis, session_id: str = "*") -> list[str]:
 def session_id_of(key: str) -> str:
     """The session id of a ``session:{<sid>}:<session_id>`` key."""
     return key.partition("}:")[2]
+
+
+async def shard_message(pubsub: Any, within: float) -> dict[str, Any] | None:
+    """The next message of a pub/sub SSUBSCRIBEd to shard channels (the scripts SPUBLISH):
+    a cluster's pub/sub reads them per node (``get_sharded_message``), any other one as usual;
+    subscribe confirmations included."""
+    if isinstance(pubsub, ClusterPubSub):
+        message: dict[str, Any] | None = await pubsub.get_sharded_message(timeout=within)
+        return message
+    return cast(dict[str, Any] | None, await pubsub.get_message(timeout=within))

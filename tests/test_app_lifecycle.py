@@ -119,6 +119,42 @@ async def test_startup_warns_loudly_unless_redis_is_noeviction(
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+class _InfoRedis:
+    """Just enough of a Redis client for ``check_redis_version``."""
+
+    def __init__(self, reply: object) -> None:
+        self.reply = reply
+
+    async def info(self, section: str) -> object:
+        if isinstance(self.reply, Exception):
+            raise self.reply
+        return self.reply
+
+
+async def test_startup_refuses_a_redis_older_than_7(redis: Redis) -> None:
+    from agent_runtime.config import ConfigError
+    from agent_runtime.wiring import check_redis_version
+
+    with pytest.raises(ConfigError, match=r"redis 6\.2\.14 is too old: .* 7\.0 or later"):
+        await check_redis_version(_InfoRedis({"redis_version": "6.2.14"}))  # type: ignore[arg-type]
+    assert await check_redis_version(_InfoRedis({"redis_version": "7.0.15"})) == "7.0.15"  # type: ignore[arg-type]
+    assert await check_redis_version(_InfoRedis(PermissionError("INFO is disabled"))) is None  # type: ignore[arg-type]
+    # the real server is new enough; fakeredis has no INFO (never checked: no URL, no check)
+    seen = await check_redis_version(redis)
+    if "server" not in redis.connection_pool.connection_kwargs:  # the real server
+        assert seen is not None and int(seen.split(".")[0]) >= 7
+    else:
+        assert seen is None
+
+
+@pytest.mark.real_backend
+async def test_every_cluster_master_is_asked_its_version(redis_cluster: Redis) -> None:
+    from agent_runtime.wiring import check_redis_version
+
+    version = await check_redis_version(redis_cluster)
+    assert version is not None and int(version.split(".")[0]) >= 7
+
+
 async def test_the_real_redis_policy_is_read(redis: Redis) -> None:
     from agent_runtime.wiring import warn_on_eviction
 

@@ -24,6 +24,7 @@ from agent_runtime.session_manager.state import (
     session_key,
     session_scope_key,
 )
+from helpers import shard_message
 
 # on the Sentinel set and the Redis Cluster too: every script is of one slot (issue 17)
 pytestmark = pytest.mark.topologies
@@ -70,16 +71,16 @@ async def test_evict_leaves_all_four_places_and_signals_free(redis: Redis) -> No
     await place(redis, "s1", SID, "p1")
     await place(redis, "s2", SID, "p1")
     pubsub = redis.pubsub()
-    await pubsub.subscribe(scope_free_channel(SID))
-    await pubsub.get_message(timeout=1)  # the subscribe confirmation
+    await pubsub.ssubscribe(scope_free_channel(SID))  # (the scripts SPUBLISH)
+    await shard_message(pubsub, within=1)  # the subscribe confirmation
 
     assert await state.evict("s1") == (SID, "p1", 1)  # its scope: the session-scope index's
     assert await in_four_places(redis, "s1", SID, "p1") == [False] * 4
     assert await in_four_places(redis, "s2", SID, "p1") == [True] * 4
     message = None
     for _ in range(20):
-        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)
-        if message:
+        message = await shard_message(pubsub, within=0.1)
+        if message and message["type"] == "smessage":
             break
     assert message is not None and message["data"] == "s1"
     await pubsub.aclose()

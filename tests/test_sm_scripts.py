@@ -34,7 +34,7 @@ from redis.asyncio.client import PubSub
 from agent_runtime.scope_buckets import bucket_of
 from agent_runtime.session_manager.scope_state import ScopeState
 from agent_runtime.session_manager.state import SessionState, request_hash
-from helpers import other_client, run_redis_state_machine, spelled
+from helpers import other_client, run_redis_state_machine, shard_message, spelled
 
 pytestmark = pytest.mark.topologies
 
@@ -275,9 +275,10 @@ async def listening(redis: Redis, sid: str = SID) -> AsyncIterator[PubSub]:
     client = other_client(redis)
     pubsub = client.pubsub()
     try:
-        await pubsub.subscribe(K.free(sid))
-        confirm = await pubsub.get_message(timeout=2)
-        assert confirm is not None and confirm["type"] == "subscribe"
+        await client.ping()  # (a new cluster client reads its slot map here)
+        await pubsub.ssubscribe(K.free(sid))  # (the scripts SPUBLISH: sharded)
+        confirm = await shard_message(pubsub, within=2)
+        assert confirm is not None and confirm["type"] == "ssubscribe"
         yield pubsub
     finally:
         await pubsub.aclose()
@@ -289,10 +290,8 @@ async def signal(pubsub: PubSub, within: float = 2.0) -> str | None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
     while (remaining := deadline - loop.time()) > 0:
-        message = await pubsub.get_message(
-            ignore_subscribe_messages=True, timeout=min(remaining, 0.05)
-        )
-        if message is not None:
+        message = await shard_message(pubsub, within=min(remaining, 0.05))
+        if message is not None and message["type"] == "smessage":
             return str(message["data"])
     return None
 

@@ -174,6 +174,20 @@ class Settings(BaseSettings):
     redis_timeout: float = Field(
         2.0, gt=0, description="Redis connect and command timeout (s); keeps failures fast"
     )
+    redis_wait_replicas: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="after a route binds a session and after a pod is registered, WAIT for "
+        "this many replicas to have the write (0: off); fewer within the timeout are counted "
+        "(agent_runtime_redis_wait_short_total), never an error",
+    )
+    redis_wait_timeout_ms: int = Field(
+        50,
+        ge=1,
+        le=5000,
+        description="the longest such a WAIT holds the call (ms)",
+    )
     db_connect_timeout: int = Field(5, ge=1, description="DB connect timeout (s)")
     db_pool_size: int = Field(8, ge=1, le=128, description="DB connections (and DB threads)")
 

@@ -187,6 +187,13 @@ class Metrics:
             ["script"],
             registry=self.registry,
         )
+        self.redis_wait_short = Counter(
+            "agent_runtime_redis_wait_short",
+            "WAITs after an admission script (AGENT_RUNTIME_REDIS_WAIT_REPLICAS) that saw "
+            "fewer replicas acknowledge the write than asked, within the timeout, by script",
+            ["script"],
+            registry=self.registry,
+        )
         self.db_seconds = Histogram(
             "agent_runtime_db_seconds",
             "SQL calls by kind (read / write)",

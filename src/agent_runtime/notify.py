@@ -74,6 +74,16 @@ class Listener:
         return True
 
 
+async def _first_of(*events: asyncio.Event, within: float) -> None:
+    """Until one of the events is set, at most ``within`` seconds."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, timeout=within, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
 class _Channel:
     """A channel with listeners here; ``subscribed`` once its shard's server confirmed it."""
 
@@ -101,6 +111,7 @@ class _Shard:
         self.lock = asyncio.Lock()  # one writer at a time on the connection
         self.refresh = False  # read the cluster's slot map again (an unasked SUNSUBSCRIBE)
         self.failing = False  # its last connection failed: until one works, nobody waits on it
+        self.failed = asyncio.Event()  # set with ``failing``: wakes the listeners waiting on it
         self.idle_since = 0.0
         self.task: asyncio.Task[None] | None = None
         self.syncer: asyncio.Task[None] | None = None  # a listener's (un)subscribe, sent
@@ -159,9 +170,7 @@ class Notifier:
                 await self._want(channel, entry)
             shard = self._shards.get(entry.shard)
             if shard is not None and not shard.failing and not entry.subscribed.is_set():
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(SUBSCRIBE_WAIT):
-                        await entry.subscribed.wait()
+                await _first_of(entry.subscribed, shard.failed, within=SUBSCRIBE_WAIT)
             yield listener
         finally:
             entry.listeners.discard(listener)
@@ -310,6 +319,7 @@ class Notifier:
                     shard.sent.clear()
                     shard.pubsub = pubsub
                     shard.failing = False
+                    shard.failed.clear()
                 await self._sync(shard)
                 # (the flag too: fakeredis absorbs a cancellation that lands in a read)
                 while not self._stopped and not self._master_moved(pubsub):
@@ -334,6 +344,7 @@ class Notifier:
             except Exception as exc:
                 self._drop_connection(shard)
                 shard.failing = True
+                shard.failed.set()  # its first listeners stop waiting: Redis is away, they poll
                 log.warning(
                     "notifier: pub/sub connection %s lost (%s); resubscribing",
                     shard.name or "to the server",

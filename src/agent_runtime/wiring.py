@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 from redis.asyncio import BlockingConnectionPool, Redis
 
-from agent_runtime import key_layout, logs, redis_client
+from agent_runtime import key_layout, logs, lua, redis_client
 from agent_runtime.admin import AdminDeps
 from agent_runtime.config import ConfigError, Mode, Settings
 from agent_runtime.db import installation, schema
@@ -151,6 +152,7 @@ async def check_backends(settings: Settings, backends: Backends) -> None:
     except Exception as exc:
         raise ConfigError(f"redis unreachable: {type(exc).__name__}: {exc}") from None
     if settings.redis_url:  # the embedded fakeredis never evicts: nothing to say about it
+        await check_redis_version(backends.redis)
         await warn_on_eviction(backends.redis)
     try:
         await backends.db.ping()
@@ -167,6 +169,67 @@ async def check_backends(settings: Settings, backends: Backends) -> None:
             )
     # last: a start refused for another reason writes nothing to Redis (not even the layout)
     await key_layout.check(backends.redis)  # keys of an older version: migrate first
+
+
+WAIT_LOG_EVERY = 10.0  # seconds between two log lines of short WAITs (each one is counted)
+
+
+def replica_wait(settings: Settings, metrics: Metrics) -> lua.ReplicaWait | None:
+    """The admission scripts' WAIT (``AGENT_RUNTIME_REDIS_WAIT_*``), None when off. A short
+    one is counted always and logged at most every ``WAIT_LOG_EVERY`` s: with no replica in
+    reach every placement is short, and the log would repeat it per call."""
+    replicas, timeout_ms = settings.redis_wait_replicas, settings.redis_wait_timeout_ms
+    if replicas <= 0 or not settings.redis_url:  # (the embedded fakeredis has no replica)
+        return None
+    logged = [-WAIT_LOG_EVERY]
+
+    def short(use: str, acked: int) -> None:
+        metrics.redis_wait_short.labels(use).inc()
+        now = time.monotonic()
+        if now - logged[0] >= WAIT_LOG_EVERY:
+            logged[0] = now
+            log.warning(
+                "redis WAIT after %s: %d of %d replicas acknowledged within %d ms (counted in "
+                "agent_runtime_redis_wait_short_total; the write is on the master)",
+                use, acked, replicas, timeout_ms,
+            )  # fmt: skip
+
+    return lua.ReplicaWait(replicas, timeout_ms, short)
+
+
+MIN_REDIS = (7, 0)  # the scripts' wake-ups are SPUBLISH (sharded pub/sub)
+
+
+async def check_redis_version(redis: Redis) -> str | None:
+    """Refuse a Redis older than 7.0 (each master of a cluster asked): its scripts would fail at
+    their SPUBLISH — every eos, eviction and pod registration. Returns the oldest version seen
+    (None where INFO is not allowed: nothing to check then)."""
+    try:
+        masters = await redis_client.primaries(redis)
+        if masters:
+            replies = [await redis.info("server", target_nodes=node) for node in masters]
+        else:
+            replies = [await redis.info("server")]
+    except Exception as exc:  # INFO disabled or renamed
+        log.info("redis version could not be read (%s); it must be 7.0 or later", exc)
+        return None
+    versions = []
+    for reply in replies:
+        if isinstance(reply, dict) and len(reply) == 1 and "redis_version" not in reply:
+            reply = next(iter(reply.values()))  # a cluster's answer, keyed by its node
+        text = str(reply.get("redis_version", "")) if isinstance(reply, dict) else ""
+        numbers = tuple(int(p) for p in text.split(".")[:2] if p.isdigit())
+        if len(numbers) == 2:
+            versions.append((numbers, text))
+    if not versions:
+        return None
+    oldest, text = min(versions)
+    if oldest < MIN_REDIS:
+        raise ConfigError(
+            f"redis {text} is too old: agent-runtime needs Redis 7.0 or later (the wake-ups "
+            "are sharded pub/sub, SPUBLISH)"
+        )
+    return text
 
 
 async def warn_on_eviction(redis: Redis) -> str | None:
@@ -330,10 +393,11 @@ def wire(
     redis = backends.redis
     db = backends.db.observed(metrics.db_call)
     k8s = MeteredK8sPodClient(backends.k8s, metrics.k8s_call)
-    session_state = SessionState(redis, observe=metrics.redis_call)
+    wait = replica_wait(settings, metrics)
+    session_state = SessionState(redis, observe=metrics.redis_call, wait=wait)
     scope_state = ScopeState(redis, observe=metrics.redis_call)
     resource_state = ResourceState(
-        redis, observe=metrics.redis_call, pod_budget=settings.pod_budget
+        redis, observe=metrics.redis_call, pod_budget=settings.pod_budget, wait=wait
     )
     notifier = Notifier(redis)
     orchestrator = ResourceOrchestrator(

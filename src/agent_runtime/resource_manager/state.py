@@ -294,9 +294,11 @@ class ResourceState:
         *,
         observe: lua.ScriptObserver | None = None,
         pod_budget: int = DEFAULT_POD_BUDGET,
+        wait: lua.ReplicaWait | None = None,
     ) -> None:
         self.redis = redis
         self.pod_budget = pod_budget  # the installation's: pods + placeholders of all scopes
+        self.wait = wait  # WAIT after a pod's registration (AGENT_RUNTIME_REDIS_WAIT_*)
         self._observe = observe
         self._acquire = self.script("acquire", "_budget", "_placeholders")
         self._register = self.script("register", "_budget")
@@ -446,7 +448,11 @@ class ResourceState:
     ) -> bool:
         """Returns whether the placeholder was still held (False: it expired meanwhile).
         ``cluster``: where the pod runs (None: the process default; no field is written)."""
-        held = await self._register(
+        held = await lua.run_acked(
+            self.redis,
+            self._register,
+            wait=self.wait,
+            use="register",
             keys=registration_keys(scope_id, pod_id),
             args=[
                 pod_id, placeholder or "", scope_id, pod_sse_url, pod_ip, namespace, deploy_ver,

@@ -259,16 +259,18 @@ class SlowRoute:
             self.listener = await self.listening.enter_async_context(
                 self.ctx.notifier.listen(scope_free_channel(self.scope_id))
             )
+        if fresh:
+            # the state was read before we listened: a slot freed in between sent its signal
+            # to nobody, so look again first (from now on every signal reaches the listener);
+            # even past the deadline (a first listen waits for its subscription): that look
+            # says what the wait ends with (a slot, or Redis away)
+            return
         remaining = self.deadline - loop.time()
         if remaining <= 0:
             raise ScopeFullTimeout(
                 f"scope {self.scope_id}: no slot within {self.ctx.scope_full_timeout:g} s",
                 retry_after=1,
             )
-        if fresh:
-            # the state was read before we listened: a slot freed in between sent its signal
-            # to nobody, so look again first (from now on every signal reaches the listener)
-            return
         with admission.parked():  # queued: its place at the edge goes to the fast path
             async with self.ctx.until_drained():  # answered at the stop signal, seat given back
                 await self.listener.wait(min(POLL, remaining))

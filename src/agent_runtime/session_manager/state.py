@@ -234,6 +234,11 @@ def bot_index_key(bot_id: str) -> str:
     return f"{P}scope_index:bot:{bot_id}"
 
 
+def _binds(reply: list[Any]) -> bool:
+    """route_place made a new binding (what a WAIT after it is for)."""
+    return reply[0] in (Placement.PLACED, Placement.REBOUND)
+
+
 def _placement(reply: list[Any]) -> RoutePlacement:
     """route_place.lua's reply (its header): the action first, then what that action says."""
     try:
@@ -345,9 +350,16 @@ class SessionState:
     ``leased_scopes`` — are written here beside the script that asked for it (its reply says
     so); a mark lost with a crashed replica is found again by ``safety_walk``."""
 
-    def __init__(self, redis: Redis, *, observe: lua.ScriptObserver | None = None) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        observe: lua.ScriptObserver | None = None,
+        wait: lua.ReplicaWait | None = None,
+    ) -> None:
         self.redis = redis
         self.observe = observe  # the script observer, for the session side's other readers
+        self.wait = wait  # WAIT after a placement that binds (AGENT_RUNTIME_REDIS_WAIT_*)
         pkg = "agent_runtime.session_manager"
 
         def script(name: str, *preludes: str) -> Any:
@@ -383,7 +395,11 @@ class SessionState:
         scope is evicted there), the scope's expiry mark, a reservation's prune mark.
         ``slow``: the caller may hold a seat or a reservation; placing gives them back."""
         keys, args = _route_call(request_id, session_id, scope_id, token, slow)
-        placement = _placement(await self._route_place(keys=keys, args=args))
+        reply = await lua.run_acked(
+            self.redis, self._route_place, keys=keys, args=args, wait=self.wait,
+            use="route_place", binds=_binds,
+        )  # fmt: skip
+        placement = _placement(reply)
         await self._after_place(session_id, scope_id, placement)
         return placement
 
