@@ -233,9 +233,12 @@ class BenchRedis:
         kwargs = self.client.connection_pool.connection_kwargs
         return {f"{kwargs.get('host', 'unix')}:{kwargs.get('port', 0)}": self.client}
 
-    def readings(self) -> dict[str, NodeReading]:
-        """CPU and command counters of every master, by ``host:port``."""
-        return {name: NodeReading.of(node) for name, node in self.masters().items()}
+    def readings(
+        self, masters: dict[str, sync_redis.Redis] | None = None
+    ) -> dict[str, NodeReading]:
+        """CPU and command counters of every master (``masters``: found before, so that
+        finding them is not among the counted commands), by ``host:port``."""
+        return {name: NodeReading.of(node) for name, node in (masters or self.masters()).items()}
 
 
 @dataclass(frozen=True)
