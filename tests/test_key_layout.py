@@ -32,18 +32,43 @@ LAYOUT_1 = {  # a layout-1 name → its layout-2 name
     f"resource_manager:resource:scope:{SID}:deploy_followers:r-1":
         f"resource_manager:resource:scope:{{{SID}}}:deploy_followers:r-1",
     f"resource_manager:lock:rm:deploy:{SID}:r-1": f"resource_manager:lock:rm:deploy:{{{SID}}}:r-1",
+    "resource_manager:resource:foreign_pods": "resource_manager:resource:foreign_pods:{foreign}",
+    "resource_manager:resource:foreign_pods:count":
+        "resource_manager:resource:foreign_pods:{foreign}:count",
 }  # fmt: skip
 UNCHANGED = ["session_manager:session:s1", "session_manager:session_expiry"]
+# a resource-manager pod's keys named only the pod: they move under its scope's tag, the
+# scope read from its info, and the set of every pod becomes the pod index
+POD_MOVES = {
+    "resource_manager:resource:pod:pod-1:info": K.rm_pod(SID, "pod-1", "info"),
+    "resource_manager:resource:pod:pod-1:idle_since": K.rm_pod(SID, "pod-1", "idle_since"),
+}
 # retired names: the migration deletes them (the scopes that referenced a pod: the resource
-# manager names a pod's one scope now)
-RETIRED = ["session_manager:pods:pod-1:scopes"]
+# manager names a pod's one scope now; the set of every pod, once its pods are indexed; a pod
+# key of a pod in no index, which names no scope)
+RETIRED = [
+    "session_manager:pods:pod-1:scopes",
+    "resource_manager:resource:pods:all",
+    "resource_manager:resource:pod:ghost:health_fails",
+    # the indexes over every scope: split into their buckets first
+    "resource_manager:resource:scopes",
+    "resource_manager:resource:leased_scopes",
+    "resource_manager:resource:draining",
+]
+RENAMED = len(LAYOUT_1) + len(POD_MOVES)
 
 
 async def write_layout_1(redis: Redis) -> None:
     for name in [*LAYOUT_1, *UNCHANGED]:
         await redis.set(name, f"value of {name}")
-    for name in RETIRED:
-        await redis.sadd(name, SID)
+    await redis.sadd(RETIRED[0], SID)
+    await redis.sadd("resource_manager:resource:pods:all", "pod-1")
+    await redis.hset("resource_manager:resource:pod:pod-1:info", mapping={"scope_id": SID})
+    await redis.set("resource_manager:resource:pod:pod-1:idle_since", "1000.5")
+    await redis.set("resource_manager:resource:pod:ghost:health_fails", "1")
+    await redis.sadd("resource_manager:resource:scopes", SID)
+    await redis.sadd("resource_manager:resource:leased_scopes", SID)
+    await redis.zadd("resource_manager:resource:draining", {"pod-1": 1234.5})
     await redis.expire(f"resource_manager:lock:rm:deploy:{SID}:r-1", 300)
 
 
@@ -67,14 +92,24 @@ async def test_keys_of_an_earlier_layout_are_refused_with_the_way_out(redis: Red
 async def test_migrate_renames_every_old_key_keeping_values_and_ttls(redis: Redis) -> None:
     await write_layout_1(redis)
     dry = await key_layout.migrate(redis, dry_run=True)
-    assert (dry.renamed, dry.deleted, dry.clash_count) == (len(LAYOUT_1), len(RETIRED), 0)
+    assert (dry.renamed, dry.deleted, dry.clash_count) == (RENAMED, len(RETIRED), 0)
     assert f"would delete {len(RETIRED)} retired" in dry.describe()
-    assert all([await redis.exists(old) for old in [*LAYOUT_1, *RETIRED]]), "a dry run: nothing"
+    olds = [*LAYOUT_1, *POD_MOVES, *RETIRED]
+    assert all([await redis.exists(old) for old in olds]), "a dry run: nothing"
+    assert not await K.rm_pods_known(redis)
 
     done = await key_layout.migrate(redis)
-    assert (done.renamed, done.deleted, done.clash_count) == (len(LAYOUT_1), len(RETIRED), 0)
-    for name in RETIRED:
+    assert (done.renamed, done.deleted, done.clash_count) == (RENAMED, len(RETIRED), 0)
+    for name in [*RETIRED, *POD_MOVES]:
         assert not await redis.exists(name)
+    assert await redis.hgetall(POD_MOVES["resource_manager:resource:pod:pod-1:info"]) == {
+        "scope_id": SID
+    }
+    assert await redis.get(K.rm_pod(SID, "pod-1", "idle_since")) == "1000.5"
+    assert await K.rm_pods_known(redis) == {"pod-1": SID}, "the pod index has the pod"
+    assert await redis.smembers(K.rm_scopes(SID)) == {SID}
+    assert set(await K.rm_leased_scopes(redis)) == {SID}, "due: the prune looks at it"
+    assert await K.rm_draining_pods(redis) == {"pod-1": 1234.5}
     for old, new in LAYOUT_1.items():
         assert not await redis.exists(old)
         assert await redis.get(new) == f"value of {old}"
@@ -87,13 +122,19 @@ async def test_migrate_renames_every_old_key_keeping_values_and_ttls(redis: Redi
     assert (again.renamed, again.deleted, again.clash_count) == (0, 0, 0), "idempotent"
 
 
-async def test_a_retired_key_alone_is_refused_and_migrate_deletes_it(redis: Redis) -> None:
-    await redis.sadd(RETIRED[0], SID)
+@pytest.mark.parametrize("retired", RETIRED)
+async def test_a_retired_key_alone_is_refused_and_migrate_deletes_it(
+    redis: Redis, retired: str
+) -> None:
+    if retired.endswith(":draining"):
+        await redis.zadd(retired, {"pod-1": 1.0})  # a ZSET, pod -> deadline
+    else:
+        await redis.sadd(retired, SID)
     with pytest.raises(ConfigError, match=r"agent-runtime redis migrate"):
         await key_layout.check(redis)
     done = await key_layout.migrate(redis)
     assert (done.renamed, done.deleted) == (0, 1)
-    assert not await redis.exists(RETIRED[0])
+    assert not await redis.exists(retired)
     await key_layout.check(redis)
 
 
@@ -114,19 +155,38 @@ async def test_migrate_refuses_while_a_replica_holds_a_job_lock(redis: Redis) ->
         await key_layout.migrate(redis)
     assert await redis.exists(next(iter(LAYOUT_1)))
     done = await key_layout.migrate(redis, force=True)
-    assert done.renamed == len(LAYOUT_1)
+    assert done.renamed == RENAMED
 
 
 _TAG = re.compile(r"\{([^{}]+)\}")
+# a resource-manager pod's key: resource:pod:{<sid>}:<pod>:<part>, layout 1 had no scope in it
+_RM_POD = re.compile(r"^(resource_manager:resource:pod:)\{[^{}]+\}:(.+)$")
 
 
 async def back_to_layout_1(redis: Redis) -> int:
-    """What an earlier version would have left: every scope key's braces taken off."""
+    """What an earlier version would have left: every scope key's braces taken off, a pod's
+    keys named by the pod alone, and each index over every scope or pod one key."""
     moved = 0
+    rm = "resource_manager:resource:"
+    pods = await K.rm_pods_known(redis)
+    for pod_id in pods:
+        await redis.hdel(K.rm_pods_index(pod_id), pod_id)
+        await redis.sadd(f"{rm}pods:all", pod_id)
+    for scope_id in await K.rm_leased_scopes(redis):
+        await redis.delete(K.rm_leased(scope_id))
+        await redis.sadd(f"{rm}leased_scopes", scope_id)
+    for pod_id, deadline in (await K.rm_draining_pods(redis)).items():
+        await redis.zadd(f"{rm}draining", {pod_id: deadline})
+    async for key in redis.scan_iter(match=f"{rm}scopes:*"):
+        await redis.sadd(f"{rm}scopes", *await redis.smembers(key))
+        await redis.delete(key)
+    async for key in redis.scan_iter(match=f"{rm}draining:*"):
+        await redis.delete(key)
     for pattern in ("session_manager:*", "resource_manager:*"):
         async for key in redis.scan_iter(match=pattern):
-            old = _TAG.sub(r"\1", key, count=1)
-            if old != key:
+            pod_key = _RM_POD.match(key)
+            old = f"{pod_key[1]}{pod_key[2]}" if pod_key else _TAG.sub(r"\1", key, count=1)
+            if old != key and not key.startswith(f"{rm}pods:"):
                 await redis.rename(key, old)
                 moved += 1
     await redis.delete(key_layout.LAYOUT_KEY)
@@ -161,6 +221,9 @@ async def test_a_live_session_is_served_again_after_the_migration(
         assert answer["pod_id"] == first["pod_id"]
         scope = await redis.hget(K.sm_session("s1"), "scope_id")
         assert await redis.sismember(K.sm_scope(scope, "sessions"), "s1")
+        assert await K.rm_pod_scope(redis, first["pod_id"]) == scope
+        assert await redis.sismember(K.rm_scopes(scope), scope)
+        assert await redis.hget(K.rm_pod(scope, first["pod_id"], "info"), "phase") == "in_use"
 
 
 @pytest.mark.parametrize("redis", ["real"], indirect=True)
@@ -179,8 +242,8 @@ async def test_the_cli_says_the_layout_and_migrates(redis: Redis) -> None:
     code, out = await cli("status")
     assert code == 1 and "agent-runtime redis migrate" in out, out
     code, out = await cli("migrate", "--dry-run")
-    assert code == 0 and f"would rename {len(LAYOUT_1)} keys" in out, out
+    assert code == 0 and f"would rename {RENAMED} keys" in out, out
     code, out = await cli("migrate")
-    assert code == 0 and f"renamed {len(LAYOUT_1)} keys" in out, out
+    assert code == 0 and f"renamed {RENAMED} keys" in out, out
     code, out = await cli("status")
     assert code == 0 and "current" in out, out

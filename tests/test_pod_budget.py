@@ -28,6 +28,7 @@ from agent_runtime.session_manager import config_repo
 from agent_runtime.session_manager.items import RoutingRuleItem, TemplateItem
 from agent_runtime.util import rule_id_of, scope_id_of
 from agent_runtime.wiring import Services
+from contract_keys import rm_pod, rm_pod_scope
 from helpers import make_sql_backend, running_app, sync_body
 
 ROUTE = "/api/session/route"
@@ -295,8 +296,9 @@ async def test_autoscale_stops_at_the_global_budget(redis: Redis, db: Database) 
         assert_budget_refusal(await route(client, "g3"))
         # reclaim of a warm pod gives its unit back: the next route may deploy
         for pod_id in list(k8s.pods):
-            if await redis.hget(f"resource_manager:resource:pod:{pod_id}:info", "phase") == "idle":
-                await redis.set(f"resource_manager:resource:pod:{pod_id}:idle_since", 1)
+            sid = await rm_pod_scope(redis, pod_id)
+            if await redis.hget(rm_pod(str(sid), pod_id, "info"), "phase") == "idle":
+                await redis.set(rm_pod(str(sid), pod_id, "idle_since"), 1)
         for group_id in ("g0", "g1", "g2"):  # no floor any more: the warm pods may go
             key = f"resource_manager:resource:scope:{{{_scope(group_id)}}}:config"
             await redis.hset(key, "min_idle_pods", 0)

@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.wiring import Services
-from contract_keys import RM_PODS_ALL, SM_PODS_REGISTERED
+from contract_keys import SM_PODS_REGISTERED, rm_pod_known
 from helpers import envelope, other_client, running_app, sync_body
 from test_scenarios import eventually
 
@@ -113,7 +113,7 @@ async def rebound_from(a: App, session_id: str, dead: str) -> dict[str, Any]:
 
     async def forgotten() -> bool:  # both sides: the session side is told last
         registered = await redis.smembers(SM_PODS_REGISTERED)  # "{sid}:{pod}"
-        return not await redis.sismember(RM_PODS_ALL, dead) and not any(
+        return not await rm_pod_known(redis, dead) and not any(
             member.endswith(f":{dead}") for member in registered
         )
 

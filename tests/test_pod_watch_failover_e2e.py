@@ -21,10 +21,11 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
+from contract_keys import rm_pod_known
 from helpers import envelope, sync_body
 from test_local_mode import free_port
 from test_pod_watch_e2e import STREAM_ONLY
-from test_scenarios import RM_PODS_ALL, SM_PODS_REGISTERED
+from test_scenarios import SM_PODS_REGISTERED
 from test_server_e2e import ADMIN, DEADLINE, GATEWAY, ROUTE, SYNC, Child, backing, serve_on
 
 pytestmark = pytest.mark.timeout(180)
@@ -132,7 +133,7 @@ async def test_a_killed_stream_leader_is_replaced_and_deaths_are_still_seen(
 
         async def cleaned() -> bool:
             registered = await redis.smembers(SM_PODS_REGISTERED)  # "{sid}:{pod}"
-            return not await redis.sismember(RM_PODS_ALL, pod) and not any(
+            return not await rm_pod_known(redis, pod) and not any(
                 member.endswith(f":{pod}") for member in registered
             )
 

@@ -11,12 +11,14 @@ the keys in place (``RENAMENX``: a key keeps its value and its TTL) and records 
 Layout 1 only ever existed on a single server (its scripts cannot run on a cluster), so the
 renames never cross a node. Each module's ``legacy_keys.py`` says what its old names were,
 and which of them are retired: those are deleted (``pods:{pod_id}:scopes``: nothing reads it
-any more).
+any more). A key whose new name is in its data rather than its old name (a resource-manager
+pod's keys take its scope's tag, from its info) is moved by its module's ``prepare`` first;
+what that leaves under an old name is retired.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +39,10 @@ MODULES: tuple[tuple[str, Callable[[str], str | None], Callable[[str], bool]], .
     (sm_legacy.SCAN_PATTERN, sm_legacy.current_name, sm_legacy.retired),
     (rm_legacy.SCAN_PATTERN, rm_legacy.current_name, rm_legacy.retired),
 )
+# moves whose new name is in the data, not in the old name (a pod's scope, in its info): run
+# before the walk over the names, which then deletes what they left as retired; each returns
+# the old names it renamed (with dry_run: would rename, and the walk leaves them alone)
+PREPARES: tuple[Callable[..., Awaitable[set[str]]], ...] = (rm_legacy.prepare,)
 
 
 async def _legacy_keys(redis: Redis) -> AsyncIterator[tuple[str, str | None]]:
@@ -153,7 +159,13 @@ async def migrate(redis: Redis, *, dry_run: bool = False, force: bool = False) -
                         done.clashes.append(old)
         batch.clear()
 
+    prepared: set[str] = set()
+    for prepare in PREPARES:
+        prepared |= await prepare(redis, dry_run=dry_run)
+    done.renamed += len(prepared)
     async for pair in _legacy_keys(redis):
+        if pair[0] in prepared:
+            continue  # a dry run left it in place: counted as renamed above
         batch.append(pair)
         if len(batch) >= RENAME_BATCH:
             await flush()
