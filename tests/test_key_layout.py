@@ -35,6 +35,10 @@ LAYOUT_1 = {  # a layout-1 name → its layout-2 name
     "resource_manager:resource:foreign_pods": "resource_manager:resource:foreign_pods:{foreign}",
     "resource_manager:resource:foreign_pods:count":
         "resource_manager:resource:foreign_pods:{foreign}:count",
+    "resource_manager:budget:pods": "resource_manager:budget:{budget}:pods",
+    "resource_manager:budget:rule:r-1:pods": "resource_manager:budget:{budget}:rule:r-1:pods",
+    "resource_manager:budget:rules": "resource_manager:budget:{budget}:rules",
+    "resource_manager:budget:rule_limits": "resource_manager:budget:{budget}:rule_limits",
 }  # fmt: skip
 UNCHANGED = ["session_manager:session:s1", "session_manager:session_expiry"]
 # a resource-manager pod's keys named only the pod: they move under its scope's tag, the

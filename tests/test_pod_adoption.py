@@ -42,7 +42,7 @@ ROUTE = "/api/session/route"
 SYNC = "/api/session/config_sync"
 ADMIN = "/api/session/admin"
 BOT = "bot-1"
-BUDGET_PODS = "resource_manager:budget:pods"
+BUDGET_PODS = "resource_manager:budget:{budget}:pods"
 TEMPLATE = {
     "template_id": "tpl-id",
     "image": "agentserver:1",

@@ -34,11 +34,11 @@ from helpers import make_sql_backend, running_app, sync_body
 ROUTE = "/api/session/route"
 SYNC = "/api/session/config_sync"
 TOUCH = "/api/session/touch"
-BUDGET = "resource_manager:budget:pods"
+BUDGET = "resource_manager:budget:{budget}:pods"
 
 
 def rule_budget_key(group_id: str, bot_id: str) -> str:
-    return f"resource_manager:budget:rule:{rule_id_of(group_id, bot_id)}:pods"
+    return f"resource_manager:budget:{{budget}}:rule:{rule_id_of(group_id, bot_id)}:pods"
 
 
 def services(client: httpx.AsyncClient) -> Services:
@@ -194,7 +194,10 @@ async def test_rule_budget_through_config_sync_and_route(redis: Redis, db: Datab
         assert_budget_refusal(await route(client, "g7"))
         assert k8s.deploy_calls == 5
         assert await redis.zcard(BUDGET) == 5
-        assert await redis.hget("resource_manager:budget:rule_limits", rule_id_of("*", "*")) == "4"
+        assert (
+            await redis.hget("resource_manager:budget:{budget}:rule_limits", rule_id_of("*", "*"))
+            == "4"
+        )
 
 
 async def test_wildcard_rules_default_to_the_setting_and_exact_ones_are_unbounded(
@@ -329,7 +332,7 @@ async def test_reconcile_rebuilds_the_budget_after_redis_lost_it(
 async def test_config_sync_writes_the_rule_limit_for_autoscale_at_once(
     redis: Redis, db: Database
 ) -> None:
-    limits = "resource_manager:budget:rule_limits"
+    limits = "resource_manager:budget:{budget}:rule_limits"
     async with running_app(redis, db, wildcard_rule_pod_budget=7) as client:
         await setup_config(client)  # (*, *): the wildcard default, before any route
         assert await redis.hget(limits, rule_id_of("*", "*")) == "7"

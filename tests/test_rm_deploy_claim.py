@@ -27,7 +27,7 @@ LEASE = 5.0
 
 
 class K:
-    BUDGET = "resource_manager:budget:pods"
+    BUDGET = "resource_manager:budget:{budget}:pods"
     PODS = f"resource_manager:resource:scope:{{{SID}}}:pods"  # registered: a member
 
     @staticmethod

@@ -6,10 +6,11 @@ method that runs a script (acquire, claims and leases, registration, release, dr
 the jobs' reads and repairs, the migration's indexes) then must have given each call keys of
 one slot (``redis.cluster.key_slot``), the state's bulk reads cut by slot as on a cluster.
 
-The pod budgets are not moved yet (issue 17, the budget step): the scripts that count a
-budget still take the global ``budget:*`` keys beside the scope's. For those the test holds
-the rest — every key but the budget keys in one slot — and the exact list of them, so that a
-new cross-slot script fails here, and so does the list once the budgets move.
+The pod budgets are not split off yet (issue 17, the budget step): their keys share one tag
+of their own (``budget:{budget}:…``), but the scripts that count a budget still take them
+beside the scope's keys. For those the test holds two slots exactly — the budget keys' and the
+rest's — and the exact list of them, so that a new cross-slot script fails here, and so does
+the list once the budgets become a step of their own.
 
 On the tests' real Redis Cluster (``redis_cluster``): the scripts of that list are refused
 (CROSSSLOT), and the rest run: a pod's report window, its release, a drain, a deploy lease
@@ -35,7 +36,7 @@ from agent_runtime.resource_manager.report_state import ReportState
 from agent_runtime.resource_manager.state import ResourceState
 from contract_keys import rm_pod, rm_pod_scope, rm_scope
 
-BUDGET_KEYS = "resource_manager:budget:"  # the budget keys: not moved yet
+BUDGET_KEYS = "resource_manager:budget:{budget}:"  # the budget keys: their own tag, one slot
 # the scripts that still count a pod budget beside the scope's keys
 BUDGETED = {
     "acquire",
@@ -151,7 +152,9 @@ async def test_every_resource_manager_script_call_is_given_keys_of_one_slot(
     for name, keys, slots in calls.slots():
         if any(k.startswith(BUDGET_KEYS) for k in keys):
             budgeted.add(name)
+            budgets = {key_slot(k.encode()) for k in keys if k.startswith(BUDGET_KEYS)}
             rest = {key_slot(k.encode()) for k in keys if not k.startswith(BUDGET_KEYS)}
+            assert len(budgets) == 1, f"{name}: the budget keys span slots: {keys}"
             assert len(rest) <= 1, f"{name}: its keys beside the budgets span slots: {keys}"
         else:
             assert len(slots) <= 1, f"{name}: keys of {len(slots)} slots: {keys}"

@@ -22,14 +22,14 @@ from agent_runtime.resource_manager.state_values import LeasePrune, OrphanPod
 from contract_keys import rm_leased, rm_leased_scopes
 from helpers import other_client
 
-RULE_PREFIX = "resource_manager:budget:rule:"
+RULE_PREFIX = "resource_manager:budget:{budget}:rule:"
 SID = "scope-l"
 DID = "rq-1"  # the cold deploy the tests lead (a scope runs many; each is keyed by its id)
 LEASE = 5.0  # seconds: nothing lapses during a test unless made to
 
 
 class K:
-    BUDGET = "resource_manager:budget:pods"
+    BUDGET = "resource_manager:budget:{budget}:pods"
 
     @staticmethod
     def pods(sid: str = SID) -> str:

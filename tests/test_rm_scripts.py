@@ -77,13 +77,13 @@ class K:
     def health_fails(sid: str, pod: str) -> str:
         return f"resource_manager:resource:pod:{{{sid}}}:{pod}:health_fails"
 
-    BUDGET = "resource_manager:budget:pods"
-    BUDGET_RULES = "resource_manager:budget:rules"
-    BUDGET_LIMITS = "resource_manager:budget:rule_limits"
+    BUDGET = "resource_manager:budget:{budget}:pods"
+    BUDGET_RULES = "resource_manager:budget:{budget}:rules"
+    BUDGET_LIMITS = "resource_manager:budget:{budget}:rule_limits"
 
     @staticmethod
     def rule_budget(rule_id: str) -> str:
-        return f"resource_manager:budget:rule:{rule_id}:pods"
+        return f"resource_manager:budget:{{budget}}:rule:{rule_id}:pods"
 
     @staticmethod
     def idem(sid: str, request_id: str) -> str:
@@ -178,7 +178,7 @@ def acquire_call(sid: str, request_id: str, token: str) -> dict[str, Any]:
     """The exact EVALSHA keys/args ``ResourceState.acquire`` sends."""
     keys = [K.config(sid), K.idle(sid), K.pods(sid), K.deploying(sid), K.idem(sid, request_id)]
     keys += [K.BUDGET, K.BUDGET_RULES, K.BUDGET_LIMITS]
-    args = [POD_PREFIX, token, TTL, 60, sid, "resource_manager:budget:rule:", "", 0, 1000]
+    args = [POD_PREFIX, token, TTL, 60, sid, "resource_manager:budget:{budget}:rule:", "", 0, 1000]
     return {"keys": keys, "args": args}
 
 
@@ -480,7 +480,7 @@ async def test_placeholder_replay_returns_the_same_member(
     await configure(rs, "s1", max_pods=1)
     keys = [K.config("s1"), K.pods("s1"), K.deploying("s1")]
     keys += [K.BUDGET, K.BUDGET_RULES, K.BUDGET_LIMITS]
-    args = ["t1", TTL, "s1", "resource_manager:budget:rule:", 1000]
+    args = ["t1", TTL, "s1", "resource_manager:budget:{budget}:rule:", 1000]
     first_reply = await ds._placeholder(keys=keys, args=args)
     second_reply = await ds._placeholder(keys=keys, args=args)  # at the cap, but ours
     assert first_reply == second_reply
@@ -572,7 +572,7 @@ async def test_register_replay_keeps_the_first_values_and_answer(
         K.BUDGET_RULES,
     ]
     args = ["p1", member, "s1", sse("p1"), "10.0.0.1", "agents", "v1", "1"]
-    args.append("resource_manager:budget:rule:")
+    args.append("resource_manager:budget:{budget}:rule:")
     assert await rs._register(keys=keys, args=args) == 1
     # make the first call look older, so that a rewrite would show
     await redis.hset(K.info("s1", "p1"), "created_ts", "1000")

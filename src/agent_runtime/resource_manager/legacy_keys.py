@@ -58,12 +58,17 @@ _FOREIGN = {
     f"{P}resource:foreign_pods": f"{P}resource:foreign_pods:{{foreign}}",
     f"{P}resource:foreign_pods:count": f"{P}resource:foreign_pods:{{foreign}}:count",
 }
+# the pod budgets, untagged: budget:pods, budget:rules, budget:rule_limits and
+# budget:rule:{rule_id}:pods go under the tag {budget} (budget:{budget}:…)
+_BUDGET_BARE = re.compile(rf"^({re.escape(P)}budget:)((?:pods|rules|rule_limits|rule:.+:pods))$")
 
 
 def current_name(key: str) -> str | None:
     """The layout-2 name of a layout-1 key, or None when ``key`` is not one."""
     if key in _FOREIGN:
         return _FOREIGN[key]
+    if budget := _BUDGET_BARE.match(key):
+        return f"{budget[1]}{{budget}}:{budget[2]}"
     match = _SCOPE_BARE.match(key)
     if match is None:
         return None

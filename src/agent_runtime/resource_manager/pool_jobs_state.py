@@ -351,9 +351,12 @@ class PoolJobsState:
             chunk = scopes[i : i + SCRIPT_BATCH]
             for scope_id, pods in (await self._zmembers_of(chunk)).items():
                 registered.update(dict.fromkeys(pods, scope_id))
+        # a pod registered after the index was read is indexed already: asked again
+        missing = [p for p, s in registered.items() if indexed.get(p) != s]
+        now_indexed = await self.state.scopes_of_pods(missing)
         added = 0
-        for pod_id, scope_id in registered.items():
-            if indexed.get(pod_id) != scope_id:
+        for pod_id in missing:
+            if now_indexed.get(pod_id) != (scope_id := registered[pod_id]):
                 await self.state.index_pod(scope_id, pod_id)
                 added += 1
         stray = {p for p, s in indexed.items() if registered.get(p) != s}

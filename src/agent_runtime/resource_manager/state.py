@@ -66,10 +66,14 @@ LEASED_PREFIX = f"{P}resource:leased_scopes:"
 # Pod budgets (docs/spec/resource-manager.md "Pod budgets"): ZSETs of units, a registered pod
 # (score +inf) or a placeholder "{sid}:{member}" (score = its deadline), changed only by the
 # scripts that add or remove the pod or placeholder itself.
-BUDGET_PODS_KEY = f"{P}budget:pods"
-BUDGET_RULE_PREFIX = f"{P}budget:rule:"
-BUDGET_RULES_KEY = f"{P}budget:rules"  # SET: rule ids that have a units ZSET (for reconcile)
-BUDGET_LIMITS_KEY = f"{P}budget:rule_limits"  # HASH: rule id -> its pod budget (>= 1)
+# Every budget key carries one literal hash tag of its own, "{budget}": the budgets span
+# scopes, so their keys share a slot with each other and with no scope (the scripts that count
+# a budget beside a scope's keys are the last cross-slot ones: docs/feature, issue 17).
+BUDGET_TAG = "{budget}"
+BUDGET_PODS_KEY = f"{P}budget:{BUDGET_TAG}:pods"
+BUDGET_RULE_PREFIX = f"{P}budget:{BUDGET_TAG}:rule:"
+BUDGET_RULES_KEY = f"{P}budget:{BUDGET_TAG}:rules"  # SET: rule ids with a units ZSET (reconcile)
+BUDGET_LIMITS_KEY = f"{P}budget:{BUDGET_TAG}:rule_limits"  # HASH: rule id -> its budget (>= 1)
 DEFAULT_POD_BUDGET = 1000
 # Reconcile's report of pods with our labels that are not provably ours (foreign_report.lua):
 # both keys under one hash tag of their own, "{foreign}" (literal), as the script writes both
