@@ -6,6 +6,9 @@ Redis: a dedicated db index (``AGENT_RUNTIME_BENCH_REDIS_URL``, default db 4). A
 any key that is not this service's (prefixes ``session_manager:``, ``resource_manager:``,
 ``agent_runtime:``) is refused; so is one claimed by another live bench run
 (``agent_runtime:bench:claim`` = host:pid). Only the service's own keys are ever deleted.
+A ``redis+cluster://`` URL names a Redis Cluster (db 0 only): the same claim over every
+master, and the tests' cluster (scripts/redis_topologies.sh) only while the bench holds the
+tests' lease on it (``BenchCluster``). ``bench_redis(url)`` picks the kind.
 """
 
 from __future__ import annotations
@@ -167,7 +170,7 @@ class BenchRedis:
         except sync_redis.RedisError as exc:
             raise BenchRefused(f"redis at {self.url} unreachable: {exc}") from None
         for key in self.client.scan_iter(count=1000):
-            if not is_own(key):
+            if self.is_foreign(key):
                 raise BenchRefused(
                     f"redis {self.url} holds keys that are not agent-runtime's (e.g. {key!r}): "
                     "point AGENT_RUNTIME_BENCH_REDIS_URL at a db index of its own"
@@ -177,6 +180,10 @@ class BenchRedis:
             raise BenchRefused(f"redis {self.url} is in use by another bench run ({owner})")
         self.wipe()
         self.client.set(CLAIM_KEY, self.me)
+
+    def is_foreign(self, key: str) -> bool:
+        """A key the claim refuses to share the db with."""
+        return not is_own(key)
 
     def wipe(self) -> int:
         """Delete this service's keys (never another's), except the claim."""
@@ -217,6 +224,189 @@ class BenchRedis:
 
     def total_commands(self) -> int:
         return int(self.info("stats")["total_commands_processed"])
+
+    def keep(self) -> None:
+        """Renew what the claim holds for a while (a single server's claim holds for good)."""
+
+    def masters(self) -> dict[str, sync_redis.Redis]:
+        """A client per master, by ``host:port``: a single server is its one master."""
+        kwargs = self.client.connection_pool.connection_kwargs
+        return {f"{kwargs.get('host', 'unix')}:{kwargs.get('port', 0)}": self.client}
+
+    def readings(self) -> dict[str, NodeReading]:
+        """CPU and command counters of every master, by ``host:port``."""
+        return {name: NodeReading.of(node) for name, node in self.masters().items()}
+
+
+@dataclass(frozen=True)
+class NodeReading:
+    """One master's counters at one moment: ``INFO cpu`` (``used_cpu_sys`` +
+    ``used_cpu_user``), ``INFO commandstats`` (calls per command, those a script runs inside
+    Redis included), ``total_commands_processed`` (the commands clients sent)."""
+
+    cpu_s: float
+    calls: dict[str, int]
+    total_commands: int
+
+    @classmethod
+    def of(cls, node: sync_redis.Redis) -> NodeReading:
+        info = node.info("all")
+        calls = {
+            name.removeprefix("cmdstat_"): int(v["calls"])
+            for name, v in info.items()
+            if name.startswith("cmdstat_")
+        }
+        cpu = float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+        return cls(cpu, calls, int(info["total_commands_processed"]))
+
+
+class BenchCluster(BenchRedis):
+    """The bench's claim on a Redis Cluster (``redis+cluster://``; db 0 only): the single
+    server's claim (only the service's keys, ``CLAIM_KEY``, a wipe of the service's keys) over
+    every master. The tests' cluster (it holds ``tests/helpers.py``'s ``CLUSTER_CLAIM``) is
+    shared with test runs that own it by a lease (``CLUSTER_OWNER``) and flush it: the bench
+    takes that lease first (waiting as a test run does), renews it (``keep``) and gives it back
+    on release; a test run meanwhile waits for it. The hazard: a wipe without the lease would
+    delete a running test's keys (they carry the service's prefixes)."""
+
+    def __init__(self, url: str) -> None:
+        from redis.cluster import ClusterNode, RedisCluster
+
+        from agent_runtime import redis_client
+
+        self.url = url
+        self.target = redis_client.parse(url)
+        self.client = RedisCluster(  # type: ignore[assignment]
+            startup_nodes=[ClusterNode(host, port) for host, port in self.target.nodes],
+            username=self.target.username,
+            password=self.target.password,
+            ssl=self.target.tls,
+            decode_responses=True,
+            socket_timeout=30,
+        )
+        self.me = f"{socket.gethostname()}:{os.getpid()}"
+        self._nodes: dict[str, sync_redis.Redis] = {}
+        self._lease: tuple[str, int] | None = None  # the tests' owner key, its lease (ms)
+
+    def masters(self) -> dict[str, sync_redis.Redis]:
+        """The masters serving slots now (``CLUSTER NODES``), a plain client on each."""
+        nodes = self.client.cluster_nodes()  # type: ignore[attr-defined]
+        names = sorted(
+            name
+            for name, node in nodes.items()
+            if "master" in node["flags"] and "fail" not in node["flags"] and node["slots"]
+        )
+        for name in names:
+            if name not in self._nodes:
+                host, _, port = name.rpartition(":")
+                self._nodes[name] = sync_redis.Redis(
+                    host=host,
+                    port=int(port),
+                    username=self.target.username,
+                    password=self.target.password,
+                    ssl=self.target.tls,
+                    decode_responses=True,
+                    socket_timeout=30,
+                )
+        return {name: self._nodes[name] for name in names}
+
+    def claim(self) -> None:
+        try:
+            self.client.ping()
+            self._take_tests_lease()
+        except sync_redis.RedisError as exc:
+            raise BenchRefused(f"redis cluster at {self.url} unusable: {exc}") from None
+        super().claim()
+
+    def _take_tests_lease(self) -> None:
+        tests = _tests_cluster_protocol()
+        if not self.client.exists(tests.CLUSTER_CLAIM):
+            return  # not the tests' cluster: the claim alone decides
+        deadline = time.monotonic() + tests.CLUSTER_WAIT
+        while not self.client.set(tests.CLUSTER_OWNER, self.me, nx=True, px=tests.CLUSTER_LEASE_MS):
+            owner = self.client.get(tests.CLUSTER_OWNER)
+            if owner == self.me:
+                break
+            if owner and not _owner_alive(owner):
+                self.client.set(tests.CLUSTER_OWNER, self.me, px=tests.CLUSTER_LEASE_MS)
+                break
+            if time.monotonic() > deadline:
+                raise BenchRefused(
+                    f"the tests' Redis Cluster at {self.url} is held by a test run ({owner}) "
+                    f"for over {tests.CLUSTER_WAIT:.0f} s"
+                )
+            time.sleep(0.5)
+        self._lease = (tests.CLUSTER_OWNER, tests.CLUSTER_LEASE_MS)
+
+    def is_foreign(self, key: str) -> bool:
+        return not is_own(key) and not key.startswith(_tests_cluster_protocol().PREFIX)
+
+    def keep(self) -> None:
+        if self._lease is not None and self.client.get(self._lease[0]) == self.me:
+            self.client.pexpire(self._lease[0], self._lease[1])
+
+    def release(self) -> None:
+        try:
+            self.wipe()
+            if self.client.get(CLAIM_KEY) == self.me:
+                self.client.delete(CLAIM_KEY)
+            if self._lease is not None and self.client.get(self._lease[0]) == self.me:
+                self.client.delete(self._lease[0])
+        finally:
+            for node in self._nodes.values():
+                node.close()
+            self.client.close()
+
+    def info(self, section: str) -> dict[str, Any]:
+        """The first master's (``redis_version``, …): the cluster's sums are ``readings``."""
+        return dict(next(iter(self.masters().values())).info(section))
+
+    def used_memory(self) -> int:
+        return sum(int(n.info("memory")["used_memory"]) for n in self.masters().values())
+
+    def cpu_seconds(self) -> float:
+        return sum(r.cpu_s for r in self.readings().values())
+
+    def commandstats(self) -> dict[str, int]:
+        total: Counter[str] = Counter()
+        for reading in self.readings().values():
+            total.update(reading.calls)
+        return dict(total)
+
+    def total_commands(self) -> int:
+        return sum(r.total_commands for r in self.readings().values())
+
+
+@dataclass(frozen=True)
+class _TestsCluster:
+    CLUSTER_CLAIM: str
+    CLUSTER_OWNER: str
+    CLUSTER_LEASE_MS: int
+    CLUSTER_WAIT: float
+    PREFIX: str
+
+
+def _tests_cluster_protocol() -> _TestsCluster:
+    """The tests' names for their cluster's marker and lease (tests/helpers.py)."""
+    tests = str(ROOT / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import helpers
+
+    return _TestsCluster(
+        helpers.CLUSTER_CLAIM,
+        helpers.CLUSTER_OWNER,
+        helpers.CLUSTER_LEASE_MS,
+        helpers.CLUSTER_WAIT,
+        helpers.CLUSTER_CLAIM.split(":", 1)[0] + ":",
+    )
+
+
+def bench_redis(url: str) -> BenchRedis:
+    """The bench's claim on the Redis a URL names: one server, or a Redis Cluster."""
+    if url.split("://", 1)[0].lower().endswith("+cluster"):
+        return BenchCluster(url)
+    return BenchRedis(url)
 
 
 def _owner_alive(owner: str) -> bool:
@@ -378,7 +568,7 @@ class LoadSpec:
     """One load run: where, what (``BENCH_*`` environment of wrk/bench.lua), how hard."""
 
     url: str
-    mode: str  # route_existing | route_new | touch | noop
+    mode: str  # route_existing | route_new | touch | touch_ids | noop
     group: str
     sessions: int = 1
     scopes: int = 1
@@ -535,8 +725,9 @@ async def configure(
     scope_concurrency: int,
     pod_concurrency: int,
     session_ttl: int = 3600,
+    bot: str = "*",
 ) -> None:
-    """A template ``bench-<name>`` and the rule ``(group, *)`` → it, through config_sync."""
+    """A template ``bench-<name>`` and the rule ``(group, bot)`` → it, through config_sync."""
     template = {
         "template_id": f"bench-{name}",
         "image": "bench:1",
@@ -545,7 +736,7 @@ async def configure(
         "session_ttl": session_ttl,
         "min_idle_pods": 0,
     }
-    rule = {"group_id": group, "bot_id": "*", "template_id": f"bench-{name}"}
+    rule = {"group_id": group, "bot_id": bot, "template_id": f"bench-{name}"}
     for kind, item in (("template", template), ("routing_rule", rule)):
         body = {
             "metadata": {"request_id": rid()},
@@ -571,6 +762,9 @@ async def touch(http: httpx.AsyncClient, session: str, *, eos: bool = False) -> 
     return dict((await http.post(f"{API}/touch", json=body)).json())
 
 
+SHED_RETRY_S = 30.0
+
+
 async def place_sessions(
     http: httpx.AsyncClient,
     group: str,
@@ -579,21 +773,28 @@ async def place_sessions(
     *,
     prefix: str = "s-",
     concurrency: int = 16,
+    first_concurrency: int = 1,
 ) -> Counter[str]:
     """Route sessions ``prefix + k`` (k < count) in bot ``b-<k % scopes>``: the first route of
-    each scope goes through the slow path (resolve, acquire, deploy on the fake Kubernetes)."""
+    each scope goes through the slow path (resolve, acquire, deploy on the fake Kubernetes),
+    ``first_concurrency`` scopes at a time (1: one deploy after the other), before the rest.
+    A route shed by the in-flight bound (``OVERLOADED``, on a loaded machine) is sent again,
+    as a gateway does, for up to ``SHED_RETRY_S``."""
     outcomes: Counter[str] = Counter()
-    for k in range(min(scopes, count)):  # one per scope first: one deploy each, in order
-        answer = await route(http, f"{prefix}{k}", group, f"b-{k % scopes}")
-        outcomes[answer.get("data", {}).get("placement") or answer.get("error_code", "?")] += 1
-    gate = asyncio.Semaphore(concurrency)
 
-    async def one(k: int) -> None:
+    async def one(k: int, gate: asyncio.Semaphore) -> None:
+        deadline = time.monotonic() + SHED_RETRY_S
         async with gate:
             answer = await route(http, f"{prefix}{k}", group, f"b-{k % scopes}")
+            while answer.get("error_code") == "OVERLOADED" and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                answer = await route(http, f"{prefix}{k}", group, f"b-{k % scopes}")
         outcomes[answer.get("data", {}).get("placement") or answer.get("error_code", "?")] += 1
 
-    await asyncio.gather(*(one(k) for k in range(min(scopes, count), count)))
+    first = asyncio.Semaphore(first_concurrency)  # one per scope first: one deploy each
+    await asyncio.gather(*(one(k, first) for k in range(min(scopes, count))))
+    rest = asyncio.Semaphore(concurrency)
+    await asyncio.gather(*(one(k, rest) for k in range(min(scopes, count), count)))
     return outcomes
 
 
@@ -704,9 +905,16 @@ class Context:
 
 @contextlib.asynccontextmanager
 async def bench_context(
-    *, quick: bool, redis_url: str, loadgen: str = "auto", profile: bool = False
+    *,
+    quick: bool,
+    redis_url: str,
+    loadgen: str = "auto",
+    profile: bool = False,
+    database_url: str | None = None,
 ) -> AsyncIterator[Context]:
-    redis = BenchRedis(redis_url)
+    """The run's context; ``database_url``: another context's SQL database (its
+    configuration), else a SQLite file of its own."""
+    redis = bench_redis(redis_url)
     redis.claim()
     tmp = Path(tempfile.mkdtemp(prefix="agent-runtime-bench-"))
     ctx = Context(
@@ -714,7 +922,7 @@ async def bench_context(
         redis=redis,
         loadgen=LoadGen(loadgen),
         tmp=tmp,
-        database_url=f"sqlite:///{tmp / 'config.db'}",
+        database_url=database_url or f"sqlite:///{tmp / 'config.db'}",
         profile=profile,
     )
     try:

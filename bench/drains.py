@@ -139,5 +139,5 @@ async def node_drain(redis: Redis, count: int) -> dict[str, Any]:
         "tick_longest_loop_hold_ms": round(worst * 1000, 2),
         "pods_deleted": finished,
         "sessions_moved": count * SESSIONS
-        - len(await redis.zrange("session_manager:session_expiry", 0, -1)),
+        - len(await redis.zrange(f"session_manager:scope:{{{SCOPE}}}:session_expiry", 0, -1)),
     }

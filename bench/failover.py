@@ -85,7 +85,7 @@ async def run(url: str, failovers: int, master_check: bool) -> dict[str, Any]:
         try:
             async with service(url, db, shape) as svc:
                 for i in range(failovers):
-                    out = await one_failover(svc, sentinels, observer, shape)
+                    out = await one_failover(svc, sentinels.failover, observer, shape)
                     print(f"  [{i + 1}/{failovers}] {out.summary()}", file=sys.stderr)
                     rows.append(row(out))
         finally:

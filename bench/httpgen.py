@@ -40,6 +40,8 @@ def make_body(n: int, worker: int) -> bytes:
     if mode == "touch":
         return json.dumps({"metadata": {"request_id": rid, "session_id": session}}).encode()
     meta = {"request_id": rid, "session_id": session, "bot_id": bot, "extra": {"group_id": group}}
+    if mode == "touch_ids":
+        return json.dumps({"metadata": meta}).encode()
     return json.dumps({"metadata": meta, "rawdata": {}}).encode()
 
 

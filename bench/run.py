@@ -2,9 +2,10 @@
 """Run the benches of agent-runtime and print their numbers (JSON + a table). Benchmarks
 measure; they never assert timings. See docs/performance.md.
 
-    .venv/bin/python bench/run.py                       # everything (about 5 minutes)
+    .venv/bin/python bench/run.py                       # all but cluster (about 5 minutes)
     .venv/bin/python bench/run.py --quick               # shorter runs, smaller scale
     .venv/bin/python bench/run.py --only refresh touch  # some (baseline comes along)
+    .venv/bin/python bench/run.py --only cluster        # opt-in: Redis Cluster vs one server
     .venv/bin/python bench/run.py --only refresh --profile   # + pyinstrument top frames
     .venv/bin/python bench/run.py --json /tmp/out.json
 
@@ -39,6 +40,7 @@ ORDER = [
     "placed",
     "touch",
     "redis_cost",
+    "cluster",
     "cold_burst",
     "warm_claims",
     "queue_wake",
@@ -48,6 +50,9 @@ ORDER = [
     "overload",
     "drains",
 ]
+# only when named (--only): the Redis Cluster of scripts/redis_topologies.sh, and minutes of
+# setup at 1,000 scopes
+OPT_IN = {"cluster"}
 NEEDS_BASELINE = {"refresh", "placed", "touch"}
 THROUGHPUT = ["baseline", "refresh", "placed", "touch", "baseline_after"]
 
@@ -84,7 +89,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def selected(args: argparse.Namespace) -> list[str]:
-    names = set(args.only or ORDER)
+    names = set(args.only or [n for n in ORDER if n not in OPT_IN])
     if names & NEEDS_BASELINE:
         names.add("baseline")
     return [n for n in ORDER if n in names]
@@ -195,6 +200,11 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         for phase in ("refresh", "placed", "touch"):
             trips = _get(results, "redis_cost", phase, "client", "round_trips_per_request")
             add(f"{phase}: Redis round trips per request", trips, "==", 1)
+    if "cluster" in results:
+        from bench import cluster
+
+        for name, value, op, bound in cluster.targets(results["cluster"]):
+            add(name, value, op, bound)
     if "scale_out" in results:
         add("2 replicas ÷ 1 (refresh)", _get(results, "scale_out", "refresh", "ratio"), ">=", 1.6)
     if "cold_burst" in results:
@@ -373,6 +383,11 @@ def details(results: dict[str, Any]) -> list[str]:
             ],
             rows,
         )
+    clustered = results.get("cluster")
+    if clustered and "scopes" in clustered:
+        from bench import cluster
+
+        out += ["", *cluster.render(clustered)]
     cold = results.get("cold_burst")
     if cold and "error" not in cold:
         out += ["", f"cold burst of {cold['burst']}, deploy {cold['deploy_seconds']} s:"]

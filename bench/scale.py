@@ -240,8 +240,11 @@ async def populate(
 async def memory_usage(redis: Redis, sids: list[str], n_sessions: int) -> dict[str, float]:
     """Bytes per live session by the keys it lives in (sampled hashes, whole shared keys)."""
     sample = random.sample(range(n_sessions), min(200, n_sessions))
-    hashes = [await redis.memory_usage(sm.session_key(f"s-{k}")) or 0 for k in sample]
-    expiry = await redis.memory_usage(sm.SESSION_EXPIRY_KEY, samples=0) or 0
+    hashes = [
+        await redis.memory_usage(sm.session_key(sids[k % len(sids)], f"s-{k}")) or 0 for k in sample
+    ]
+    indexes = [await redis.memory_usage(sm.session_scope_key(f"s-{k}")) or 0 for k in sample]
+    expiry = sum([await redis.memory_usage(sm.scope_expiry_key(s), samples=0) or 0 for s in sids])
     scope_sets = [await redis.memory_usage(sm.scope_sessions_key(s), samples=0) or 0 for s in sids]
     pod_sets = 0
     for sid in sids[: min(50, len(sids))]:
@@ -250,6 +253,7 @@ async def memory_usage(redis: Redis, sids: list[str], n_sessions: int) -> dict[s
     pod_sets_total = pod_sets * len(sids) / min(50, len(sids))
     out = {
         "session_hash": statistics.fmean(hashes),
+        "session_scope_index": statistics.fmean(indexes),
         "session_expiry_zset": expiry / n_sessions,
         "scope_sessions_sets": sum(scope_sets) / n_sessions,
         "pod_sessions_sets": pod_sets_total / n_sessions,

@@ -80,9 +80,52 @@ def _release_sentinel_db() -> Iterator[None]:
         asyncio.run(release())
 
 
-@pytest.fixture(params=["fake", "real"])
+# The Redis each ``redis`` test runs on; a module marked ``topologies`` (the Lua suites, the
+# scenarios, the concurrency tests) runs on the Sentinel set's master and the cluster too.
+REDIS_KINDS = ["fake", "real"]
+TOPOLOGY_KINDS = [*REDIS_KINDS, "sentinel", "cluster"]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # a parametrize mark, before pytest's own hooks: it takes the fixture's params' place; a
+    # test that names its own redis kinds (``both_redis_server_dbs``, …) keeps them
+    definition = metafunc.definition
+    named = any("redis" in str(mark.args[0]) for mark in definition.iter_markers("parametrize"))
+    if (
+        "redis" in metafunc.fixturenames
+        and definition.get_closest_marker("topologies")
+        and not named
+    ):
+        definition.add_marker(pytest.mark.parametrize("redis", TOPOLOGY_KINDS, indirect=True))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _release_cluster_lease() -> Iterator[None]:
+    """At the end of the run, the cluster is free for another run at once."""
+    yield
+    with contextlib.suppress(Exception):
+        asyncio.run(helpers.drop_cluster_lease())
+
+
+@pytest.fixture(params=REDIS_KINDS)
 async def redis(request: pytest.FixtureRequest) -> AsyncIterator[Redis]:
-    """A clean Redis (decode_responses=True): in-process fakeredis, or the real server."""
+    """A clean Redis (decode_responses=True): in-process fakeredis, or the real server; in a
+    ``topologies`` module also the Sentinel set's master (a claimed db) and the cluster
+    (owned by this run, emptied after the test)."""
+    if request.param == "sentinel":
+        async with _sentinel_client() as client:
+            yield client
+        return
+    if request.param == "cluster":
+        client = await helpers.claim_cluster_whole()
+        try:
+            yield client
+        finally:
+            await helpers.release_cluster_whole(client)
+            with contextlib.suppress(RedisTimeoutError):
+                await client.aclose()
+        return
     if request.param == "fake":
         client = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
         yield client
@@ -120,6 +163,7 @@ async def redis_cluster(cluster_tag: str) -> AsyncIterator[Redis]:
     and maybe other test processes on it: never flushed; the keys with ``cluster_tag`` are
     deleted after the test."""
     client = await claim_cluster(cluster_tag)
+    await helpers.hold_cluster(client)  # not while another run owns (and empties) it
     try:
         yield client
     finally:
@@ -133,6 +177,12 @@ async def redis_sentinel() -> AsyncIterator[Redis]:
     """A master_for client (AGENT_RUNTIME_TEST_REDIS_SENTINEL_URL) on a db index of the
     Sentinel set's master that this process claimed (as the ``redis`` fixture's): flushed and
     marked again after the test."""
+    async with _sentinel_client() as client:
+        yield client
+
+
+@contextlib.asynccontextmanager
+async def _sentinel_client() -> AsyncIterator[Redis]:
     client = await claim_sentinel()
     owner = await client.get(CLAIM_KEY)
     try:

@@ -12,8 +12,6 @@ import zlib
 
 from redis.asyncio import Redis
 
-SM_SESSION_EXPIRY = "session_manager:session_expiry"
-SM_PODS_REGISTERED = "session_manager:pods:registered"
 BUCKETS = 64  # cross-scope indexes: one key per bucket, tagged {b00} … {b63}
 
 
@@ -78,12 +76,38 @@ async def rm_pods_known(redis: Redis) -> dict[str, str]:
     return pods
 
 
-def sm_session(session_id: str) -> str:
-    return f"session_manager:session:{session_id}"
+def sm_session(scope_id: str, session_id: str) -> str:
+    """A session's hash, in its scope."""
+    return f"session_manager:session:{{{scope_id}}}:{session_id}"
+
+
+def sm_session_scope(session_id: str) -> str:
+    """The session-scope index (a hint: session id → the scope it was last bound in)."""
+    return f"session_manager:session_scope:{session_id}"
+
+
+def sm_expiry(scope_id: str) -> str:
+    """The scope's sessions by expiry."""
+    return sm_scope(scope_id, "session_expiry")
+
+
+def sm_pods_registered(scope_id: str) -> str:
+    """The pods registered in the scope (pod ids)."""
+    return f"session_manager:pods:{{{scope_id}}}:registered"
+
+
+def sm_touch(scope_id: str, request_id: str) -> str:
+    return f"session_manager:touch:{{{scope_id}}}:{request_id}"
+
+
+def sm_bucket(index: str, bucket: int) -> str:
+    """expiry_due | leased_scopes | scope_registry | scope_idle: a bucket of an index over
+    scopes (``{b00}`` … ``{b63}``)."""
+    return f"session_manager:{index}:{{b{bucket:02d}}}"
 
 
 def sm_scope(scope_id: str, what: str) -> str:
-    """sessions | pods | pod_seq | config | waiters | reserved | arrivals"""
+    """sessions | session_expiry | pods | pod_seq | config | waiters | reserved | arrivals"""
     return f"session_manager:scope:{{{scope_id}}}:{what}"
 
 

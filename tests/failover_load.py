@@ -32,7 +32,7 @@ import statistics
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -565,15 +565,17 @@ async def _answering(record: Record, since: float, replicas: int, within: float)
 
 async def one_failover(
     svc: Service,
-    sentinels: SentinelSet,
+    fault: Callable[[], Awaitable[Failover]],
     observer: Redis,
     shape: Shape,
     *,
     warm: int = 60,
     recover_within: float | None = None,
 ) -> Outcome:
-    """Load on, warm up (``warm`` successes), force a failover, keep the load until every
-    replica answers again, load off; then judge and measure (the state is cleaned after)."""
+    """Load on, warm up (``warm`` successes), bring the ``fault`` (a forced Sentinel
+    failover, a cluster master killed, a slot moved: ``cluster_faults.py``), keep the load
+    until every replica answers again, load off; then judge and measure (the state is
+    cleaned after)."""
     gw = Gateway(svc.apps, svc.k8s, svc.scopes)
     stop_sampling = asyncio.Event()
     seen: list[invariants.OverCap] = []
@@ -585,7 +587,7 @@ async def one_failover(
             if load.done() or time.monotonic() > deadline:
                 raise TimeoutError(f"warm-up: {Counter(c.code for c in gw.record.calls)}")
             await asyncio.sleep(0.05)
-        fo = await sentinels.failover()
+        fo = await fault()
         # a lost eos holds its seat until the session expires: placements may wait that long
         within = recover_within or shape.session_ttl + shape.scope_full_timeout + 20
         await _answering(gw.record, max(fo.named, fo.promoted), shape.replicas, within)

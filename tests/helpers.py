@@ -221,6 +221,72 @@ async def release_cluster(client: Redis, tag: str) -> None:
         await client.unlink(key)
 
 
+# A test run that runs a whole suite on the cluster (the ``redis`` fixture's "cluster" param:
+# fixed scope ids, per-bucket keys shared by every scope) owns the cluster: this key names
+# the run (host:pid) for CLUSTER_LEASE_MS after its last claim; between tests it flushes
+# every master. Another run meanwhile waits up to CLUSTER_WAIT s for it, then fails clearly.
+CLUSTER_OWNER = "agent_runtime_test:cluster_owner"
+CLUSTER_LEASE_MS = 180_000
+CLUSTER_WAIT = 60.0
+
+
+def _run_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+async def hold_cluster(client: Redis) -> None:
+    """Make this run the cluster's owner (or renew its lease), waiting for another run's."""
+    me = _run_id()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + CLUSTER_WAIT
+    while True:
+        if await client.set(CLUSTER_OWNER, me, nx=True, px=CLUSTER_LEASE_MS):
+            return
+        owner = await client.get(CLUSTER_OWNER)
+        if owner == me:
+            await client.pexpire(CLUSTER_OWNER, CLUSTER_LEASE_MS)
+            return
+        if loop.time() > deadline:
+            pytest.fail(
+                f"the tests' Redis Cluster is held by another test run ({owner}) for over "
+                f"{CLUSTER_WAIT:.0f} s: run the topology tests one run at a time",
+                pytrace=False,
+            )
+        await asyncio.sleep(0.5)
+
+
+async def claim_cluster_whole() -> Redis:
+    """The cluster for a test that does not tag its keys: owned by this run (``hold_cluster``)
+    and empty but for the markers; ``release_cluster_whole`` empties it again."""
+    client = await claim_cluster("")  # the marker checks: a cluster not ours is refused
+    await hold_cluster(client)
+    await _flush_cluster(client)
+    return client
+
+
+async def release_cluster_whole(client: Redis) -> None:
+    if await client.get(CLUSTER_OWNER) == _run_id():
+        await _flush_cluster(client)
+
+
+async def _flush_cluster(client: Redis) -> None:
+    """Every key but the markers, on every master (the run owns the cluster)."""
+    keep = {CLUSTER_CLAIM, CLUSTER_OWNER}
+    keys = [k async for k in client.scan_iter(count=1000) if k not in keep]
+    for i in range(0, len(keys), 500):
+        await client.unlink(*keys[i : i + 500])  # the cluster client splits it by slot
+
+
+async def drop_cluster_lease() -> None:
+    """At the end of the run: the cluster is free for another run at once."""
+    client = topology_client(CLUSTER_URL)
+    try:
+        if await client.get(CLUSTER_OWNER) == _run_id():
+            await client.delete(CLUSTER_OWNER)
+    finally:
+        await client.aclose()
+
+
 def sentinel_url() -> str:
     return _claimed_sentinel_url or SENTINEL_URL
 
@@ -506,6 +572,16 @@ class GatedK8s(FakeK8sPodClient):
         return await super().deploy(**kwargs)
 
 
+def url_of(redis: Redis) -> str:
+    """The URL of a real Redis fixture's server (the one server's claimed db, the Sentinel
+    set's, or the cluster): what a replica built as the service builds it is given."""
+    if redis_client.is_cluster(redis):
+        return CLUSTER_URL
+    if isinstance(redis.connection_pool, SentinelConnectionPool):
+        return sentinel_url()
+    return real_redis_url()
+
+
 def other_client(redis: Redis) -> Redis:
     """A second connection to the same Redis (another replica): same fake server, the same
     real server and db, the same cluster, or the same Sentinel set's master and db."""
@@ -549,8 +625,9 @@ def run_redis_state_machine(
     examples: int = 100,
 ) -> None:
     """Run a Hypothesis ``RuleBasedStateMachine`` whose rules drive an async Redis client on a
-    loop of their own: fakeredis, or the real Redis db this process claimed (flushed after,
-    still ours)."""
+    loop of their own: fakeredis, the real Redis db this process claimed (flushed after, still
+    ours), the Sentinel set's master (a claimed db, likewise) or the cluster (owned by this
+    run, emptied after)."""
     from hypothesis import HealthCheck, settings
     from hypothesis.stateful import run_state_machine_as_test
 
@@ -559,10 +636,16 @@ def run_redis_state_machine(
             import fakeredis
 
             return fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
+        if backend == "cluster":
+            return await claim_cluster_whole()
+        if backend == "sentinel":
+            return await claim_sentinel()
         return await claim_real_redis()
 
     async def release(client: Redis) -> None:
-        if backend == "real":
+        if backend == "cluster":
+            await release_cluster_whole(client)
+        if backend in ("real", "sentinel"):
             owner = await client.get(CLAIM_KEY)
             async with client.pipeline(transaction=True) as pipe:
                 pipe.flushdb()
@@ -621,3 +704,15 @@ async def follower_seats(client: Redis, scope_id: str) -> list[str]:
     for room in sorted(await redis_keys(client, pattern)):
         seats += await client.zrange(room, 0, -1)
     return sorted(seats)
+
+
+async def session_hashes(redis: Redis, session_id: str = "*") -> list[str]:
+    """The session's hash keys in any scope (``session:{<sid>}:<session_id>``, by SCAN): for a
+    test that does not know, or checks, which scope holds a session."""
+    pattern = f"session_manager:session:{{*}}:{session_id}"
+    return sorted([str(k) async for k in redis.scan_iter(match=pattern, count=1000)])
+
+
+def session_id_of(key: str) -> str:
+    """The session id of a ``session:{<sid>}:<session_id>`` key."""
+    return key.partition("}:")[2]

@@ -8,8 +8,8 @@ contract flows through. What is checked, per scope:
 - caps: the scope's live sessions ≤ its ``scope_concurrency``, each pod's ≤ its
   ``pod_concurrency`` (both read from the scope's cached config, ``sm_scope(sid, "config")``,
   unless the caller gives them);
-- the four places: a live session is in its hash, ``session_expiry``, its scope's sessions
-  set and its pod's sessions set — and the reverse, every member of those sets has a hash
+- the four places: a live session is in its hash, its scope's ``session_expiry``, its scope's
+  sessions set and its pod's sessions set — and the reverse, every member of those sets has a hash
   that names that scope (and pod); a session bound to a pod that is not registered;
 - what a finished load must not leave behind: queue seats, reservations, follower seats,
   deploy placeholders, deploy locks and pending route markers (their leases lapse within
@@ -30,15 +30,15 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 
 from contract_keys import (
-    SM_PODS_REGISTERED,
-    SM_SESSION_EXPIRY,
     rm_deploy_lock,
     rm_pod,
     rm_pod_scope,
     rm_pods_known,
     rm_scope,
     route_marker,
+    sm_expiry,
     sm_pod,
+    sm_pods_registered,
     sm_scope,
     sm_session,
 )
@@ -141,12 +141,10 @@ async def scope_caps(redis: Redis, scope_id: str) -> Caps | None:
 
 async def scope_pods(redis: Redis, scope_id: str) -> set[str]:
     """Every pod the state names for the scope: the SM candidates, the RM's pods and the
-    ``pods:registered`` entries of the scope."""
+    scope's registered pods."""
     pods = set(await redis.zrange(sm_scope(scope_id, "pods"), 0, -1))
     pods |= set(await redis.zrange(rm_scope(scope_id, "pods"), 0, -1))
-    prefix = f"{scope_id}:"
-    async for entry in redis.sscan_iter(SM_PODS_REGISTERED, match=f"{prefix}*", count=500):
-        pods.add(entry[len(prefix) :])
+    pods |= set(await redis.smembers(sm_pods_registered(scope_id)))
     return pods
 
 
@@ -179,17 +177,18 @@ async def check(
     """The whole report for the given scopes and every scope a session hash names."""
     report = StateReport()
     now = await redis_now(redis)
-    hashes: dict[str, dict[str, str]] = {}
-    for key in await _scan(redis, sm_session("*")):
-        session_id = key[len(sm_session("")) :]
+    hashes: dict[tuple[str, str], dict[str, str]] = {}  # (scope in the key, session) -> hash
+    head = sm_session("", "")[: -len("{}:")]  # "session_manager:session:"
+    for key in await _scan(redis, sm_session("*", "*")):
+        tag, _, session_id = key[len(head) :].partition("}:")
         fields = await redis.hgetall(key)
         if fields:
-            hashes[session_id] = fields
+            hashes[(tag.removeprefix("{"), session_id)] = fields
     report.sessions = len(hashes)
-    expiry = set(await redis.zrange(SM_SESSION_EXPIRY, 0, -1))
-    all_scopes = list(dict.fromkeys([*scopes, *(h.get("scope_id", "") for h in hashes.values())]))
+    all_scopes = list(dict.fromkeys([*scopes, *(sid for sid, _ in hashes)]))
 
     for sid in [s for s in all_scopes if s]:
+        expiry = set(await redis.zrange(sm_expiry(sid), 0, -1))
         cap = (caps or {}).get(sid) or await scope_caps(redis, sid)
         if cap is None:
             report.unknown_caps.append(sid)
@@ -203,7 +202,18 @@ async def check(
         }
         if cap is not None and len(members) > cap.scope_concurrency:
             report.scopes_over_cap.append(OverCap(sid, "", len(members), cap.scope_concurrency))
-        bound_here = {s: h for s, h in hashes.items() if h.get("scope_id") == sid}
+        bound_here = {s: h for (k, s), h in hashes.items() if k == sid}
+        for session_id, h in sorted(bound_here.items()):
+            if h.get("scope_id") != sid:  # a hash under one scope's tag naming another
+                report.misplaced.append(
+                    Misplaced(
+                        session_id,
+                        sid,
+                        h.get("pod_id", ""),
+                        ("scope",),
+                        sm_session(sid, session_id),
+                    )
+                )
         pods |= {h.get("pod_id", "") for h in bound_here.values()} - {""}
         on_pods: dict[str, set[str]] = {}
         for pod in sorted(pods):
@@ -239,9 +249,8 @@ async def check(
         report.leftovers += await _leftovers(redis, sid, now)
         report.leftovers += await _pending_routes(redis, sid)
         report.unindexed += await _unindexed(redis, sid)
-
-    for session_id in sorted(expiry - set(hashes)):
-        report.misplaced.append(Misplaced(session_id, "", "", ("hash",), where=SM_SESSION_EXPIRY))
+        for session_id in sorted(expiry - set(bound_here)):
+            report.misplaced.append(Misplaced(session_id, sid, "", ("hash",), sm_expiry(sid)))
     return report
 
 

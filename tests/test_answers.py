@@ -35,6 +35,7 @@ from helpers import (
     real_only,
     real_redis_url,
     running_app,
+    session_hashes,
     sync_body,
 )
 from kubesim import KubeSim
@@ -94,7 +95,7 @@ async def test_a_reused_request_id_gets_409_in_its_scope_and_never_the_first_pod
                 assert first_pod not in resp.text
                 assert "retry_after" not in failure
             # nothing was done for it: no session, no reservation
-            assert not await redis.exists("session_manager:session:s-other")
+            assert not await session_hashes(redis, "s-other")
             sid = scope_of("g1", "b1")
             assert not await redis.exists(f"session_manager:scope:{{{sid}}}:reserved")
             assert cluster.deploy_calls == 1
@@ -143,7 +144,7 @@ async def test_an_eos_request_id_reused_for_another_session_ends_nothing(
                 # the first eos re-sent still gets its own answer
                 body = envelope(eos, request_id="r-eos", session_id="s1")
                 assert (await client.post(TOUCH, json=body)).json() == ended.json()
-            assert await redis.exists("session_manager:session:s2"), "s2 was not ended"
+            assert await session_hashes(redis, "s2"), "s2 was not ended"
     finally:
         await second.aclose()
 

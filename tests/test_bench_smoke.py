@@ -5,6 +5,7 @@ keys the docs describe. No timing is asserted: benches measure, they do not judg
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from helpers import IN_CI, SENTINEL_URL
+from helpers import CLUSTER_URL, IN_CI, SENTINEL_URL, drop_cluster_lease
 
 ROOT = Path(__file__).resolve().parent.parent
 # a db index of its own: not the tests' (13 down to 9), not a developer's bench run (4)
@@ -126,3 +127,37 @@ def test_the_failover_bench_prints_its_table(tmp_path: Path) -> None:
     [row] = report["rows"]
     assert all(number(row[k]) for k in ("promoted_s", "named_s", "demoted_s", "window_s"))
     assert row["bad_answers"] == 0 and row["redis_consistent"] is True, row
+
+
+@pytest.mark.real_backend
+@pytest.mark.timeout(240)
+def test_the_cluster_bench_measures_both_targets(tmp_path: Path) -> None:
+    """``bench/cluster.py --quick --scopes 10``: the single server (the benches' db here) and
+    the tests' Redis Cluster (the bench takes the tests' lease on it, so this run's is given
+    back first): every phase on both, every master found and read (the single server as one),
+    the table and the JSON well formed. No number is judged."""
+    asyncio.run(drop_cluster_lease())
+    out = tmp_path / "cluster.json"
+    urls = ["--redis-url", CLUSTER_URL, "--single-redis-url", BENCH_REDIS_URL]
+    bench = [sys.executable, "-m", "bench.cluster", "--quick", "--scopes", "10", *urls]
+    printed = run_bench([*bench, "--json", str(out)], timeout=220)
+    assert "cluster: 10 scopes (20 sessions), single server vs Redis Cluster" in printed
+    report = json.loads(out.read_text())
+    assert "error" not in report, report.get("error")
+    for target, masters in (("single", 1), ("cluster", 3)):
+        result = report[target]
+        assert len(result["masters"]) == masters, result["masters"]
+        assert result["setup"]["placements"], result["setup"]
+        assert number(result["noop"]["ok_per_s"]) and result["noop"]["requests"] > 0
+        for phase in ("refresh", "placed", "touch_ids", "touch"):
+            p = result[phase]
+            assert p["requests"] == sum(p["answers"].values()) > 0
+            assert isinstance(p["valid"], bool) and number(p["ratio_to_noop"])
+            assert number(p["client"]["round_trips_per_request"])
+            assert {m["node"] for m in p["masters"]} == set(result["masters"])
+            assert all(number(m["commands"]) and number(m["cpu_us"]) for m in p["masters"])
+            assert all(set(p["idle"][m]) == {"cpu_us_per_s", "commands_per_s"} for m in p["idle"])
+    single = report["ceiling"]["single"]
+    assert single["masters_measured"] == 1
+    for model in single["phases"].values():
+        assert sorted(model["routes_per_s"]) == ["1", "2", "3", "4", "5", "6"]

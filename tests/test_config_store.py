@@ -33,9 +33,9 @@ from agent_runtime.session_manager.models import ConfigSyncRequest
 from agent_runtime.session_manager.scope_state import ScopeState
 from agent_runtime.session_manager.state import (
     CONFIG_SYNC_LOCK_KEY,
-    PODS_REGISTERED_KEY,
     SessionState,
     pod_info_key,
+    pods_registered_key,
     scope_config_key,
     scope_pods_key,
 )
@@ -78,7 +78,7 @@ def store(redis: Redis, counting_db: CountingDatabase) -> ConfigStore:
             orchestrator=ResourceOrchestrator(
                 state=ResourceState(redis),
                 k8s=FakeK8sPodClient(),
-                notifier=Notifier(redis, patterns=[]),
+                notifier=Notifier(redis),
                 default_namespace="default",
                 identity=IDENTITY,
             )
@@ -111,7 +111,7 @@ async def add_pod(redis: Redis, scope_id: str, pod_id: str, deploy_ver: str, ord
     await redis.hset(
         pod_info_key(scope_id, pod_id), mapping={"sse_url": "http://x", "deploy_ver": deploy_ver}
     )
-    await redis.sadd(PODS_REGISTERED_KEY, f"{scope_id}:{pod_id}")
+    await redis.sadd(pods_registered_key(scope_id), pod_id)
 
 
 # --- resolve -----------------------------------------------------------------------------------
@@ -345,9 +345,7 @@ async def test_deploy_change_sunsets_old_pods_and_writes_the_new_version(
     new_ver = (await resolve(store, "g", "b")).deploy_ver
     assert new_ver != old_ver
     assert await redis.zrange(scope_pods_key(sid), 0, -1) == []  # left the candidates at once
-    assert await redis.sismember(
-        PODS_REGISTERED_KEY, f"{sid}:g-p1"
-    )  # still registered: sessions stay
+    assert await redis.sismember(pods_registered_key(sid), "g-p1")  # registered: sessions stay
     cached = await redis.hgetall(scope_config_key(sid))
     assert cached["deploy_ver"] == new_ver
     pool = await redis.hgetall(rm_config_key(sid))
@@ -384,7 +382,7 @@ async def test_second_deploy_change_while_sunset_pods_remain_is_refused_and_chan
         "change_class"
     ] == "policy"
     # once the old pods are reclaimed (unregistered) the next deploy change goes through
-    await redis.srem(PODS_REGISTERED_KEY, f"{sid}:g-p1", f"{sid}:g-p2")
+    await redis.srem(pods_registered_key(sid), "g-p1", "g-p2")
     assert (await sync(store, "template", "update", template_id="t1", image="img/t1:3"))[
         "change_class"
     ] == "deploy"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from redis.asyncio import Redis
 
 from agent_runtime.resource_manager.deploy_state import DeployState
@@ -17,6 +18,8 @@ from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.session_manager.state import SessionState
 from contract_keys import rm_draining, sm_pod, sm_scope
+
+pytestmark = pytest.mark.topologies
 
 SID = "s" * 32
 DRAINING = rm_draining(SID)  # the scope's bucket of the draining pods

@@ -45,12 +45,12 @@ from agent_runtime.resource_manager.models import SCOPE_LABEL
 from agent_runtime.session_manager.state import ROUTE_LEASE
 from agent_runtime.wiring import REDIS_RETRIES, Services, build_redis, redis_pool_size
 from contract_keys import (
-    SM_PODS_REGISTERED,
-    SM_SESSION_EXPIRY,
     rm_pods_known,
     rm_scope,
     route_marker,
+    sm_expiry,
     sm_pod,
+    sm_pods_registered,
     sm_scope,
     sm_session,
 )
@@ -219,7 +219,7 @@ async def assert_limits(redis: Redis, scope_concurrency: int, pod_concurrency: i
     members = await redis.smembers(sm_scope(SID, "sessions"))
     assert len(members) <= scope_concurrency, members
     on_pods: set[str] = set()
-    registered = {m.partition(":")[2] for m in await redis.smembers(SM_PODS_REGISTERED)}
+    registered = set(await redis.smembers(sm_pods_registered(SID)))
     for pod in registered | set(await redis.zrange(sm_scope(SID, "pods"), 0, -1)):
         sessions = await redis.smembers(sm_pod(SID, pod, "sessions"))
         assert len(sessions) <= pod_concurrency, (pod, sessions)
@@ -227,16 +227,16 @@ async def assert_limits(redis: Redis, scope_concurrency: int, pod_concurrency: i
         on_pods |= sessions
     assert on_pods == members, (on_pods, members)
     for session_id in members:
-        binding = await redis.hgetall(sm_session(session_id))
+        binding = await redis.hgetall(sm_session(SID, session_id))
         assert binding.get("scope_id") == SID, (session_id, binding)
         assert session_id in await redis.smembers(sm_pod(SID, binding["pod_id"], "sessions"))
-        assert await redis.zscore(SM_SESSION_EXPIRY, session_id) is not None, session_id
+        assert await redis.zscore(sm_expiry(SID), session_id) is not None, session_id
 
 
 async def assert_four_places(redis: Redis, session_id: str, pod_id: str) -> None:
-    binding = await redis.hgetall(sm_session(session_id))
+    binding = await redis.hgetall(sm_session(SID, session_id))
     assert binding.get("scope_id") == SID and binding.get("pod_id") == pod_id, binding
-    assert await redis.zscore(SM_SESSION_EXPIRY, session_id) is not None, session_id
+    assert await redis.zscore(sm_expiry(SID), session_id) is not None, session_id
     assert await redis.sismember(sm_scope(SID, "sessions"), session_id), session_id
     assert await redis.sismember(sm_pod(SID, pod_id, "sessions"), session_id), session_id
 
@@ -488,8 +488,8 @@ async def sampling(redis: Redis) -> AsyncIterator[Peaks]:
 
     async def sample() -> None:
         while not stop.is_set():
-            registered = await observer.smembers(SM_PODS_REGISTERED)
-            pods = sorted({m.partition(":")[2] for m in registered} | set(peaks.per_pod))
+            registered = await observer.smembers(sm_pods_registered(SID))
+            pods = sorted(set(registered) | set(peaks.per_pod))
             async with observer.pipeline(transaction=True) as pipe:
                 pipe.scard(sm_scope(SID, "sessions"))
                 pipe.zcard(rm_scope(SID, "pods"))
@@ -555,7 +555,7 @@ async def test_redis_losing_its_data_over_admits_nothing_and_reconcile_heals(
         placed = {s: pod_of(r) for (s, _), r in zip(calls, answers, strict=True) if r.is_success}
         placed["old-0"] = pod_of(again)
         for session_id, pod in placed.items():
-            assert (await redis.hgetall(sm_session(session_id)))["pod_id"] == pod
+            assert (await redis.hgetall(sm_session(SID, session_id)))["pod_id"] == pod
         await assert_limits(redis, sc, pc)
 
         # reconcile: each pod Kubernetes still has is adopted or deleted; in the end Redis and
@@ -982,7 +982,7 @@ async def test_routes_cancelled_at_random_points_hold_nothing_beyond_the_lease(
             assert stored.pop("request_hash"), "the answer is bound to its request"
             assert stored == data, (request_id, cached, data)
             if session_id not in ended:  # placed once and never ended: where its answer said
-                binding = await redis.hgetall(sm_session(session_id))
+                binding = await redis.hgetall(sm_session(SID, session_id))
                 assert binding.get("pod_id") == data["pod_id"], (session_id, binding, data)
         await assert_limits(redis, sc, 1)
         await nothing_held_within(redis, ROUTE_LEASE + 1.5)
@@ -1042,7 +1042,7 @@ async def test_a_route_cancelled_while_a_reply_is_in_flight_holds_nothing_beyond
         proxy.release_held()
 
         await nothing_held_within(redis, ROUTE_LEASE + 1)
-        assert not await redis.exists(sm_session("cancelled"))
+        assert not await redis.exists(sm_session(SID, "cancelled"))
         await assert_limits(redis, 1, 1)
 
 
@@ -1118,10 +1118,10 @@ async def test_touch_whose_reply_is_lost_extends_once(redis: Redis, db: Database
         proxy.intercept = first_match(b"EVALSHA", TOUCH_SHA, b"touched", action="drop")
         assert await touch(app, "touched") == {"touched": True}  # not "unknown"
         assert proxy.replies_dropped == 1
-        expiry = float((await redis.hgetall(sm_session("touched")))["expiry"])
+        expiry = float((await redis.hgetall(sm_session(SID, "touched")))["expiry"])
         now = await redis_now(redis)
         assert now + ttl - 2 <= expiry <= now + ttl, "extended by its ttl once, from now"
-        assert await redis.zscore(SM_SESSION_EXPIRY, "touched") == pytest.approx(expiry, abs=1e-3)
+        assert await redis.zscore(sm_expiry(SID), "touched") == pytest.approx(expiry, abs=1e-3)
 
 
 @real_only
@@ -1141,7 +1141,7 @@ async def test_eos_whose_reply_is_lost_ends_the_session_once_and_wakes_a_waiter(
         resp = await app.post(TOUCH, json=envelope({"eos": True}, session_id="ending"))
         assert resp.status_code == 200, resp.text
         assert proxy.replies_dropped == 1
-        assert not await redis.exists(sm_session("ending"))
+        assert not await redis.exists(sm_session(SID, "ending"))
         placed = await asyncio.wait_for(waiter, 5)
         assert pod_of(placed) == pod
         assert await redis.smembers(sm_scope(SID, "sessions")) == {"next"}

@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 from starlette.types import Message
 
 from agent_runtime.db.engine import Database
-from helpers import envelope, running_app, sync_body
+from helpers import envelope, running_app, session_hashes, session_id_of, sync_body
 
 ROUTE = "/api/session/route"
 TOUCH = "/api/session/touch"
@@ -153,7 +153,7 @@ async def test_trailing_slash_and_unknown_paths_are_404_envelopes_never_redirect
         _assert_envelope(resp, 404, "NOT_FOUND")
         assert "location" not in resp.headers
         # no route, so nothing was bound on the way
-        assert await redis.exists("session_manager:session:s-1") == 0
+        assert not await session_hashes(redis, "s-1")
 
 
 # --- an open gateway is said at startup ----------------------------------------------------------
@@ -316,7 +316,7 @@ async def test_past_the_in_flight_bound_requests_are_shed_at_once_without_redis_
         # no Redis (nor DB) work was done for them, and they left nothing behind
         assert await _redis_script_calls(client) == calls_before
         for i in range(20):
-            assert await redis.exists(f"session_manager:session:shed-{i}") == 0
+            assert not await session_hashes(redis, f"shed-{i}")
         # a touch has a reserve on top (it frees what a route took): admitted even now
         touched = await client.post(TOUCH, json=envelope(session_id="nobody"))
         assert touched.status_code == 200, touched.text
@@ -330,10 +330,8 @@ async def test_past_the_in_flight_bound_requests_are_shed_at_once_without_redis_
         assert after.status_code == 200, after.text
         counts = await requests_total(client)
         assert counts[(ROUTE, "503", "OVERLOADED")] == 20
-    sid_sessions = [k async for k in redis.scan_iter("session_manager:session:*")]
-    assert sorted(sid_sessions) == sorted(
-        [f"session_manager:session:s-{i}" for i in range(limit)] + ["session_manager:session:after"]
-    )
+    sid_sessions = [session_id_of(k) for k in await session_hashes(redis)]
+    assert sorted(sid_sessions) == sorted([f"s-{i}" for i in range(limit)] + ["after"])
 
 
 async def _gauge_is(client: httpx.AsyncClient, name: str, value: float) -> bool:
@@ -381,10 +379,7 @@ async def test_a_burst_over_a_small_bound_is_served_or_shed_and_leaks_nothing(
         if queue:
             assert len(served) == 60
         assert await _gauge(client, "agent_runtime_http_in_flight") == 0
-        live = {
-            k.removeprefix("session_manager:session:")
-            async for k in redis.scan_iter("session_manager:session:*")
-        }
+        live = {session_id_of(k) for k in await session_hashes(redis)}
         assert live == served  # a shed route bound nothing
         scopes = [k async for k in redis.scan_iter("session_manager:scope:*:sessions")]
         assert len(scopes) == 1 and await redis.scard(scopes[0]) == len(served)

@@ -7,10 +7,10 @@ from redis.asyncio import Redis
 
 import invariants
 from contract_keys import (
-    SM_SESSION_EXPIRY,
     rm_deploy_lock,
     rm_scope,
     route_marker,
+    sm_expiry,
     sm_pod,
     sm_scope,
     sm_session,
@@ -20,9 +20,9 @@ SID = "0123456789abcdef0123456789abcdef"
 
 
 async def place(redis: Redis, session_id: str, pod: str, *, expiry: bool = True) -> None:
-    await redis.hset(sm_session(session_id), mapping={"scope_id": SID, "pod_id": pod})
+    await redis.hset(sm_session(SID, session_id), mapping={"scope_id": SID, "pod_id": pod})
     if expiry:
-        await redis.zadd(SM_SESSION_EXPIRY, {session_id: 9e9})
+        await redis.zadd(sm_expiry(SID), {session_id: 9e9})
     await redis.sadd(sm_scope(SID, "sessions"), session_id)
     await redis.sadd(sm_pod(SID, pod, "sessions"), session_id)
 

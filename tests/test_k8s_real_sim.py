@@ -44,7 +44,7 @@ from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.pod_manifest import build_pod_body
 from agent_runtime.resource_manager.pool_jobs import PoolJobs
 from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
-from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
+from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
 from helpers import IDENTITY, envelope, running_app, sync_body
@@ -514,7 +514,7 @@ class Rm:
 async def rm(client: RealK8sPodClient) -> AsyncIterator[Rm]:
     redis = fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer(), decode_responses=True)
     state = ResourceState(redis)
-    notifier = Notifier(redis, patterns=[REGISTERED_PATTERN])
+    notifier = Notifier(redis)
     await notifier.start()
     orchestrator = ResourceOrchestrator(
         state=state, k8s=client, notifier=notifier, default_namespace="default", identity=IDENTITY

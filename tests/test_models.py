@@ -558,7 +558,7 @@ def test_no_session_id_names_another_sessions_tombstone() -> None:
     """Session ids may hold ':' (and end in anything): the tombstone key lives apart."""
     for sid in ("s", "s:previous_pod", "a:b"):
         assert state.previous_pod_key("scope-a", sid) not in {
-            state.session_key(other) for other in ("s", "s:previous_pod", "a:b", "a")
+            state.session_key("scope-a", other) for other in ("s", "s:previous_pod", "a:b", "a")
         }
 
 

@@ -23,7 +23,7 @@ from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.report_state import ReportState
 from agent_runtime.resource_manager.state import ResourceState
 from contract_keys import rm_pod, rm_pod_known
-from helpers import envelope, other_client, running_app
+from helpers import envelope, other_client, running_app, session_hashes
 from test_pod_watch import App, eventually
 
 SQLITE = pytest.mark.parametrize("sql_backend", ["sqlite"], indirect=True)  # the app tests'
@@ -160,7 +160,7 @@ async def test_a_malformed_failed_pod_id_is_refused(redis: Redis, db: Database, 
         assert resp.status_code == 400, resp.text
         assert resp.json()["error_code"] == "VALIDATION"
         assert "failed_pod_id" in resp.text
-        assert not await redis.exists("session_manager:session:s1")
+        assert not await session_hashes(redis, "s1")
 
 
 @SQLITE

@@ -159,9 +159,19 @@ def _built_keys(module: ModuleType, prefix: str) -> set[str]:
             continue
         if inspect.isfunction(value) and value.__module__ == module.__name__:
             params = inspect.signature(value).parameters.values()
-            if any(p.default is not p.empty or p.annotation not in ("str", str) for p in params):
+            if any(
+                p.default is not p.empty or p.annotation not in ("str", str, "int", int)
+                for p in params
+            ):
                 continue
-            value = value(*("sid" if p.name == "scope_id" else f"{{{p.name}}}" for p in params))
+            value = value(  # a bucket of an index over scopes: {b00} (the reference's {bNN})
+                *(
+                    0 if p.annotation in ("int", int)
+                    else "sid" if p.name == "scope_id"
+                    else f"{{{p.name}}}"
+                    for p in params
+                )
+            )  # fmt: skip
         if isinstance(value, str) and value.startswith(prefix) and value != prefix:
             built.add(value.removeprefix(prefix))
     return built

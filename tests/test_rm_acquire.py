@@ -29,7 +29,6 @@ from agent_runtime.resource_manager.facade import (
 from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.state import (
-    REGISTERED_PATTERN,
     ResourceState,
     idem_key,
     pod_idle_since_key,
@@ -86,7 +85,7 @@ def k8s() -> FakeK8sPodClient:
 
 async def make_instance(redis: Redis, k8s: FakeK8sPodClient) -> Instance:
     state = ResourceState(redis)
-    notifier = Notifier(redis, patterns=[REGISTERED_PATTERN])
+    notifier = Notifier(redis)
     await notifier.start()
     orchestrator = ResourceOrchestrator(
         state=state, k8s=k8s, notifier=notifier, default_namespace="default", identity=IDENTITY

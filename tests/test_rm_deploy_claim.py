@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import pytest
 from redis.asyncio import Redis
 
 from agent_runtime.resource_manager.deploy_state import (
@@ -20,6 +21,8 @@ from agent_runtime.resource_manager.deploy_state import (
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.resource_manager.state_values import DeployClaim
 from helpers import other_client
+
+pytestmark = pytest.mark.topologies
 
 SID = "scope-c"
 CONFIG = f"resource_manager:resource:scope:{{{SID}}}:config"

@@ -38,16 +38,16 @@ from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.pod_manifest import pod_labels
 from agent_runtime.resource_manager.pool_jobs import PoolJobs
 from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
-from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
+from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
 from contract_keys import (
-    SM_PODS_REGISTERED,
-    SM_SESSION_EXPIRY,
     rm_pod,
     rm_pod_known,
     rm_scope,
+    sm_expiry,
     sm_pod,
+    sm_pods_registered,
     sm_scope,
     sm_session,
 )
@@ -134,7 +134,7 @@ def k8s() -> FakeK8sPodClient:
 @pytest.fixture
 async def env(redis: Redis, k8s: FakeK8sPodClient) -> AsyncIterator[Env]:
     state = ResourceState(redis)
-    notifier = Notifier(redis, patterns=[REGISTERED_PATTERN])
+    notifier = Notifier(redis)
     await notifier.start()
     orchestrator = ResourceOrchestrator(
         state=state, k8s=k8s, notifier=notifier, default_namespace="default", identity=IDENTITY
@@ -224,16 +224,16 @@ async def add_sessions(
     """Live sessions on a registered pod, in their four places; ``candidate`` keeps the pod in
     first-fit (False: a sunset pod, or one the idle notice took out)."""
     expiry = int((await redis.time())[0]) + 600
-    await redis.sadd(SM_PODS_REGISTERED, f"{scope}:{pod_id}")
+    await redis.sadd(sm_pods_registered(scope), pod_id)
     await redis.hset(sm_pod(scope, pod_id, "info"), mapping={"sse_url": "x", "deploy_ver": "v"})
     if candidate:
         await redis.zadd(sm_scope(scope, "pods"), {pod_id: 1})
     for session_id in session_ids:
         await redis.hset(
-            sm_session(session_id),
+            sm_session(scope, session_id),
             mapping={"scope_id": scope, "pod_id": pod_id, "expiry": expiry, "session_ttl": 600},
         )
-        await redis.zadd(SM_SESSION_EXPIRY, {session_id: expiry})
+        await redis.zadd(sm_expiry(scope), {session_id: expiry})
         await redis.sadd(sm_scope(scope, "sessions"), session_id)
         await redis.sadd(sm_pod(scope, pod_id, "sessions"), session_id)
 
@@ -242,8 +242,8 @@ async def end_sessions(
     redis: Redis, pod_id: str, session_ids: list[str], scope: str = SCOPE
 ) -> None:
     for session_id in session_ids:
-        await redis.delete(sm_session(session_id))
-        await redis.zrem(SM_SESSION_EXPIRY, session_id)
+        await redis.delete(sm_session(scope, session_id))
+        await redis.zrem(sm_expiry(scope), session_id)
         await redis.srem(sm_scope(scope, "sessions"), session_id)
         await redis.srem(sm_pod(scope, pod_id, "sessions"), session_id)
 
@@ -252,11 +252,11 @@ async def assert_sessions_evicted(
     redis: Redis, pod_id: str, session_ids: list[str], scope: str = SCOPE
 ) -> None:
     for session_id in session_ids:
-        assert not await redis.exists(sm_session(session_id))
-        assert await redis.zscore(SM_SESSION_EXPIRY, session_id) is None
+        assert not await redis.exists(sm_session(scope, session_id))
+        assert await redis.zscore(sm_expiry(scope), session_id) is None
         assert not await redis.sismember(sm_scope(scope, "sessions"), session_id)
     assert await redis.scard(sm_pod(scope, pod_id, "sessions")) == 0
-    assert not await redis.sismember(SM_PODS_REGISTERED, f"{scope}:{pod_id}")
+    assert not await redis.sismember(sm_pods_registered(scope), pod_id)
     assert await redis.zscore(sm_scope(scope, "pods"), pod_id) is None
     assert not await redis.exists(sm_pod(scope, pod_id, "info"))
 
@@ -265,8 +265,8 @@ async def assert_sessions_alive(
     redis: Redis, pod_id: str, session_ids: list[str], scope: str = SCOPE
 ) -> None:
     for session_id in session_ids:
-        assert await redis.hget(sm_session(session_id), "pod_id") == pod_id
-        assert await redis.zscore(SM_SESSION_EXPIRY, session_id) is not None
+        assert await redis.hget(sm_session(scope, session_id), "pod_id") == pod_id
+        assert await redis.zscore(sm_expiry(scope), session_id) is not None
         assert await redis.sismember(sm_scope(scope, "sessions"), session_id)
         assert await redis.sismember(sm_pod(scope, pod_id, "sessions"), session_id)
 

@@ -22,6 +22,8 @@ from agent_runtime.resource_manager.state_values import LeasePrune, OrphanPod
 from contract_keys import rm_leased, rm_leased_scopes
 from helpers import other_client
 
+pytestmark = pytest.mark.topologies
+
 RULE_PREFIX = "resource_manager:budget:{budget}:rule:"
 SID = "scope-l"
 DID = "rq-1"  # the cold deploy the tests lead (a scope runs many; each is keyed by its id)

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
-import fakeredis
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -35,7 +34,9 @@ from agent_runtime.resource_manager.state import POD_PREFIX, ResourceState
 from agent_runtime.resource_manager.state_values import AcquireOutcome, BudgetRepair
 from agent_runtime.resource_manager.views import ResourceViews
 from contract_keys import rm_pod_known, rm_pod_scope, rm_pods_known
-from helpers import real_redis_url, run_redis_state_machine
+from helpers import other_client, run_redis_state_machine
+
+pytestmark = pytest.mark.topologies
 
 T = TypeVar("T")
 TTL = 600  # placeholder lifetime: no placeholder expires during a test unless made so on purpose
@@ -163,11 +164,7 @@ async def same_second(redis: Redis, action: Callable[[int], Awaitable[T]]) -> tu
 @asynccontextmanager
 async def second_client(redis: Redis) -> AsyncIterator[Redis]:
     """Another client on the same server (another replica): its own connections."""
-    if isinstance(redis, fakeredis.FakeAsyncRedis):
-        server = redis.connection_pool.connection_kwargs["server"]
-        client: Redis = fakeredis.FakeAsyncRedis(server=server, decode_responses=True)
-    else:
-        client = Redis.from_url(real_redis_url(), decode_responses=True)  # the claimed db
+    client = other_client(redis)
     try:
         yield client
     finally:
@@ -1146,6 +1143,6 @@ class PoolMachine(RuleBasedStateMachine):
         assert deploying == set(self.placeholders.values())
 
 
-@pytest.mark.parametrize("backend", ["fake", "real"])
+@pytest.mark.parametrize("backend", ["fake", "real", "sentinel", "cluster"])
 def test_pool_state_machine(backend: str) -> None:
     run_redis_state_machine(backend, PoolMachine, steps=40)

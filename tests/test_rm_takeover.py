@@ -36,7 +36,7 @@ from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.models import PodDeployInfo
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.pool_jobs import PoolJobs
-from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
+from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
 from contract_keys import rm_leased_scopes, rm_pod_known
@@ -148,7 +148,7 @@ class Replica:
 @contextlib.asynccontextmanager
 async def replica(client: Redis, k8s: Any) -> AsyncIterator[Replica]:
     state = ResourceState(client)
-    notifier = Notifier(client, patterns=[REGISTERED_PATTERN])
+    notifier = Notifier(client)
     await notifier.start()
     orchestrator = ResourceOrchestrator(
         state=state,

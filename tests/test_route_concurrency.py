@@ -33,11 +33,11 @@ from agent_runtime.resource_manager.models import PodDeployInfo
 from agent_runtime.session_manager import slow_route
 from agent_runtime.wiring import Services, build_redis, redis_pool_size
 from contract_keys import (
-    SM_PODS_REGISTERED,
-    SM_SESSION_EXPIRY,
     rm_scope,
     route_marker,
+    sm_expiry,
     sm_pod,
+    sm_pods_registered,
     sm_scope,
     sm_session,
 )
@@ -55,7 +55,10 @@ from helpers import (
     real_redis_url,
     running_app,
     sync_body,
+    url_of,
 )
+
+pytestmark = pytest.mark.topologies
 
 ROUTE = "/api/session/route"
 TOUCH = "/api/session/touch"
@@ -129,7 +132,7 @@ def replica_client(redis: Redis, url: str | None = None, timeout: float = 2.0) -
             connection_pool_class=BlockingConnectionPool,
             max_connections=redis_pool_size(make_settings()),
         )
-    return build_redis(make_settings(redis_url=url or real_redis_url(), redis_timeout=timeout))
+    return build_redis(make_settings(redis_url=url or url_of(redis), redis_timeout=timeout))
 
 
 async def configure(
@@ -271,16 +274,16 @@ async def sampling(redis: Redis, sid: str = SID) -> AsyncIterator[Peaks]:
 
 
 async def assert_four_places(redis: Redis, session_id: str, pod_id: str, sid: str = SID) -> None:
-    binding = await redis.hgetall(sm_session(session_id))
+    binding = await redis.hgetall(sm_session(SID, session_id))
     assert binding.get("scope_id") == sid and binding.get("pod_id") == pod_id, binding
-    assert await redis.zscore(SM_SESSION_EXPIRY, session_id) is not None, session_id
+    assert await redis.zscore(sm_expiry(SID), session_id) is not None, session_id
     assert await redis.sismember(sm_scope(sid, "sessions"), session_id), session_id
     assert await redis.sismember(sm_pod(sid, pod_id, "sessions"), session_id), session_id
 
 
 async def assert_in_no_place(redis: Redis, session_id: str, sid: str = SID) -> None:
-    assert not await redis.exists(sm_session(session_id)), session_id
-    assert await redis.zscore(SM_SESSION_EXPIRY, session_id) is None, session_id
+    assert not await redis.exists(sm_session(SID, session_id)), session_id
+    assert await redis.zscore(sm_expiry(SID), session_id) is None, session_id
     assert not await redis.sismember(sm_scope(sid, "sessions"), session_id), session_id
     for pod in await redis.zrange(sm_scope(sid, "pods"), 0, -1):
         assert not await redis.sismember(sm_pod(sid, pod, "sessions"), session_id), session_id
@@ -484,7 +487,7 @@ async def test_a_cold_burst_split_over_two_replicas_deploys_exactly_one_pod(
         (pod_id,) = k8s.pods
         assert {o.resp.json()["data"]["pod_id"] for o in outcomes} == {pod_id}
         assert await redis.zrange(sm_scope(SID, "pods"), 0, -1) == [pod_id]
-        assert await redis.smembers(SM_PODS_REGISTERED) == {f"{SID}:{pod_id}"}
+        assert await redis.smembers(sm_pods_registered(SID)) == {pod_id}
         assert peaks.deploying <= 2  # max_pods placeholders at most, one of them deploying
         for o in outcomes:
             await assert_four_places(redis, o.session_id, pod_id)
@@ -1196,21 +1199,26 @@ async def test_redis_connections_killed_mid_wait_end_in_contract_errors_and_leak
         for i in range(4):
             assert not await redis.exists(route_marker(SID, f"r-k-{i}"))
 
-        # the notifiers' pub/sub links too: they reconnect, and the free signal works again
-        assert await kill_connections(redis, "pubsub") >= 2
+        # the notifiers' pub/sub links too (each subscribed to the scope's channel while
+        # something there listens to it): they reconnect, and the free signal works again
+        async with contextlib.AsyncExitStack() as listening:
+            for replica in (reps.a, reps.b):
+                notifier = reps.services(replica).notifier
+                await listening.enter_async_context(notifier.listen(sm_scope(SID, "free")))
+            assert await kill_connections(redis, "pubsub") >= 2
 
-        async def resubscribed() -> bool:
-            return await our_connections(redis, "pubsub") >= 2
+            async def resubscribed() -> bool:
+                return await our_connections(redis, "pubsub") >= 2
 
-        await eventually(resubscribed, what="both notifiers subscribed again")
-        waiter = asyncio.create_task(route(reps.b, "k-after", "r-k-after"))
-        await eventually(lambda: seated(redis, "r-k-after"), what="a new waiter")
-        await asyncio.sleep(0.05)
-        started = time.monotonic()
-        await eos(reps.a, "k-held-1")
-        resp = await waiter
-        assert resp.status_code == 200, resp.text
-        assert time.monotonic() - started < 0.4  # the signal, not the 500 ms poll
+            await eventually(resubscribed, what="both notifiers subscribed again")
+            waiter = asyncio.create_task(route(reps.b, "k-after", "r-k-after"))
+            await eventually(lambda: seated(redis, "r-k-after"), what="a new waiter")
+            await asyncio.sleep(0.05)
+            started = time.monotonic()
+            await eos(reps.a, "k-held-1")
+            resp = await waiter
+            assert resp.status_code == 200, resp.text
+            assert time.monotonic() - started < 0.4  # the signal, not the 500 ms poll
         await assert_nothing_held(redis)
 
 

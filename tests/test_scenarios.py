@@ -28,22 +28,27 @@ from redis.asyncio import Redis
 
 from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from agent_runtime.scope_buckets import bucket_of
 from agent_runtime.session_manager.replies import RoutePlacement
 from agent_runtime.wiring import Services
 from contract_keys import (
-    SM_PODS_REGISTERED,
-    SM_SESSION_EXPIRY,
     rm_pod,
     rm_pod_known,
     rm_scope,
+    sm_bucket,
+    sm_expiry,
     sm_pod,
+    sm_pods_registered,
     sm_scope,
     sm_session,
 )
 from helpers import envelope, running_app, sync_body
 
 # every test: fakeredis and the real Redis (the `redis` fixture), on SQLite
-pytestmark = pytest.mark.parametrize("sql_backend", ["sqlite"], indirect=True)
+pytestmark = [
+    pytest.mark.parametrize("sql_backend", ["sqlite"], indirect=True),
+    pytest.mark.topologies,
+]
 
 ROUTE = "/api/session/route"
 TOUCH = "/api/session/touch"
@@ -178,16 +183,16 @@ class World:
         return seconds + micros / 1_000_000
 
     async def expiry(self, session_id: str) -> float:
-        value = await self.redis.hget(sm_session(session_id), "expiry")
+        value = await self.redis.hget(sm_session(SCOPE, session_id), "expiry")
         assert value is not None, f"session {session_id} has no binding"
-        score = await self.redis.zscore(SM_SESSION_EXPIRY, session_id)
+        score = await self.redis.zscore(sm_expiry(SCOPE), session_id)
         assert score is not None and abs(score - float(value)) < 1e-3, (value, score)
         return float(value)
 
     async def set_expiry(self, session_id: str, expiry: float) -> None:
         """Move a session's expiry (hash and ZSET together), instead of waiting for it."""
-        await self.redis.hset(sm_session(session_id), "expiry", f"{expiry:.6f}")
-        await self.redis.zadd(SM_SESSION_EXPIRY, {session_id: expiry})
+        await self.redis.hset(sm_session(SCOPE, session_id), "expiry", f"{expiry:.6f}")
+        await self.redis.zadd(sm_expiry(SCOPE), {session_id: expiry})
 
     async def age_pod(self, pod_id: str, seconds: float = 60.0) -> None:
         """Registered ``seconds`` ago: past the sweeper's grace for a new pod."""
@@ -199,15 +204,15 @@ class World:
     async def places(self, session_id: str, pod_id: str, scope_id: str = SCOPE) -> list[bool]:
         """The four places of a live session (contract §4 invariant)."""
         return [
-            bool(await self.redis.exists(sm_session(session_id))),
-            await self.redis.zscore(SM_SESSION_EXPIRY, session_id) is not None,
+            bool(await self.redis.exists(sm_session(SCOPE, session_id))),
+            await self.redis.zscore(sm_expiry(SCOPE), session_id) is not None,
             bool(await self.redis.sismember(sm_scope(scope_id, "sessions"), session_id)),
             bool(await self.redis.sismember(sm_pod(scope_id, pod_id, "sessions"), session_id)),
         ]
 
     async def assert_live(self, session_id: str, pod_id: str) -> None:
         assert await self.places(session_id, pod_id) == [True] * 4
-        binding = await self.redis.hgetall(sm_session(session_id))
+        binding = await self.redis.hgetall(sm_session(SCOPE, session_id))
         assert binding["scope_id"] == SCOPE and binding["pod_id"] == pod_id, binding
 
     async def assert_gone(self, session_id: str, pod_id: str) -> None:
@@ -235,7 +240,7 @@ class World:
 
     async def assert_pod_known(self, pod_id: str) -> None:
         """Registered on both sides."""
-        assert await self.redis.sismember(SM_PODS_REGISTERED, f"{SCOPE}:{pod_id}")
+        assert await self.redis.sismember(sm_pods_registered(SCOPE), pod_id)
         assert await self.redis.exists(sm_pod(SCOPE, pod_id, "info"))
         assert await rm_pod_known(self.redis, pod_id)
         assert await self.redis.zscore(rm_scope(SCOPE, "pods"), pod_id) is not None
@@ -244,7 +249,7 @@ class World:
 
     async def assert_pod_forgotten(self, pod_id: str) -> None:
         """No key of either module names the pod any more."""
-        assert not await self.redis.sismember(SM_PODS_REGISTERED, f"{SCOPE}:{pod_id}")
+        assert not await self.redis.sismember(sm_pods_registered(SCOPE), pod_id)
         assert await self.redis.zscore(sm_scope(SCOPE, "pods"), pod_id) is None
         for what in ("info", "sessions", "idle_notified"):
             assert not await self.redis.exists(sm_pod(SCOPE, pod_id, what)), what
@@ -263,24 +268,18 @@ class World:
             assert len(sessions) <= int(config["scope_concurrency"])
         per_pod: dict[str, set[str]] = {}
         for session_id in sessions:
-            pod_id = await self.redis.hget(sm_session(session_id), "pod_id")
+            pod_id = await self.redis.hget(sm_session(SCOPE, session_id), "pod_id")
             assert pod_id is not None, session_id
             assert await self.places(session_id, str(pod_id)) == [True] * 4, session_id
             per_pod.setdefault(str(pod_id), set()).add(session_id)
-        for member in await self.redis.smembers(SM_PODS_REGISTERED):
-            scope_id, _, pod_id = str(member).partition(":")
-            if scope_id == SCOPE:
-                on_pod = await self.redis.smembers(sm_pod(SCOPE, pod_id, "sessions"))
-                assert on_pod == per_pod.pop(pod_id, set()), pod_id
-                if config:
-                    assert len(on_pod) <= int(config["pod_concurrency"])
+        for pod_id in await self.redis.smembers(sm_pods_registered(SCOPE)):
+            on_pod = await self.redis.smembers(sm_pod(SCOPE, pod_id, "sessions"))
+            assert on_pod == per_pod.pop(pod_id, set()), pod_id
+            if config:
+                assert len(on_pod) <= int(config["pod_concurrency"])
         assert per_pod == {}, f"sessions on unregistered pods: {per_pod}"
-        assert await self.redis.zcard(SM_SESSION_EXPIRY) == len(
-            [
-                k
-                async for k in self.redis.scan_iter(match="session_manager:session:*")
-                if str(k).count(":") == 2
-            ]
+        assert await self.redis.zcard(sm_expiry(SCOPE)) == len(
+            [k async for k in self.redis.scan_iter(match=sm_session(SCOPE, "*"))]
         )
         rm_config = await self.redis.hgetall(rm_scope(SCOPE, "config"))
         if rm_config:  # ZCARD pods + SCARD deploying <= max_pods
@@ -507,7 +506,7 @@ async def test_e_touch_extends_and_unknown_or_expired_is_false(redis: Redis, db:
         await w.assert_live("s1", pod)
 
         assert await w.touch("nobody") == {"touched": False}
-        assert not await redis.exists(sm_session("nobody"))
+        assert not await redis.exists(sm_session(SCOPE, "nobody"))
 
         # expired but not swept yet: false, and the session is gone on the spot
         await w.routed("s2")
@@ -617,7 +616,7 @@ async def test_f_queue_full_is_503_with_retry_after(redis: Redis, db: Database) 
         assert body["request_id"] == "r-w3"
         assert_retry_after(resp)
         assert await w.waiters() == 2, "the refused route keeps no seat"
-        assert not await redis.exists(sm_session("w3"))
+        assert not await redis.exists(sm_session(SCOPE, "w3"))
 
         # the waiters are served one by one as slots free
         for served in (1, 2):
@@ -654,7 +653,7 @@ async def test_f_no_slot_within_scope_full_timeout_is_504(redis: Redis, db: Data
         assert_retry_after(resp)
         assert 0.45 <= elapsed < 3, elapsed
         assert await w.waiters() == 0, "the seat is given back"
-        assert not await redis.exists(sm_session("s4"))
+        assert not await redis.exists(sm_session(SCOPE, "s4"))
         assert await w.live_sessions() == {"s1", "s2", "s3"}
         assert w.k8s.deploy_calls == 2
         await w.assert_consistent()
@@ -671,6 +670,14 @@ async def test_f_a_cancelled_waiting_route_leaves_the_queue(redis: Redis, db: Da
         pod = (await w.routed("s1"))["pod_id"]
         waiter = asyncio.create_task(w.route("s2", request_id="r-gone"))
         await eventually(w.waiting(1), "s2 waits")
+        # and its seat is marked for the prune (the call after the seat's: fakeredis would
+        # absorb a cancellation that lands inside it)
+        leased = sm_bucket("leased_scopes", bucket_of(SCOPE))
+
+        async def marked() -> bool:
+            return await redis.zscore(leased, SCOPE) is not None
+
+        await eventually(marked, "the seat is marked")
 
         waiter.cancel()  # the caller goes away (httpx runs the app in the caller's task)
         with pytest.raises(asyncio.CancelledError):
@@ -678,7 +685,7 @@ async def test_f_a_cancelled_waiting_route_leaves_the_queue(redis: Redis, db: Da
 
         await eventually(w.waiting(0), "the cancelled route left the queue")
         assert not await redis.exists(sm_scope(SCOPE, "waiters"))
-        assert not await redis.exists(sm_session("s2"))
+        assert not await redis.exists(sm_session(SCOPE, "s2"))
         # the cancelled request left no pending marker: its retry (same request_id) runs
         assert await w.touch("s1", eos=True) == {"touched": True, "released": True}
         data = await w.routed("s2", request_id="r-gone")
@@ -866,7 +873,7 @@ async def test_i_an_empty_pod_goes_to_the_warm_pool_and_is_reused(
 
         assert await w.candidates() == [], "out of the placement candidates"
         assert await redis.exists(sm_pod(SCOPE, pod, "idle_notified"))
-        assert await redis.sismember(SM_PODS_REGISTERED, f"{SCOPE}:{pod}")
+        assert await redis.sismember(sm_pods_registered(SCOPE), pod)
         assert await w.warm() == {pod}
         assert await redis.exists(rm_pod(SCOPE, pod, "idle_since"))
         assert await redis.hget(rm_pod(SCOPE, pod, "info"), "phase") == "idle"
@@ -1193,7 +1200,7 @@ async def test_m_a_disabled_template_refuses_new_sessions_and_a_rule_change_appl
 
         body = assert_failure(resp, 503, "CONFIG_NOT_FOUND")
         assert "retry_after" not in body
-        assert not await redis.exists(sm_session("s2"))
+        assert not await redis.exists(sm_session(SCOPE, "s2"))
         await w.sync("template", "update", {"template_id": TEMPLATE_ID, "enabled": True})
         assert (await w.routed("s2"))["placement"] == "placed"
 
@@ -1227,7 +1234,7 @@ async def test_m_sunset_pods_holding_max_pods_give_no_pod_available(
 
         assert_failure(resp, 503, "NO_POD_AVAILABLE")
         assert_retry_after(resp)
-        assert w.k8s.deploy_calls == 1 and not await redis.exists(sm_session("s2"))
+        assert w.k8s.deploy_calls == 1 and not await redis.exists(sm_session(SCOPE, "s2"))
         assert await w.waiters() == 0
         # once the old pod is gone, the new version gets its pod
         assert await w.touch("s1", eos=True) == {"touched": True, "released": True}
@@ -1458,7 +1465,7 @@ async def test_route_replay_returns_the_first_answer_and_places_nothing(
         reused = await w.route("s2", request_id="r-1")
         assert reused.status_code == 409 and reused.json()["error_code"] == "REQUEST_ID_REUSED"
         assert first["pod_id"] not in reused.text
-        assert not await redis.exists(sm_session("s2"))
+        assert not await redis.exists(sm_session(SCOPE, "s2"))
         assert w.k8s.deploy_calls == 1
         assert await redis.scard(sm_scope(SCOPE, "sessions")) == 1
         # a new request id does the work again
@@ -1503,7 +1510,7 @@ async def test_route_and_touch_need_a_gateway_token_when_tokens_are_set(
         await w.configure()  # admin endpoints stay open: only gateway tokens are set
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "gw-1"}):
             assert_failure(await w.route("s1", **headers), 401, "UNAUTHORIZED")
-        assert w.k8s.deploy_calls == 0 and not await redis.exists(sm_session("s1"))
+        assert w.k8s.deploy_calls == 0 and not await redis.exists(sm_session(SCOPE, "s1"))
 
         ok = await w.route("s1", Authorization="Bearer gw-2")
         assert ok.status_code == 200 and ok.json()["data"]["placement"] == "placed"

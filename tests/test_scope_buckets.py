@@ -16,6 +16,8 @@ from redis.asyncio import Redis
 
 from agent_runtime.scope_buckets import BUCKETS, DueIndex, bucket_of, bucket_tag
 
+pytestmark = pytest.mark.topologies
+
 PREFIX = "test_buckets:due:"
 
 

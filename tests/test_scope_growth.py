@@ -41,7 +41,7 @@ class Env:
             orchestrator=ResourceOrchestrator(
                 state=self.rm_state,
                 k8s=FakeK8sPodClient(),
-                notifier=Notifier(redis, patterns=[]),
+                notifier=Notifier(redis),
                 default_namespace="default",
                 identity=IDENTITY,
             )

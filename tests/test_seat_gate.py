@@ -24,6 +24,8 @@ from agent_runtime import lua
 from agent_runtime.session_manager.state import SessionState
 from helpers import other_client
 
+pytestmark = pytest.mark.topologies
+
 ROOM = "seat_gate_test:room"
 LEASED = "seat_gate_test:leased"
 SCOPE = "scope-a"

@@ -41,7 +41,7 @@ async def test_a_sentinel_failover_mid_load_answers_in_contract_and_keeps_redis_
     sentinels = SentinelSet(sentinel_url())
     try:
         async with service(sentinel_url(), db, shape) as svc:
-            out = await one_failover(svc, sentinels, redis_sentinel, shape)
+            out = await one_failover(svc, sentinels.failover, redis_sentinel, shape)
             print("\n" + out.summary())
             fo = out.failover
             assert fo.new != fo.old and fo.demoted >= fo.promoted > 0, fo
@@ -63,7 +63,7 @@ async def test_a_sentinel_failover_mid_load_answers_in_contract_and_keeps_redis_
                     deadline = time.monotonic() + 15
                     while not listener.payloads:
                         assert time.monotonic() < deadline, f"replica {i}: no wake-up arrived"
-                        await redis_sentinel.publish(channel, f"probe-{i}")
+                        await redis_sentinel.spublish(channel, f"probe-{i}")
                         await listener.wait(0.5)
     finally:
         await sentinels.aclose()

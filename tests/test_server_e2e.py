@@ -53,14 +53,14 @@ from helpers import (
 )
 from test_local_mode import LocalServer, _wait_healthy, free_port
 from test_scenarios import (
-    SM_PODS_REGISTERED,
-    SM_SESSION_EXPIRY,
     assert_failure,
     assert_retry_after,
     rm_pod,
     rm_scope,
     scope_of,
+    sm_expiry,
     sm_pod,
+    sm_pods_registered,
     sm_scope,
     sm_session,
 )
@@ -572,29 +572,29 @@ class Scenario:
         return seconds + micros / 1_000_000
 
     async def expiry(self, session_id: str) -> float:
-        value = await self.redis.hget(sm_session(self.sid(session_id)), "expiry")
+        value = await self.redis.hget(sm_session(self.scope, self.sid(session_id)), "expiry")
         assert value is not None, f"session {session_id} has no binding"
         return float(value)
 
     async def set_expiry(self, session_id: str, expiry: float) -> None:
         """Move a session's expiry (hash and ZSET together) instead of waiting for it."""
         key = self.sid(session_id)
-        await self.redis.hset(sm_session(key), "expiry", f"{expiry:.6f}")
-        await self.redis.zadd(SM_SESSION_EXPIRY, {key: expiry})
+        await self.redis.hset(sm_session(self.scope, key), "expiry", f"{expiry:.6f}")
+        await self.redis.zadd(sm_expiry(self.scope), {key: expiry})
 
     async def places(self, session_id: str, pod_id: str) -> list[bool]:
         """The four places of a live session (contract §4 invariant)."""
         key = self.sid(session_id)
         return [
-            bool(await self.redis.exists(sm_session(key))),
-            await self.redis.zscore(SM_SESSION_EXPIRY, key) is not None,
+            bool(await self.redis.exists(sm_session(self.scope, key))),
+            await self.redis.zscore(sm_expiry(self.scope), key) is not None,
             bool(await self.redis.sismember(sm_scope(self.scope, "sessions"), key)),
             bool(await self.redis.sismember(sm_pod(self.scope, pod_id, "sessions"), key)),
         ]
 
     async def assert_live(self, session_id: str, pod_id: str) -> None:
         assert await self.places(session_id, pod_id) == [True] * 4, session_id
-        binding = await self.redis.hgetall(sm_session(self.sid(session_id)))
+        binding = await self.redis.hgetall(sm_session(self.scope, self.sid(session_id)))
         assert binding["scope_id"] == self.scope and binding["pod_id"] == pod_id, binding
 
     def gone(self, session_id: str, pod_id: str) -> Callable[[], Awaitable[bool]]:
@@ -630,7 +630,7 @@ class Scenario:
         """Registered on both sides."""
         return all(
             [
-                await self.redis.sismember(SM_PODS_REGISTERED, f"{self.scope}:{pod_id}"),
+                await self.redis.sismember(sm_pods_registered(self.scope), pod_id),
                 await self.redis.exists(sm_pod(self.scope, pod_id, "info")),
                 await rm_pod_known(self.redis, pod_id),
                 await self.redis.zscore(rm_scope(self.scope, "pods"), pod_id) is not None,
@@ -643,7 +643,7 @@ class Scenario:
 
         async def check() -> bool:
             named = [
-                await self.redis.sismember(SM_PODS_REGISTERED, f"{self.scope}:{pod_id}"),
+                await self.redis.sismember(sm_pods_registered(self.scope), pod_id),
                 await self.redis.zscore(sm_scope(self.scope, "pods"), pod_id) is not None,
                 await rm_pod_known(self.redis, pod_id),
                 await self.redis.zscore(rm_scope(self.scope, "pods"), pod_id) is not None,
@@ -665,17 +665,15 @@ class Scenario:
             assert len(sessions) <= int(config["scope_concurrency"])
         per_pod: dict[str, set[str]] = {}
         for key in sessions:
-            pod_id = str(await self.redis.hget(sm_session(key), "pod_id"))
+            pod_id = str(await self.redis.hget(sm_session(self.scope, key), "pod_id"))
             session_id = str(key).removesuffix(f"-{self.tag}")
             assert await self.places(session_id, pod_id) == [True] * 4, session_id
             per_pod.setdefault(pod_id, set()).add(key)
-        for member in await self.redis.smembers(SM_PODS_REGISTERED):
-            scope_id, _, pod_id = str(member).partition(":")
-            if scope_id == self.scope:
-                on_pod = await self.redis.smembers(sm_pod(self.scope, pod_id, "sessions"))
-                assert on_pod == per_pod.pop(pod_id, set()), pod_id
-                if config:
-                    assert len(on_pod) <= int(config["pod_concurrency"])
+        for pod_id in await self.redis.smembers(sm_pods_registered(self.scope)):
+            on_pod = await self.redis.smembers(sm_pod(self.scope, pod_id, "sessions"))
+            assert on_pod == per_pod.pop(pod_id, set()), pod_id
+            if config:
+                assert len(on_pod) <= int(config["pod_concurrency"])
         assert per_pod == {}, f"sessions on unregistered pods: {per_pod}"
         pods = set(await self.redis.zrange(rm_scope(self.scope, "pods"), 0, -1))
         rm_config = await self.redis.hgetall(rm_scope(self.scope, "config"))
@@ -833,7 +831,7 @@ async def test_a_b_a_failed_deploy_is_503_and_leaves_nothing_behind(w: Scenario)
         await w.eventually(discarded, "the pod that could not pull its image is deleted")
     finally:
         await w.remove_fault(fault)
-    assert not await w.redis.exists(sm_session(w.sid("s1")))
+    assert not await w.redis.exists(sm_session(w.scope, w.sid("s1")))
     assert await w.redis.scard(rm_scope(w.scope, "deploying")) == 0
     assert not [k async for k in w.redis.scan_iter(rm_deploy_lock(w.scope, "*"))]
     assert await w.waiting(0)() and await w.live_sessions() == set()
@@ -980,7 +978,7 @@ async def test_f_a_full_scope_queues_refuses_times_out_and_drops_the_disconnecte
     assert_failure(resp, 504, "SCOPE_FULL_TIMEOUT")
     assert_retry_after(resp)
     assert await w.waiting(0)()
-    assert not await w.redis.exists(sm_session(w.sid("s4")))
+    assert not await w.redis.exists(sm_session(w.scope, w.sid("s4")))
 
     # a caller that goes away leaves the queue (the server answers it 499, nobody reads it)
     answered_499 = {"endpoint": ROUTE, "status": "499"}
@@ -1293,7 +1291,7 @@ async def test_m_deploy_change_sunsets_old_pods_policy_change_applies_next(w: Sc
     # a policy change takes effect for the next route
     assert (await w.update(session_ttl=30))["change_class"] == "policy"
     assert (await w.routed("s4"))["pod_id"] == new
-    assert await w.redis.hget(sm_session(w.sid("s4")), "session_ttl") == "30"
+    assert await w.redis.hget(sm_session(w.scope, w.sid("s4")), "session_ttl") == "30"
 
     # the old pod's sessions end: it is handed back and, of an old version, deleted
     for session_id in ("s1", "s2"):

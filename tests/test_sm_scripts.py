@@ -35,6 +35,8 @@ from agent_runtime.session_manager.scope_state import ScopeState
 from agent_runtime.session_manager.state import SessionState, request_hash
 from helpers import other_client, run_redis_state_machine, spelled
 
+pytestmark = pytest.mark.topologies
+
 T = TypeVar("T")
 P = "session_manager:"
 SID = "scope-a"
@@ -44,13 +46,25 @@ TTL = 600  # session_ttl: nothing expires during a test unless made so on purpos
 class K:
     """Contract §4 key names (session_manager part), spelled out here on purpose."""
 
-    EXPIRY = f"{P}session_expiry"
-    REGISTERED = f"{P}pods:registered"
-    LEASED = f"{P}leased_scopes"
+    @staticmethod
+    def session(session_id: str, sid: str = SID) -> str:
+        return f"{P}session:{{{sid}}}:{session_id}"
 
     @staticmethod
-    def session(session_id: str) -> str:
-        return f"{P}session:{session_id}"
+    def session_scope(session_id: str) -> str:
+        return f"{P}session_scope:{session_id}"
+
+    @staticmethod
+    def expiry(sid: str = SID) -> str:
+        return f"{P}scope:{{{sid}}}:session_expiry"
+
+    @staticmethod
+    def registered(sid: str = SID) -> str:
+        return f"{P}pods:{{{sid}}}:registered"
+
+    @staticmethod
+    def touch(request_id: str, sid: str = SID) -> str:
+        return f"{P}touch:{{{sid}}}:{request_id}"
 
     @staticmethod
     def tombstone(session_id: str, sid: str = SID) -> str:
@@ -171,16 +185,17 @@ async def configure(
     """The resolve cache as config_store fills it (the fields the scripts read)."""
     if max_pods is None:
         max_pods = math.ceil(scope_concurrency / pod_concurrency)
-    await redis.hset(
-        K.config(sid),
-        mapping={
-            "scope_concurrency": str(scope_concurrency),
-            "pod_concurrency": str(pod_concurrency),
-            "max_pods": str(max_pods),
-            "session_ttl": str(session_ttl),
-            "deploy_ver": deploy_ver,
-        },
-    )
+    fields = {
+        "scope_concurrency": str(scope_concurrency),
+        "pod_concurrency": str(pod_concurrency),
+        "max_pods": str(max_pods),
+        "session_ttl": str(session_ttl),
+        "deploy_ver": deploy_ver,
+    }
+    await redis.delete(K.config(sid))
+    await redis.hset(K.config(sid), mapping=fields)
+    # registered (as resolve's scope_put would): the sweeper's walks go over the registry
+    await redis.hset(f"{P}scope_registry", sid, json.dumps([f"g-{sid}", "bot", "", 0]))
 
 
 async def add_pod(state: SessionState, pod: str, sid: str = SID, ver: str = "v1") -> bool:
@@ -228,26 +243,26 @@ async def rnow(redis: Redis) -> float:
 async def expiry_of(redis: Redis, session_id: str) -> float:
     """The session's expiry, after checking that the hash and the ZSET agree."""
     field = await redis.hget(K.session(session_id), "expiry")
-    score = await redis.zscore(K.EXPIRY, session_id)
+    score = await redis.zscore(K.expiry(), session_id)
     assert field is not None and score is not None
     assert abs(float(field) - score) < 1e-5
     return score
 
 
-async def set_expiry(redis: Redis, session_id: str, when: float) -> None:
+async def set_expiry(redis: Redis, session_id: str, when: float, sid: str = SID) -> None:
     """Move a session's expiry (both places), e.g. into the past to expire it."""
-    await redis.hset(K.session(session_id), "expiry", f"{when:.6f}")
-    await redis.zadd(K.EXPIRY, {session_id: when})
+    await redis.hset(K.session(session_id, sid), "expiry", f"{when:.6f}")
+    await redis.zadd(K.expiry(sid), {session_id: when})
 
 
-async def expire(redis: Redis, session_id: str) -> None:
-    await set_expiry(redis, session_id, await rnow(redis) - 5)
+async def expire(redis: Redis, session_id: str, sid: str = SID) -> None:
+    await set_expiry(redis, session_id, await rnow(redis) - 5, sid)
 
 
 async def four_places(redis: Redis, session_id: str, sid: str, pod: str) -> list[bool]:
     return [
-        bool(await redis.exists(K.session(session_id))),
-        await redis.zscore(K.EXPIRY, session_id) is not None,
+        bool(await redis.exists(K.session(session_id, sid))),
+        await redis.zscore(K.expiry(sid), session_id) is not None,
         bool(await redis.sismember(K.scope_sessions(sid), session_id)),
         bool(await redis.sismember(K.pod_sessions(sid, pod), session_id)),
     ]
@@ -305,9 +320,10 @@ async def test_the_calls_match_the_script_headers(state: SessionState) -> None:
             "retire_pod",
         )
     }
+    await configure(state.redis)  # registered: the idle sweep walks the registry's scopes
     await state.route_place(request_id="r1", session_id="s1", scope_id=SID, token="t1")
-    await state.evict("s1", pod_died=True)
-    await state.touch("s1", eos=True, request_id="r1")
+    await state.evict("s1", scope_id=SID, pod_died=True)
+    await state.touch("s1", eos=True, request_id="r1", scope_id=SID)
     await state.register_pod(SID, "p1", "u", "v1")
     await state.sweep_idle(2.0)
     await state.cleanup_pod(SID, "p1")
@@ -318,51 +334,50 @@ async def test_the_calls_match_the_script_headers(state: SessionState) -> None:
     assert calls["route_place"] == (
         [
             K.session("s1"),
-            K.EXPIRY,
+            K.expiry(),
             K.scope_sessions(SID),
             K.candidates(SID),
             K.config(SID),
-            K.REGISTERED,
+            K.registered(),
             K.route("r1"),
             K.tombstone("s1"),
             K.reserved(SID),
             K.waiters(SID),
-            K.LEASED,
             K.arrivals(SID),
         ],
         [P, "s1", SID, "t1", 60, 3.0, "r1", "0", request_hash(SID, "s1"), 15.0, 300.0, 3000],
     )
-    assert calls["evict"] == ([K.session("s1"), K.EXPIRY], [P, "s1", "1"])
+    assert calls["evict"] == ([K.session("s1"), K.expiry()], [P, "s1", "1", SID])
     assert calls["touch"] == (
-        [K.session("s1"), K.EXPIRY, f"{P}touch:r1"],
-        [P, "s1", "1", 60, request_hash("s1"), ""],
+        [K.session("s1"), K.expiry(), K.touch("r1")],
+        [P, "s1", "1", 60, request_hash("s1"), SID],
     )
     assert calls["register_pod"] == (
         [
             K.candidates(SID),
             K.pod_seq(SID),
             K.pod_info(SID, "p1"),
-            K.REGISTERED,
+            K.registered(),
             K.idle_notified(SID, "p1"),
             K.config(SID),
         ],
         [P, SID, "p1", "u", "v1"],
     )
-    # a pod's keys are derived from the prefix, per member of the SSCAN page it walks
-    assert calls["sweep_idle_notify"] == ([K.REGISTERED], [P, 2.0, "0", 200])
+    # a scope per call; a pod's keys are derived from the prefix, per pod of the scope
+    assert calls["sweep_idle_notify"] == ([K.registered(), K.candidates(SID)], [P, 2.0, SID])
     assert calls["cleanup_pod"] == (
         [
             K.candidates(SID),
             K.pod_info(SID, "p1"),
             K.pod_sessions(SID, "p1"),
             K.idle_notified(SID, "p1"),
-            K.REGISTERED,
+            K.registered(),
         ],
-        [SID, "p1"],
+        ["p1"],
     )
     # the resource manager names the pod's scope: its keys, nothing derived
     assert calls["retire_pod"] == ([K.candidates(SID), K.pod_sessions(SID, "p1")], ["p1"])
-    assert calls["waiter_gate"] == ([K.waiters(SID), K.LEASED], ["r1", 30, 6, SID])
+    assert calls["waiter_gate"] == ([K.waiters(SID)], ["r1", 30, 6])
     assert calls["route_lease"] == (
         [K.route("r1"), K.reserved(SID), K.waiters(SID)],
         ["t1", "r1", 3.0],
@@ -473,7 +488,7 @@ async def test_a_binding_whose_pod_left_the_registry_is_rebound(
     await add_pod(state, "p1")
     await add_pod(state, "p2")
     await route(state, "s1")
-    await redis.srem(K.REGISTERED, f"{SID}:p1")
+    await redis.srem(K.registered(), "p1")
     await redis.zrem(K.candidates(SID), "p1")
     async with listening(redis) as pubsub:
         assert await route(state, "s1", request_id="r2") == placed("p2", "rebound", "p1")
@@ -493,7 +508,7 @@ async def test_a_rebound_is_not_lost_when_the_first_answer_is_pending(
     await configure(redis, scope_concurrency=4, pod_concurrency=4)
     await add_pod(state, "p1")
     await route(state, "s1")
-    await redis.srem(K.REGISTERED, f"{SID}:p1")
+    await redis.srem(K.registered(), "p1")
     await redis.zrem(K.candidates(SID), "p1")
     assert await route(state, "s1", request_id="r2", token="t2") == ["need_acquire"]
     assert await four_places(redis, "s1", SID, "p1") == [False] * 4
@@ -512,10 +527,16 @@ async def test_a_binding_in_another_scope_moves_to_this_one(
     await add_pod(state, "p1", SID)
     await add_pod(state, "q1", "scope-b")
     await route(state, "s1", SID)
-    assert await route(state, "s1", "scope-b") == placed("q1")
-    assert await four_places(redis, "s1", SID, "p1") == [True, True, False, False]
+    assert await redis.get(K.session_scope("s1")) == SID
+    async with listening(redis) as pubsub:
+        assert await route(state, "s1", "scope-b") == placed("q1")
+        assert await signal(pubsub) == "s1", "the old scope's seat is free"
+    # the index named the old scope: the binding there was evicted (no seat held in two scopes)
+    assert await four_places(redis, "s1", SID, "p1") == [False] * 4
     assert await four_places(redis, "s1", "scope-b", "q1") == [True] * 4
-    assert await redis.hget(K.session("s1"), "scope_id") == "scope-b"
+    assert await redis.hget(K.session("s1", "scope-b"), "scope_id") == "scope-b"
+    assert await redis.get(K.session_scope("s1")) == "scope-b"
+    assert 0 < await redis.ttl(K.session_scope("s1")) <= 2 * TTL
 
 
 async def test_a_pod_death_tombstone_makes_the_next_placement_rebound(
@@ -709,11 +730,11 @@ async def test_a_resent_pending_call_is_recomputed_and_a_duplicate_is_in_flight(
     await configure(redis, pod_concurrency=1)
     recorder = record(state, "route_place")
     assert await route(state, "s1", request_id="r1", token="t1") == ["need_acquire"]
-    assert await recorder.again() == ["need_acquire"]
+    assert (await recorder.again())[0] == "need_acquire"
     assert await route(state, "s1", request_id="r1", token="t2") == ["in_flight"]
     await add_pod(state, "p1")
     assert await route(state, "s1", request_id="r1", token="t2") == ["in_flight"]
-    assert await recorder.again(0) == placed("p1")  # the owner of the marker goes on
+    assert (await recorder.again(0))[:4] == placed("p1")  # the owner of the marker goes on
     dup = await route(state, "s1", request_id="r1", token="t2")
     assert dup[0] == "replay" and answer_of(dup) == answer_of(placed("p1"))
     assert await redis.smembers(K.scope_sessions(SID)) == {"s1"}
@@ -922,13 +943,20 @@ async def test_an_eos_request_id_of_another_session_does_nothing(
         await route(state, sid)
     assert await state.touch("s1", eos=True, request_id="r-eos") == (True, True)
     assert await state.touch("s2", eos=True, request_id="r-eos") is None  # s2 not ended
-    assert await state.touch("s3", eos=True, request_id="r-eos") is None  # nor told "ended"
+    assert (
+        await state.touch("s3", eos=True, request_id="r-eos", scope_id=SID) is None
+    )  # nor told "ended"
+    # the scope's: in another scope the request_id is another request (here: s3 unknown)
+    assert await state.touch("s3", eos=True, request_id="r-eos", scope_id="scope-b") == (
+        False,
+        False,
+    )
     assert await four_places(redis, "s2", SID, "p1") == [True] * 4
     assert await state.touch("s1", eos=True, request_id="r-eos") == (True, True)  # replay
     assert await state.touch("s2", eos=False, request_id="r-eos") == (True, False)  # no eos
     # an answer kept before answers were bound (no fingerprint) replays as it did
-    await redis.set(f"{P}touch:r-old", "1,1", ex=60)
-    assert await state.touch("s9", eos=True, request_id="r-old") == (True, True)
+    await redis.set(K.touch("r-old"), "1,1", ex=60)
+    assert await state.touch("s9", eos=True, request_id="r-old", scope_id=SID) == (True, True)
 
 
 # --- route_place: concurrency ----------------------------------------------------------------
@@ -979,7 +1007,7 @@ async def test_100_concurrent_routes_fill_two_pods_exactly(
     assert await redis.scard(K.pod_sessions(SID, "p2")) == 4
     winners = {f"s{i}" for i, r in enumerate(replies) if r[0] == "placed"}
     assert await redis.smembers(K.scope_sessions(SID)) == winners
-    assert set(await redis.zrange(K.EXPIRY, 0, -1)) == winners
+    assert set(await redis.zrange(K.expiry(), 0, -1)) == winners
 
 
 @pytest.mark.parametrize("clients", [1, 2])
@@ -1035,25 +1063,29 @@ async def test_evict_expired_evicts_only_what_is_due_oldest_first_up_to_the_limi
     now = await rnow(redis)
     for i, age in ((0, 30), (1, 10), (2, 20)):
         await set_expiry(redis, f"s{i}", now - age)
-    await redis.zadd(K.EXPIRY, {"ghost": now - 40})  # a stray entry: no session hash
+    await redis.zadd(K.expiry(), {"ghost": now - 40})  # a stray entry: no session hash
     recorder = record(state, "evict_expired")
     async with listening(redis) as pubsub:
-        assert await state.evict_expired(3) == ["ghost", "s0", "s2"]
+        first = await state.expire_scope_sessions(SID, 3)
+        assert first.evicted == ["ghost", "s0", "s2"]
+        assert first.next_due == await redis.zscore(K.expiry(), "s1"), "the earliest left"
         assert {await signal(pubsub), await signal(pubsub)} == {"s0", "s2"}
-    assert await state.evict_expired(3) == ["s1"], "fewer than the limit: nothing more due"
-    assert await recorder.again(0) == [], "a re-sent call: nothing left to do"
+    last = await state.expire_scope_sessions(SID, 3)
+    assert last.evicted == ["s1"], "fewer than the limit: nothing more due"
+    assert last.next_due is not None and last.next_due > now
+    assert (await recorder.again(0))[1:] == [], "a re-sent call: nothing left to do"
     for i in range(3):
         assert await four_places(redis, f"s{i}", SID, "p1") == [False] * 4
     for i in (3, 4):
         assert await four_places(redis, f"s{i}", SID, "p1") == [True] * 4
     assert await redis.scard(K.pod_sessions(SID, "p1")) == 2
-    assert await state.evict_expired(3) == []
+    assert (await state.expire_scope_sessions(SID, 3)).evicted == []
 
 
 async def test_evict_drops_a_stray_expiry_entry(state: SessionState, redis: Redis) -> None:
-    await redis.zadd(K.EXPIRY, {"ghost": 1})
-    assert await state.evict("ghost", pod_died=True) is None
-    assert await redis.zscore(K.EXPIRY, "ghost") is None
+    await redis.zadd(K.expiry(), {"ghost": 1})
+    assert await state.evict("ghost", scope_id=SID, pod_died=True) is None
+    assert await redis.zscore(K.expiry(), "ghost") is None
     assert not await redis.exists(K.tombstone("ghost"))
 
 
@@ -1070,7 +1102,7 @@ async def test_touch_extends_by_the_sessions_own_ttl(state: SessionState, redis:
     before = await rnow(redis)
     assert await state.touch("s1", eos=False) == (True, False)
     assert before + TTL <= await expiry_of(redis, "s1") <= await rnow(redis) + TTL
-    assert await recorder.again() == [1, 0]  # a re-sent touch extends again: harmless
+    assert await recorder.again() == [1, 0, 0]  # a re-sent touch extends again: harmless
     assert await four_places(redis, "s1", SID, "p1") == [True] * 4
     assert await state.touch("unknown", eos=False) == (False, False)
     assert await state.touch("unknown", eos=True) == (False, False)
@@ -1088,7 +1120,7 @@ async def test_touch_of_an_expired_session_evicts_it_on_the_spot(
         assert await state.touch("s1", eos=False) == (False, True)
         assert await signal(pubsub) == "s1"
     assert await four_places(redis, "s1", SID, "p1") == [False] * 4
-    assert await recorder.again() == [0, 0]
+    assert await recorder.again() == [0, 0, 0]
     assert not await redis.exists(K.tombstone("s1"))
 
 
@@ -1101,7 +1133,7 @@ async def test_touch_eos_ends_the_session_and_signals(state: SessionState, redis
     async with listening(redis) as pubsub:
         assert await state.touch("s1", eos=True, request_id="r-eos") == (True, True)
         assert await signal(pubsub) == "s1"
-        assert await recorder.again() == [1, 1]  # a re-sent eos: the first one's answer
+        assert await recorder.again() == [1, 1, 0]  # a re-sent eos: the first one's answer
         assert await signal(pubsub, within=0.2) is None  # ... and nothing done again
     assert await state.touch("s1", eos=True, request_id="r-eos-2") == (False, False)  # another
     assert await state.touch("s1", eos=False) == (False, False)  # a keep-alive: it is gone
@@ -1136,7 +1168,7 @@ async def test_touch_naming_a_scope_finds_only_a_session_of_that_scope(
     await expire(redis, "s1")
     assert await state.touch("s1", eos=False, scope_id=other) == (False, False)
     assert await four_places(redis, "s1", SID, "p1") == [True] * 4, "not evicted from there"
-    assert await recorder.again() == [0, 0]
+    assert await recorder.again() == [0, 0, 0]
     await set_expiry(redis, "s1", await rnow(redis) + 10)
     assert await state.touch("s1", eos=False, scope_id=SID) == (True, False)
     assert await expiry_of(redis, "s1") >= await rnow(redis) + TTL - 1
@@ -1152,15 +1184,15 @@ async def test_idle_notify_takes_an_empty_pod_out_once(state: SessionState, redi
     await add_pod(state, "p1")
     await add_pod(state, "p2")
     await route(state, "s1")  # p1
-    await redis.sadd(K.REGISTERED, f"{SID}:ghost")  # a member whose pod info is gone
+    await redis.sadd(K.registered(), "ghost")  # a member whose pod info is gone
     assert await idle_sweep(state, 60) == set(), "p1 busy, p2 within the grace, ghost unknown"
     assert not await redis.exists(K.idle_notified(SID, "p2"))
     recorder = record(state, "sweep_idle_notify")
     assert await idle_sweep(state, 0) == {"p2"}
     assert await redis.zrange(K.candidates(SID), 0, -1) == ["p1"]
-    assert await redis.sismember(K.REGISTERED, f"{SID}:p2"), "still registered"
+    assert await redis.sismember(K.registered(), "p2"), "still registered"
     assert 0 < await redis.ttl(K.idle_notified(SID, "p2")) <= 60
-    assert await recorder.again() == ["0"], "one notice per 60 s"
+    assert await recorder.again() == [], "one notice per 60 s"
     assert await route(state, "s2") == ["need_acquire"], "never placed on a pod handed back"
 
 
@@ -1217,28 +1249,32 @@ async def test_idle_notify_judges_each_registered_pod_on_its_own(
     await route(state, "s1")  # on "busy", the first candidate
     await redis.set(K.idle_notified(SID, "notified"), "1", ex=60)  # told within the last minute
     await redis.hset(K.pod_info(SID, "fresh"), "registered_at", f"{await rnow(redis) + 30:.6f}")
-    await redis.sadd(K.REGISTERED, f"{SID}:ghost", "no-colon")
+    await redis.sadd(K.registered(), "ghost", "no-colon")
     assert set(await state.sweep_idle(0)) == {(SID, "empty"), (other, "empty2")}
     assert await redis.zrange(K.candidates(SID), 0, -1) == ["busy", "notified", "fresh"]
     assert await redis.zrange(K.candidates(other), 0, -1) == []
     assert await state.sweep_idle(0) == [], "one notice per 60 s"
 
 
-async def test_sweep_idle_walks_every_registered_pod_page_by_page(
+async def test_sweep_idle_walks_every_registered_scope_one_call_each(
     state: SessionState, redis: Redis
 ) -> None:
-    await configure(redis, scope_concurrency=50, pod_concurrency=1)
+    scopes = [SID, *(f"scope-{i}" for i in range(12))]
+    for sid in scopes:
+        await configure(redis, sid, scope_concurrency=50, pod_concurrency=1)
     pods = [f"p{i}" for i in range(23)]
     for pod in pods:
         await add_pod(state, pod)
+    for sid in scopes[1:]:
+        await add_pod(state, "q", sid)
     for i in range(5):
         await route(state, f"s{i}")  # p0..p4 busy
-    pages = record(state, "sweep_idle_notify")
-    notified = await state.sweep_idle(0, page=4)
-    assert sorted(notified) == sorted((SID, p) for p in pods[5:])
-    assert len(pages.calls) > 1, "several SSCAN pages, one script each"
+    calls = record(state, "sweep_idle_notify")
+    notified = await state.sweep_idle(0)
+    assert sorted(notified) == sorted([(SID, p) for p in pods[5:]] + [(s, "q") for s in scopes[1:]])
+    assert sorted(args[2] for _, args in calls.calls) == sorted(scopes), "one call per scope"
     assert sorted(await redis.zrange(K.candidates(SID), 0, -1)) == sorted(pods[:5])
-    assert await state.sweep_idle(0, page=4) == []
+    assert await state.sweep_idle(0) == []
 
 
 # --- pod_usage (read only) ----------------------------------------------------------------------
@@ -1286,7 +1322,7 @@ async def test_register_pod_makes_a_candidate_in_arrival_order_and_signals(
     info = await redis.hgetall(K.pod_info(SID, "p1"))
     assert info["sse_url"] == url("p1") and info["deploy_ver"] == "v1"
     assert before <= float(info["registered_at"]) <= await rnow(redis)
-    assert await redis.smembers(K.REGISTERED) == {f"{SID}:p1", f"{SID}:p2"}
+    assert await redis.smembers(K.registered()) == {"p1", "p2"}
 
 
 async def test_register_pod_refuses_a_pod_of_an_old_version(
@@ -1298,7 +1334,7 @@ async def test_register_pod_refuses_a_pod_of_an_old_version(
         assert await signal(pubsub, within=0.2) is None
     for key in (K.candidates(SID), K.pod_info(SID, "old"), K.pod_seq(SID)):
         assert not await redis.exists(key), key
-    assert not await redis.sismember(K.REGISTERED, f"{SID}:old")
+    assert not await redis.sismember(K.registered(), "old")
     # a candidate that is now of an old version is refused too (kept as it is)
     await configure(redis, deploy_ver="v1")
     await add_pod(state, "p1", ver="v1")
@@ -1316,7 +1352,8 @@ async def test_one_pod_in_two_scopes(state: SessionState, redis: Redis) -> None:
     await add_pod(state, "p1", SID)
     await add_pod(state, "p1", "scope-b")
     assert await state.cleanup_pod(SID, "p1") == 1
-    assert await redis.smembers(K.REGISTERED) == {"scope-b:p1"}
+    assert await redis.smembers(K.registered()) == set()
+    assert await redis.smembers(K.registered("scope-b")) == {"p1"}
     assert await redis.zrange(K.candidates("scope-b"), 0, -1) == ["p1"]
     assert await redis.exists(K.pod_info("scope-b", "p1"))
 
@@ -1333,7 +1370,7 @@ async def test_cleanup_pod_branches_and_replay(state: SessionState, redis: Redis
     assert await state.cleanup_pod(SID, "p1") == -1
     assert await recorder.again() == -1
     assert await redis.zscore(K.candidates(SID), "p1") is None, "no session may land on it"
-    assert await redis.sismember(K.REGISTERED, f"{SID}:p1"), "registered while sessions live"
+    assert await redis.sismember(K.registered(), "p1"), "registered while sessions live"
     assert await route(state, "s1") == placed("p1", "refresh")
     await state.evict("s1", pod_died=True)
     assert await state.cleanup_pod(SID, "p1") == 1
@@ -1344,7 +1381,7 @@ async def test_cleanup_pod_branches_and_replay(state: SessionState, redis: Redis
         K.idle_notified(SID, "p1"),
     ):
         assert not await redis.exists(key), key
-    assert not await redis.sismember(K.REGISTERED, f"{SID}:p1")
+    assert not await redis.sismember(K.registered(), "p1")
 
 
 # --- waiter_gate -------------------------------------------------------------------------------
@@ -1679,8 +1716,8 @@ class SessionMachine(RuleBasedStateMachine):
             again = self.run(self.scripts["route_place"].again())
             if placing:
                 assert again[0] == "replay" and answer_of(again) == answer_of(reply)
-            else:
-                assert again == reply
+            else:  # (a need_acquire's reply also says its reservation's deadline)
+                assert again[: len(reply)] == reply
         elif replay == "other":  # the same request on another replica, with its own token
             again = self.run(
                 place(
@@ -1738,7 +1775,9 @@ class SessionMachine(RuleBasedStateMachine):
     def touch(self, data: st.DataObject, eos: bool, replay: bool) -> None:
         session = self.known_session(data)
         request_id = self.next_id("q")
-        touched, released = self.run(self.state.touch(session, eos=eos, request_id=request_id))
+        touched, released = self.run(
+            self.state.touch(session, eos=eos, request_id=request_id, scope_id=self.sid)
+        )
         ended: tuple[bool, bool] | None = None  # what this eos did, if it ended the session
         if session not in self.sessions:
             assert (touched, released) == (False, False)
@@ -1755,6 +1794,7 @@ class SessionMachine(RuleBasedStateMachine):
         if replay:  # the same request re-sent: an eos that ended its session answers alike
             alive = session in self.sessions
             again = [int(v) for v in ended] if ended else [1 if alive else 0, 0]
+            again.append(0)  # the index was written for 2 ttl at placement: not due again
             assert self.run(self.scripts["touch"].again()) == again
 
     @precondition(lambda self: set(self.sessions) - self.expired)
@@ -1762,15 +1802,14 @@ class SessionMachine(RuleBasedStateMachine):
     def expire(self, data: st.DataObject) -> None:
         """Time passes for one session: its expiry (both places) moves into the past."""
         session = data.draw(st.sampled_from(sorted(set(self.sessions) - self.expired)))
-        self.run(expire(self.redis, session))
+        self.run(expire(self.redis, session, self.sid))
         self.expired.add(session)
 
     @precondition(lambda self: self.expired)
     @rule()
     def sweep_expired(self) -> None:
         """The sweeper's expiry pass: every expired session evicted, nothing else."""
-        evicted = self.run(self.state.evict_expired(1000))
-        mine = [s for s in evicted if s.startswith(self.sid)]
+        mine = self.run(self.state.expire_scope_sessions(self.sid, 1000)).evicted
         assert sorted(mine) == sorted(self.expired)
         for session in mine:
             self.drop(session)
@@ -1787,14 +1826,14 @@ class SessionMachine(RuleBasedStateMachine):
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.smembers(K.scope_sessions(sid))
             pipe.zrange(K.candidates(sid), 0, -1)
-            pipe.smembers(K.REGISTERED)
+            pipe.smembers(K.registered(sid))
             pipe.zrange(K.reserved(sid), 0, -1)
             for pod in pods:
                 pipe.smembers(K.pod_sessions(sid, pod))
                 pipe.exists(K.idle_notified(sid, pod))
             for session in self.known:
-                pipe.hgetall(K.session(session))
-                pipe.zscore(K.EXPIRY, session)
+                pipe.hgetall(K.session(session, sid))
+                pipe.zscore(K.expiry(sid), session)
                 pipe.get(K.tombstone(session, sid))
             pipe.time()
             replies = await pipe.execute()
@@ -1807,7 +1846,7 @@ class SessionMachine(RuleBasedStateMachine):
         assert len(scope_sessions) + len(reserved) <= self.scope_concurrency
         assert scope_sessions == set(self.sessions)
         assert candidates == self.candidates
-        mine = {m.partition(":")[2] for m in registered if m.startswith(f"{sid}:")}
+        mine = set(registered)
         assert mine == set(self.pods)
         assert set(candidates) <= mine
         for pod in pods:
@@ -1848,15 +1887,18 @@ class SessionMachine(RuleBasedStateMachine):
         keys = [k async for k in self.redis.scan_iter(match=f"*{self.sid}*", count=500)]
         if keys:
             await self.redis.delete(*keys)
-        expiry = [m async for m, _ in self.redis.zscan_iter(K.EXPIRY, match=f"{self.sid}*")]
-        if expiry:
-            await self.redis.zrem(K.EXPIRY, *expiry)
-        registered = [m async for m in self.redis.sscan_iter(K.REGISTERED, match=f"{self.sid}:*")]
-        if registered:
-            await self.redis.srem(K.REGISTERED, *registered)
+        # the indexes of no scope: the sessions' index entries, the scope's marks
+        index = [K.session_scope(s) for s in self.known]
+        if index:
+            await self.redis.delete(*index)
+        for name in ("expiry_due", "leased_scopes"):
+            async for key in self.redis.scan_iter(match=f"{P}{name}:*", count=500):
+                await self.redis.zrem(key, self.sid)
+        async for key in self.redis.scan_iter(match=f"{P}scope_registry*", count=500):
+            await self.redis.hdel(key, self.sid)
 
 
-@pytest.mark.parametrize("backend", ["fake", "real"])
+@pytest.mark.parametrize("backend", ["fake", "real", "sentinel", "cluster"])
 def test_session_state_machine(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # reservations and markers must not lapse while an example runs (leases are tested alone)
     monkeypatch.setattr("agent_runtime.session_manager.state.ROUTE_LEASE", 600.0)

@@ -52,7 +52,7 @@ async def test_touch_with_its_scope_ids_finds_only_that_scopes_session(
         route = envelope(session_id="s1", bot_id="bot-1", extra={"group_id": "g1"})
         resp = await client.post(ROUTE, json=route)
         assert resp.status_code == 200, resp.text
-        session = await redis.hgetall(K.sm_session("s1"))
+        session = await redis.hgetall(K.sm_session(scope_of("g1", "bot-1"), "s1"))
         assert session["scope_id"] == scope_of("g1", "bot-1")
 
         other = await client.post(TOUCH, json=touch("s1", bot_id="bot-2", group_id="g1"))
@@ -60,7 +60,10 @@ async def test_touch_with_its_scope_ids_finds_only_that_scopes_session(
         assert other.json()["data"] == {"touched": False}
         ended = await client.post(TOUCH, json=touch("s1", True, bot_id="bot-2", group_id="g1"))
         assert ended.json()["data"] == {"touched": False, "released": False}
-        assert await redis.hget(K.sm_session("s1"), "expiry") == session["expiry"]
+        assert (
+            await redis.hget(K.sm_session(scope_of("g1", "bot-1"), "s1"), "expiry")
+            == session["expiry"]
+        )
 
         own = await client.post(TOUCH, json=touch("s1", bot_id="bot-1", group_id="g1"))
         assert own.json()["data"] == {"touched": True}
@@ -68,7 +71,7 @@ async def test_touch_with_its_scope_ids_finds_only_that_scopes_session(
         assert plain.json()["data"] == {"touched": True}, "without ids: as before"
         ended = await client.post(TOUCH, json=touch("s1", True, bot_id="bot-1", group_id="g1"))
         assert ended.json()["data"] == {"touched": True, "released": True}
-        assert not await redis.exists(K.sm_session("s1"))
+        assert not await redis.exists(K.sm_session(scope_of("g1", "bot-1"), "s1"))
 
 
 async def test_one_scope_id_without_the_other_is_refused(redis: Redis, db: Database) -> None:

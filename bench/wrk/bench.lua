@@ -2,9 +2,10 @@
 -- unique request_id (the replay cache must never answer instead of the script).
 --
 -- Environment:
---   BENCH_MODE      route_existing | route_new | touch | noop
+--   BENCH_MODE      route_existing | route_new | touch | touch_ids | noop
 --                   route_existing / touch / noop: a random live session k in [0, SESSIONS)
 --                   route_new: a new session per request (never placed before)
+--                   touch_ids: touch naming the scope (bot_id + extra.group_id)
 --   BENCH_SESSIONS  live sessions (ids "<BENCH_PREFIX><k>")   BENCH_SCOPES  scopes they span
 --   BENCH_GROUP     extra.group_id; session k (or request n) is in bot "b-<k % SCOPES>"
 --   BENCH_RUN       prefix making request ids (and route_new session ids) unique per run
@@ -48,6 +49,11 @@ function request()
   if mode == "touch" then
     return wrk.format(nil, nil, nil, '{"metadata":{"request_id":"' .. rid ..
       '","session_id":"' .. session .. '"},"rawdata":{}}')
+  end
+  if mode == "touch_ids" then
+    return wrk.format(nil, nil, nil, '{"metadata":{"request_id":"' .. rid ..
+      '","session_id":"' .. session .. '","bot_id":"b-' .. (k % scopes) ..
+      '","extra":{"group_id":"' .. group .. '"}},"rawdata":{}}')
   end
   return wrk.format(nil, nil, nil, route_body(rid, session, "b-" .. (k % scopes)))
 end

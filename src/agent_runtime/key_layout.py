@@ -10,10 +10,10 @@ the keys in place (``RENAMENX``: a key keeps its value and its TTL) and records 
 
 Layout 1 only ever existed on a single server (its scripts cannot run on a cluster), so the
 renames never cross a node. Each module's ``legacy_keys.py`` says what its old names were,
-and which of them are retired: those are deleted (``pods:{pod_id}:scopes``: nothing reads it
-any more). A key whose new name is in its data rather than its old name (a resource-manager
-pod's keys take its scope's tag, from its info) is moved by its module's ``prepare`` first;
-what that leaves under an old name is retired.
+which of them are retired (deleted: ``pods:{pod_id}:scopes``, nothing reads it any more), and
+which carry content that moves to other keys (converted, one at a time, after the renames: a
+session hash goes under its scope's tag, a global index is split by scope or bucket, a
+resource-manager pod's keys go under the scope its info names).
 """
 
 from __future__ import annotations
@@ -39,21 +39,29 @@ MODULES: tuple[tuple[str, Callable[[str], str | None], Callable[[str], bool]], .
     (sm_legacy.SCAN_PATTERN, sm_legacy.current_name, sm_legacy.retired),
     (rm_legacy.SCAN_PATTERN, rm_legacy.current_name, rm_legacy.retired),
 )
-# moves whose new name is in the data, not in the old name (a pod's scope, in its info): run
-# before the walk over the names, which then deletes what they left as retired; each returns
-# the old names it renamed (with dry_run: would rename, and the walk leaves them alone)
-PREPARES: tuple[Callable[..., Awaitable[set[str]]], ...] = (rm_legacy.prepare,)
+# (SCAN MATCH pattern, old name → its content moves, the move), per module that has such keys
+CONVERSIONS: tuple[
+    tuple[str, Callable[[str], bool], Callable[[Redis, str], Awaitable[bool]]], ...
+] = (
+    (sm_legacy.SCAN_PATTERN, sm_legacy.convertible, sm_legacy.convert),
+    (rm_legacy.SCAN_PATTERN, rm_legacy.convertible, rm_legacy.convert),
+)
+CONVERTED = ""  # the "current name" _legacy_keys gives a key to convert
 
 
 async def _legacy_keys(redis: Redis) -> AsyncIterator[tuple[str, str | None]]:
     """(old name, current name) of every key still in an earlier layout; current name None:
-    a retired key, to be deleted."""
+    a retired key, to be deleted; CONVERTED: a key whose content moves."""
     for pattern, current_name, retired in MODULES:
         async for key in redis.scan_iter(match=pattern, count=SCAN_COUNT):
             if retired(key):
                 yield key, None
             elif (new := current_name(key)) is not None:
                 yield key, new
+    for pattern, convertible, _ in CONVERSIONS:
+        async for key in redis.scan_iter(match=pattern, count=SCAN_COUNT):
+            if convertible(key):
+                yield key, CONVERTED
 
 
 async def check(redis: Redis) -> None:
@@ -95,6 +103,7 @@ class Migration:
     """What ``migrate`` did (or, with ``dry_run``, would do)."""
 
     renamed: int = 0
+    converted: int = 0  # keys whose content moved to their layout-2 keys
     deleted: int = 0  # retired keys (no current name)
     # the current name existed already (a replica of this version wrote it): the old key is
     # left where it is, named here (the first 20) for the operator to look at
@@ -105,6 +114,8 @@ class Migration:
     def describe(self) -> str:
         verb = "would rename" if self.dry_run else "renamed"
         line = f"key layout {LAYOUT}: {verb} {self.renamed} keys"
+        if self.converted:
+            line += f", {'would convert' if self.dry_run else 'converted'} {self.converted}"
         if self.deleted:
             line += f", {'would delete' if self.dry_run else 'deleted'} {self.deleted} retired ones"
         if self.clash_count:
@@ -159,18 +170,24 @@ async def migrate(redis: Redis, *, dry_run: bool = False, force: bool = False) -
                         done.clashes.append(old)
         batch.clear()
 
-    prepared: set[str] = set()
-    for prepare in PREPARES:
-        prepared |= await prepare(redis, dry_run=dry_run)
-    done.renamed += len(prepared)
+    converts: list[str] = []
     async for pair in _legacy_keys(redis):
-        if pair[0] in prepared:
-            continue  # a dry run left it in place: counted as renamed above
+        if pair[1] == CONVERTED:
+            converts.append(pair[0])
+            continue
         batch.append(pair)
         if len(batch) >= RENAME_BATCH:
             await flush()
     if batch:
         await flush()
+    for key in converts:  # after the renames; one at a time (each reads what it moves)
+        convert = next(c for pattern, convertible, c in CONVERSIONS if convertible(key))
+        if dry_run or await convert(redis, key):
+            done.converted += 1
+        elif await redis.exists(key):  # not moved, and still there: a clash
+            done.clash_count += 1
+            if len(done.clashes) < 20:
+                done.clashes.append(key)
     if not dry_run:
         await redis.set(LAYOUT_KEY, LAYOUT)
     return done

@@ -38,14 +38,14 @@ from agent_runtime.resource_manager.pod_reports import PodReports
 from agent_runtime.resource_manager.pod_watch import PodWatch
 from agent_runtime.resource_manager.pool_jobs import PoolJobs
 from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
-from agent_runtime.resource_manager.state import REGISTERED_PATTERN, ResourceState
+from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.resource_manager.views import ResourceViews
 from agent_runtime.session_manager.config_store import ConfigStore
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.handler_deps import HandlerDeps
 from agent_runtime.session_manager.orchestrator import SessionOrchestrator
 from agent_runtime.session_manager.scope_state import ScopeState
-from agent_runtime.session_manager.state import FREE_PATTERN, SessionState
+from agent_runtime.session_manager.state import SessionState
 from agent_runtime.session_manager.sweeper import SessionSweeper
 from agent_runtime.session_manager.views import SessionViews
 
@@ -335,7 +335,7 @@ def wire(
     resource_state = ResourceState(
         redis, observe=metrics.redis_call, pod_budget=settings.pod_budget
     )
-    notifier = Notifier(redis, patterns=[REGISTERED_PATTERN, FREE_PATTERN])
+    notifier = Notifier(redis)
     orchestrator = ResourceOrchestrator(
         state=resource_state,
         k8s=k8s,

@@ -6,13 +6,13 @@
 -- cold deploy, in the step that decides follow or lead)
 --
 -- KEYS[1] the room               ZSET member -> deadline (Redis seconds, fractional)
--- KEYS[2] the module's leased_scopes  SET  scopes its prune job looks at
 -- ARGV[1] member (the request_id of the waiting call)
 -- ARGV[2] seconds the seat may be held unless renewed (fractional: 0.5 is half a second)
 -- ARGV[3] limit (seats in the room; 0 refuses everyone)
--- ARGV[4] scope_id (joins KEYS[2] when seated)
 --
--- returns 1 seated, 0 refused (the room is full; the seat was not kept)
+-- returns 0 refused (the room is full; the seat was not kept), 1 seated again (a renewal),
+--         or the new seat's deadline (a string, Redis seconds): the caller tells its module's
+--         prune index (the session manager's leased_scopes, a key of no scope) about it
 --
 -- invariant: ZCARD <= limit after every call. Add first, then leave again if over: never
 -- "check then add", which lets two callers both see room for one. Deadlines are TIME to the
@@ -25,10 +25,11 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 -- the bound to the microsecond (a number concatenated as it is keeps 14 digits: 100 µs)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%.6f', now))
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+local deadline = now + tonumber(ARGV[2])
+local new = redis.call('ZADD', KEYS[1], deadline, ARGV[1])
 if redis.call('ZCARD', KEYS[1]) > tonumber(ARGV[3]) then
   redis.call('ZREM', KEYS[1], ARGV[1])
   return 0
 end
-redis.call('SADD', KEYS[2], ARGV[4])
+if new == 1 then return string.format('%.6f', deadline) end
 return 1

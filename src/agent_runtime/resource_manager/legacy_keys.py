@@ -8,11 +8,10 @@ it in braces, the Redis Cluster hash tag, so that every key of one scope lives i
 A pod's keys named only the pod (``resource:pod:<pod_id>:info``); layout 2 puts them under
 their scope's tag (``resource:pod:{<sid>}:<pod_id>:info``), and the set of every pod
 (``resource:pods:all``) became the pod index, a HASH pod id → scope id per bucket. The scope
-is not in the old name: ``prepare`` reads it from the pod's info (or its drain) for every pod
-of ``resource:pods:all``, moves the pod's keys and indexes it, before the walk over the names;
-the walk then deletes what is left under the old names (a pod key whose pod was in no index,
-``resource:pods:all`` itself). The indexes over every scope (``resource:scopes``,
-``resource:leased_scopes``, ``resource:draining``) are split into their buckets the same way.
+is not in the old name: ``convert`` reads it from the pod's info (or the pod index, once the
+info moved and indexed the pod; or its drain) and moves each pod key. The indexes over every
+scope (``resource:scopes``, ``resource:leased_scopes``, ``resource:draining``) are split into
+their buckets; the foreign-pod report's keys and the budgets' are renamed by name.
 """
 
 from __future__ import annotations
@@ -77,52 +76,62 @@ def current_name(key: str) -> str | None:
 
 
 def retired(key: str) -> bool:
-    """Whether ``key`` is of a name no current version uses (the migration deletes it, after
-    ``prepare`` moved what it could): the set of every pod, and untagged pod keys."""
+    """Whether ``key`` is of a name no current version uses (the migration deletes it): none
+    of this module's (its old indexes and pod keys are ``convertible``)."""
+    return False
+
+
+def convertible(key: str) -> bool:
+    """Whether ``key`` is a layout-1 key whose content moves (``convert``): an untagged pod
+    key, the set of every pod, a one-key index over every scope."""
     return key in (PODS_ALL_KEY, *_INDEXES) or _POD_BARE.match(key) is not None
 
 
-async def prepare(redis: Redis, *, dry_run: bool) -> set[str]:
-    """Move each pod of ``resource:pods:all`` to layout 2: its keys renamed under its scope's
-    tag (RENAMENX: values and TTLs kept; one whose new name exists stays, and goes with the
-    retired ones), and the pod into the pod index. Returns the old names it renamed (with
-    ``dry_run``: would rename). Idempotent: a moved pod has no old keys left."""
-    renamed: set[str] = set()
-    async for pod_id in redis.sscan_iter(PODS_ALL_KEY, count=SCAN_COUNT):
-        async with redis.pipeline(transaction=False) as pipe:
-            pipe.hget(_old_pod_key(pod_id, "info"), "scope_id")
-            pipe.hget(_old_pod_key(pod_id, "drain"), "scope_id")
-            for part in POD_PARTS:
-                pipe.exists(_old_pod_key(pod_id, part))
-            info_scope, drain_scope, *present = await pipe.execute()
-        scope_id = cast(str | None, info_scope or drain_scope)
-        if not scope_id:
-            continue  # no record of its scope: nothing to move (its keys are retired)
-        parts = [part for part, there in zip(POD_PARTS, present, strict=True) if there]
-        if dry_run:
-            renamed.update(_old_pod_key(pod_id, part) for part in parts)
-            continue
+async def convert(redis: Redis, key: str) -> bool:
+    """Move a ``convertible`` key to layout 2 and delete it (after the renames, one at a time).
+    A pod key goes under the scope its info names (the old info, or the pod index once the
+    info moved; a drain names its own), the info indexing the pod; one whose pod names no
+    scope any more is deleted (it describes nothing). ``resource:pods:all`` goes (the infos
+    index their pods); the indexes over every scope are split into their buckets. False: a
+    pod key whose new name exists (a clash, left)."""
+    if key == PODS_ALL_KEY:
+        await redis.delete(key)
+        return True
+    if key in _INDEXES:
+        await _split_index(redis, key)
+        await redis.delete(key)
+        return True
+    pod_id, part = key.removeprefix(f"{P}resource:pod:").rsplit(":", 1)
+    scope_id = await _scope_of(redis, pod_id, key if part == "drain" else None)
+    if not scope_id:
+        await redis.delete(key)
+        return True
+    if part == "info":
         await redis.hset(pod_index_key(pod_id), pod_id, scope_id)
-        for part in parts:
-            old, new = _old_pod_key(pod_id, part), f"{pod_key_head(scope_id, pod_id)}{part}"
-            if await redis.renamenx(old, new):
-                renamed.add(old)
-    if not dry_run:
-        await _split_indexes(redis)
-    return renamed
+    return bool(await redis.renamenx(key, f"{pod_key_head(scope_id, pod_id)}{part}"))
 
 
-async def _split_indexes(redis: Redis) -> None:
-    """The scope index, the leased scopes and the draining pods, each one key, into their
-    buckets (the old keys then go with the retired ones). A draining pod's bucket is its
-    scope's: the pod index (just written) names it; one it does not name is left out (its
-    drain, if one is left, is put back by reconcile)."""
-    async for scope_id in redis.sscan_iter(SCOPES_KEY, count=SCAN_COUNT):
-        await redis.sadd(scope_index_key(scope_id), scope_id)
-    async for scope_id in redis.sscan_iter(LEASED_KEY, count=SCAN_COUNT):
-        # due at once: the prune looks at it and says when next
-        await redis.zadd(leased_scopes_key(bucket_tag(bucket_of(scope_id))), {scope_id: 0})
-    async for pod_id, deadline in redis.zscan_iter(DRAINING_KEY, count=SCAN_COUNT):
-        scope_id = cast(str | None, await redis.hget(pod_index_key(pod_id), pod_id))
-        if scope_id:
-            await redis.zadd(scope_draining_key(scope_id), {pod_id: deadline})
+async def _scope_of(redis: Redis, pod_id: str, drain: str | None) -> str | None:
+    scope_id = await redis.hget(_old_pod_key(pod_id, "info"), "scope_id")
+    if not scope_id:
+        scope_id = await redis.hget(pod_index_key(pod_id), pod_id)
+    if not scope_id and drain is not None:
+        scope_id = await redis.hget(drain, "scope_id")
+    return cast(str | None, scope_id or None)
+
+
+async def _split_index(redis: Redis, key: str) -> None:
+    """The scope index, the leased scopes or the draining pods into their buckets. A
+    draining pod's bucket is its scope's (its old info's, or the pod index's); one that names
+    no scope is left out (reconcile puts a drain still there back)."""
+    if key == SCOPES_KEY:
+        async for scope_id in redis.sscan_iter(key, count=SCAN_COUNT):
+            await redis.sadd(scope_index_key(scope_id), scope_id)
+    elif key == LEASED_KEY:
+        async for scope_id in redis.sscan_iter(key, count=SCAN_COUNT):
+            # due at once: the prune looks at it and says when next
+            await redis.zadd(leased_scopes_key(bucket_tag(bucket_of(scope_id))), {scope_id: 0})
+    else:
+        async for pod_id, deadline in redis.zscan_iter(key, count=SCAN_COUNT):
+            if scope_id := await _scope_of(redis, pod_id, None):
+                await redis.zadd(scope_draining_key(scope_id), {pod_id: deadline})

@@ -1,7 +1,8 @@
 """The demand a predictive warm pool is sized by, read in slices: each scope's arrival rates
 (``scope:{sid}:arrivals``, kept by route_place.lua at no extra round trip), live sessions and
-routes waiting for a slot. Key names are derived in ``scope_demand.lua`` from the prefix, as
-``state.py`` spells them; the reply is decoded here, once.
+routes waiting for a slot: one ``scope_demand.lua`` call per scope (its four keys, one slot on
+a Redis Cluster), pipelined a slice at a time; key names from ``state.py``'s builders, the
+reply decoded here, once.
 """
 
 from __future__ import annotations
@@ -13,15 +14,22 @@ from typing import Any
 from redis.asyncio import Redis
 
 from agent_runtime import lua
-from agent_runtime.config import SM_KEY_PREFIX as P
 from agent_runtime.resource_manager.session_side import (
     ARRIVAL_FAST_WINDOW,
     ARRIVAL_SLOW_WINDOW,
     ScopeDemand,
 )
-from agent_runtime.session_manager.state import KEYS_PRELUDE
+from agent_runtime.session_manager.state import (
+    KEYS_PRELUDE,
+    ScriptCall,
+    pipelined,
+    scope_arrivals_key,
+    scope_reserved_key,
+    scope_sessions_key,
+    scope_waiters_key,
+)
 
-DEMAND_BATCH = 200  # scopes per scope_demand call (~4 commands each: ≲ 0.5 ms in Redis)
+DEMAND_BATCH = 200  # scope_demand calls per pipeline (~4 commands each)
 _FIELDS = 5  # per scope: fast, slow, at, sessions, queued
 
 
@@ -29,6 +37,7 @@ class DemandState:
     """``scope_demand`` over a client (decode_responses)."""
 
     def __init__(self, redis: Redis, *, observe: lua.ScriptObserver | None = None) -> None:
+        self.redis = redis
         self._scope_demand = lua.register(
             redis,
             "agent_runtime.session_manager",
@@ -43,10 +52,23 @@ class DemandState:
         demand: dict[str, ScopeDemand] = {}
         for i in range(0, len(scope_ids), DEMAND_BATCH):
             batch = list(scope_ids[i : i + DEMAND_BATCH])
-            reply = await self._scope_demand(keys=[], args=[P, *batch])
-            now = int(reply[0]) + int(reply[1]) / 1_000_000
-            for n, scope_id in enumerate(batch):
-                demand[scope_id] = _demand_of(reply[2 + n * _FIELDS : 2 + (n + 1) * _FIELDS], now)
+            calls: list[ScriptCall] = [
+                (
+                    self._scope_demand,
+                    [
+                        scope_arrivals_key(scope_id),
+                        scope_sessions_key(scope_id),
+                        scope_waiters_key(scope_id),
+                        scope_reserved_key(scope_id),
+                    ],
+                    [],
+                )
+                for scope_id in batch
+            ]
+            replies = await pipelined(self.redis, calls)
+            for scope_id, reply in zip(batch, replies, strict=True):
+                now = int(reply[0]) + int(reply[1]) / 1_000_000
+                demand[scope_id] = _demand_of(reply[2 : 2 + _FIELDS], now)
         return demand
 
 

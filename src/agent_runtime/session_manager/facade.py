@@ -36,7 +36,8 @@ class SessionManagerFacade:
             if await self._state.cleanup_pod(scope_id, pod_id) is not PodCleanup.SESSIONS_REMAIN:
                 break
             for session_id in await self._state.pod_sessions(scope_id, pod_id):
-                if await self._state.evict(session_id, pod_died=True) is not None:
+                evicted_here = await self._state.evict(session_id, scope_id=scope_id, pod_died=True)
+                if evicted_here is not None:
                     evicted += 1
         else:
             log.warning("pod %s in scope %s: sessions keep arriving", pod_id, scope_id)

@@ -1,16 +1,38 @@
 """The session manager's keys as an earlier version named them: what ``agent-runtime redis
-migrate`` renames (``key_layout.py`` runs it). The only place that spells a retired key name;
-the current names are ``state.py``'s.
+migrate`` renames, converts or deletes (``key_layout.py`` runs it). The only place that spells
+a retired key name; the current names are ``state.py``'s.
 
-Layout 1 (before Redis Cluster, issue 17) put the scope id bare in a key name; layout 2 wraps
-it in braces, the Redis Cluster hash tag, so that every key of one scope lives in one slot.
+Layout 1 (before Redis Cluster, issue 17) put the scope id bare in a key name and kept a
+session and the indexes over scopes in keys of no scope; layout 2 wraps the scope id in braces,
+the Redis Cluster hash tag, so that every key of one scope — a session's too — lives in one
+slot:
+
+- ``scope:<sid>:…``, ``pod:<sid>:<pod>:…`` → the same with ``{<sid>}`` (a rename);
+- ``session:<session_id>`` → ``session:{<sid>}:<session_id>`` (the hash's ``scope_id``), its
+  expiry into ``scope:{<sid>}:session_expiry``, the session-scope index and the scope's
+  ``expiry_due`` mark written beside it (a conversion);
+- ``pods:registered`` (members ``<sid>:<pod>``) → ``pods:{<sid>}:registered`` (a conversion);
+- ``leased_scopes`` (a SET) → each scope marked due now in ``leased_scopes:{bNN}``;
+- ``session_expiry``, ``touch:<request_id>`` (a 60 s replay answer that names no scope) and
+  ``pods:<pod_id>:scopes`` are deleted: each session's hash carries its expiry.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from typing import cast
+
+from redis.asyncio import Redis
 
 from agent_runtime.config import SM_KEY_PREFIX as P
+from agent_runtime.session_manager.state import (
+    SessionState,
+    pods_registered_key,
+    scope_expiry_key,
+    session_key,
+    session_scope_key,
+)
 
 # what SCAN looks at (MATCH): every key of this module
 SCAN_PATTERN = f"{P}*"
@@ -19,9 +41,16 @@ SCAN_PATTERN = f"{P}*"
 # without ':' and braces in tests): the tag goes around it, the rest stays as it was
 _SCOPE_BARE = re.compile(rf"^({re.escape(P)}(?:scope|pod):)([^:{{}}]+)(:.+)$")
 
-# pods:{pod_id}:scopes, the SET of the scopes that referenced a pod: gone (a pod belongs to one
-# scope, and the resource manager names it when it asks the session side)
-_POD_SCOPES = re.compile(rf"^{re.escape(P)}pods:[^{{}}]+:scopes$")
+# retired: pods:{pod_id}:scopes (a pod belongs to one scope, the resource manager names it);
+# the global session_expiry (each hash carries its expiry); touch:{request_id} without a scope
+_RETIRED = re.compile(
+    rf"^{re.escape(P)}(?:pods:[^{{}}]+:scopes|session_expiry|touch:(?!\{{[^{{}}]*\}}:).*)$"
+)
+
+_SESSION = f"{P}session:"
+_CURRENT_SESSION = re.compile(rf"^{re.escape(_SESSION)}\{{([^{{}}]*)\}}:(.*)$", re.DOTALL)
+_PODS_REGISTERED = f"{P}pods:registered"
+_LEASED_SCOPES = f"{P}leased_scopes"
 
 
 def current_name(key: str) -> str | None:
@@ -36,4 +65,60 @@ def current_name(key: str) -> str | None:
 
 def retired(key: str) -> bool:
     """Whether ``key`` is of a name no current version uses: the migration deletes it."""
-    return _POD_SCOPES.match(key) is not None
+    return _RETIRED.match(key) is not None
+
+
+def convertible(key: str) -> bool:
+    """Whether ``key`` is a layout-1 key whose content moves (``convert``): a session hash named
+    by its session id alone, ``pods:registered``, the ``leased_scopes`` SET. (A layout-1 session
+    id that itself looks like ``{…}:…`` is taken for a current name and left.)"""
+    if key in (_PODS_REGISTERED, _LEASED_SCOPES):
+        return True
+    if not key.startswith(_SESSION):
+        return False
+    return _CURRENT_SESSION.match(key) is None
+
+
+async def convert(redis: Redis, key: str) -> bool:
+    """Move a ``convertible`` key's content to its layout-2 keys and delete it. False: nothing
+    moved (gone since the SCAN, or a session hash whose current name exists: a clash, left)."""
+    if key == _PODS_REGISTERED:
+        members = [str(m) for m in await redis.smembers(key)]
+        async with redis.pipeline(transaction=False) as pipe:
+            for member in members:
+                scope_id, _, pod_id = member.partition(":")
+                pipe.sadd(pods_registered_key(scope_id), pod_id)
+            pipe.delete(key)
+            await pipe.execute()
+        return bool(members)
+    state = SessionState(redis)
+    if key == _LEASED_SCOPES:
+        scopes = [str(m) for m in await redis.smembers(key)]
+        for scope_id in scopes:  # the prune looks at each at once
+            await state.leased.mark(scope_id, 0.0)
+        await redis.delete(key)
+        return bool(scopes)
+    return await _convert_session(redis, state, key)
+
+
+async def _convert_session(redis: Redis, state: SessionState, key: str) -> bool:
+    binding = cast(dict[str, str], await redis.hgetall(key))
+    scope_id, session_id = binding.get("scope_id"), key.removeprefix(_SESSION)
+    if not binding:
+        return False
+    if not scope_id:  # no scope to move it to: half a session, nothing can serve it
+        await redis.delete(key)
+        return False
+    new = session_key(scope_id, session_id)
+    if not await redis.renamenx(key, new):
+        return False
+    expiry, ttl = float(binding.get("expiry") or 0), float(binding.get("session_ttl") or 0)
+    index_ttl = max(1, math.ceil(2 * ttl))
+    seconds, micros = await redis.time()
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.zadd(scope_expiry_key(scope_id), {session_id: expiry})
+        pipe.set(session_scope_key(session_id), scope_id, ex=index_ttl)
+        pipe.hset(new, "index_until", f"{seconds + micros / 1e6 + index_ttl:.6f}")
+        await pipe.execute()
+    await state.expiry_due.mark(scope_id, expiry)
+    return True

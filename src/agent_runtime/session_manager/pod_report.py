@@ -37,8 +37,8 @@ class PodReport:
     async def check(self, session_id: str, scope_id: str, pod_id: str) -> PodVerdict | None:
         """The reported pod's verdict, or None when the report was ignored (or could not be
         checked: a report is advice, and the route goes on without it)."""
-        bound = await self._state.bound_pod(session_id)
-        if bound is None or bound.scope_id != scope_id or bound.pod_id != pod_id:
+        bound = await self._state.bound_pod(session_id, scope_id)
+        if bound is None or bound.pod_id != pod_id:
             self._ignored.inc()
             return None
         try:

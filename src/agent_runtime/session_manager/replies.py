@@ -40,6 +40,11 @@ class RoutePlacement:
     pod_sse_url: str = ""  # PLACING
     previous_pod_id: str = ""  # REBOUND: the pod that left
     reserved: bool = False  # SCOPE_FULL: the request still holds a reservation (wait on it)
+    # PLACING: seconds to (re)write the session-scope index with (0: not due)
+    index_ttl: int = 0
+    # PLACING: the scope's earliest expiry moved to this (mark expiry_due); NEED_ACQUIRE: the
+    # reservation's deadline (mark leased_scopes); None: nothing to mark
+    due: float | None = None
     # REPLAY: the first answer as the gateway got it (the request's binding taken out)
     replayed: Mapping[str, Any] | None = None
 
@@ -87,7 +92,7 @@ class PodCleanup(IntEnum):
 
 
 class PodRef(NamedTuple):
-    """A registered pod of a scope (a ``pods:registered`` member ``{sid}:{pod}``)."""
+    """A registered pod of a scope (a member of ``pods:{sid}:registered``)."""
 
     scope_id: str
     pod_id: str
@@ -96,6 +101,13 @@ class PodRef(NamedTuple):
 class SeatsPruned(NamedTuple):
     seats: int  # queue seats past their lease
     reservations: int  # reservations past their lease
+
+
+class ScopeExpired(NamedTuple):
+    """One ``evict_expired`` slice of a scope."""
+
+    evicted: list[str]  # the session ids evicted
+    next_due: float | None  # the scope's earliest expiry left (None: no session left)
 
 
 class IdleMarkPage(NamedTuple):

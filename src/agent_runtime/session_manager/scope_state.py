@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager, suppress
 from typing import Any, cast
@@ -27,14 +26,13 @@ from agent_runtime.session_manager.state import (
     CONFIG_GEN_KEY,
     CONFIG_SYNC_LOCK_KEY,
     KEYS_PRELUDE,
-    PODS_REGISTERED_KEY,
     SCOPE_CONFIG_PATTERN,
     SCOPE_IDLE_KEY,
     SCOPE_REGISTRY_KEY,
     bot_index_key,
     group_index_key,
     pod_info_key,
-    pod_ref,
+    registered_in,
     scope_config_key,
     scope_pod_seq_key,
     scope_pods_key,
@@ -205,21 +203,22 @@ class ScopeState:
             async for sid, value in self.redis.hscan_iter(SCOPE_REGISTRY_KEY, count=500)
         }
 
+    async def registry_page(self, cursor: str, count: int) -> tuple[str, list[str]]:
+        """One HSCAN page of the registry: (next cursor, "0" at the end; scope ids)."""
+        next_cursor, page = await self.redis.hscan(SCOPE_REGISTRY_KEY, int(cursor), count=count)
+        return str(next_cursor), [str(sid) for sid in cast(dict[str, str], page)]
+
     async def scope_count(self) -> int:
         return int(await self.redis.hlen(SCOPE_REGISTRY_KEY))
 
     # --- pods, as config_sync sees them --------------------------------------------------------
 
     async def registered_pods_by_scope(self, scope_ids: set[str]) -> dict[str, list[str]]:
-        """Registered pod ids of the given scopes (one SSCAN over ``pods:registered``)."""
-        found: dict[str, list[str]] = defaultdict(list)
-        if not scope_ids:
-            return found
-        async for member in self.redis.sscan_iter(PODS_REGISTERED_KEY, count=500):
-            sid, pod_id = pod_ref(member)
-            if sid in scope_ids:
-                found[sid].append(pod_id)
-        return found
+        """Registered pod ids of the given scopes that have any (a pipeline of each scope's
+        ``pods:{sid}:registered``)."""
+        ids = sorted(scope_ids)
+        found = zip(ids, await registered_in(self.redis, ids), strict=True)
+        return {sid: pods for sid, pods in found if pods}
 
     async def pod_versions(self, scope_id: str, pod_ids: list[str]) -> dict[str, str | None]:
         if not pod_ids:

@@ -6,12 +6,18 @@ contract because nothing outside reads them: ``scope_registry`` (every scope kno
 even when their cache was dropped), the scope indexes ``scope_index:template:{tid}``,
 ``scope_index:group:{group_id}`` and ``scope_index:bot:{bot_id}`` (SETs of sids, kept in the
 same script as the registry entry: a config change walks only the scopes its item can reach),
-``scope_idle`` (ZSET sid → when first seen empty: the scope expiry's candidates),
-``leased_scopes`` (scopes that took a queue seat or a reservation: the prune's index) and
+``scope_idle`` (ZSET sid → when first seen empty: the scope expiry's candidates) and
 ``config_gen`` (bumped by every config change; a resolve fills the cache only if the
 generation it read before its DB query is still current, so a resolve racing a config_sync
 cannot write back a stale cache; a propagation writes a scope only if no later config_sync
 wrote it already).
+
+A session's keys carry its scope's tag (``session:{<sid>}:<id>``, ``scope:{<sid>}:session_expiry``,
+``touch:{<sid>}:<rid>``, ``pods:{<sid>}:registered``): every script of ``SessionState`` touches one
+slot. Three keys span scopes and are written by ``SessionState`` beside the script whose reply
+asks for it: the session-scope index ``session_scope:<id>`` (a hint for callers that know only
+the session id), and the bucketed DueIndexes ``expiry_due:{bNN}`` and ``leased_scopes:{bNN}``
+(``scope_buckets``); ``SessionState.safety_walk`` remakes a mark a crashed replica lost.
 
 ``SessionState`` is the door to sessions, pods and routes (the hot path's scripts, the
 sweeper's passes, the facade's questions); ``scope_state.ScopeState`` the door to the scope
@@ -22,17 +28,24 @@ script reply is decoded once, here or there, into ``replies``' typed values.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
-from collections.abc import Sequence
+import logging
+from collections import defaultdict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any, cast
 
 from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
 
 from agent_runtime import lua
 from agent_runtime.config import SM_KEY_PREFIX as P
 from agent_runtime.errors import BackendUnavailable
+from agent_runtime.redis_client import is_cluster
 from agent_runtime.resource_manager.session_side import ARRIVAL_FAST_WINDOW, ARRIVAL_SLOW_WINDOW
+from agent_runtime.scope_buckets import DueIndex, bucket_tag
 from agent_runtime.session_manager.replies import (
     PLACING,
     Eviction,
@@ -40,9 +53,12 @@ from agent_runtime.session_manager.replies import (
     PodCleanup,
     PodRef,
     RoutePlacement,
+    ScopeExpired,
     SeatsPruned,
     TouchOutcome,
 )
+
+log = logging.getLogger(__name__)
 
 # --- key names -------------------------------------------------------------------------------
 # Every key of one scope's state carries the scope id as its Redis Cluster hash tag, braces
@@ -80,8 +96,39 @@ def pod_idle_notified_key(scope_id: str, pod_id: str) -> str:
     return f"{_pod(scope_id, pod_id)}idle_notified"
 
 
-def session_key(session_id: str) -> str:
-    return f"{P}session:{session_id}"
+def session_key(scope_id: str, session_id: str) -> str:
+    """The session's hash, in its scope: ``session:{<sid>}:<session_id>``."""
+    return f"{P}session:{{{scope_id}}}:{session_id}"
+
+
+def session_scope_key(session_id: str) -> str:
+    """The session-scope index: STRING → the scope the session was last bound in, for the
+    callers that know only the session id (touch without ids, evict, the admin view). A hint
+    with a TTL of 2 × session_ttl, refreshed when a script says so: the session's own hash
+    under the scope's tag is the truth. A key of no scope (any slot)."""
+    return f"{P}session_scope:{session_id}"
+
+
+def scope_expiry_key(scope_id: str) -> str:
+    """The scope's sessions by expiry (Redis seconds): what the expiry pass reads."""
+    return f"{_scope(scope_id)}session_expiry"
+
+
+def pods_registered_key(scope_id: str) -> str:
+    """The pods registered in the scope (candidates or not): SET of pod ids."""
+    return f"{P}pods:{{{scope_id}}}:registered"
+
+
+def expiry_due_key(bucket: int) -> str:
+    """A bucket of the expiry index: scope id → when its earliest session expires
+    (scope_buckets.DueIndex; marked beside route_place, settled by the expiry pass)."""
+    return f"{P}expiry_due:{bucket_tag(bucket)}"
+
+
+def leased_scopes_key(bucket: int) -> str:
+    """A bucket of the seat prune's index: scope id → the earliest deadline of a queue seat or
+    reservation it took (scope_buckets.DueIndex; marked beside waiter_gate and route_place)."""
+    return f"{P}leased_scopes:{bucket_tag(bucket)}"
 
 
 def scope_sessions_key(scope_id: str) -> str:
@@ -125,9 +172,10 @@ def request_hash(first: str, second: str = "") -> str:
     return hashlib.blake2b(joined, digest_size=16).hexdigest()
 
 
-def touch_key(request_id: str) -> str:
-    """The answer of an eos that ended its session, for the same request re-sent (REPLAY_TTL)."""
-    return f"{P}touch:{request_id}"
+def touch_key(scope_id: str, request_id: str) -> str:
+    """The answer of an eos that ended its session, for the same request re-sent (REPLAY_TTL),
+    in the session's scope."""
+    return f"{P}touch:{{{scope_id}}}:{request_id}"
 
 
 def previous_pod_key(scope_id: str, session_id: str) -> str:
@@ -149,17 +197,11 @@ ROUTE_LEASE = 3.0
 ARRIVALS_TTL = int(10 * ARRIVAL_SLOW_WINDOW)
 
 
-PODS_REGISTERED_KEY = f"{P}pods:registered"
-SESSION_EXPIRY_KEY = f"{P}session_expiry"
 CONFIG_SYNC_LOCK_KEY = f"{P}lock:config_sync"
 SCOPE_REGISTRY_KEY = f"{P}scope_registry"
 CONFIG_GEN_KEY = f"{P}config_gen"
 SCOPE_CONFIG_PATTERN = f"{_scope('*')}config"
 SCOPE_IDLE_KEY = f"{P}scope_idle"
-# scopes that took a queue seat or a reservation since the prune job last found them empty:
-# where a dead replica's leftovers can be (seat_prune.lua), so the job never walks every scope
-LEASED_SCOPES_KEY = f"{P}leased_scopes"
-PRUNE_BATCH = 25  # scopes per seat_prune call: ~5 commands, 8–17 µs a scope in Redis (loaded box)
 
 
 def template_index_key(template_id: str) -> str:
@@ -177,12 +219,6 @@ def bot_index_key(bot_id: str) -> str:
     return f"{P}scope_index:bot:{bot_id}"
 
 
-def pod_ref(member: str) -> PodRef:
-    """A ``pods:registered`` member ``{sid}:{pod}`` (scope ids are hex: the first colon)."""
-    scope_id, _, pod_id = member.partition(":")
-    return PodRef(scope_id, pod_id)
-
-
 def _placement(reply: list[Any]) -> RoutePlacement:
     """route_place.lua's reply (its header): the action first, then what that action says."""
     try:
@@ -195,14 +231,81 @@ def _placement(reply: list[Any]) -> RoutePlacement:
         return RoutePlacement(action, replayed=stored)
     if action in PLACING:
         pod_id, url, previous = (str(x) for x in reply[1:4])
-        return RoutePlacement(action, pod_id=pod_id, pod_sse_url=url, previous_pod_id=previous)
+        return RoutePlacement(
+            action,
+            pod_id=pod_id,
+            pod_sse_url=url,
+            previous_pod_id=previous,
+            index_ttl=int(reply[4]),
+            due=float(reply[5]) if reply[5] else None,
+        )
     if action is Placement.SCOPE_FULL:
         return RoutePlacement(action, reserved=reply[1] == "1")
+    if action is Placement.NEED_ACQUIRE:
+        return RoutePlacement(action, due=float(reply[1]))
     return RoutePlacement(action)
 
 
+async def registry_pages(redis: Redis, count: int = 500) -> AsyncIterator[list[str]]:
+    """Every registered scope id, a page at a time (HSCAN of the registry): the walks over
+    every scope (empty pods, registered pods, the indexes' safety walk) go a page at a time."""
+    cursor = 0
+    while True:
+        cursor, page = await redis.hscan(SCOPE_REGISTRY_KEY, cursor, count=count)
+        if page:
+            yield [str(sid) for sid in cast(dict[str, str], page)]
+        if int(cursor) == 0:
+            return
+
+
+ScriptCall = tuple[Any, list[str], list[Any]]  # (registered script, KEYS, ARGV)
+CLUSTER_FANOUT = 32  # script calls in flight at once on a cluster (a pipeline's stand-in)
+
+
+async def pipelined(redis: Redis, calls: Sequence[ScriptCall]) -> list[Any]:
+    """Script calls in one pipeline. A call a node answered NOSCRIPT (the script not loaded
+    there yet, or flushed) is sent again on its own, which loads it; any other error is raised.
+    On a Redis Cluster (whose client pipelines no EVALSHA) the calls go out concurrently,
+    CLUSTER_FANOUT at a time, each to the node of its slot."""
+    if not calls:
+        return []
+    if is_cluster(redis):
+        fanned: list[Any] = []
+        for i in range(0, len(calls), CLUSTER_FANOUT):
+            chunk = calls[i : i + CLUSTER_FANOUT]
+            fanned += await asyncio.gather(*(s(keys=k, args=a) for s, k, a in chunk))
+        return fanned
+    async with redis.pipeline(transaction=False) as pipe:
+        for script, keys, args in calls:
+            await script(keys=keys, args=args, client=pipe)
+        replies = await pipe.execute(raise_on_error=False)
+    out: list[Any] = []
+    for (script, keys, args), reply in zip(calls, replies, strict=True):
+        if isinstance(reply, NoScriptError):
+            reply = await script(keys=keys, args=args)
+        elif isinstance(reply, Exception):
+            raise reply
+        out.append(reply)
+    return out
+
+
+async def registered_in(redis: Redis, scope_ids: list[str]) -> list[list[str]]:
+    """The registered pod ids of each scope, in order (one pipeline)."""
+    if not scope_ids:
+        return []
+    async with redis.pipeline(transaction=False) as pipe:
+        for scope_id in scope_ids:
+            pipe.smembers(pods_registered_key(scope_id))
+        return [sorted(str(m) for m in members) for members in await pipe.execute()]
+
+
 class SessionState:
-    """Typed operations on sessions, pods and routes (client with decode_responses)."""
+    """Typed operations on sessions, pods and routes (client with decode_responses).
+
+    Every script works on one scope (its keys carry the scope's tag: one slot on a Redis
+    Cluster). The indexes that span scopes — the session-scope index, ``expiry_due`` and
+    ``leased_scopes`` — are written here beside the script that asked for it (its reply says
+    so); a mark lost with a crashed replica is found again by ``safety_walk``."""
 
     def __init__(self, redis: Redis, *, observe: lua.ScriptObserver | None = None) -> None:
         self.redis = redis
@@ -229,27 +332,62 @@ class SessionState:
         self._route_lease = script("route_lease")
         self._pod_usage = script("pod_usage")
         self._seat_prune = script("seat_prune")
+        self.expiry_due = DueIndex(redis, expiry_due_key, name="expiry_due", observe=observe)
+        self.leased = DueIndex(redis, leased_scopes_key, name="leased_scopes", observe=observe)
 
     # --- route and touch (scripts) -------------------------------------------------------------
 
     async def route_place(
         self, *, request_id: str, session_id: str, scope_id: str, token: str, slow: bool = False
     ) -> RoutePlacement:
-        """One EVALSHA: replay, refresh, or first-fit placement (see route_place.lua).
+        """One EVALSHA: replay, refresh, or first-fit placement (see route_place.lua). Then,
+        only when its reply asks: the session-scope index (a new binding: a binding in another
+        scope is evicted there), the scope's expiry mark, a reservation's prune mark.
         ``slow``: the caller may hold a seat or a reservation; placing gives them back."""
         keys, args = _route_call(request_id, session_id, scope_id, token, slow)
-        return _placement(await self._route_place(keys=keys, args=args))
+        placement = _placement(await self._route_place(keys=keys, args=args))
+        await self._after_place(session_id, scope_id, placement)
+        return placement
 
     async def place_many(
         self, requests: Sequence[tuple[str, str, str]], token: str
     ) -> list[RoutePlacement]:
         """``route_place`` for each (request_id, session_id, scope_id), pipelined in one round
-        trip (set-ups of benches and fixtures: many sessions at once)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for request_id, session_id, scope_id in requests:
-                keys, args = _route_call(request_id, session_id, scope_id, token, False)
-                await self._route_place(keys=keys, args=args, client=pipe)
-            return [_placement(reply) for reply in await pipe.execute()]
+        trip (set-ups of benches and fixtures: many sessions at once), the indexes after."""
+        calls = [
+            (self._route_place, *_route_call(request_id, session_id, scope_id, token, False))
+            for request_id, session_id, scope_id in requests
+        ]
+        placements = [_placement(reply) for reply in await pipelined(self.redis, calls)]
+        done = list(zip(requests, placements, strict=True))
+        async with self.redis.pipeline(transaction=False) as pipe:  # the index, in one go
+            for (_, session_id, scope_id), placement in done:
+                if placement.index_ttl:
+                    pipe.set(session_scope_key(session_id), scope_id, ex=placement.index_ttl)
+            await pipe.execute()
+        for (_, session_id, scope_id), placement in done:  # marks: the first of each scope
+            await self._after_place(session_id, scope_id, replace(placement, index_ttl=0))
+        return placements
+
+    async def _after_place(self, session_id: str, scope_id: str, placement: RoutePlacement) -> None:
+        """What route_place's reply asks of the indexes it cannot reach."""
+        if placement.due is not None:
+            index = self.leased if placement.action is Placement.NEED_ACQUIRE else self.expiry_due
+            await index.mark(scope_id, placement.due)
+        if not placement.index_ttl:
+            return
+        if placement.action is Placement.REFRESH:
+            await self.redis.set(session_scope_key(session_id), scope_id, ex=placement.index_ttl)
+            return
+        before = await self.redis.set(
+            session_scope_key(session_id), scope_id, ex=placement.index_ttl, get=True
+        )
+        if before and before != scope_id:
+            # bound in another scope before (the gateway's ids changed): that binding must not
+            # keep holding a seat there (rare: extra round trips)
+            moved = await self.evict(session_id, scope_id=str(before))
+            if moved is not None:
+                log.info("session %s moved from scope %s to %s", session_id, before, scope_id)
 
     async def renew_route(self, scope_id: str, request_id: str, token: str) -> bool:
         """Keep a running route's marker, reservation and seat for ROUTE_LEASE more seconds;
@@ -268,38 +406,54 @@ class SessionState:
         ]
         return bool(await self._route_lease(keys=keys, args=[token, request_id, seconds]))
 
+    async def session_scope(self, session_id: str) -> str | None:
+        """The scope the session-scope index names (a hint: the scope's hash is the truth)."""
+        scope = await self.redis.get(session_scope_key(session_id))
+        return str(scope) if scope else None
+
     async def touch(
         self, session_id: str, *, eos: bool, request_id: str = "", scope_id: str | None = None
     ) -> TouchOutcome | None:
-        """See touch.lua. Without a request_id no eos answer is kept. With ``scope_id`` a
-        session of another scope is unknown here. None: an eos whose request_id ended another
-        session within REPLAY_TTL (nothing done)."""
-        touched, released = await self._touch(
-            keys=[session_key(session_id), SESSION_EXPIRY_KEY, touch_key(request_id)],
+        """See touch.lua. Without a request_id no eos answer is kept. With ``scope_id`` the
+        session is looked for in that scope only; without, in the one the session-scope index
+        names (one GET first). None: an eos whose request_id ended another session of the
+        scope within REPLAY_TTL (nothing done)."""
+        scope = scope_id or await self.session_scope(session_id)
+        if not scope:
+            return TouchOutcome(False, False)
+        touched, released, index_ttl = await self._touch(
+            keys=[
+                session_key(scope, session_id),
+                scope_expiry_key(scope),
+                touch_key(scope, request_id),
+            ],
             args=[
                 P,
                 session_id,
                 "1" if eos else "0",
                 REPLAY_TTL if request_id else 0,
                 request_hash(session_id),
-                scope_id or "",
+                scope,
             ],
         )
         if int(touched) < 0:
             return None
+        if int(index_ttl):
+            await self.redis.set(session_scope_key(session_id), scope, ex=int(index_ttl))
         return TouchOutcome(bool(touched), bool(released))
 
     async def take_waiter_seat(
         self, scope_id: str, request_id: str, hold_seconds: float, limit: int
     ) -> bool:
         """A seat in the scope's wait queue (the shared seat gate), held ``hold_seconds``
-        unless renewed; False: the queue is full and no seat was kept."""
-        return bool(
-            await self._waiter_gate(
-                keys=[scope_waiters_key(scope_id), LEASED_SCOPES_KEY],
-                args=[request_id, hold_seconds, limit, scope_id],
-            )
+        unless renewed; False: the queue is full and no seat was kept. A new seat marks the
+        scope for the seat prune (``leased_scopes``)."""
+        seated = await self._waiter_gate(
+            keys=[scope_waiters_key(scope_id)], args=[request_id, hold_seconds, limit]
         )
+        if isinstance(seated, str) and "." in seated:  # a new seat: its deadline
+            await self.leased.mark(scope_id, float(seated))
+        return seated not in (0, "0")
 
     # --- sessions and pods (scripts) -----------------------------------------------------------
 
@@ -311,7 +465,7 @@ class SessionState:
                     scope_pods_key(scope_id),
                     scope_pod_seq_key(scope_id),
                     pod_info_key(scope_id, pod_id),
-                    PODS_REGISTERED_KEY,
+                    pods_registered_key(scope_id),
                     pod_idle_notified_key(scope_id, pod_id),
                     scope_config_key(scope_id),
                 ],
@@ -319,12 +473,18 @@ class SessionState:
             )
         )
 
-    async def evict(self, session_id: str, *, pod_died: bool = False) -> Eviction | None:
-        """Remove a session from its four places; where it was, or None.
-        ``pod_died`` leaves a tombstone so the session's next route answers ``rebound``."""
+    async def evict(
+        self, session_id: str, *, scope_id: str | None = None, pod_died: bool = False
+    ) -> Eviction | None:
+        """Remove a session from its four places; where it was, or None. Its scope: ``scope_id``
+        or, without one, the session-scope index's. ``pod_died`` leaves a tombstone so the
+        session's next route answers ``rebound``."""
+        scope = scope_id or await self.session_scope(session_id)
+        if not scope:
+            return None
         reply = await self._evict(
-            keys=[session_key(session_id), SESSION_EXPIRY_KEY],
-            args=[P, session_id, "1" if pod_died else "0"],
+            keys=[session_key(scope, session_id), scope_expiry_key(scope)],
+            args=[P, session_id, "1" if pod_died else "0", scope],
         )
         if not reply:
             return None
@@ -340,9 +500,9 @@ class SessionState:
                         pod_info_key(scope_id, pod_id),
                         pod_sessions_key(scope_id, pod_id),
                         pod_idle_notified_key(scope_id, pod_id),
-                        PODS_REGISTERED_KEY,
+                        pods_registered_key(scope_id),
                     ],
-                    args=[scope_id, pod_id],
+                    args=[pod_id],
                 )
             )
         )
@@ -357,69 +517,117 @@ class SessionState:
 
     # --- the sweeper's passes (scripts) --------------------------------------------------------
 
-    async def sweep_idle(self, grace: float, page: int = 200) -> list[PodRef]:
-        """Hand back every empty registered pod (see sweep_idle_notify.lua), one SSCAN page of
-        ``pods:registered`` per script call: at 10k pods ~50 calls, each ~2.8 µs a pod inside
-        Redis (a page of 200 holds it ~0.6 ms: a route waits behind it at most that). Returns
-        the pods taken out of the candidates, to be told to the resource side."""
+    async def sweep_idle(self, grace: float) -> list[PodRef]:
+        """Hand back every empty registered pod (see sweep_idle_notify.lua): one script call
+        per registered scope, pipelined a registry page at a time (on a cluster the pipeline
+        goes to each node at once). Returns the pods taken out of the candidates, to be told
+        to the resource side."""
         notified: list[PodRef] = []
-        cursor = "0"
-        while True:
-            reply = await self._sweep_idle_notify(
-                keys=[PODS_REGISTERED_KEY], args=[P, grace, cursor, page]
-            )
-            cursor = str(reply[0])
-            notified += [pod_ref(m) for m in reply[1:]]
-            if cursor == "0":
-                return notified
+        async for page in registry_pages(self.redis):
+            calls: list[ScriptCall] = [
+                (
+                    self._sweep_idle_notify,
+                    [pods_registered_key(scope_id), scope_pods_key(scope_id)],
+                    [P, grace, scope_id],
+                )
+                for scope_id in page
+            ]
+            for scope_id, pods in zip(page, await pipelined(self.redis, calls), strict=True):
+                notified += [PodRef(scope_id, str(pod)) for pod in pods]
+        return notified
 
-    async def prune_seats(self) -> SeatsPruned:
+    async def prune_seats(self, bucket: int, limit: int) -> SeatsPruned:
         """Drop the queue seats and reservations whose lease ran out (a replica that died left
-        them) in every scope that took one, PRUNE_BATCH scopes a script call (seat_prune.lua).
-        O(scopes that had seats), not O(scopes)."""
-        scopes = [s async for s in self.redis.sscan_iter(LEASED_SCOPES_KEY, count=500)]
+        them) in the scopes of one bucket of ``leased_scopes`` whose earliest deadline passed
+        (seat_prune.lua per scope), each settled with its next deadline. O(scopes with seats
+        due), not O(scopes)."""
         seats = reserved = 0
-        for i in range(0, len(scopes), PRUNE_BATCH):
+        for scope_id, seen in await self.leased.due(bucket, limit):
             dropped = await self._seat_prune(
-                keys=[LEASED_SCOPES_KEY], args=[P, *scopes[i : i + PRUNE_BATCH]]
+                keys=[scope_waiters_key(scope_id), scope_reserved_key(scope_id)], args=[]
             )
             seats, reserved = seats + int(dropped[0]), reserved + int(dropped[1])
+            await self.leased.settle(scope_id, seen, float(dropped[2]) if dropped[2] else None)
         return SeatsPruned(seats, reserved)
 
-    async def evict_expired(self, limit: int) -> list[str]:
-        """Evict up to ``limit`` sessions whose expiry passed (Redis clock), oldest first, in
-        one script (see evict_expired.lua); the ids evicted."""
-        return cast(
-            list[str], await self._evict_expired(keys=[SESSION_EXPIRY_KEY], args=[P, limit])
+    async def expire_scope_sessions(self, scope_id: str, limit: int) -> ScopeExpired:
+        """Evict up to ``limit`` of the scope's sessions whose expiry passed (Redis clock),
+        oldest first, in one script (see evict_expired.lua)."""
+        reply = await self._evict_expired(
+            keys=[scope_expiry_key(scope_id)], args=[P, limit, scope_id]
         )
+        return ScopeExpired([str(x) for x in reply[1:]], float(reply[0]) if reply[0] else None)
+
+    async def safety_walk(self, page: list[str]) -> int:
+        """The indexes' safety net for one registry page of scopes: a mark lost with a
+        crashed replica (between a script and its mark) is made again — each scope's earliest
+        expiry in ``expiry_due``, its earliest seat or reservation deadline in
+        ``leased_scopes``, where the index holds nothing as early. One pipeline of reads for
+        the page; returns the marks made."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for scope_id in page:
+                pipe.zrange(scope_expiry_key(scope_id), 0, 0, withscores=True)
+                pipe.zrange(scope_waiters_key(scope_id), 0, 0, withscores=True)
+                pipe.zrange(scope_reserved_key(scope_id), 0, 0, withscores=True)
+                pipe.zscore(self.expiry_due.key(scope_id), scope_id)
+                pipe.zscore(self.leased.key(scope_id), scope_id)
+            replies = await pipe.execute()
+        marks = 0
+        for i, scope_id in enumerate(page):
+            expiry, waiters, reserved, expiry_mark, leased_mark = replies[5 * i : 5 * i + 5]
+            wanted = [
+                (self.expiry_due, [s for _, s in expiry], expiry_mark),
+                (self.leased, [s for _, s in (*waiters, *reserved)], leased_mark),
+            ]
+            for index, times, held in wanted:
+                if times and (held is None or float(held) > min(times)):
+                    await index.mark(scope_id, min(times))
+                    marks += 1
+        return marks
 
     # --- pods: reads (the facade's, config_sync's sunset, the admin views) ----------------------
 
     async def registered_pods(self) -> list[PodRef]:
-        """Every registered (scope, pod), by SSCAN."""
-        return [pod_ref(m) async for m in self.redis.sscan_iter(PODS_REGISTERED_KEY, count=500)]
+        """Every registered (scope, pod): the registry walked a page at a time, the scopes'
+        sets read in one pipeline per page."""
+        pods: list[PodRef] = []
+        async for page in registry_pages(self.redis):
+            for scope_id, members in zip(page, await registered_in(self.redis, page), strict=True):
+                pods += [PodRef(scope_id, pod_id) for pod_id in members]
+        return pods
 
-    async def bound_pod(self, session_id: str) -> PodRef | None:
-        """The (scope, pod) the session is bound to, None when unbound (a read: the slow
-        path's, for a route that reports a failed pod)."""
-        scope_id, pod_id = await self.redis.hmget(session_key(session_id), "scope_id", "pod_id")
-        if not scope_id or not pod_id:
-            return None
-        return PodRef(str(scope_id), str(pod_id))
+    async def bound_pod(self, session_id: str, scope_id: str) -> PodRef | None:
+        """The pod the session is bound to in the scope, None when unbound there (a read: the
+        slow path's, for a route that reports a failed pod)."""
+        pod_id = await self.redis.hget(session_key(scope_id, session_id), "pod_id")
+        return PodRef(scope_id, str(pod_id)) if pod_id else None
 
     async def pod_sessions(self, scope_id: str, pod_id: str) -> list[str]:
         return cast(list[str], list(await self.redis.smembers(pod_sessions_key(scope_id, pod_id))))
 
     async def pod_usage(self, pods: list[tuple[str, str]]) -> list[tuple[bool, int]]:
         """For each (scope, pod): (is a placement candidate, live sessions on it). One
-        ``pod_usage`` script per 100 pods: reconcile asks about every pod, and a command per
-        pod (pipelined) costs the loop ~90 µs each."""
-        usage: list[tuple[bool, int]] = []
-        for i in range(0, len(pods), 100):  # ~4.8 µs a pod inside Redis: ~0.5 ms a call
-            members = [f"{scope_id}:{pod_id}" for scope_id, pod_id in pods[i : i + 100]]
-            flat = await self._pod_usage(keys=[], args=[P, *members])
-            usage += [(flat[j] == 1, int(flat[j + 1])) for j in range(0, len(flat), 2)]
-        return usage
+        ``pod_usage`` script per scope and 100 pods, pipelined: reconcile asks about every
+        pod, and a command per pod (pipelined) costs the loop ~90 µs each."""
+        by_scope: dict[str, list[str]] = defaultdict(list)
+        for scope_id, pod_id in pods:
+            by_scope[scope_id].append(pod_id)
+        calls = [
+            (scope_id, ids[i : i + 100])
+            for scope_id, ids in by_scope.items()
+            for i in range(0, len(ids), 100)
+        ]
+        found: dict[tuple[str, str], tuple[bool, int]] = {}
+        for start in range(0, len(calls), 100):
+            chunk = calls[start : start + 100]
+            replies = await pipelined(
+                self.redis,
+                [(self._pod_usage, [scope_pods_key(sid)], [P, sid, *ids]) for sid, ids in chunk],
+            )
+            for (scope_id, ids), flat in zip(chunk, replies, strict=True):
+                for j, pod_id in enumerate(ids):
+                    found[(scope_id, pod_id)] = (flat[2 * j] == 1, int(flat[2 * j + 1]))
+        return [found[pair] for pair in pods]
 
     async def candidate_pods(self, scope_id: str) -> list[str]:
         return cast(list[str], await self.redis.zrange(scope_pods_key(scope_id), 0, -1))
@@ -434,19 +642,18 @@ class SessionState:
 def _route_call(
     request_id: str, session_id: str, scope_id: str, token: str, slow: bool
 ) -> tuple[list[str], list[Any]]:
-    """route_place.lua's KEYS and ARGV (its header)."""
+    """route_place.lua's KEYS and ARGV (its header): every key of the scope."""
     keys = [
-        session_key(session_id),
-        SESSION_EXPIRY_KEY,
+        session_key(scope_id, session_id),
+        scope_expiry_key(scope_id),
         scope_sessions_key(scope_id),
         scope_pods_key(scope_id),
         scope_config_key(scope_id),
-        PODS_REGISTERED_KEY,
+        pods_registered_key(scope_id),
         route_key(scope_id, request_id),
         previous_pod_key(scope_id, session_id),
         scope_reserved_key(scope_id),
         scope_waiters_key(scope_id),
-        LEASED_SCOPES_KEY,
         scope_arrivals_key(scope_id),
     ]
     args: list[Any] = [

@@ -13,11 +13,11 @@ from typing import Any, cast
 from agent_runtime.session_manager.scope_state import ScopeState, registry_ids
 from agent_runtime.session_manager.state import (
     SCOPE_REGISTRY_KEY,
-    SESSION_EXPIRY_KEY,
     SessionState,
     pod_info_key,
     pod_sessions_key,
     previous_pod_key,
+    registry_pages,
     scope_config_key,
     scope_pods_key,
     scope_reserved_key,
@@ -38,7 +38,11 @@ class SessionViews:
     # --- the gauges ----------------------------------------------------------------------------
 
     async def live_sessions(self) -> int:
-        return int(await self.redis.zcard(SESSION_EXPIRY_KEY))
+        """Sessions of every registered scope (each scope's set: one pipeline a page)."""
+        live = 0
+        async for page in registry_pages(self.redis):
+            live += sum(await self.scope_session_counts(page))
+        return live
 
     async def known_scopes(self) -> list[str]:
         """Every scope that ever resolved (the registry)."""
@@ -130,11 +134,15 @@ class SessionViews:
         }
 
     async def session_view(self, session_id: str, scope_id: str = "") -> dict[str, Any] | None:
-        """The binding, and the tombstone in ``scope_id`` or else in the binding's scope (a
-        tombstone is kept per scope; a session whose pod died has no binding left)."""
-        binding = cast(dict[str, str], await self.redis.hgetall(session_key(session_id)))
-        scope = scope_id or binding.get("scope_id", "")
-        tombstone = await self.redis.get(previous_pod_key(scope, session_id)) if scope else None
+        """The binding and the tombstone in ``scope_id``, or else in the scope the
+        session-scope index names (both are kept per scope; the index outlives a binding
+        whose pod died by a session ttl at least)."""
+        scope = scope_id or await self._state.session_scope(session_id) or ""
+        if not scope:
+            return None
+        binding = cast(dict[str, str], await self.redis.hgetall(session_key(scope, session_id)))
+        binding.pop("index_until", None)  # the index's bookkeeping, not the binding
+        tombstone = await self.redis.get(previous_pod_key(scope, session_id))
         if not binding and tombstone is None:
             return None
         return {"binding": binding or None, "previous_pod_id": tombstone}

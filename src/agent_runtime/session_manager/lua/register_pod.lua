@@ -3,7 +3,7 @@
 -- KEYS[1] scope:{sid}:pods             ZSET candidates, score = arrival number
 -- KEYS[2] scope:{sid}:pod_seq          STRING arrival counter
 -- KEYS[3] pod:{sid}:{pod}:info         HASH (sse_url, deploy_ver, registered_at)
--- KEYS[4] pods:registered              SET "{sid}:{pod}"
+-- KEYS[4] pods:{sid}:registered         SET pod ids registered in the scope
 -- KEYS[5] pod:{sid}:{pod}:idle_notified STRING
 -- KEYS[6] scope:{sid}:config           HASH resolve cache (deploy_ver)
 -- ARGV[1] key prefix "session_manager:" (derives the channel scope:{sid}:free)
@@ -13,7 +13,7 @@
 --         0 stale: the pod is not of the scope's current version (a deploy that started
 --           before a deploy change); it is not made a candidate
 --
--- invariant: scope:{sid}:pods ⊆ pods:registered; a new candidate signals `free` so a waiting
+-- invariant: scope:{sid}:pods ⊆ pods:{sid}:registered (every key is of the scope); a new candidate signals `free` so a waiting
 -- route re-runs first-fit at once. Replay-safe.
 local current = redis.call('HGET', KEYS[6], 'deploy_ver')
 if current and current ~= ARGV[5] then return 0 end
@@ -23,7 +23,7 @@ local seq = redis.call('INCR', KEYS[2])
 redis.call('ZADD', KEYS[1], seq, ARGV[3])
 redis.call('HSET', KEYS[3], 'sse_url', ARGV[4], 'deploy_ver', ARGV[5],
   'registered_at', string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000))
-redis.call('SADD', KEYS[4], ARGV[2] .. ':' .. ARGV[3])
+redis.call('SADD', KEYS[4], ARGV[3])
 redis.call('DEL', KEYS[5])
-redis.call('PUBLISH', scope_key(ARGV[1], ARGV[2], 'free'), 'pod:' .. ARGV[3])
+redis.call('SPUBLISH', scope_key(ARGV[1], ARGV[2], 'free'), 'pod:' .. ARGV[3])
 return 1

@@ -1,12 +1,14 @@
 -- route_place (uses _session.lua): the atomic core of route. One call decides and commits,
--- so a route for a known scope is one round trip whether it refreshes or places.
+-- so a route for a known scope is one round trip whether it refreshes or places. Every key is
+-- of the route's scope (its hash tag): one slot on a Redis Cluster.
 --
--- KEYS[1] session:{session_id}                HASH (scope_id, pod_id, expiry, session_ttl)
--- KEYS[2] session_expiry                      ZSET
+-- KEYS[1] session:{sid}:{session_id}          HASH (scope_id, pod_id, expiry, session_ttl,
+--         index_until)
+-- KEYS[2] scope:{sid}:session_expiry          ZSET session_id -> expiry (Redis seconds)
 -- KEYS[3] scope:{sid}:sessions                SET
 -- KEYS[4] scope:{sid}:pods                    ZSET candidates in arrival order
 -- KEYS[5] scope:{sid}:config                  HASH resolve cache (the scope's policy)
--- KEYS[6] pods:registered                     SET "{sid}:{pod}"
+-- KEYS[6] pods:{sid}:registered               SET pod ids registered in the scope
 -- KEYS[7] route:{sid}:{request_id}            STRING replay: the answer JSON (with the request's
 --         fingerprint in its "request_hash" field), or "pending:{token}\n{fingerprint}"
 -- KEYS[8] previous_pod:{sid}:{session_id}     STRING tombstone of a pod that died under it
@@ -17,9 +19,7 @@
 --         like sessions, so waiters in the queue cannot take the slots they were promised
 -- KEYS[10] scope:{sid}:waiters                ZSET the wait queue: a newcomer (not ARGV[8]) leaves
 --         one free slot per live waiter; a placed waiter leaves the queue here
--- KEYS[11] leased_scopes                     SET scopes holding reservations or seats (the prune
---         job's: seat_prune.lua); the scope joins it with a reservation
--- KEYS[12] scope:{sid}:arrivals               HASH the scope's arrival rate of new sessions: two
+-- KEYS[11] scope:{sid}:arrivals               HASH the scope's arrival rate of new sessions: two
 --         EWMAs (`fast`, `slow`, per second) and `at` (when last updated); a `placed` or
 --         `rebound` answer counts one arrival (each needs a free slot: the warm pool's demand)
 -- ARGV[1] key prefix "session_manager:" (derives pod:{sid}:{pod}:sessions|info|idle_notified,
@@ -43,12 +43,18 @@
 --         {"in_flight"}                      another call with this request_id is running
 --         {"reused"}                         this request_id was used (answered or running) by
 --                                            another request: nothing is done, nothing given
---         {"refresh", pod_id, sse_url, ""}   binding kept, expiry extended by its own ttl
---         {"placed", pod_id, sse_url, ""}    new binding, committed in its four places
---         {"rebound", pod_id, sse_url, previous_pod_id}  new binding after its pod died/left
+--         {"refresh", pod_id, sse_url, "", index, due}  binding kept, expiry extended by its
+--                                            own ttl
+--         {"placed", pod_id, sse_url, "", index, due}   new binding, committed in its four places
+--         {"rebound", pod_id, sse_url, previous_pod_id, index, due}  new binding after its pod
+--                                            died/left
+--            index: seconds to (re)write the session-scope index with (0: not due; a new
+--            binding always: the caller also learns the scope the index named before)
+--            due: the time to mark in expiry_due ("": the scope's earliest expiry is not later)
 --         {"need_config"}                    no policy cached (the request is marked pending)
---         {"need_acquire"}                   no candidate has room, the scope may grow: the
---                                            request now holds a reservation (and is pending;
+--         {"need_acquire", deadline}         no candidate has room, the scope may grow: the
+--                                            request now holds a reservation until deadline
+--                                            (the caller marks leased_scopes; it is pending;
 --                                            with ARGV[8] it also left the queue)
 --         {"scope_full", reserved}           no room; reserved "1" when the request still
 --                                            holds a reservation, else "" (it must queue)
@@ -83,12 +89,12 @@ local function pending(outcome, detail)
   return {outcome, detail}
 end
 
-local function answer(placement, pod, url, previous)
+local function answer(placement, pod, url, previous, index, due)
   local reply = {pod_id = pod, pod_sse_url = url, placement = placement,
     request_hash = fingerprint}
   if previous then reply.previous_pod_id = previous end
   redis.call('SET', KEYS[7], cjson.encode(reply), 'EX', replay_ttl)
-  return {placement, pod, url, previous or ''}
+  return {placement, pod, url, previous or '', index, due}
 end
 
 local now = redis_now()
@@ -98,23 +104,23 @@ local previous = nil
 local bound = redis.call('HMGET', KEYS[1], 'scope_id', 'pod_id', 'expiry', 'session_ttl')
 if bound[2] then
   local alive = tonumber(bound[3]) > now
-  local registered = redis.call('SISMEMBER', KEYS[6], bound[1] .. ':' .. bound[2]) == 1
-  if alive and registered and bound[1] == scope then
-    local expiry = now + tonumber(bound[4])
+  local registered = redis.call('SISMEMBER', KEYS[6], bound[2]) == 1
+  if alive and registered then
+    local ttl = tonumber(bound[4])
+    local expiry = now + ttl
     redis.call('HSET', KEYS[1], 'expiry', string.format('%.6f', expiry))
     redis.call('ZADD', KEYS[2], expiry, sid)
     local url = redis.call('HGET', pod_key(p, scope, bound[2], 'info'), 'sse_url')
-    return answer('refresh', bound[2], url or '')
+    return answer('refresh', bound[2], url or '', nil, index_due(KEYS[1], now, ttl), '')
   end
-  -- expired (lazy), pod gone, or another scope. A pod that left is remembered in the
-  -- tombstone like one that died: this call may answer need_* and the one that places later
-  -- must still say `rebound`.
+  -- expired (lazy) or pod gone. A pod that left is remembered in the tombstone like one that
+  -- died: this call may answer need_* and the one that places later must still say `rebound`.
   local tombstone_ttl = 0
   if alive and not registered then
     previous = bound[2]
     tombstone_ttl = tonumber(bound[4])
   end
-  evict_session(p, KEYS[1], KEYS[2], sid, tombstone_ttl, KEYS[8])
+  evict_session(p, scope, sid, tombstone_ttl)
 end
 previous = previous or redis.call('GET', KEYS[8]) or nil
 
@@ -155,9 +161,8 @@ if not chosen then
   if redis.call('ZCARD', KEYS[4]) < max_pods
       and sessions + reserved < math.min(scope_concurrency, max_pods * pod_concurrency) then
     redis.call('ZADD', KEYS[9], now + lease, rid)
-    redis.call('SADD', KEYS[11], scope)
     if slow then redis.call('ZREM', KEYS[10], rid) end  -- out of the queue: it has a slot
-    return pending('need_acquire')
+    return pending('need_acquire', string.format('%.6f', now + lease))
   end
   return full()
 end
@@ -165,8 +170,11 @@ end
 -- (4) commit the four places at once
 local ttl = tonumber(policy[4])
 local expiry = now + ttl
+local due = due_mark(KEYS[2], expiry)
+local index = math.ceil(2 * ttl)
 redis.call('HSET', KEYS[1], 'scope_id', scope, 'pod_id', chosen,
-  'expiry', string.format('%.6f', expiry), 'session_ttl', ttl)
+  'expiry', string.format('%.6f', expiry), 'session_ttl', ttl,
+  'index_until', string.format('%.6f', now + index))
 redis.call('ZADD', KEYS[2], expiry, sid)
 redis.call('SADD', KEYS[3], sid)
 redis.call('SADD', pod_key(p, scope, chosen, 'sessions'), sid)
@@ -174,13 +182,13 @@ redis.call('DEL', pod_key(p, scope, chosen, 'idle_notified'), KEYS[8])
 if mine then redis.call('ZREM', KEYS[9], rid) end
 if slow then redis.call('ZREM', KEYS[10], rid) end
 -- (5) one more arrival in the scope's rates (a replay returned above: counted once)
-local rates = redis.call('HMGET', KEYS[12], 'fast', 'slow', 'at')
+local rates = redis.call('HMGET', KEYS[11], 'fast', 'slow', 'at')
 local since = math.max(now - (tonumber(rates[3]) or now), 0)
 local fast = (tonumber(rates[1]) or 0) * math.exp(-since / fast_window) + 1 / fast_window
 local slow = (tonumber(rates[2]) or 0) * math.exp(-since / slow_window) + 1 / slow_window
-redis.call('HSET', KEYS[12], 'fast', string.format('%.9g', fast),
+redis.call('HSET', KEYS[11], 'fast', string.format('%.9g', fast),
   'slow', string.format('%.9g', slow), 'at', string.format('%.6f', now))
-redis.call('EXPIRE', KEYS[12], arrivals_ttl)
+redis.call('EXPIRE', KEYS[11], arrivals_ttl)
 local url = redis.call('HGET', pod_key(p, scope, chosen, 'info'), 'sse_url') or ''
-if previous then return answer('rebound', chosen, url, previous) end
-return answer('placed', chosen, url, nil)
+if previous then return answer('rebound', chosen, url, previous, index, due) end
+return answer('placed', chosen, url, nil, index, due)
