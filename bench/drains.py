@@ -22,7 +22,7 @@ from agent_runtime.resource_manager.deploy_state import DeployState
 from agent_runtime.resource_manager.drain_state import DrainState
 from agent_runtime.resource_manager.drains import Drains
 from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
-from agent_runtime.resource_manager.state import ResourceState
+from agent_runtime.resource_manager.state import ResourceState, scope_draining_key
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
 from bench.common import Context
@@ -112,9 +112,9 @@ async def node_drain(redis: Redis, count: int) -> dict[str, Any]:
     node_ms = (time.perf_counter() - started) * 1000
     assert len(drained) == count, (len(drained), count)
     # every deadline now: the next tick moves every session and deletes every pod
-    await redis.zadd("resource_manager:resource:draining", dict.fromkeys(pods, 0))
+    await redis.zadd(scope_draining_key(SCOPE), dict.fromkeys(pods, 0))
     for pod in pods:
-        await redis.hset(f"resource_manager:resource:pod:{pod}:drain", "deadline", "0")
+        await redis.hset(f"resource_manager:resource:pod:{{{SCOPE}}}:{pod}:drain", "deadline", "0")
     worst = 0.0
     running = True
 

@@ -177,14 +177,18 @@ def seed_fake_k8s(k8s: Any, redis_url: str) -> int:
     watch and reconcile jobs see them alive."""
     import redis as sync_redis
 
-    from agent_runtime.resource_manager.state import PODS_ALL_KEY, pod_info_key
+    from agent_runtime.resource_manager.state import pod_info_key, pods_index_key
+    from agent_runtime.scope_buckets import BUCKETS, bucket_tag
 
     client = sync_redis.Redis.from_url(redis_url, decode_responses=True)
     try:
-        pods = sorted(client.smembers(PODS_ALL_KEY))
+        scopes: dict[str, str] = {}
+        for bucket in range(BUCKETS):
+            scopes.update(client.hgetall(pods_index_key(bucket_tag(bucket))))
+        pods = sorted(scopes)
         pipe = client.pipeline(transaction=False)
         for pod_id in pods:
-            pipe.hgetall(pod_info_key(pod_id))
+            pipe.hgetall(pod_info_key(scopes[pod_id], pod_id))
         for pod_id, info in zip(pods, pipe.execute(), strict=True):
             if info.get("scope_id"):
                 k8s.add_pod(

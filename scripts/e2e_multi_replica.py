@@ -316,7 +316,8 @@ class Run:
         expect(resp.status_code == 200, f"kubesim settings: {resp.text}")
 
     async def untracked_pods(self, sid: str) -> list[str]:
-        known = set(await self.redis.smembers("resource_manager:resource:pods:all"))
+        # the scope's registered pods: its pool (redis-keys.md, resource:scope:{sid}:pods)
+        known = set(await self.redis.zrange(f"{RM}scope:{{{sid}}}:pods", 0, -1))
         return [p["name"] for p in await self.sim_pods(sid) if p["name"] not in known]
 
     async def nothing_held(self, sid: str, within: float) -> None:

@@ -8,7 +8,72 @@ name is the key's Redis Cluster hash tag: it is written in braces (``scope:{<sid
 
 from __future__ import annotations
 
-RM_PODS_ALL = "resource_manager:resource:pods:all"
+import zlib
+
+from redis.asyncio import Redis
+
+BUCKETS = 64  # cross-scope indexes: one key per bucket, tagged {b00} … {b63}
+
+
+def bucket(member: str) -> str:
+    """The bucket tag of a scope id or pod id in a cross-scope index: ``{b07}``
+    (crc32 % 64, spelled here on purpose)."""
+    return f"{{b{zlib.crc32(member.encode()) % BUCKETS:02d}}}"
+
+
+def rm_pods_index(pod_id: str) -> str:
+    """The bucket of the pod index (HASH pod id → scope id) that holds ``pod_id``."""
+    return f"resource_manager:resource:pods:{bucket(pod_id)}"
+
+
+async def rm_pod_scope(redis: Redis, pod_id: str) -> str | None:
+    """The scope the pod index names for the pod (None: the resource manager does not know it)."""
+    return await redis.hget(rm_pods_index(pod_id), pod_id)  # type: ignore[no-any-return,misc]
+
+
+async def rm_pod_known(redis: Redis, pod_id: str) -> bool:
+    """Whether the resource manager knows the pod (the pod index has it)."""
+    return bool(await redis.hexists(rm_pods_index(pod_id), pod_id))  # type: ignore[misc]
+
+
+def rm_scopes(scope_id: str) -> str:
+    """The bucket of the scope index (SET of scopes with a pool config) that holds the scope."""
+    return f"resource_manager:resource:scopes:{bucket(scope_id)}"
+
+
+def rm_leased(scope_id: str) -> str:
+    """The bucket of the leased scopes (ZSET scope → when the prune looks) that holds it."""
+    return f"resource_manager:resource:leased_scopes:{bucket(scope_id)}"
+
+
+def rm_draining(scope_id: str) -> str:
+    """The bucket (the scope's) of the draining pods (ZSET pod → drain deadline)."""
+    return f"resource_manager:resource:draining:{bucket(scope_id)}"
+
+
+async def _every_bucket(redis: Redis, head: str) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for b in range(BUCKETS):
+        found.update(await redis.zrange(f"{head}{{b{b:02d}}}", 0, -1, withscores=True))  # type: ignore[arg-type]
+    return found
+
+
+async def rm_leased_scopes(redis: Redis) -> dict[str, float]:
+    """Every scope in the leased scopes' index → when the prune looks at it next."""
+    return await _every_bucket(redis, "resource_manager:resource:leased_scopes:")
+
+
+async def rm_draining_pods(redis: Redis) -> dict[str, float]:
+    """Every pod under a drain → its deadline (every bucket)."""
+    return await _every_bucket(redis, "resource_manager:resource:draining:")
+
+
+async def rm_pods_known(redis: Redis) -> dict[str, str]:
+    """Every pod the resource manager knows → its scope (the pod index, every bucket)."""
+    pods: dict[str, str] = {}
+    for b in range(BUCKETS):
+        pods.update(await redis.hgetall(f"resource_manager:resource:pods:{{b{b:02d}}}"))  # type: ignore[misc]
+    return pods
 
 
 def sm_session(scope_id: str, session_id: str) -> str:
@@ -61,9 +126,9 @@ def rm_scope(scope_id: str, what: str) -> str:
     return f"resource_manager:resource:scope:{{{scope_id}}}:{what}"
 
 
-def rm_pod(pod_id: str, what: str) -> str:
-    """info | idle_since | health_fails"""
-    return f"resource_manager:resource:pod:{pod_id}:{what}"
+def rm_pod(scope_id: str, pod_id: str, what: str) -> str:
+    """info | idle_since | health_fails | drain | reported: a pod's keys carry its scope's tag"""
+    return f"resource_manager:resource:pod:{{{scope_id}}}:{pod_id}:{what}"
 
 
 def rm_deploy_lock(scope_id: str, deploy_id: str) -> str:

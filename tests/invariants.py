@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 
 from contract_keys import (
-    RM_PODS_ALL,
     rm_deploy_lock,
+    rm_pod,
+    rm_pod_scope,
+    rm_pods_known,
     rm_scope,
     route_marker,
     sm_expiry,
@@ -97,6 +99,9 @@ class StateReport:
     misplaced: list[Misplaced] = field(default_factory=list)
     leftovers: list[Leftover] = field(default_factory=list)
     unknown_caps: list[str] = field(default_factory=list)  # scopes whose caps were not found
+    # (scope, pod, what is missing): a pod of the resource manager's scope pool without its
+    # info under the scope's tag, or that the pod index does not name with the scope
+    unindexed: list[tuple[str, str, str]] = field(default_factory=list)
 
     @property
     def over_cap(self) -> list[OverCap]:
@@ -104,8 +109,9 @@ class StateReport:
 
     @property
     def consistent(self) -> bool:
-        """Caps hold and every session is in all its places (leftovers aside)."""
-        return not (self.over_cap or self.misplaced)
+        """Caps hold, every session is in all its places (leftovers aside), and every pod of
+        a resource-manager pool has its info and its pod index entry."""
+        return not (self.over_cap or self.misplaced or self.unindexed)
 
     def live_leftovers(self) -> list[Leftover]:
         """Leftovers whose lease still runs: something still renews them."""
@@ -116,6 +122,7 @@ class StateReport:
         out += [f"misplaced: {x}" for x in self.misplaced]
         out += [f"leftover: {x}" for x in self.leftovers]
         out += [f"caps unknown for scope {sid}" for sid in self.unknown_caps]
+        out += [f"resource pod {pod} of {sid}: no {what}" for sid, pod, what in self.unindexed]
         return out
 
 
@@ -241,6 +248,7 @@ async def check(
                     report.misplaced.append(Misplaced(session_id, sid, pod, ("hash",), where))
         report.leftovers += await _leftovers(redis, sid, now)
         report.leftovers += await _pending_routes(redis, sid)
+        report.unindexed += await _unindexed(redis, sid)
         for session_id in sorted(expiry - set(bound_here)):
             report.misplaced.append(Misplaced(session_id, sid, "", ("hash",), sm_expiry(sid)))
     return report
@@ -289,9 +297,21 @@ def _is_number(text: str) -> bool:
     return True
 
 
+async def _unindexed(redis: Redis, sid: str) -> list[tuple[str, str, str]]:
+    """Each pod of the scope's resource pool has its info under the scope's tag and is named
+    with the scope by the pod index (registration writes the index first, purge drops it last)."""
+    out = []
+    for pod in sorted(await redis.zrange(rm_scope(sid, "pods"), 0, -1)):
+        if not await redis.exists(rm_pod(sid, pod, "info")):
+            out.append((sid, pod, "info"))
+        if await rm_pod_scope(redis, pod) != sid:
+            out.append((sid, pod, "pod index entry"))
+    return out
+
+
 async def registered_pod_ids(redis: Redis) -> set[str]:
-    """Every pod id the resource manager knows (``RM_PODS_ALL``)."""
-    return set(await redis.smembers(RM_PODS_ALL))
+    """Every pod id the resource manager knows (the pod index)."""
+    return set(await rm_pods_known(redis))
 
 
 async def settle(

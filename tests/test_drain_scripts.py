@@ -17,16 +17,16 @@ from agent_runtime.resource_manager.drain_state import DrainState
 from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.session_manager.state import SessionState
-from contract_keys import sm_pod, sm_scope
+from contract_keys import rm_draining, sm_pod, sm_scope
 
 pytestmark = pytest.mark.topologies
 
 SID = "s" * 32
-DRAINING = "resource_manager:resource:draining"
+DRAINING = rm_draining(SID)  # the scope's bucket of the draining pods
 
 
 def rm_pod(pod: str, what: str) -> str:
-    return f"resource_manager:resource:pod:{pod}:{what}"
+    return f"resource_manager:resource:pod:{{{SID}}}:{pod}:{what}"
 
 
 def rm_scope(sid: str, what: str) -> str:
@@ -56,7 +56,7 @@ async def test_drain_begin_marks_and_takes_out_of_the_warm_pool(
     await registered(rs, "p1", warm=True)
     assert await redis.sismember(rm_scope(SID, "idle"), "p1")
     before = await rnow(redis)
-    begun = await DrainState(rs).begin("p1", trigger="admin", pending=False, seconds=30)
+    begun = await DrainState(rs).begin("p1", SID, trigger="admin", pending=False, seconds=30)
     assert begun is not None and begun.started and begun.state == "draining"
     assert begun.trigger == "admin"
     assert before + 30 <= begun.deadline <= await rnow(redis) + 30
@@ -78,13 +78,13 @@ async def test_drain_begin_is_idempotent_and_only_brings_the_deadline_forward(
 ) -> None:
     await registered(rs, "p1", warm=False)
     drains = DrainState(rs)
-    first = await drains.begin("p1", trigger="cordon", pending=False, seconds=300)
+    first = await drains.begin("p1", SID, trigger="cordon", pending=False, seconds=300)
     assert first is not None and first.started
-    later = await drains.begin("p1", trigger="admin", pending=False, seconds=900)
+    later = await drains.begin("p1", SID, trigger="admin", pending=False, seconds=900)
     assert later is not None and not later.started
     assert later.deadline == first.deadline and later.trigger == "cordon"
     soon = await rnow(redis) + 5
-    sooner = await drains.begin("p1", trigger="graceful_delete", pending=False, deadline=soon)
+    sooner = await drains.begin("p1", SID, trigger="graceful_delete", pending=False, deadline=soon)
     assert sooner is not None and not sooner.started
     assert abs(sooner.deadline - soon) < 1e-3
     assert abs(await redis.zscore(DRAINING, "p1") - soon) < 1e-3
@@ -96,16 +96,16 @@ async def test_a_pending_drain_keeps_the_pod_warm_until_it_drains(
 ) -> None:
     await registered(rs, "p1", warm=True)
     drains = DrainState(rs)
-    pending = await drains.begin("p1", trigger="admin", pending=True, seconds=60)
+    pending = await drains.begin("p1", SID, trigger="admin", pending=True, seconds=60)
     assert pending is not None and pending.state == "pending"
     assert await redis.sismember(rm_scope(SID, "idle"), "p1")
     assert await redis.hget(rm_pod("p1", "info"), "phase") == "idle"
     assert await redis.zscore(DRAINING, "p1") == pending.deadline
     # a repeat asking for pending again changes nothing
-    again = await drains.begin("p1", trigger="admin", pending=True, seconds=60)
+    again = await drains.begin("p1", SID, trigger="admin", pending=True, seconds=60)
     assert again is not None and again.state == "pending" and again.deadline == pending.deadline
     now_draining = await drains.begin(
-        "p1", trigger="admin", pending=False, deadline=pending.deadline
+        "p1", SID, trigger="admin", pending=False, deadline=pending.deadline
     )
     assert now_draining is not None and now_draining.state == "draining"
     assert not now_draining.started
@@ -116,13 +116,15 @@ async def test_a_pending_drain_keeps_the_pod_warm_until_it_drains(
 async def test_drain_begin_of_an_unknown_pod_writes_nothing(
     redis: Redis, rs: ResourceState
 ) -> None:
-    assert await DrainState(rs).begin("ghost", trigger="admin", pending=False, seconds=5) is None
+    assert (
+        await DrainState(rs).begin("ghost", SID, trigger="admin", pending=False, seconds=5) is None
+    )
     assert not await redis.exists(rm_pod("ghost", "drain"), DRAINING)
 
 
 async def test_release_never_puts_a_draining_pod_back(redis: Redis, rs: ResourceState) -> None:
     await registered(rs, "p1", warm=False)
-    await DrainState(rs).begin("p1", trigger="admin", pending=False, seconds=30)
+    await DrainState(rs).begin("p1", SID, trigger="admin", pending=False, seconds=30)
     assert not await rs.release(SID, "p1")
     assert not await redis.sismember(rm_scope(SID, "idle"), "p1")
     assert await redis.hget(rm_pod("p1", "info"), "phase") == "draining"
@@ -132,8 +134,8 @@ async def test_purge_drops_the_drain(redis: Redis, rs: ResourceState) -> None:
     await registered(rs, "p1", warm=False)
     await registered(rs, "p2", warm=False)
     drains = DrainState(rs)
-    await drains.begin("p1", trigger="admin", pending=False, seconds=30)
-    await drains.begin("p2", trigger="admin", pending=False, seconds=60)
+    await drains.begin("p1", SID, trigger="admin", pending=False, seconds=30)
+    await drains.begin("p2", SID, trigger="admin", pending=False, seconds=60)
     assert await drains.draining_pods() == ["p1", "p2"]
     assert await PoolJobsState(rs).purge("p1") == SID
     assert not await redis.exists(rm_pod("p1", "drain"))
@@ -145,7 +147,7 @@ async def test_concurrent_drain_begins_start_one_drain(redis: Redis, rs: Resourc
     await registered(rs, "p1", warm=True)
     drains = DrainState(rs)
     begun = await asyncio.gather(
-        *(drains.begin("p1", trigger="admin", pending=False, seconds=30 + i) for i in range(8))
+        *(drains.begin("p1", SID, trigger="admin", pending=False, seconds=30 + i) for i in range(8))
     )
     assert sum(1 for b in begun if b is not None and b.started) == 1
     assert await redis.zcard(DRAINING) == 1

@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 
 from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
-from contract_keys import sm_scope
+from contract_keys import rm_draining_pods, rm_pod, rm_pod_scope, sm_scope
 from helpers import running_app
 from test_scenarios import SCOPE, World, eventually
 
@@ -23,7 +23,6 @@ pytestmark = pytest.mark.parametrize("sql_backend", ["sqlite"], indirect=True)
 ADMIN = {"Authorization": "Bearer adm-tok"}
 GATEWAY = {"Authorization": "Bearer gw-tok"}
 BASE = "/api/session/admin"
-DRAINING = "resource_manager:resource:draining"
 
 
 class DrainWorld(World):
@@ -117,7 +116,7 @@ async def test_a_drained_pod_takes_no_new_session_keeps_its_own_until_the_deadli
         r1 = await w.routed("s1")
         assert r1["placement"] == "rebound" and r1["previous_pod_id"] == old
         assert r1["pod_id"] != old
-        assert not await redis.exists(DRAINING)
+        assert await rm_draining_pods(redis) == {}
         metrics = (await w.client.get("/metrics")).text
         assert (
             metric(
@@ -193,7 +192,7 @@ async def test_a_replacement_that_cannot_come_holds_the_drain_only_a_deploy_time
         assert (await w.drain(pod))["state"] == "pending"
         assert await w.autoscale() == 0  # no room for a replacement
         assert await w.drains_tick() == 0
-        drain_key = f"resource_manager:resource:pod:{pod}:drain"
+        drain_key = rm_pod(str(await rm_pod_scope(redis, pod)), pod, "drain")
         since = float(await redis.hget(drain_key, "since") or 0)
         await redis.hset(drain_key, "since", f"{since - 13:.6f}")  # ready_timeout 2 + 10 s ago
         assert await w.drains_tick() == 1

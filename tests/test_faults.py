@@ -45,7 +45,7 @@ from agent_runtime.resource_manager.models import SCOPE_LABEL
 from agent_runtime.session_manager.state import ROUTE_LEASE
 from agent_runtime.wiring import REDIS_RETRIES, Services, build_redis, redis_pool_size
 from contract_keys import (
-    RM_PODS_ALL,
+    rm_pods_known,
     rm_scope,
     route_marker,
     sm_expiry,
@@ -561,7 +561,7 @@ async def test_redis_losing_its_data_over_admits_nothing_and_reconcile_heals(
         # reconcile: each pod Kubernetes still has is adopted or deleted; in the end Redis and
         # Kubernetes agree, within max_pods, and no pod with a live session was deleted
         async def converged() -> bool:
-            known = set(await redis.smembers(RM_PODS_ALL))
+            known = set(await rm_pods_known(redis))
             return known == set(k8s.pods) and not await held(redis)
 
         await eventually(converged, within=10, what="Redis and Kubernetes agreeing")

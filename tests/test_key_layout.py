@@ -34,6 +34,13 @@ LAYOUT_1 = {  # a layout-1 name → its layout-2 name
     f"resource_manager:resource:scope:{SID}:deploy_followers:r-1":
         f"resource_manager:resource:scope:{{{SID}}}:deploy_followers:r-1",
     f"resource_manager:lock:rm:deploy:{SID}:r-1": f"resource_manager:lock:rm:deploy:{{{SID}}}:r-1",
+    "resource_manager:resource:foreign_pods": "resource_manager:resource:foreign_pods:{foreign}",
+    "resource_manager:resource:foreign_pods:count":
+        "resource_manager:resource:foreign_pods:{foreign}:count",
+    "resource_manager:budget:pods": "resource_manager:budget:{budget}:pods",
+    "resource_manager:budget:rule:r-1:pods": "resource_manager:budget:{budget}:rule:r-1:pods",
+    "resource_manager:budget:rules": "resource_manager:budget:{budget}:rules",
+    "resource_manager:budget:rule_limits": "resource_manager:budget:{budget}:rule_limits",
 }  # fmt: skip
 UNCHANGED = ["session_manager:config_gen", "session_manager:lock:config_sync"]
 # retired names: the migration deletes them (the scopes that referenced a pod: the resource
@@ -121,6 +128,8 @@ async def test_migrate_refuses_while_a_replica_holds_a_job_lock(redis: Redis) ->
 
 
 _TAG = re.compile(r"\{([^{}]+)\}")
+# a resource-manager pod's key: resource:pod:{<sid>}:<pod>:<part>, layout 1 had no scope in it
+_RM_POD = re.compile(r"^(resource_manager:resource:pod:)\{[^{}]+\}:(.+)$")
 _SESSION = re.compile(r"^session_manager:session:\{([^{}]+)\}:(.*)$")
 _EXPIRY = re.compile(r"^session_manager:scope:\{([^{}]+)\}:session_expiry$")
 _REGISTERED = re.compile(r"^session_manager:pods:\{([^{}]+)\}:registered$")
@@ -132,9 +141,30 @@ async def back_to_layout_1(redis: Redis) -> int:
     hash named by its session id, one expiry set and one registered-pods set for all scopes,
     none of the indexes layout 2 keeps beside them."""
     moved = 0
+    rm = "resource_manager:resource:"
+    pods = await K.rm_pods_known(redis)
+    for pod_id in pods:
+        await redis.hdel(K.rm_pods_index(pod_id), pod_id)
+        await redis.sadd(f"{rm}pods:all", pod_id)
+    for scope_id in await K.rm_leased_scopes(redis):
+        await redis.delete(K.rm_leased(scope_id))
+        await redis.sadd(f"{rm}leased_scopes", scope_id)
+    for pod_id, deadline in (await K.rm_draining_pods(redis)).items():
+        await redis.zadd(f"{rm}draining", {pod_id: deadline})
+    async for key in redis.scan_iter(match=f"{rm}scopes:*"):
+        await redis.sadd(f"{rm}scopes", *await redis.smembers(key))
+        await redis.delete(key)
+    async for key in redis.scan_iter(match=f"{rm}draining:*"):
+        await redis.delete(key)
     for pattern in ("session_manager:*", "resource_manager:*"):
         async for key in redis.scan_iter(match=pattern):
-            if _GONE.match(key):
+            if key.startswith(f"{rm}pods:"):
+                continue  # the pod index: gone above
+            elif pod_key := _RM_POD.match(key):
+                await redis.rename(key, f"{pod_key[1]}{pod_key[2]}")
+            elif "{budget}:" in key or ":{foreign}" in key:  # a literal tag, not a scope's
+                await redis.rename(key, key.replace("{budget}:", "").replace(":{foreign}", ""))
+            elif _GONE.match(key):
                 await redis.delete(key)
             elif match := _SESSION.match(key):
                 await redis.hdel(key, "index_until")
@@ -185,6 +215,9 @@ async def test_a_live_session_is_served_again_after_the_migration(
         scope = await redis.get(K.sm_session_scope("s1"))
         assert await redis.hget(K.sm_session(scope, "s1"), "scope_id") == scope
         assert await redis.sismember(K.sm_scope(scope, "sessions"), "s1")
+        assert await K.rm_pod_scope(redis, first["pod_id"]) == scope
+        assert await redis.sismember(K.rm_scopes(scope), scope)
+        assert await redis.hget(K.rm_pod(scope, first["pod_id"], "info"), "phase") == "in_use"
         assert await redis.sismember(K.sm_pods_registered(scope), first["pod_id"])
         # the session still ends by its expiry: the conversion marked its scope (its time
         # brought forward here instead of waiting for it)
@@ -273,3 +306,46 @@ async def test_the_cli_says_the_layout_and_migrates(redis: Redis) -> None:
     assert code == 0 and f"renamed {len(LAYOUT_1)} keys" in out, out
     code, out = await cli("status")
     assert code == 0 and "current" in out, out
+
+
+async def test_a_pod_s_keys_and_the_indexes_over_scopes_move_to_their_buckets(
+    redis: Redis,
+) -> None:
+    """Layout 1's resource-manager pod keys (named by the pod alone), the set of every pod and
+    the one-key indexes over every scope: a pod's keys go under the scope its info names (its
+    drain's when the info is gone), the pod into the pod index; the indexes split into their
+    buckets; a pod key whose pod names no scope, and the set of every pod, are deleted."""
+    rm = "resource_manager:resource:"
+    await redis.sadd(f"{rm}pods:all", "pod-1", "ghost")
+    await redis.hset(f"{rm}pod:pod-1:info", mapping={"scope_id": SID, "phase": "idle"})
+    await redis.set(f"{rm}pod:pod-1:idle_since", "1000.5")
+    await redis.hset(f"{rm}pod:pod-1:drain", mapping={"scope_id": SID, "state": "draining"})
+    await redis.hset(f"{rm}pod:pod-2:drain", mapping={"scope_id": SID, "state": "draining"})
+    await redis.set(f"{rm}pod:ghost:health_fails", "1")  # no info, no drain: names no scope
+    await redis.sadd(f"{rm}scopes", SID)
+    await redis.sadd(f"{rm}leased_scopes", SID)
+    await redis.zadd(f"{rm}draining", {"pod-1": 1234.5})
+    converted = 9  # 4 pod keys + ghost's + pods:all + the three indexes
+    dry = await key_layout.migrate(redis, dry_run=True)
+    assert (dry.converted, dry.deleted) == (converted, 0)
+    with pytest.raises(ConfigError, match="redis migrate"):
+        await key_layout.check(redis)
+    assert await K.rm_pods_known(redis) == {}, "a dry run: nothing"
+
+    done = await key_layout.migrate(redis)
+    assert (done.converted, done.clash_count) == (converted, 0)
+    assert await redis.hgetall(K.rm_pod(SID, "pod-1", "info")) == {
+        "scope_id": SID, "phase": "idle"
+    }  # fmt: skip
+    assert await redis.get(K.rm_pod(SID, "pod-1", "idle_since")) == "1000.5"
+    assert await redis.hget(K.rm_pod(SID, "pod-1", "drain"), "state") == "draining"
+    assert await redis.hget(K.rm_pod(SID, "pod-2", "drain"), "state") == "draining"
+    assert await K.rm_pods_known(redis) == {"pod-1": SID}, "the pod index has the pod"
+    assert await redis.smembers(K.rm_scopes(SID)) == {SID}
+    assert set(await K.rm_leased_scopes(redis)) == {SID}, "due: the prune looks at it"
+    assert await K.rm_draining_pods(redis) == {"pod-1": 1234.5}
+    left = [k async for k in redis.scan_iter(match=f"{rm}pod:*") if "{" not in k]
+    assert left == [] and not await redis.exists(f"{rm}pods:all", f"{rm}scopes", f"{rm}draining")
+    await key_layout.check(redis)
+    again = await key_layout.migrate(redis)
+    assert (again.renamed, again.converted, again.deleted) == (0, 0, 0), "idempotent"

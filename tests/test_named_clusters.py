@@ -31,13 +31,13 @@ from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.state_values import PodPlace
 from agent_runtime.resource_manager.views import ResourceViews
 from agent_runtime.util import scope_id_of
+from contract_keys import rm_pod_known, rm_pod_scope, rm_pods_known
 from helpers import IDENTITY, envelope, running_app, sync_body
 from kubesim import KubeSim
 from kubesim.kubeconfig import render_kubeconfig
 from test_local_mode import free_port
 from test_rm_jobs import (
     OTHER_SCOPE,
-    PODS_ALL,
     SCOPE,
     V1,
     VER1,
@@ -76,7 +76,8 @@ def k8s() -> FakeK8sPodClient:
 
 
 async def info(redis: Redis, pod_id: str) -> dict[str, str]:
-    return dict(await redis.hgetall(rm_pod(pod_id, "info")))
+    scope_id = str(await rm_pod_scope(redis, pod_id))
+    return dict(await redis.hgetall(rm_pod(scope_id, pod_id, "info")))
 
 
 # --- the fake: a pod set per cluster -----------------------------------------------------------
@@ -117,7 +118,7 @@ async def test_a_pod_s_info_names_its_cluster_and_a_default_one_has_no_field(env
     home = await add_warm(env, V1, scope=OTHER_SCOPE)
     assert (await info(env.redis, east))["cluster"] == "east"
     assert "cluster" not in await info(env.redis, home), "absent: the default (as before)"
-    assert await PoolJobsState(env.state).pod_places([east, home]) == {
+    assert await PoolJobsState(env.state).pod_places({east: SCOPE, home: OTHER_SCOPE}) == {
         east: PodPlace("east", "default"),
         home: PodPlace(None, "default"),
     }
@@ -133,7 +134,7 @@ async def test_watch_keeps_a_named_cluster_s_pod_and_cleans_it_there_once_dead(e
     home = await add_warm(env, V1, scope=OTHER_SCOPE)
     for _ in range(3):  # listed, probed healthy: never "missing"
         assert await env.pool_jobs.watch_once() == 0
-    assert set(await env.redis.smembers(PODS_ALL)) == {east, home}
+    assert set(await rm_pods_known(env.redis)) == {east, home}
     assert env.sessions.dead == [] and env.k8s.deleted == []
 
     env.k8s.kill(east, cluster="east")
@@ -141,7 +142,7 @@ async def test_watch_keeps_a_named_cluster_s_pod_and_cleans_it_there_once_dead(e
     assert env.k8s.deleted_in == [("east", east)], "deleted in its own cluster"
     await assert_purged(env.redis, east)
     assert env.sessions.dead == [east]
-    assert home in env.k8s.pods and await env.redis.sismember(PODS_ALL, home)
+    assert home in env.k8s.pods and await rm_pod_known(env.redis, home)
 
 
 @pytest.mark.parametrize("how", ["unreachable", "removed"])
@@ -164,7 +165,7 @@ async def test_a_cluster_that_cannot_be_asked_keeps_its_pods(
     assert "cluster east, namespace default: list failed" in caplog.text
     await set_idle_age(env.redis, east, 3600)
     assert await env.pool_jobs.reclaim_once() == 0, "its delete failed: back to the pool"
-    assert await env.redis.sismember(PODS_ALL, east) and east in await warm_set(env.redis)
+    assert await rm_pod_known(env.redis, east) and east in await warm_set(env.redis)
     assert east in env.k8s.pods_in("east") and env.sessions.dead == []
 
     env.k8s.unreachable_clusters.clear()
@@ -233,7 +234,7 @@ async def test_reconcile_purges_a_pod_gone_from_its_own_cluster_only(env: Env) -
     env.k8s.remove(east, cluster="east")
     assert (await env.pool_jobs.reconcile_once())["purged"] == 1
     await assert_purged(env.redis, east)
-    assert await env.redis.sismember(PODS_ALL, home)
+    assert await rm_pod_known(env.redis, home)
 
 
 # --- a dead deploy leader's pod ----------------------------------------------------------------
@@ -339,9 +340,7 @@ async def test_on_two_kubesims_a_named_cluster_s_pod_is_watched_and_reclaimed_th
             pod_id = (await route("s-1"))["pod_id"]
             assert [p["metadata"]["name"] for p in east.pods("default")] == [pod_id]
             assert home.pods("default") == [], "nothing in the default cluster"
-            assert await redis.hget(f"resource_manager:resource:pod:{pod_id}:info", "cluster") == (
-                "east"
-            )
+            assert (await info(redis, pod_id)).get("cluster") == "east"
 
             for _ in range(3):  # listed in east, probed healthy: kept
                 assert await svc.pool_jobs.watch_once() == 0
@@ -367,7 +366,7 @@ async def test_on_two_kubesims_a_named_cluster_s_pod_is_watched_and_reclaimed_th
                 assert time.monotonic() < deadline, "the warm pod was never reclaimed"
                 await asyncio.sleep(0.2)
             assert east.requests["delete pods"] == 1 and home.requests["delete pods"] == 0
-            assert not await redis.sismember(PODS_ALL, pod_id)
+            assert not await rm_pod_known(redis, pod_id)
             while east.pod("default", pod_id) is not None:  # its grace period
                 assert time.monotonic() < deadline, "the pod is still in east"
                 await asyncio.sleep(0.05)

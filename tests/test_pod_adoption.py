@@ -29,6 +29,8 @@ from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.util import scope_id_of
 from agent_runtime.wiring import Services
 from contract_keys import (
+    rm_pod_known,
+    rm_pods_known,
     rm_scope,
 )
 from helpers import envelope, fake_only, running_app, sync_body
@@ -40,8 +42,7 @@ ROUTE = "/api/session/route"
 SYNC = "/api/session/config_sync"
 ADMIN = "/api/session/admin"
 BOT = "bot-1"
-PODS_ALL = "resource_manager:resource:pods:all"
-BUDGET_PODS = "resource_manager:budget:pods"
+BUDGET_PODS = "resource_manager:budget:{budget}:pods"
 TEMPLATE = {
     "template_id": "tpl-id",
     "image": "agentserver:1",
@@ -139,7 +140,7 @@ async def test_a_foreign_pod_with_our_labels_is_never_adopted_routed_to_or_delet
         assert (counts["foreign"], counts["adopted"], counts["deleted"]) == (3, 1, 0)
         assert (await svc.pool_jobs.reconcile_once())["foreign"] == 3
         assert foreign <= set(k8s.pods) and k8s.deleted == []
-        assert set(await redis.smembers(PODS_ALL)) == {first, orphan}
+        assert set(await rm_pods_known(redis)) == {first, orphan}
         warned = [r for r in caplog.records if "not provably ours" in r.getMessage()]
         assert len(warned) == 3, "once per pod, not once per pass"
         assert all(ATTACKER in r.getMessage() for r in warned)
@@ -200,7 +201,7 @@ async def test_a_pod_recreated_under_one_of_our_names_is_deleted_never_adopted(
 
         counts = await svc.pool_jobs.reconcile_once()
         assert (counts["adopted"], counts["deleted"], counts["foreign"]) == (0, 1, 0)
-        assert k8s.deleted == [gone.pod_id] and not await redis.sismember(PODS_ALL, gone.pod_id)
+        assert k8s.deleted == [gone.pod_id] and not await rm_pod_known(redis, gone.pod_id)
         assert (await routed(app, "g-r", "s-1"))["pod_id"] != gone.pod_id
 
 
@@ -228,7 +229,7 @@ async def test_after_redis_lost_everything_our_pods_are_adopted_and_serve(
         await wipe(redis)
         counts = await svc.pool_jobs.reconcile_once()
         assert (counts["adopted"], counts["deleted"], counts["foreign"]) == (6, 0, 1)
-        assert set(await redis.smembers(PODS_ALL)) == pods and k8s.deleted == []
+        assert set(await rm_pods_known(redis)) == pods and k8s.deleted == []
         assert await redis.zcard(BUDGET_PODS) == 6, "the budget counts adopted pods"
         for group in groups:
             sid = scope_id_of(group, BOT)
@@ -287,7 +288,7 @@ async def test_an_adopted_pod_whose_scope_never_routes_again_goes_after_adopted_
 
         await eventually(expired, "the unclaimed adopted pod deleted")
         assert k8s.deleted == [left] and back in k8s.pods
-        assert set(await redis.smembers(PODS_ALL)) == {back}
+        assert set(await rm_pods_known(redis)) == {back}
         assert await svc.resource_views.budget_used() == 1
 
 

@@ -28,16 +28,17 @@ from agent_runtime.session_manager import config_repo
 from agent_runtime.session_manager.items import RoutingRuleItem, TemplateItem
 from agent_runtime.util import rule_id_of, scope_id_of
 from agent_runtime.wiring import Services
+from contract_keys import rm_pod, rm_pod_scope
 from helpers import make_sql_backend, running_app, sync_body
 
 ROUTE = "/api/session/route"
 SYNC = "/api/session/config_sync"
 TOUCH = "/api/session/touch"
-BUDGET = "resource_manager:budget:pods"
+BUDGET = "resource_manager:budget:{budget}:pods"
 
 
 def rule_budget_key(group_id: str, bot_id: str) -> str:
-    return f"resource_manager:budget:rule:{rule_id_of(group_id, bot_id)}:pods"
+    return f"resource_manager:budget:{{budget}}:rule:{rule_id_of(group_id, bot_id)}:pods"
 
 
 def services(client: httpx.AsyncClient) -> Services:
@@ -193,7 +194,10 @@ async def test_rule_budget_through_config_sync_and_route(redis: Redis, db: Datab
         assert_budget_refusal(await route(client, "g7"))
         assert k8s.deploy_calls == 5
         assert await redis.zcard(BUDGET) == 5
-        assert await redis.hget("resource_manager:budget:rule_limits", rule_id_of("*", "*")) == "4"
+        assert (
+            await redis.hget("resource_manager:budget:{budget}:rule_limits", rule_id_of("*", "*"))
+            == "4"
+        )
 
 
 async def test_wildcard_rules_default_to_the_setting_and_exact_ones_are_unbounded(
@@ -295,8 +299,9 @@ async def test_autoscale_stops_at_the_global_budget(redis: Redis, db: Database) 
         assert_budget_refusal(await route(client, "g3"))
         # reclaim of a warm pod gives its unit back: the next route may deploy
         for pod_id in list(k8s.pods):
-            if await redis.hget(f"resource_manager:resource:pod:{pod_id}:info", "phase") == "idle":
-                await redis.set(f"resource_manager:resource:pod:{pod_id}:idle_since", 1)
+            sid = await rm_pod_scope(redis, pod_id)
+            if await redis.hget(rm_pod(str(sid), pod_id, "info"), "phase") == "idle":
+                await redis.set(rm_pod(str(sid), pod_id, "idle_since"), 1)
         for group_id in ("g0", "g1", "g2"):  # no floor any more: the warm pods may go
             key = f"resource_manager:resource:scope:{{{_scope(group_id)}}}:config"
             await redis.hset(key, "min_idle_pods", 0)
@@ -327,7 +332,7 @@ async def test_reconcile_rebuilds_the_budget_after_redis_lost_it(
 async def test_config_sync_writes_the_rule_limit_for_autoscale_at_once(
     redis: Redis, db: Database
 ) -> None:
-    limits = "resource_manager:budget:rule_limits"
+    limits = "resource_manager:budget:{budget}:rule_limits"
     async with running_app(redis, db, wildcard_rule_pod_budget=7) as client:
         await setup_config(client)  # (*, *): the wildcard default, before any route
         assert await redis.hget(limits, rule_id_of("*", "*")) == "7"

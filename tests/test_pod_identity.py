@@ -45,6 +45,7 @@ from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.resource_manager.state_values import BudgetRepair
 from agent_runtime.resource_manager.views import ResourceViews
 from agent_runtime.wiring import load_pod_identity
+from contract_keys import rm_pod_known
 from helpers import IDENTITY, make_settings, make_sql_backend
 from test_k8s import Opened, ScriptedCoreApi, api_error, as_json, spec
 
@@ -351,9 +352,9 @@ async def test_adopt_without_a_pool_config_registers_warm_and_counts_the_budget(
     assert not await redis.exists(rm("config"))
     assert sorted(await redis.smembers(rm("idle"))) == ["agent-a", "agent-b"]
     assert sorted(await redis.zrange(rm("pods"), 0, -1)) == ["agent-a", "agent-b"]
-    info = await redis.hgetall("resource_manager:resource:pod:agent-a:info")
+    info = await redis.hgetall(f"resource_manager:resource:pod:{{{SCOPE}}}:agent-a:info")
     assert info["phase"] == "idle" and info["deploy_ver"] == VER and info["scope_id"] == SCOPE
-    assert await redis.exists("resource_manager:resource:pod:agent-a:idle_since")
+    assert await redis.exists(f"resource_manager:resource:pod:{{{SCOPE}}}:agent-a:idle_since")
     assert await ResourceViews(state).budget_used() == 2
     assert await PoolJobsState(state).repair_budgets() == BudgetRepair(0, 0), "nothing to fix"
 
@@ -377,7 +378,7 @@ async def test_adopt_with_a_pool_config_keeps_max_pods_the_version_and_the_budge
     refused = await adopt(state, "agent-e", scope=other)
     assert (refused.action, refused.detail) == ("budget_reached", "global")
     for pod in ("agent-old", "agent-c", "agent-e"):
-        assert not await redis.sismember("resource_manager:resource:pods:all", pod)
+        assert not await rm_pod_known(redis, pod)
 
 
 async def test_adopt_counts_against_the_rule_the_scope_is_linked_to(redis: Redis) -> None:

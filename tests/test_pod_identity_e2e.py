@@ -28,6 +28,7 @@ import pytest
 from redis.asyncio import Redis
 
 from agent_runtime.util import scope_id_of
+from contract_keys import rm_pods_known
 from helpers import CLAIM_KEY, envelope, sync_body
 from test_local_mode import free_port
 from test_server_e2e import Stack, serving
@@ -52,7 +53,6 @@ SCOPES = 4
 SESSIONS = 3  # per scope, pod_concurrency 1: a pod each, and the warm floor of 1 on top
 DEADLINE = 30.0
 BOT = "bot-1"
-PODS_ALL = "resource_manager:resource:pods:all"
 SCOPE_LABEL = "agent-runtime/scope"
 
 
@@ -177,7 +177,7 @@ async def test_a_full_redis_data_loss_adopts_every_pod_of_ours_and_deletes_none(
     started = time.monotonic()
 
     async def adopted() -> bool:
-        return set(await w.redis.smembers(PODS_ALL)) >= before
+        return set(await rm_pods_known(w.redis)) >= before
 
     await w.eventually(adopted, "reconcile adopts every pod of ours")
     seconds = time.monotonic() - started
@@ -185,7 +185,7 @@ async def test_a_full_redis_data_loss_adopts_every_pod_of_ours_and_deletes_none(
     await asyncio.sleep(1.5)
     now = await w.pods()
     deleted = {p for p in before if p not in now or now[p]["deleting"]}
-    registered = set(await w.redis.smembers(PODS_ALL))
+    registered = set(await rm_pods_known(w.redis))
     print(
         f"\nredis data loss: {len(before)} pods of ours before, {len(before & registered)} "
         f"adopted, {len(deleted)} deleted, foreign left: {foreign in now} "

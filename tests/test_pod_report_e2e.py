@@ -74,7 +74,8 @@ async def test_r_a_half_dead_pod_goes_at_its_second_failed_probe(w: Scenario) ->
         assert first["placement"] == "refresh" and first["pod_id"] == pod, "one failure is no proof"
 
         async def window_over() -> bool:
-            return not await w.redis.exists(f"resource_manager:resource:pod:{pod}:reported")
+            pattern = f"resource_manager:resource:pod:{{*}}:{pod}:reported"  # under its scope
+            return not [k async for k in w.redis.scan_iter(match=pattern)]
 
         await w.eventually(window_over, "the report's window ends")
         again = await reported(w, "s1", pod)

@@ -22,7 +22,7 @@ from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.report_state import ReportState
 from agent_runtime.resource_manager.state import ResourceState
-from contract_keys import RM_PODS_ALL, rm_pod
+from contract_keys import rm_pod, rm_pod_known
 from helpers import envelope, other_client, running_app, session_hashes
 from test_pod_watch import App, eventually
 
@@ -45,7 +45,7 @@ async def window_over(redis: Redis, pod: str) -> None:
     """Until the pod's report window has ended (a next report probes again)."""
 
     async def ended() -> bool:
-        return not await redis.exists(rm_pod(pod, "reported"))
+        return not [k async for k in redis.scan_iter(match=rm_pod("*", pod, "reported"))]
 
     await eventually(ended, "the report window ends", within=10 * WINDOW)
 
@@ -65,7 +65,7 @@ async def test_a_dead_pod_reported_is_rebound_in_the_same_call(redis: Redis, db:
         assert (await a.routed("s1"))["pod_id"] == pod, "nobody else noticed (no jobs)"
         again = await reported(a, "s1", pod)
         assert again["placement"] == "rebound" and again["previous_pod_id"] == pod, again
-        assert pod not in k8s.pods and not await redis.sismember(RM_PODS_ALL, pod)
+        assert pod not in k8s.pods and not await rm_pod_known(redis, pod)
         # the pod's other session: rebound at its next route, with no report of its own
         assert await a.routed("s2") == {**again, "placement": "rebound"}
         assert await a.metric("agent_runtime_pod_reports_total", outcome="dead") == 1
@@ -193,30 +193,30 @@ async def test_replicas_share_one_probe_of_a_reported_pod(redis: Redis, db: Data
 
 async def test_the_report_window_gives_one_probe_and_shares_its_verdict(redis: Redis) -> None:
     reports = ReportState(ResourceState(redis))
-    pod = f"agent-{uuid.uuid4().hex[:8]}"
-    claim = await reports.claim(pod, 5.0)
+    pod, sid = f"agent-{uuid.uuid4().hex[:8]}", "s-report"
+    claim = await reports.claim(sid, pod, 5.0)
     assert claim.probe and claim.seen == "probing"
-    again = await reports.claim(pod, 5.0)
+    again = await reports.claim(sid, pod, 5.0)
     assert not again.probe and again.seen == "probing", "one probe per window"
-    await reports.answer(pod, "healthy")
-    assert await reports.claim(pod, 5.0) == (False, "healthy")
-    assert await reports.seen(pod) == "healthy"
-    ttl = await redis.pttl(rm_pod(pod, "reported"))
+    await reports.answer(sid, pod, "healthy")
+    assert await reports.claim(sid, pod, 5.0) == (False, "healthy")
+    assert await reports.seen(sid, pod) == "healthy"
+    ttl = await redis.pttl(rm_pod(sid, pod, "reported"))
     assert 0 < ttl <= 5000, "the answer keeps the window's end"
 
 
 async def test_the_report_window_ends_and_a_late_answer_writes_nothing(redis: Redis) -> None:
     reports = ReportState(ResourceState(redis))
-    pod = f"agent-{uuid.uuid4().hex[:8]}"
-    assert (await reports.claim(pod, 0.05)).probe
+    pod, sid = f"agent-{uuid.uuid4().hex[:8]}", "s-report"
+    assert (await reports.claim(sid, pod, 0.05)).probe
 
     async def ended() -> bool:
-        return await reports.seen(pod) is None
+        return await reports.seen(sid, pod) is None
 
     await eventually(ended, "a 50 ms window ends")
-    await reports.answer(pod, "dead")  # the probe outlived its window
-    assert await reports.seen(pod) is None, "no key outlives its window"
-    assert (await reports.claim(pod, 5.0)).probe, "a new window: a new probe"
+    await reports.answer(sid, pod, "dead")  # the probe outlived its window
+    assert await reports.seen(sid, pod) is None, "no key outlives its window"
+    assert (await reports.claim(sid, pod, 5.0)).probe, "a new window: a new probe"
 
 
 @SQLITE

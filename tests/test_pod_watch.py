@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.wiring import Services
-from contract_keys import RM_PODS_ALL, sm_pods_registered
+from contract_keys import rm_pod_known, sm_pods_registered
 from helpers import envelope, other_client, running_app, sync_body
 from test_scenarios import eventually
 
@@ -117,7 +117,7 @@ async def rebound_from(a: App, session_id: str, dead: str) -> dict[str, Any]:
             async for key in redis.scan_iter(match=sm_pods_registered("*"))
             for pod in await redis.smembers(key)
         ]
-        return not await redis.sismember(RM_PODS_ALL, dead) and dead not in registered
+        return not await rm_pod_known(redis, dead) and dead not in registered
 
     await eventually(forgotten, f"the stream cleans {dead}")
     again = await a.routed(session_id)

@@ -21,11 +21,10 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from contract_keys import sm_pods_registered
+from contract_keys import rm_pod_known, sm_pods_registered
 from helpers import envelope, sync_body
 from test_local_mode import free_port
 from test_pod_watch_e2e import STREAM_ONLY
-from test_scenarios import RM_PODS_ALL
 from test_server_e2e import ADMIN, DEADLINE, GATEWAY, ROUTE, SYNC, Child, backing, serve_on
 
 pytestmark = pytest.mark.timeout(180)
@@ -137,7 +136,7 @@ async def test_a_killed_stream_leader_is_replaced_and_deaths_are_still_seen(
                 async for key in redis.scan_iter(match=sm_pods_registered("*"))
                 for member in await redis.smembers(key)
             ]
-            return not await redis.sismember(RM_PODS_ALL, pod) and pod not in registered
+            return not await rm_pod_known(redis, pod) and pod not in registered
 
         await eventually(cleaned, "the survivor's stream cleans the killed pod")
         again = await route(https[survivor], "s1")

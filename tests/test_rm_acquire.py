@@ -37,6 +37,7 @@ from agent_runtime.resource_manager.state import (
     scope_idle_key,
     scope_pods_key,
 )
+from contract_keys import rm_pod_known
 from helpers import IDENTITY, deploy_locks, follower_seats, other_client
 
 SCOPE = "scope-a"
@@ -132,13 +133,13 @@ async def test_cold_acquire_deploys_and_registers_one_pod(
     result = await acquire(rm, "r1")
     pod_id = result.pod_id
     assert k8s.deploy_calls == 1 and pod_id.startswith("agent-")
-    info = await redis.hgetall(pod_info_key(pod_id))
+    info = await redis.hgetall(pod_info_key(SCOPE, pod_id))
     assert info["scope_id"] == SCOPE and info["phase"] == "in_use"
     assert info["deploy_ver"] == spec_fields.deploy_ver(spec())
     assert result.pod_sse_url == info["pod_sse_url"] == f"http://{info['pod_ip']}:8080/sse"
     assert info["namespace"] == "default" and float(info["created_ts"]) > 0
     assert await redis.zrange(scope_pods_key(SCOPE), 0, -1) == [pod_id]
-    assert await redis.sismember("resource_manager:resource:pods:all", pod_id)
+    assert await rm_pod_known(redis, pod_id)
     assert await redis.ttl(idem_key(SCOPE, "r1")) > 0
     await assert_nothing_held(redis)
 
@@ -149,7 +150,7 @@ async def test_the_leader_calls_on_ready_with_its_pod_while_it_holds_the_deploy_
     seen: list[tuple[AcquiredPod, bool, str]] = []
 
     async def on_ready(pod: AcquiredPod) -> None:
-        info = await redis.hgetall(pod_info_key(pod.pod_id))
+        info = await redis.hgetall(pod_info_key(SCOPE, pod.pod_id))
         seen.append((pod, bool(await deploy_locks(redis, SCOPE)), info["phase"]))
 
     result = await rm.facade.acquire(SCOPE, spec(), pool(), "r1", on_ready=on_ready)
@@ -216,8 +217,8 @@ async def test_warm_pod_of_the_current_version_is_reused(
     assert await acquire(rm, "r1") == warm
     assert k8s.deploy_calls == calls, "a warm pod must be reused, not a new one deployed"
     assert not await redis.sismember(scope_idle_key(SCOPE), warm.pod_id)
-    assert not await redis.exists(pod_idle_since_key(warm.pod_id))
-    assert await redis.hget(pod_info_key(warm.pod_id), "phase") == "in_use"
+    assert not await redis.exists(pod_idle_since_key(SCOPE, warm.pod_id))
+    assert await redis.hget(pod_info_key(SCOPE, warm.pod_id), "phase") == "in_use"
 
 
 async def test_a_warm_pod_of_an_old_version_is_not_handed_out(
@@ -232,9 +233,9 @@ async def test_a_warm_pod_of_an_old_version_is_not_handed_out(
 
     got = await acquire(rm, "r1", pod_spec=new_spec)
     assert got.pod_id != old.pod_id
-    assert await redis.hget(pod_info_key(got.pod_id), "deploy_ver") == spec_fields.deploy_ver(
-        new_spec
-    )
+    assert await redis.hget(
+        pod_info_key(SCOPE, got.pod_id), "deploy_ver"
+    ) == spec_fields.deploy_ver(new_spec)
     assert await redis.sismember(scope_idle_key(SCOPE), old.pod_id), "old one stays idle"
 
 
@@ -395,11 +396,11 @@ async def test_thirty_acquires_on_a_warm_pool_take_distinct_pods(
 async def test_idle_consider_is_idempotent(rm: Instance, redis: Redis) -> None:
     pod_id = (await acquire(rm, "r1")).pod_id
     assert await rm.facade.idle_consider(pod_id, SCOPE) == IdleTransition(transitioned_to_idle=True)
-    since = await redis.get(pod_idle_since_key(pod_id))
+    since = await redis.get(pod_idle_since_key(SCOPE, pod_id))
     assert await rm.facade.idle_consider(pod_id, SCOPE) == IdleTransition(
         transitioned_to_idle=False
     )
-    assert await redis.get(pod_idle_since_key(pod_id)) == since
+    assert await redis.get(pod_idle_since_key(SCOPE, pod_id)) == since
     assert await rm.facade.idle_consider("unknown", SCOPE) == IdleTransition(
         transitioned_to_idle=False
     )

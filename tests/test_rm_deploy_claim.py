@@ -30,9 +30,8 @@ LEASE = 5.0
 
 
 class K:
-    BUDGET = "resource_manager:budget:pods"
-    PODS_ALL = "resource_manager:resource:pods:all"
-    LEASED = "resource_manager:resource:leased_scopes"
+    BUDGET = "resource_manager:budget:{budget}:pods"
+    PODS = f"resource_manager:resource:scope:{{{SID}}}:pods"  # registered: a member
 
     @staticmethod
     def lock(did: str) -> str:
@@ -337,7 +336,7 @@ async def test_ended_and_failed_deploys_leave_the_index_and_are_never_taken_over
     await redis.zadd(K.COLD, {"died-early": 1, "failed": 1, "registered": 1})
     await redis.hset(K.record("failed"), mapping={"token": "x@1", "failed": "1"})
     await redis.hset(K.record("registered"), mapping={"token": "y@1", "pod_id": "agent-r"})
-    await redis.sadd(K.PODS_ALL, "agent-r")
+    await redis.zadd(K.PODS, {"agent-r": 1})
     claim = await cold_claim(rs, "rq-n")
     assert claim.action == "lead" and claim.orphan is None and claim.deploy_id == "rq-n"
     assert await redis.zrange(K.COLD, 0, -1) == ["rq-n"]

@@ -43,6 +43,7 @@ from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
 from contract_keys import (
     rm_pod,
+    rm_pod_known,
     rm_scope,
     sm_expiry,
     sm_pod,
@@ -56,8 +57,6 @@ SCOPE = "scope-jobs"
 OTHER_SCOPE = "scope-other"
 
 # --- contract key names (§4) -------------------------------------------------------------------
-
-PODS_ALL = "resource_manager:resource:pods:all"
 
 
 def job_lock(name: str) -> str:
@@ -203,8 +202,8 @@ async def redis_now(redis: Redis) -> float:
 
 async def set_idle_age(redis: Redis, pod_id: str, age: float) -> None:
     """Pretend the pod went idle ``age`` seconds ago (Redis clock)."""
-    assert await redis.exists(rm_pod(pod_id, "idle_since")), "only a warm pod has idle_since"
-    await redis.set(rm_pod(pod_id, "idle_since"), f"{await redis_now(redis) - age:.6f}")
+    assert await redis.exists(rm_pod(SCOPE, pod_id, "idle_since")), "only a warm pod has idle_since"
+    await redis.set(rm_pod(SCOPE, pod_id, "idle_since"), f"{await redis_now(redis) - age:.6f}")
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], within: float = 5.0) -> None:
@@ -281,24 +280,24 @@ async def warm_set(redis: Redis, scope: str = SCOPE) -> set[str]:
 
 async def assert_warm(redis: Redis, pod_id: str, version: str, scope: str = SCOPE) -> None:
     assert await redis.sismember(rm_scope(scope, "idle"), pod_id)
-    assert await redis.exists(rm_pod(pod_id, "idle_since"))
-    info = await redis.hgetall(rm_pod(pod_id, "info"))
+    assert await redis.exists(rm_pod(scope, pod_id, "idle_since"))
+    info = await redis.hgetall(rm_pod(scope, pod_id, "info"))
     assert info["phase"] == "idle" and info["deploy_ver"] == version and info["scope_id"] == scope
     assert await redis.zscore(rm_scope(scope, "pods"), pod_id) is not None
-    assert await redis.sismember(PODS_ALL, pod_id)
+    assert await rm_pod_known(redis, pod_id)
 
 
 async def assert_in_use(redis: Redis, pod_id: str, scope: str = SCOPE) -> None:
-    assert await redis.hget(rm_pod(pod_id, "info"), "phase") == "in_use"
+    assert await redis.hget(rm_pod(scope, pod_id, "info"), "phase") == "in_use"
     assert not await redis.sismember(rm_scope(scope, "idle"), pod_id)
-    assert not await redis.exists(rm_pod(pod_id, "idle_since"))
+    assert not await redis.exists(rm_pod(scope, pod_id, "idle_since"))
     assert await redis.zscore(rm_scope(scope, "pods"), pod_id) is not None
 
 
 async def assert_purged(redis: Redis, pod_id: str, scope: str = SCOPE) -> None:
-    keys = [k async for k in redis.scan_iter(match=rm_pod(pod_id, "*"))]
+    keys = [k async for k in redis.scan_iter(match=rm_pod("*", pod_id, "*"))]
     assert keys == [], f"RM keys of {pod_id} left: {keys}"
-    assert not await redis.sismember(PODS_ALL, pod_id)
+    assert not await rm_pod_known(redis, pod_id)
     assert await redis.zscore(rm_scope(scope, "pods"), pod_id) is None
     assert not await redis.sismember(rm_scope(scope, "idle"), pod_id)
 
@@ -309,9 +308,9 @@ async def assert_pool_consistent(redis: Redis, scope: str = SCOPE) -> None:
     idle = await warm_set(redis, scope)
     assert idle <= set(pods)
     for pod_id in pods:
-        assert await redis.sismember(PODS_ALL, pod_id)
-        has_since = bool(await redis.exists(rm_pod(pod_id, "idle_since")))
-        phase = await redis.hget(rm_pod(pod_id, "info"), "phase")
+        assert await rm_pod_known(redis, pod_id)
+        has_since = bool(await redis.exists(rm_pod(scope, pod_id, "idle_since")))
+        phase = await redis.hget(rm_pod(scope, pod_id, "info"), "phase")
         assert (pod_id in idle) == has_since == (phase == "idle"), (pod_id, phase)
     max_pods = await redis.hget(rm_scope(scope, "config"), "max_pods")
     if max_pods is not None:
@@ -711,7 +710,7 @@ async def test_pending_is_not_dead(env: Env) -> None:
         assert await env.pool_jobs.watch_once() == 0
     assert env.k8s.deleted == [] and env.sessions.dead == []
     await assert_in_use(env.redis, pod_id)
-    assert not await env.redis.exists(rm_pod(pod_id, "health_fails"))
+    assert not await env.redis.exists(rm_pod(SCOPE, pod_id, "health_fails"))
     await assert_sessions_alive(env.redis, pod_id, ["s1"])
 
 
@@ -722,7 +721,7 @@ async def test_two_failed_probes_in_a_row_make_a_pod_half_dead(env: Env) -> None
     env.k8s.unhealthy.add(pod_id)
 
     assert await env.pool_jobs.watch_once() == 0
-    assert await env.redis.get(rm_pod(pod_id, "health_fails")) == "1"
+    assert await env.redis.get(rm_pod(SCOPE, pod_id, "health_fails")) == "1"
     assert env.k8s.deleted == [] and env.sessions.dead == []
     await assert_sessions_alive(env.redis, pod_id, ["s1"])
 
@@ -738,15 +737,15 @@ async def test_a_healthy_probe_resets_the_failure_count(env: Env) -> None:
     pod_id = await take_in_use(env, "r1")
     env.k8s.unhealthy.add(pod_id)
     assert await env.pool_jobs.watch_once() == 0
-    assert await env.redis.get(rm_pod(pod_id, "health_fails")) == "1"
+    assert await env.redis.get(rm_pod(SCOPE, pod_id, "health_fails")) == "1"
 
     env.k8s.unhealthy.discard(pod_id)
     assert await env.pool_jobs.watch_once() == 0
-    assert not await env.redis.exists(rm_pod(pod_id, "health_fails"))
+    assert not await env.redis.exists(rm_pod(SCOPE, pod_id, "health_fails"))
 
     env.k8s.unhealthy.add(pod_id)
     assert await env.pool_jobs.watch_once() == 0, "fail, ok, fail is not two in a row"
-    assert await env.redis.get(rm_pod(pod_id, "health_fails")) == "1"
+    assert await env.redis.get(rm_pod(SCOPE, pod_id, "health_fails")) == "1"
     assert env.k8s.deleted == []
     await assert_in_use(env.redis, pod_id)
 
@@ -787,13 +786,13 @@ async def test_a_running_pod_that_kubernetes_reports_not_ready_is_still_probed(e
     env.k8s.unhealthy.add(sick)
 
     assert await env.pool_jobs.watch_once() == 0
-    assert await env.redis.get(rm_pod(sick, "health_fails")) == "1"
+    assert await env.redis.get(rm_pod(SCOPE, sick, "health_fails")) == "1"
     assert await env.pool_jobs.watch_once() == 1
     assert env.k8s.deleted == [sick]
     await assert_purged(env.redis, sick)
     await assert_sessions_evicted(env.redis, sick, ["s1"])
     # not Ready but answering /health: kept
-    assert not await env.redis.exists(rm_pod(fine, "health_fails"))
+    assert not await env.redis.exists(rm_pod(SCOPE, fine, "health_fails"))
     await assert_in_use(env.redis, fine)
 
 
@@ -812,7 +811,9 @@ async def test_a_failed_list_purges_nothing(env: Env) -> None:
     assert env.sessions.dead == [] and env.k8s.deleted == []
     await assert_in_use(env.redis, pods[0])
     await assert_warm(env.redis, pods[1], spec_fields.deploy_ver(team))
-    assert not await env.redis.exists(rm_pod(pods[0], "health_fails")), "no probe without a LIST"
+    assert not await env.redis.exists(rm_pod(SCOPE, pods[0], "health_fails")), (
+        "no probe without a LIST"
+    )
     await assert_sessions_alive(env.redis, pods[0], ["s1"])
 
     env.k8s.forbidden_namespaces.clear()
@@ -966,7 +967,7 @@ async def test_after_a_redis_wipe_ready_current_pods_are_adopted_as_warm(env: En
     await env.pool_jobs.autoscale_once()
     await env.pool_jobs.wait_for_warm_deploys()
     pods = sorted([*await warm_set(env.redis), in_use])
-    urls = {p: await env.redis.hget(rm_pod(p, "info"), "pod_sse_url") for p in pods}
+    urls = {p: await env.redis.hget(rm_pod(SCOPE, p, "info"), "pod_sse_url") for p in pods}
     await wipe_rm_pod_state(env.redis)
     assert await env.state.pool_config(SCOPE) is not None
 
@@ -983,7 +984,7 @@ async def test_after_a_redis_wipe_ready_current_pods_are_adopted_as_warm(env: En
     assert sorted(await env.redis.zrange(rm_scope(SCOPE, "pods"), 0, -1)) == pods
     for pod_id in pods:
         await assert_warm(env.redis, pod_id, ver)
-        info = await env.redis.hgetall(rm_pod(pod_id, "info"))
+        info = await env.redis.hgetall(rm_pod(SCOPE, pod_id, "info"))
         assert info["namespace"] == "team"
         assert info["pod_ip"] == env.k8s.pods[pod_id].pod_ip
         assert info["pod_sse_url"] == urls[pod_id]
@@ -1053,7 +1054,7 @@ async def test_an_unknown_pod_that_still_holds_sessions_is_kept_in_use(env: Env)
     assert counts["adopted"] == 1 and counts["deleted"] == 0
     assert old.pod_id in env.k8s.pods and old.pod_id not in env.k8s.deleted
     await assert_in_use(env.redis, old.pod_id)
-    assert await env.redis.hget(rm_pod(old.pod_id, "info"), "deploy_ver") == VER2
+    assert await env.redis.hget(rm_pod(SCOPE, old.pod_id, "info"), "deploy_ver") == VER2
     await assert_sessions_alive(env.redis, old.pod_id, ["s1", "s2"])
     assert full.pod_id in env.k8s.pods
 
@@ -1152,7 +1153,7 @@ async def test_pods_without_our_scope_label_are_never_touched(env: Env) -> None:
     assert not_agentserver.pod_id in env.k8s.pods
     assert foreign.pod_id not in env.k8s.deleted and not_agentserver.pod_id not in env.k8s.deleted
     for pod_id in (foreign.pod_id, not_agentserver.pod_id):
-        assert not await env.redis.sismember(PODS_ALL, pod_id)
+        assert not await rm_pod_known(env.redis, pod_id)
 
 
 # ================================================================================================
@@ -1342,7 +1343,7 @@ async def test_the_runner_drives_the_sweeper(env: Env) -> None:
 
         async def floor_of(version: str) -> bool:
             warm = await PoolJobsState(env.state).idle_pods(SCOPE)
-            versions = await PoolJobsState(env.state).pod_versions(list(warm))
+            versions = await PoolJobsState(env.state).pod_versions(dict.fromkeys(warm, SCOPE))
             return sorted(versions.values()) == [version, version]
 
         await eventually(lambda: floor_of(VER1))
@@ -1387,7 +1388,7 @@ async def test_a_pod_reclaimed_during_the_reconcile_pass_is_not_adopted_back(
     counts = await env.pool_jobs.reconcile_once()
     assert counts["adopted"] == 0, counts
     assert pod_id not in await warm_set(env.redis)
-    assert not await env.redis.exists(rm_pod(pod_id, "info"))
+    assert not await env.redis.exists(rm_pod(SCOPE, pod_id, "info"))
 
 
 async def test_an_orphan_that_is_terminating_by_now_is_left_to_go(

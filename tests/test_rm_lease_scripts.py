@@ -19,20 +19,24 @@ from agent_runtime.resource_manager.models import LeaseLost
 from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.resource_manager.state_values import LeasePrune, OrphanPod
+from contract_keys import rm_leased, rm_leased_scopes
 from helpers import other_client
 
 pytestmark = pytest.mark.topologies
 
-RULE_PREFIX = "resource_manager:budget:rule:"
+RULE_PREFIX = "resource_manager:budget:{budget}:rule:"
 SID = "scope-l"
 DID = "rq-1"  # the cold deploy the tests lead (a scope runs many; each is keyed by its id)
 LEASE = 5.0  # seconds: nothing lapses during a test unless made to
 
 
 class K:
-    LEASED = "resource_manager:resource:leased_scopes"
-    PODS_ALL = "resource_manager:resource:pods:all"
-    BUDGET = "resource_manager:budget:pods"
+    BUDGET = "resource_manager:budget:{budget}:pods"
+
+    @staticmethod
+    def pods(sid: str = SID) -> str:
+        """The scope's pods: a pod registered for the scope is a member."""
+        return f"resource_manager:resource:scope:{{{sid}}}:pods"
 
     @staticmethod
     def lock(sid: str = SID, did: str = DID) -> str:
@@ -174,7 +178,7 @@ async def test_take_inherits_neither_a_failure_notice_nor_a_registered_pod(
     await ds.end_deploy_lease(SID, DID, "new@2", "ok", 1)
 
     await redis.hset(K.record(), mapping={"token": "old@1", "pod_id": "agent-r", "namespace": "n"})
-    await redis.sadd(K.PODS_ALL, "agent-r")  # registered meanwhile (e.g. adopted by reconcile)
+    await redis.zadd(K.pods(), {"agent-r": 1})  # registered meanwhile (e.g. adopted by reconcile)
     took = await ds.take_deploy_lease(SID, DID, "new@3", LEASE)
     assert took.leader and took.orphan is None
     assert not await redis.exists(K.record())
@@ -266,7 +270,7 @@ async def test_a_late_renewal_never_takes_back_a_deploy_another_leader_took_and_
     await redis.delete(K.lock())  # A's lease lapsed
     took = await ds.take_deploy_lease(SID, DID, "lk-b@2", LEASE)
     assert took.leader and took.orphan is not None and took.orphan.pod_id == "agent-p"
-    await redis.sadd(K.PODS_ALL, "agent-p")  # B registered it
+    await redis.zadd(K.pods(), {"agent-p": 1})  # B registered it
     assert await ds.end_deploy_lease(SID, DID, "lk-b@2", "ok", LEASE)
     assert await redis.zcard(K.cold()) == 0
 
@@ -503,7 +507,7 @@ async def test_prune_drops_expired_seats_and_placeholders_and_keeps_live_ones(
         await redis.set(K.lock(sid), "lk@1", px=30_000)
         await redis.zadd(K.cold(sid), {DID: now})
         await redis.zadd(K.followers(sid), {"f-live": now + 30, "f-dead": now - 2})
-        await redis.sadd(K.LEASED, sid)
+        await redis.zadd(rm_leased(sid), {sid: 0})  # due
     dead = f"dead@{now - 2}"
     await redis.sadd(K.deploying(), dead)
     await redis.zadd(K.BUDGET, {f"{SID}:{dead}": now - 2})
@@ -515,13 +519,17 @@ async def test_prune_drops_expired_seats_and_placeholders_and_keeps_live_ones(
     assert await redis.zscore(K.BUDGET, f"{SID}:{dead}") is None
     assert await redis.zscore(K.rule("rule-1"), f"{SID}:{dead}") is None
     assert await redis.zscore(K.BUDGET, f"{SID}:{live}") is not None
-    assert await redis.smembers(K.LEASED) == {SID, "scope-m"}, "live deploys keep their scope"
+    leased = await rm_leased_scopes(redis)
+    assert set(leased) == {SID, "scope-m"}, "live deploys keep their scope"
+    assert min(leased.values()) > now, "looked at again later, not at every pass"
 
-    # the deploy of scope-m ends: its leader died before its create (no record)
+    # the deploy of scope-m ends: its leader died before its create (no record); its time
+    # to be looked at again comes
     await redis.delete(K.lock("scope-m"))
+    await redis.zadd(rm_leased("scope-m"), {"scope-m": now})
     assert await ds.prune_leases() == LeasePrune(0, 0)
     assert not await redis.exists(K.cold("scope-m"))
-    assert await redis.smembers(K.LEASED) == {SID}, "an empty scope leaves the index"
+    assert set(await rm_leased_scopes(redis)) == {SID}, "an empty scope leaves the index"
 
 
 async def test_prune_keeps_a_lapsed_deploy_with_a_pod_to_take_over_and_drops_a_done_one(
@@ -532,30 +540,42 @@ async def test_prune_keeps_a_lapsed_deploy_with_a_pod_to_take_over_and_drops_a_d
     all."""
     await redis.zadd(K.cold(), {DID: 1})
     await redis.hset(K.record(), mapping={"token": "dead@1", "pod_id": "agent-o", "uid": "u"})
-    await redis.sadd(K.LEASED, SID)
+    await redis.zadd(rm_leased(SID), {SID: 0})
     assert await ds.prune_leases() == LeasePrune(0, 0)
     assert await redis.zrange(K.cold(), 0, -1) == [DID]
-    assert await redis.smembers(K.LEASED) == {SID}
-    await redis.sadd(K.PODS_ALL, "agent-o")
-    assert await ds.prune_leases() == LeasePrune(0, 0)
+    assert set(await rm_leased_scopes(redis)) == {SID}
+    await redis.zadd(K.pods(), {"agent-o": 1})
+    assert await ds.prune_leases(walk=[SID]) == LeasePrune(0, 0), "the slow walk looks too"
     assert not await redis.exists(K.cold()) and not await redis.exists(K.record())
-    assert await redis.scard(K.LEASED) == 0
+    await redis.zadd(rm_leased(SID), {SID: 0})
+    assert await ds.prune_leases() == LeasePrune(0, 0)
+    assert await rm_leased_scopes(redis) == {}
 
 
 async def test_prune_works_through_more_scopes_than_one_slice(
-    ds: DeployState, redis: Redis
+    ds: DeployState, redis: Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from agent_runtime.resource_manager import deploy_state
+
+    monkeypatch.setattr(deploy_state, "LEASE_PRUNE_BATCH", 2)  # due scopes a bucket a pass
     now = await rnow(redis)
-    n = 230  # more than two slices of LEASE_PRUNE_BATCH
+    n = 230  # more than two a bucket (64 buckets)
     async with redis.pipeline(transaction=False) as pipe:
         for i in range(n):
             pipe.zadd(K.cold(f"s{i}"), {DID: now - 10})  # its leader died before its create
             pipe.zadd(K.followers(f"s{i}"), {"gone": now - 1})
             pipe.sadd(K.deploying(f"s{i}"), f"gone@{now - 1}")
-            pipe.sadd(K.LEASED, f"s{i}")
+            pipe.zadd(rm_leased(f"s{i}"), {f"s{i}": 0})
         await pipe.execute()
-    assert await ds.prune_leases() == LeasePrune(n, n)
-    assert await redis.scard(K.LEASED) == 0
+    first = await ds.prune_leases()
+    assert first.seats < n, "a pass looks at LEASE_PRUNE_BATCH scopes a bucket"
+    seats, placeholders = first.seats, first.placeholders
+    for _ in range(n):
+        if not (more := await ds.prune_leases()).seats:
+            break
+        seats, placeholders = seats + more.seats, placeholders + more.placeholders
+    assert (seats, placeholders) == (n, n)
+    assert await rm_leased_scopes(redis) == {}
     assert not await redis.exists(K.followers("s0"), K.deploying(f"s{n - 1}"), K.cold("s9"))
 
 
@@ -572,4 +592,4 @@ async def test_claims_and_placeholders_put_their_scope_in_the_index(
         seat_hold=5, room_ttl=60, concurrency=4, pod_concurrency=4,
     )  # fmt: skip
     assert claim.action == "lead"
-    assert await redis.smembers(K.LEASED) == {"scope-a", "scope-b", "scope-c"}
+    assert set(await rm_leased_scopes(redis)) == {"scope-a", "scope-b", "scope-c"}

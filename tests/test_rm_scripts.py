@@ -33,6 +33,7 @@ from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.state import POD_PREFIX, ResourceState
 from agent_runtime.resource_manager.state_values import AcquireOutcome, BudgetRepair
 from agent_runtime.resource_manager.views import ResourceViews
+from contract_keys import rm_pod_known, rm_pod_scope, rm_pods_known
 from helpers import other_client, run_redis_state_machine
 
 pytestmark = pytest.mark.topologies
@@ -66,26 +67,24 @@ class K:
         return f"resource_manager:resource:scope:{{{sid}}}:deploy_followers"
 
     @staticmethod
-    def info(pod: str) -> str:
-        return f"resource_manager:resource:pod:{pod}:info"
+    def info(sid: str, pod: str) -> str:
+        return f"resource_manager:resource:pod:{{{sid}}}:{pod}:info"
 
     @staticmethod
-    def idle_since(pod: str) -> str:
-        return f"resource_manager:resource:pod:{pod}:idle_since"
+    def idle_since(sid: str, pod: str) -> str:
+        return f"resource_manager:resource:pod:{{{sid}}}:{pod}:idle_since"
 
     @staticmethod
-    def health_fails(pod: str) -> str:
-        return f"resource_manager:resource:pod:{pod}:health_fails"
+    def health_fails(sid: str, pod: str) -> str:
+        return f"resource_manager:resource:pod:{{{sid}}}:{pod}:health_fails"
 
-    PODS_ALL = "resource_manager:resource:pods:all"
-    BUDGET = "resource_manager:budget:pods"
-    BUDGET_RULES = "resource_manager:budget:rules"
-    BUDGET_LIMITS = "resource_manager:budget:rule_limits"
-    LEASED = "resource_manager:resource:leased_scopes"
+    BUDGET = "resource_manager:budget:{budget}:pods"
+    BUDGET_RULES = "resource_manager:budget:{budget}:rules"
+    BUDGET_LIMITS = "resource_manager:budget:{budget}:rule_limits"
 
     @staticmethod
     def rule_budget(rule_id: str) -> str:
-        return f"resource_manager:budget:rule:{rule_id}:pods"
+        return f"resource_manager:budget:{{budget}}:rule:{rule_id}:pods"
 
     @staticmethod
     def idem(sid: str, request_id: str) -> str:
@@ -175,8 +174,8 @@ async def second_client(redis: Redis) -> AsyncIterator[Redis]:
 def acquire_call(sid: str, request_id: str, token: str) -> dict[str, Any]:
     """The exact EVALSHA keys/args ``ResourceState.acquire`` sends."""
     keys = [K.config(sid), K.idle(sid), K.pods(sid), K.deploying(sid), K.idem(sid, request_id)]
-    keys += [K.BUDGET, K.BUDGET_RULES, K.BUDGET_LIMITS, K.LEASED]
-    args = [POD_PREFIX, token, TTL, 60, sid, "resource_manager:budget:rule:", "", 0, 1000]
+    keys += [K.BUDGET, K.BUDGET_RULES, K.BUDGET_LIMITS]
+    args = [POD_PREFIX, token, TTL, 60, sid, "resource_manager:budget:{budget}:rule:", "", 0, 1000]
     return {"keys": keys, "args": args}
 
 
@@ -205,8 +204,8 @@ async def test_acquire_reuses_only_a_warm_pod_of_the_current_version(
     assert second.action == "need_deploy"  # never the old-version pod
 
     assert await smembers(redis, K.idle("s1")) == {"old"}  # stays in the pool (for reclaim)
-    assert await redis.exists(K.idle_since("old"))
-    assert await redis.hget(K.info("old"), "phase") == "idle"
+    assert await redis.exists(K.idle_since("s1", "old"))
+    assert await redis.hget(K.info("s1", "old"), "phase") == "idle"
     assert await zmembers(redis, K.pods("s1")) == {"old", "new"}
 
 
@@ -216,15 +215,15 @@ async def test_acquire_reuse_pops_the_pod_and_caches_the_result(
     await configure(rs, "s1")
     await add_pod(rs, "s1", "p1", warm=True)
     await add_pod(rs, "s1", "p2", warm=True)
-    await redis.set(K.idle_since("p1"), 100)
-    await redis.set(K.idle_since("p2"), 50)  # p1 is the most recently idle
+    await redis.set(K.idle_since("s1", "p1"), 100)
+    await redis.set(K.idle_since("s1", "p2"), 50)  # p1 is the most recently idle
 
     out = await rs.acquire("s1", "r1", "t1", TTL)
-    ver = await redis.hget(K.info("p1"), "deploy_ver")
+    ver = await redis.hget(K.info("s1", "p1"), "deploy_ver")
     assert out == AcquireOutcome("reuse", "p1", sse("p1"), ver)
     assert await smembers(redis, K.idle("s1")) == {"p2"}
-    assert not await redis.exists(K.idle_since("p1"))
-    assert await redis.hget(K.info("p1"), "phase") == "in_use"
+    assert not await redis.exists(K.idle_since("s1", "p1"))
+    assert await redis.hget(K.info("s1", "p1"), "phase") == "in_use"
     assert "p1" in await zmembers(redis, K.pods("s1"))  # still one of the scope's pods
     assert json.loads(await redis.get(K.idem("s1", "r1"))) == {
         "pod_id": "p1",
@@ -292,7 +291,7 @@ async def test_acquire_hands_out_the_most_recently_idle_pod_first(
     for pod in ("a", "b", "c"):
         await add_pod(rs, "s1", pod, warm=True)
     for pod, since in (("a", 200), ("b", 300), ("c", 100)):
-        await redis.set(K.idle_since(pod), since)
+        await redis.set(K.idle_since("s1", pod), since)
     got = [(await rs.acquire("s1", f"r{i}", f"t{i}", TTL)).pod_id for i in range(3)]
     assert got == ["b", "a", "c"]
     assert not await redis.exists(K.idle("s1"))
@@ -439,7 +438,7 @@ async def test_acquire_concurrent_reuses_each_warm_pod_once_then_reserves_up_to_
     assert sorted(o.pod_id for o in outs if o.action == "reuse") == ["w1", "w2"]
     assert actions.count("need_deploy") == 3  # 2 pods + 3 placeholders = 5
     assert actions.count("max_reached") == 25
-    assert not await redis.exists(K.idle("s1"), K.idle_since("w1"), K.idle_since("w2"))
+    assert not await redis.exists(K.idle("s1"), K.idle_since("s1", "w1"), K.idle_since("s1", "w2"))
     assert await redis.scard(K.deploying("s1")) == 3
     cached = {i for i, o in enumerate(outs) if o.action == "reuse"}
     for i in range(30):
@@ -459,7 +458,7 @@ async def test_placeholder_caps_at_max_pods_and_never_touches_idle(
 ) -> None:
     await configure(rs, "s1", max_pods=3)
     await add_pod(rs, "s1", "w1", warm=True)
-    before = await redis.get(K.idle_since("w1"))
+    before = await redis.get(K.idle_since("s1", "w1"))
     a = await ds.add_placeholder("s1", "a", TTL)
     b = await ds.add_placeholder("s1", "b", TTL)
     assert a is not None
@@ -468,8 +467,8 @@ async def test_placeholder_caps_at_max_pods_and_never_touches_idle(
     assert await ds.add_placeholder("s1", "c", TTL) is None  # 1 pod + 2 placeholders = 3
     assert await smembers(redis, K.deploying("s1")) == {a, b}
     assert await smembers(redis, K.idle("s1")) == {"w1"}  # the warm pod was not consumed
-    assert await redis.get(K.idle_since("w1")) == before
-    assert await redis.hget(K.info("w1"), "phase") == "idle"
+    assert await redis.get(K.idle_since("s1", "w1")) == before
+    assert await redis.hget(K.info("s1", "w1"), "phase") == "idle"
 
 
 async def test_placeholder_replay_returns_the_same_member(
@@ -477,8 +476,8 @@ async def test_placeholder_replay_returns_the_same_member(
 ) -> None:
     await configure(rs, "s1", max_pods=1)
     keys = [K.config("s1"), K.pods("s1"), K.deploying("s1")]
-    keys += [K.BUDGET, K.BUDGET_RULES, K.BUDGET_LIMITS, K.LEASED]
-    args = ["t1", TTL, "s1", "resource_manager:budget:rule:", 1000]
+    keys += [K.BUDGET, K.BUDGET_RULES, K.BUDGET_LIMITS]
+    args = ["t1", TTL, "s1", "resource_manager:budget:{budget}:rule:", 1000]
     first_reply = await ds._placeholder(keys=keys, args=args)
     second_reply = await ds._placeholder(keys=keys, args=args)  # at the cap, but ours
     assert first_reply == second_reply
@@ -523,7 +522,7 @@ async def test_register_writes_info_pods_and_pods_all_and_gives_back_the_placeho
     held = await register(rs, "s1", "p1", member, ver="v1", warm=False)
     after = await rnow(redis)
     assert held is True
-    info = await redis.hgetall(K.info("p1"))
+    info = await redis.hgetall(K.info("s1", "p1"))
     created = float(info.pop("created_ts"))  # Redis seconds with microseconds
     assert before <= created < after + 1
     assert info == {
@@ -535,9 +534,9 @@ async def test_register_writes_info_pods_and_pods_all_and_gives_back_the_placeho
         "deploy_ver": "v1",
     }
     assert await redis.zscore(K.pods("s1"), "p1") == created
-    assert await smembers(redis, K.PODS_ALL) == {"p1"}
+    assert set(await rm_pods_known(redis)) == {"p1"}
     assert not await redis.exists(K.deploying("s1"))  # the slot is now the pod's
-    assert not await redis.exists(K.idle("s1"), K.idle_since("p1"))
+    assert not await redis.exists(K.idle("s1"), K.idle_since("s1", "p1"))
     assert await redis.zcard(K.pods("s1")) + await redis.scard(K.deploying("s1")) == 1
 
 
@@ -548,9 +547,9 @@ async def test_register_warm_goes_straight_into_the_pool(
     member = await ds.add_placeholder("s1", "t1", TTL)
     assert await register(rs, "s1", "p1", member, warm=True)
     assert await smembers(redis, K.idle("s1")) == {"p1"}
-    created = await redis.hget(K.info("p1"), "created_ts")
-    assert await redis.get(K.idle_since("p1")) == created
-    assert await redis.hget(K.info("p1"), "phase") == "idle"
+    created = await redis.hget(K.info("s1", "p1"), "created_ts")
+    assert await redis.get(K.idle_since("s1", "p1")) == created
+    assert await redis.hget(K.info("s1", "p1"), "phase") == "idle"
 
 
 async def test_register_replay_keeps_the_first_values_and_answer(
@@ -560,33 +559,32 @@ async def test_register_replay_keeps_the_first_values_and_answer(
     member = await ds.add_placeholder("s1", "t1", TTL)
     assert member is not None
     keys = [
-        K.info("p1"),
+        K.info("s1", "p1"),
         K.pods("s1"),
-        K.PODS_ALL,
         K.deploying("s1"),
         K.idle("s1"),
-        K.idle_since("p1"),
+        K.idle_since("s1", "p1"),
         K.config("s1"),
         K.BUDGET,
         K.BUDGET_RULES,
     ]
     args = ["p1", member, "s1", sse("p1"), "10.0.0.1", "agents", "v1", "1"]
-    args.append("resource_manager:budget:rule:")
+    args.append("resource_manager:budget:{budget}:rule:")
     assert await rs._register(keys=keys, args=args) == 1
     # make the first call look older, so that a rewrite would show
-    await redis.hset(K.info("p1"), "created_ts", "1000")
+    await redis.hset(K.info("s1", "p1"), "created_ts", "1000")
     await redis.zadd(K.pods("s1"), {"p1": 1000}, xx=True)
-    await redis.set(K.idle_since("p1"), "1000")
-    snapshot = await redis.hgetall(K.info("p1"))
+    await redis.set(K.idle_since("s1", "p1"), "1000")
+    snapshot = await redis.hgetall(K.info("s1", "p1"))
 
     assert await rs._register(keys=keys, args=args) == 1  # the same answer as the first call
     assert await register(rs, "s1", "p1", member, warm=True) is True
-    assert await redis.hgetall(K.info("p1")) == snapshot
+    assert await redis.hgetall(K.info("s1", "p1")) == snapshot
     assert await redis.zscore(K.pods("s1"), "p1") == 1000
-    assert await redis.get(K.idle_since("p1")) == "1000"
+    assert await redis.get(K.idle_since("s1", "p1")) == "1000"
     assert await smembers(redis, K.idle("s1")) == {"p1"}
     assert await zmembers(redis, K.pods("s1")) == {"p1"}
-    assert await smembers(redis, K.PODS_ALL) == {"p1"}
+    assert set(await rm_pods_known(redis)) == {"p1"}
     assert not await redis.exists(K.deploying("s1"))
     assert await redis.zrange(K.BUDGET, 0, -1) == ["p1"]  # the placeholder's unit is the pod's
 
@@ -599,8 +597,8 @@ async def test_register_replay_never_puts_a_taken_pod_back_into_the_pool(
     assert await register(rs, "s1", "p1", member, warm=True)
     assert (await rs.acquire("s1", "r1", "t-acq", TTL)).pod_id == "p1"  # handed out meanwhile
     assert await register(rs, "s1", "p1", member, warm=True) is True  # a late re-send
-    assert not await redis.exists(K.idle("s1"), K.idle_since("p1"))
-    assert await redis.hget(K.info("p1"), "phase") == "in_use"
+    assert not await redis.exists(K.idle("s1"), K.idle_since("s1", "p1"))
+    assert await redis.hget(K.info("s1", "p1"), "phase") == "in_use"
 
 
 async def test_register_with_an_expired_placeholder_registers_but_reports_not_held(
@@ -613,9 +611,9 @@ async def test_register_with_an_expired_placeholder_registers_but_reports_not_he
     assert await register(rs, "s1", "p1", stale) is False
     assert await register(rs, "s1", "p1", stale) is False  # replay: the same answer
     assert not await redis.exists(K.deploying("s1"))
-    assert await redis.hget(K.info("p1"), "scope_id") == "s1"
+    assert await redis.hget(K.info("s1", "p1"), "scope_id") == "s1"
     assert await zmembers(redis, K.pods("s1")) == {"p1"}
-    assert await smembers(redis, K.PODS_ALL) == {"p1"}
+    assert set(await rm_pods_known(redis)) == {"p1"}
 
     # expired and already swept by someone else's acquire
     swept = f"t2@{now - 10}"
@@ -626,7 +624,7 @@ async def test_register_with_an_expired_placeholder_registers_but_reports_not_he
     assert await register(rs, "s1", "p2", swept, warm=True) is False
     assert await zmembers(redis, K.pods("s1")) == {"p1", "p2"}
     assert await smembers(redis, K.idle("s1")) == {"p2"}
-    assert await redis.exists(K.idle_since("p2"))
+    assert await redis.exists(K.idle_since("s1", "p2"))
 
 
 async def test_register_placeholder_holds_during_its_deadline_second(
@@ -647,7 +645,7 @@ async def test_register_placeholder_holds_during_its_deadline_second(
 async def test_register_without_placeholder(rs: ResourceState, redis: Redis) -> None:
     assert await register(rs, "s1", "adopted", None, warm=True) is False
     assert await smembers(redis, K.idle("s1")) == {"adopted"}
-    assert await smembers(redis, K.PODS_ALL) == {"adopted"}
+    assert set(await rm_pods_known(redis)) == {"adopted"}
 
 
 # --- release -----------------------------------------------------------------------------------
@@ -662,12 +660,12 @@ async def test_release_puts_an_in_use_pod_into_the_pool_once(
     assert await rs.release("s1", "p1") is True
     after = await rnow(redis)
     assert await smembers(redis, K.idle("s1")) == {"p1"}
-    assert before <= float(await redis.get(K.idle_since("p1"))) < after + 1
-    assert await redis.hget(K.info("p1"), "phase") == "idle"
+    assert before <= float(await redis.get(K.idle_since("s1", "p1"))) < after + 1
+    assert await redis.hget(K.info("s1", "p1"), "phase") == "idle"
 
-    await redis.set(K.idle_since("p1"), "1000")  # so that a restart of the clock would show
+    await redis.set(K.idle_since("s1", "p1"), "1000")  # so that a restart of the clock would show
     assert await rs.release("s1", "p1") is False
-    assert await redis.get(K.idle_since("p1")) == "1000"
+    assert await redis.get(K.idle_since("s1", "p1")) == "1000"
     assert await smembers(redis, K.idle("s1")) == {"p1"}
 
 
@@ -680,9 +678,9 @@ async def test_release_of_a_pod_not_in_the_scope_writes_nothing(
     assert await rs.release("s1", "theirs") is False  # another scope's pod
     assert await rs.release("s1", "nobody") is False  # unknown (or purged) pod
     assert not await redis.exists(K.idle("s1"), K.idle("s2"))
-    assert not await redis.exists(K.idle_since("theirs"), K.idle_since("nobody"))
-    assert not await redis.exists(K.info("nobody"))
-    assert await redis.hget(K.info("theirs"), "phase") == "in_use"
+    assert not await redis.exists(K.idle_since("s2", "theirs"), K.idle_since("s1", "nobody"))
+    assert not await redis.exists(K.info("s1", "nobody"))
+    assert await redis.hget(K.info("s2", "theirs"), "phase") == "in_use"
 
 
 # --- pod_fields (read only) ---------------------------------------------------------------------
@@ -695,14 +693,16 @@ async def test_pod_fields_reads_the_asked_fields_of_each_pod_in_order(
     await configure(rs, "s2")
     await add_pod(rs, "s1", "p1", warm=True)
     await add_pod(rs, "s2", "p2", ver="v1", warm=False)
-    await redis.hdel(K.info("p2"), "namespace")
-    got = await js.pod_fields(["p2", "ghost", "p1"], "phase", "scope_id", "namespace")
+    await redis.hdel(K.info("s2", "p2"), "namespace")
+    got = await js.pod_fields(
+        {"p2": "s2", "ghost": "s1", "p1": "s1"}, "phase", "scope_id", "namespace"
+    )
     assert list(got) == ["p2", "ghost", "p1"]
-    assert got["p1"] == ["idle", "s1", await redis.hget(K.info("p1"), "namespace")]
+    assert got["p1"] == ["idle", "s1", await redis.hget(K.info("s1", "p1"), "namespace")]
     assert got["p2"] == ["in_use", "s2", None], "a missing field is None, the row keeps its place"
     assert got["ghost"] == [None, None, None], "an unknown pod: all None"
-    assert await js.pod_fields([], "phase") == {}
-    assert await js.pod_versions(["p1", "ghost"]) == {"p1": "v1", "ghost": None}
+    assert await js.pod_fields({}, "phase") == {}
+    assert await js.pod_versions({"p1": "s1", "ghost": "s1"}) == {"p1": "v1", "ghost": None}
 
 
 async def test_pod_fields_over_more_pods_than_one_call(
@@ -712,8 +712,8 @@ async def test_pod_fields_over_more_pods_than_one_call(
 
     monkeypatch.setattr(state_module, "SCRIPT_BATCH", 3)
     for i in range(8):
-        await redis.hset(K.info(f"q{i}"), mapping={"phase": "in_use", "scope_id": f"s{i}"})
-    got = await js.pod_fields([f"q{i}" for i in range(8)], "scope_id")
+        await redis.hset(K.info(f"s{i}", f"q{i}"), mapping={"phase": "in_use", "scope_id": f"s{i}"})
+    got = await js.pod_fields({f"q{i}": f"s{i}" for i in range(8)}, "scope_id")
     assert got == {f"q{i}": [f"s{i}"] for i in range(8)}
 
 
@@ -743,7 +743,7 @@ async def test_read_many_reads_each_key_in_order_and_refuses_other_commands(
     assert await redis.hgetall(K.config("s1")) == config, "nothing written"
     assert await js.pool_configs(["nope", "s1"]) == {"s1": await rs.pool_config("s1")}
     assert await js.idle_pods_of(["s1", "nope"]) == {
-        "s1": {"p1": float(await redis.get(K.idle_since("p1")))},
+        "s1": {"p1": float(await redis.get(K.idle_since("s1", "p1")))},
         "nope": {},
     }
 
@@ -757,19 +757,21 @@ async def test_purge_forgets_every_key_of_the_pod(
     await configure(rs, "s1")
     await add_pod(rs, "s1", "p1", warm=True)
     await add_pod(rs, "s1", "p2", warm=True)
-    await js.count_health_failure("p1")
-    assert await pod_keys(redis, "p1") == {K.info("p1"), K.idle_since("p1"), K.health_fails("p1")}
+    await js.count_health_failure("s1", "p1")
+    assert await pod_keys(redis, "p1") == {
+        K.info("s1", "p1"), K.idle_since("s1", "p1"), K.health_fails("s1", "p1")
+    }  # fmt: skip
 
     assert await js.purge("p1") == "s1"
     assert await pod_keys(redis, "p1") == set()
     assert await zmembers(redis, K.pods("s1")) == {"p2"}
     assert await smembers(redis, K.idle("s1")) == {"p2"}
-    assert await smembers(redis, K.PODS_ALL) == {"p2"}
+    assert set(await rm_pods_known(redis)) == {"p2"}
 
     assert await js.purge("p1") is None  # again
     assert await js.purge("never") is None
     assert await pod_keys(redis, "never") == set()
-    assert await redis.exists(K.info("p2"), K.idle_since("p2")) == 2
+    assert await redis.exists(K.info("s1", "p2"), K.idle_since("s1", "p2")) == 2
 
 
 async def test_purge_of_an_in_use_pod(
@@ -778,7 +780,8 @@ async def test_purge_of_an_in_use_pod(
     await configure(rs, "s1", max_pods=1)
     await add_pod(rs, "s1", "p1", warm=False)
     assert await js.purge("p1") == "s1"
-    assert not await redis.exists(K.pods("s1"), K.PODS_ALL, K.info("p1"))
+    assert not await redis.exists(K.pods("s1"), K.info("s1", "p1"))
+    assert not await rm_pod_known(redis, "p1")
     assert await ds.add_placeholder("s1", "t1", TTL) is not None  # its slot is free again
 
 
@@ -788,7 +791,7 @@ async def test_take_out_of_idle_only_while_idle(
     await configure(rs, "s1")
     await add_pod(rs, "s1", "p1", warm=True)
     assert await js.take_out_of_idle("s1", "p1") is True
-    assert not await redis.exists(K.idle("s1"), K.idle_since("p1"))
+    assert not await redis.exists(K.idle("s1"), K.idle_since("s1", "p1"))
     assert await js.take_out_of_idle("s1", "p1") is False
     assert (await rs.acquire("s1", "r1", "t1", TTL)).action == "need_deploy"
 
@@ -1123,13 +1126,13 @@ class PoolMachine(RuleBasedStateMachine):
         assert len(pods) + len(deploying) <= self.max_pods
         assert idle <= pods
         for pod in pods | self.gone | set(self.pods):
-            assert bool(await r.exists(K.idle_since(pod))) == (pod in idle), pod
+            assert bool(await r.exists(K.idle_since(sid, pod))) == (pod in idle), pod
         for pod in pods:
-            assert await r.hget(K.info(pod), "scope_id") == sid
-            assert await r.sismember(K.PODS_ALL, pod)
+            assert await r.hget(K.info(sid, pod), "scope_id") == sid
+            assert await rm_pod_scope(r, pod) == sid
         for pod in self.gone:
-            assert not await r.exists(K.info(pod))
-            assert not await r.sismember(K.PODS_ALL, pod)
+            assert not await r.exists(K.info(sid, pod))
+            assert not await rm_pod_known(r, pod)
         # the budget holds exactly this scope's pods and placeholders (other examples' scopes
         # share the key)
         mine = {u for u in await zmembers(r, K.BUDGET) if u.startswith(sid)}

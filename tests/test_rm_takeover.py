@@ -39,6 +39,7 @@ from agent_runtime.resource_manager.pool_jobs import PoolJobs
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.session_manager.facade import SessionManagerFacade
 from agent_runtime.session_manager.state import SessionState
+from contract_keys import rm_leased_scopes, rm_pod_known
 from helpers import (
     IDENTITY,
     GatedK8s,
@@ -66,9 +67,6 @@ def spec(**overrides: Any) -> dict[str, Any]:
 
 
 POOL = {"min_idle_pods": 0, "max_pods": 2, "pod_ttl": 60, "pod_concurrency": 4}
-
-
-ALL_PODS = "resource_manager:resource:pods:all"
 
 
 def rm(what: str) -> str:
@@ -213,7 +211,7 @@ async def assert_nothing_held(redis: Redis) -> None:
     for record in await redis_keys(redis, rm("deploy_pod:*")):
         # an ended deploy's record names its registered pod for a moment (its followers')
         pod_id = await redis.hget(record, "pod_id")
-        assert pod_id is None or await redis.sismember(ALL_PODS, pod_id), "pod record left"
+        assert pod_id is None or await rm_pod_known(redis, pod_id), "pod record left"
 
 
 async def lapsed(redis: Redis) -> bool:
@@ -269,9 +267,9 @@ async def test_a_follower_takes_over_and_adopts_the_dead_leader_s_pod(redis: Red
         assert ownership(k8s, orphan) is Ownership.OURS, "the taker signed its incarnation"
         assert k8s.deploy_calls == 1, "nothing deployed anew"
         assert waited < READY_TIMEOUT, f"waited {waited:.1f} s: to its deadline, not a lease"
-        assert await redis.hget(f"resource_manager:resource:pod:{orphan}:info", "phase") == (
-            "in_use"
-        )
+        assert await redis.hget(
+            f"resource_manager:resource:pod:{{{SCOPE}}}:{orphan}:info", "phase"
+        ) == ("in_use")
         assert await redis.zrange(rm("pods"), 0, -1) == [orphan]
         await assert_nothing_held(redis)
 
@@ -396,7 +394,7 @@ async def test_reconcile_adopts_a_dead_leader_s_pod_when_no_route_comes(redis: R
         await pool_jobs.prune_once()  # what the dead replica left (adopting swept some)
         assert await redis.scard(rm("deploying")) == 0
         assert not await redis.exists(RECORD), "its pod is registered: the record is done"
-        assert not await redis.sismember("resource_manager:resource:leased_scopes", SCOPE)
+        assert SCOPE not in await rm_leased_scopes(redis), "nothing left: out of the index"
         # the next route takes the adopted pod, and the stale record is no orphan any more
         assert (await b.acquire("r-b")).pod_id == orphan
         assert k8s.deploy_calls == 1

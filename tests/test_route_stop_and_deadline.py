@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from agent_runtime.db.engine import Database
-from contract_keys import rm_scope, sm_scope
+from contract_keys import rm_pods_known, rm_scope, sm_scope
 from helpers import GatedK8s, deploy_locks, follower_seats, real_mariadb_and_fake
 from test_route_concurrency import (
     SID,
@@ -81,7 +81,7 @@ async def test_every_waiting_route_is_answered_503_at_its_replica_s_stop_signal(
             return len(k8s.pods) == 2 and not await deploy_locks(redis, SID)
 
         await eventually(deployed, within=10, what="the deploys finished")
-        known = await redis.smembers("resource_manager:resource:pods:all")
+        known = set(await rm_pods_known(redis))
         assert set(k8s.pods) <= set(known), "a deployed pod nobody tracks"
         await assert_nothing_held(redis)
 

@@ -32,8 +32,8 @@ from agent_runtime.scope_buckets import bucket_of
 from agent_runtime.session_manager.replies import RoutePlacement
 from agent_runtime.wiring import Services
 from contract_keys import (
-    RM_PODS_ALL,
     rm_pod,
+    rm_pod_known,
     rm_scope,
     sm_bucket,
     sm_expiry,
@@ -244,9 +244,9 @@ class World:
         """Registered on both sides."""
         assert await self.redis.sismember(sm_pods_registered(SCOPE), pod_id)
         assert await self.redis.exists(sm_pod(SCOPE, pod_id, "info"))
-        assert await self.redis.sismember(RM_PODS_ALL, pod_id)
+        assert await rm_pod_known(self.redis, pod_id)
         assert await self.redis.zscore(rm_scope(SCOPE, "pods"), pod_id) is not None
-        info = await self.redis.hgetall(rm_pod(pod_id, "info"))
+        info = await self.redis.hgetall(rm_pod(SCOPE, pod_id, "info"))
         assert info["scope_id"] == SCOPE, info
 
     async def assert_pod_forgotten(self, pod_id: str) -> None:
@@ -255,11 +255,11 @@ class World:
         assert await self.redis.zscore(sm_scope(SCOPE, "pods"), pod_id) is None
         for what in ("info", "sessions", "idle_notified"):
             assert not await self.redis.exists(sm_pod(SCOPE, pod_id, what)), what
-        assert not await self.redis.sismember(RM_PODS_ALL, pod_id)
+        assert not await rm_pod_known(self.redis, pod_id)
         assert await self.redis.zscore(rm_scope(SCOPE, "pods"), pod_id) is None
         assert not await self.redis.sismember(rm_scope(SCOPE, "idle"), pod_id)
         for what in ("info", "idle_since", "health_fails"):
-            assert not await self.redis.exists(rm_pod(pod_id, what)), what
+            assert not await self.redis.exists(rm_pod(SCOPE, pod_id, what)), what
 
     async def assert_consistent(self) -> None:
         """Every live session of the scope is in its four places, every pod's session set
@@ -332,7 +332,7 @@ async def test_a_cold_start_deploys_exactly_one_pod(redis: Redis, db: Database) 
         assert await w.candidates() == [data["pod_id"]]
         await w.assert_pod_known(data["pod_id"])
         sm_info = await redis.hgetall(sm_pod(SCOPE, data["pod_id"], "info"))
-        rm_info = await redis.hgetall(rm_pod(data["pod_id"], "info"))
+        rm_info = await redis.hgetall(rm_pod(SCOPE, data["pod_id"], "info"))
         assert sm_info["sse_url"] == rm_info["pod_sse_url"] == data["pod_sse_url"]
         assert (
             sm_info["deploy_ver"] == rm_info["deploy_ver"] == pod.labels["agent-runtime/deploy-ver"]
@@ -830,8 +830,8 @@ async def test_h_a_new_pod_is_taken_from_the_warm_pool_without_a_deploy(
         assert w.k8s.deploy_calls == 2
         (warm,) = await w.warm()
         assert warm != pod1 and w.k8s.pods[warm].ready
-        assert await redis.exists(rm_pod(warm, "idle_since"))
-        assert await redis.hget(rm_pod(warm, "info"), "phase") == "idle"
+        assert await redis.exists(rm_pod(SCOPE, warm, "idle_since"))
+        assert await redis.hget(rm_pod(SCOPE, warm, "info"), "phase") == "idle"
         assert await w.candidates() == [pod1], "a warm pod is no placement candidate"
         assert await w.autoscale() == 0, "the floor is met"
 
@@ -842,8 +842,8 @@ async def test_h_a_new_pod_is_taken_from_the_warm_pool_without_a_deploy(
         assert s3["pod_sse_url"] == f"http://{w.k8s.pods[warm].pod_ip}:8080/sse"
         assert w.k8s.deploy_calls == 2, "no deploy"
         assert await w.warm() == set()
-        assert not await redis.exists(rm_pod(warm, "idle_since"))
-        assert await redis.hget(rm_pod(warm, "info"), "phase") == "in_use"
+        assert not await redis.exists(rm_pod(SCOPE, warm, "idle_since"))
+        assert await redis.hget(rm_pod(SCOPE, warm, "info"), "phase") == "in_use"
         assert await w.candidates() == [pod1, warm]
         await w.assert_live("s3", warm)
         # at max_pods (2): the floor cannot be refilled
@@ -877,8 +877,8 @@ async def test_i_an_empty_pod_goes_to_the_warm_pool_and_is_reused(
         assert await redis.exists(sm_pod(SCOPE, pod, "idle_notified"))
         assert await redis.sismember(sm_pods_registered(SCOPE), pod)
         assert await w.warm() == {pod}
-        assert await redis.exists(rm_pod(pod, "idle_since"))
-        assert await redis.hget(rm_pod(pod, "info"), "phase") == "idle"
+        assert await redis.exists(rm_pod(SCOPE, pod, "idle_since"))
+        assert await redis.hget(rm_pod(SCOPE, pod, "info"), "phase") == "idle"
         assert (await w.sweep())["idle"] == 0, "one notice per pod"
         assert pod in w.k8s.pods and w.k8s.deleted == []
 
@@ -889,7 +889,7 @@ async def test_i_an_empty_pod_goes_to_the_warm_pool_and_is_reused(
         assert await w.candidates() == [pod]
         assert await w.warm() == set()
         assert not await redis.exists(sm_pod(SCOPE, pod, "idle_notified"))
-        assert await redis.hget(rm_pod(pod, "info"), "phase") == "in_use"
+        assert await redis.hget(rm_pod(SCOPE, pod, "info"), "phase") == "in_use"
         await w.assert_live("s2", pod)
         await w.assert_consistent()
 
@@ -950,7 +950,7 @@ async def test_k_idle_pods_above_the_floor_are_deleted_after_pod_ttl(
         # idle for longer than pod_ttl; pods[1] the longest: the floor of one keeps it
         now = int(await w.now())
         for pod, ago in zip(pods, (100, 300, 200), strict=True):
-            await redis.set(rm_pod(pod, "idle_since"), str(now - ago))
+            await redis.set(rm_pod(SCOPE, pod, "idle_since"), str(now - ago))
         assert await w.svc.pool_jobs.reclaim_once() == 2
 
         kept = pods[1]
@@ -1004,7 +1004,7 @@ async def test_l_after_a_resource_manager_wipe_a_ready_current_pod_is_adopted_as
     async with world(redis, db) as w:
         await w.configure(scope_concurrency=2, pod_concurrency=1)
         pod = (await w.routed("s1"))["pod_id"]
-        url = (await redis.hgetall(rm_pod(pod, "info")))["pod_sse_url"]
+        url = (await redis.hgetall(rm_pod(SCOPE, pod, "info")))["pod_sse_url"]
         assert await w.touch("s1", eos=True) == {"touched": True, "released": True}
         await w.age_pod(pod)
         assert (await w.sweep())["idle"] == 1
@@ -1013,7 +1013,7 @@ async def test_l_after_a_resource_manager_wipe_a_ready_current_pod_is_adopted_as
         # Redis loses every resource_manager key; the pool config comes back with the next
         # config push (here: the claw manager re-syncs the template)
         doomed = [k async for k in redis.scan_iter(match="resource_manager:*")]
-        assert rm_pod(pod, "info") in doomed
+        assert rm_pod(SCOPE, pod, "info") in doomed
         await redis.delete(*doomed)
         data = await w.sync(
             "template", "sync", {**BASE_TEMPLATE, "scope_concurrency": 2, "pod_concurrency": 1}
@@ -1033,11 +1033,11 @@ async def test_l_after_a_resource_manager_wipe_a_ready_current_pod_is_adopted_as
         }
         assert w.k8s.deleted == []
         assert await w.warm() == {pod}
-        assert await redis.exists(rm_pod(pod, "idle_since"))
-        info = await redis.hgetall(rm_pod(pod, "info"))
+        assert await redis.exists(rm_pod(SCOPE, pod, "idle_since"))
+        info = await redis.hgetall(rm_pod(SCOPE, pod, "info"))
         assert info["phase"] == "idle" and info["pod_sse_url"] == url
         assert info["deploy_ver"] == w.k8s.pods[pod].labels["agent-runtime/deploy-ver"]
-        assert await redis.sismember(RM_PODS_ALL, pod)
+        assert await rm_pod_known(redis, pod)
         assert (await w.svc.pool_jobs.reconcile_once())["adopted"] == 0, "adopted once"
 
         # the adopted pod serves the next session that needs a pod
@@ -1067,7 +1067,7 @@ async def test_l_an_unused_in_use_pod_is_released_after_two_passes(
         assert (await w.sweep())["idle"] == 1
         assert notices == [unused]
         assert await w.candidates() == [busy]
-        assert await redis.hget(rm_pod(unused, "info"), "phase") == "in_use"
+        assert await redis.hget(rm_pod(SCOPE, unused, "info"), "phase") == "in_use"
         assert await w.warm() == set()
 
         first = await w.svc.pool_jobs.reconcile_once()
@@ -1076,8 +1076,8 @@ async def test_l_an_unused_in_use_pod_is_released_after_two_passes(
         assert second["released"] == 1
 
         assert await w.warm() == {unused}
-        assert await redis.hget(rm_pod(unused, "info"), "phase") == "idle"
-        assert await redis.hget(rm_pod(busy, "info"), "phase") == "in_use"
+        assert await redis.hget(rm_pod(SCOPE, unused, "info"), "phase") == "idle"
+        assert await redis.hget(rm_pod(SCOPE, busy, "info"), "phase") == "in_use"
         assert unused in w.k8s.pods and w.k8s.deleted == []
         await w.assert_live("s2", busy)
         s3 = await w.routed("s3")
@@ -1110,7 +1110,7 @@ async def test_m_policy_and_deploy_changes_take_effect_on_the_next_route(
         assert await redis.hget(sm_scope(SCOPE, "config"), "scope_concurrency") == "4"
         assert await redis.hget(rm_scope(SCOPE, "config"), "max_pods") == "2"
         assert w.k8s.deploy_calls == 1
-        old_ver = await redis.hget(rm_pod(old, "info"), "deploy_ver")
+        old_ver = await redis.hget(rm_pod(SCOPE, old, "info"), "deploy_ver")
 
         # deploy: a new image; the old pod leaves the candidates, its sessions stay on it
         change = await w.sync(
@@ -1126,7 +1126,7 @@ async def test_m_policy_and_deploy_changes_take_effect_on_the_next_route(
         new = s3["pod_id"]
         assert s3["placement"] == "placed" and new != old and w.k8s.deploy_calls == 2
         assert w.k8s.pods[new].labels["agent-runtime/deploy-ver"] == new_ver
-        assert await redis.hget(rm_pod(new, "info"), "deploy_ver") == new_ver
+        assert await redis.hget(rm_pod(SCOPE, new, "info"), "deploy_ver") == new_ver
         assert await redis.hget(sm_pod(SCOPE, new, "info"), "deploy_ver") == new_ver
         assert (await w.routed("s4"))["pod_id"] == new
         assert await w.candidates() == [new]
@@ -1263,13 +1263,13 @@ async def test_n_a_pod_failing_health_twice_is_cleaned_and_its_sessions_rebound(
         w.k8s.unhealthy.add(sick)  # Running, but GET /health fails
 
         assert await w.svc.pool_jobs.watch_once() == 0, "one failed probe is not enough"
-        assert await redis.get(rm_pod(sick, "health_fails")) == "1"
+        assert await redis.get(rm_pod(SCOPE, sick, "health_fails")) == "1"
         await w.assert_live("s1", sick)
 
         # a probe in between that passes starts the count again
         w.k8s.unhealthy.discard(sick)
         assert await w.svc.pool_jobs.watch_once() == 0
-        assert not await redis.exists(rm_pod(sick, "health_fails"))
+        assert not await redis.exists(rm_pod(SCOPE, sick, "health_fails"))
         w.k8s.unhealthy.add(sick)
         assert await w.svc.pool_jobs.watch_once() == 0
 
@@ -1338,7 +1338,7 @@ async def test_with_the_jobs_running_an_abandoned_session_ends_and_its_pod_is_re
 
         async def reclaimed() -> bool:  # deleted in Kubernetes, then forgotten in Redis
             return pod in w.k8s.deleted and not await redis.exists(
-                sm_pod(SCOPE, pod, "info"), rm_pod(pod, "info")
+                sm_pod(SCOPE, pod, "info"), rm_pod(SCOPE, pod, "info")
             )
 
         # session_ttl 1 s → evicted; the 2 s grace → handed back; pod_ttl 1 s → deleted

@@ -99,7 +99,7 @@ async def test_an_empty_scope_leaves_redis_after_the_ttl_and_comes_back_from_the
 ) -> None:
     sid = await env.resolve("g", "b")
     assert await env.registered(sid) and await env.redis.exists(sms.scope_config_key(sid))
-    assert await env.redis.sismember(rms.SCOPES_KEY, sid)
+    assert await env.redis.sismember(rms.scope_index_key(sid), sid)
 
     async def gone() -> bool:
         return not await env.registered(sid)
@@ -117,7 +117,7 @@ async def test_an_empty_scope_leaves_redis_after_the_ttl_and_comes_back_from_the
         sms.scope_entry_key(sid),
     ):
         assert not await env.redis.exists(key), key
-    assert not await env.redis.sismember(rms.SCOPES_KEY, sid)
+    assert not await env.redis.sismember(rms.scope_index_key(sid), sid)
 
     # the next route rebuilds it from the DB, and config_sync finds it again
     assert (await env.store.resolve(sid, "g", "b")).template_id == "t1"

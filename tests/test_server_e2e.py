@@ -43,7 +43,7 @@ from redis.asyncio import Redis
 
 from agent_runtime.resource_manager.identity import PodIdentity
 from agent_runtime.scope_buckets import bucket_of
-from contract_keys import rm_deploy_lock
+from contract_keys import rm_deploy_lock, rm_pod_known, rm_pods_index
 from helpers import (
     CLAIM_KEY,
     claim_real_redis,
@@ -54,7 +54,6 @@ from helpers import (
 )
 from test_local_mode import LocalServer, _wait_healthy, free_port
 from test_scenarios import (
-    RM_PODS_ALL,
     assert_failure,
     assert_retry_after,
     rm_pod,
@@ -630,7 +629,7 @@ class Scenario:
         return check
 
     async def pod_info(self, pod_id: str) -> dict[str, str]:
-        return dict(await self.redis.hgetall(rm_pod(pod_id, "info")))
+        return dict(await self.redis.hgetall(rm_pod(self.scope, pod_id, "info")))
 
     async def pod_known(self, pod_id: str) -> bool:
         """Registered on both sides."""
@@ -638,7 +637,7 @@ class Scenario:
             [
                 await self.redis.sismember(sm_pods_registered(self.scope), pod_id),
                 await self.redis.exists(sm_pod(self.scope, pod_id, "info")),
-                await self.redis.sismember(RM_PODS_ALL, pod_id),
+                await rm_pod_known(self.redis, pod_id),
                 await self.redis.zscore(rm_scope(self.scope, "pods"), pod_id) is not None,
                 (await self.pod_info(pod_id)).get("scope_id") == self.scope,
             ]
@@ -651,12 +650,12 @@ class Scenario:
             named = [
                 await self.redis.sismember(sm_pods_registered(self.scope), pod_id),
                 await self.redis.zscore(sm_scope(self.scope, "pods"), pod_id) is not None,
-                await self.redis.sismember(RM_PODS_ALL, pod_id),
+                await rm_pod_known(self.redis, pod_id),
                 await self.redis.zscore(rm_scope(self.scope, "pods"), pod_id) is not None,
                 await self.redis.sismember(rm_scope(self.scope, "idle"), pod_id),
             ]
             keys = [sm_pod(self.scope, pod_id, w) for w in ("info", "sessions", "idle_notified")]
-            keys += [rm_pod(pod_id, w) for w in ("info", "idle_since", "health_fails")]
+            keys += [rm_pod(self.scope, pod_id, w) for w in ("info", "idle_since", "health_fails")]
             return not any(named) and not await self.redis.exists(*keys)
 
         return check
@@ -690,8 +689,10 @@ class Scenario:
     async def forget_rm(self, pod_id: str) -> None:
         """Redis loses the resource manager's keys of one pod (the session side keeps its own)."""
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(*(rm_pod(pod_id, w) for w in ("info", "idle_since", "health_fails")))
-            pipe.srem(RM_PODS_ALL, pod_id)
+            pipe.delete(
+                *(rm_pod(self.scope, pod_id, w) for w in ("info", "idle_since", "health_fails"))
+            )
+            pipe.hdel(rm_pods_index(pod_id), pod_id)
             pipe.zrem(rm_scope(self.scope, "pods"), pod_id)
             pipe.srem(rm_scope(self.scope, "idle"), pod_id)
             await pipe.execute()
@@ -1051,7 +1052,7 @@ async def test_h_a_new_pod_is_taken_from_the_warm_pool(w: Scenario) -> None:
     assert warm != pod1
     assert (await w.sim_pods())[warm]["ready"]
     assert (await w.pod_info(warm))["phase"] == "idle"
-    assert await w.redis.exists(rm_pod(warm, "idle_since"))
+    assert await w.redis.exists(rm_pod(w.scope, warm, "idle_since"))
     assert await w.candidates() == [pod1], "a warm pod is no placement candidate"
 
     assert (await w.routed("s2"))["pod_id"] == pod1  # room on pod 1 first
@@ -1059,7 +1060,7 @@ async def test_h_a_new_pod_is_taken_from_the_warm_pool(w: Scenario) -> None:
 
     assert s3["placement"] == "placed" and s3["pod_id"] == warm
     assert await w.live_pods() == {pod1, warm}, "no deploy"
-    assert not await w.redis.exists(rm_pod(warm, "idle_since"))
+    assert not await w.redis.exists(rm_pod(w.scope, warm, "idle_since"))
     assert (await w.pod_info(warm))["phase"] == "in_use"
     assert await w.candidates() == [pod1, warm]
     await w.assert_live("s3", warm)
@@ -1245,14 +1246,14 @@ async def test_l_reconcile_adopts_what_redis_lost_and_deletes_orphans(w: Scenari
         return orphan not in await w.sim_pods()
 
     await w.eventually(orphan_deleted, "reconcile deletes the orphan")
-    assert not await w.redis.sismember(RM_PODS_ALL, orphan)
+    assert not await rm_pod_known(w.redis, orphan)
 
     async def reported() -> bool:
         resp = await w.http.get("/api/session/admin/foreign_pods", headers=ADMIN)
         return foreign in {p["pod_id"] for p in resp.json()["data"]["pods"]}
 
     await w.eventually(reported, "the foreign pod in the admin view")
-    assert foreign in await w.live_pods() and not await w.redis.sismember(RM_PODS_ALL, foreign)
+    assert foreign in await w.live_pods() and not await rm_pod_known(w.redis, foreign)
 
     # and the other way round: a pod Redis knows that Kubernetes lost is purged
     await w.kill(spare, "vanish")

@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 
 from agent_runtime.resource_manager.identity import INCARNATION_ANNOTATION, Ownership
 from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
+from contract_keys import rm_pod_known
 from helpers import IDENTITY
 from kubesim import KubeSim
 from test_faults import wipe
@@ -37,8 +38,6 @@ from test_rm_takeover import (
     spec,
     started_leading,
 )
-
-PODS_ALL = "resource_manager:resource:pods:all"
 
 
 async def test_a_taken_over_pod_is_signed_so_a_later_redis_data_loss_adopts_it(
@@ -60,7 +59,7 @@ async def test_a_taken_over_pod_is_signed_so_a_later_redis_data_loss_adopts_it(
         counts = await pool_jobs_of(b, k8s).reconcile_once()
         assert (counts["adopted"], counts["deleted"]) == (1, 0)
         assert orphan in k8s.pods and k8s.deleted == []
-        assert await redis.sismember(PODS_ALL, orphan)
+        assert await rm_pod_known(redis, orphan)
 
 
 async def test_a_pod_re_created_under_the_recorded_name_is_not_inherited(redis: Redis) -> None:
@@ -84,7 +83,7 @@ async def test_a_pod_re_created_under_the_recorded_name_is_not_inherited(redis: 
         assert got.pod_id != orphan and k8s.deploy_calls == 2, "deployed anew"
         assert orphan in k8s.pods and orphan not in k8s.deleted, "left alone by the taker"
         assert INCARNATION_ANNOTATION not in k8s.pods[orphan].annotations, "never signed"
-        assert not await redis.sismember(PODS_ALL, orphan)
+        assert not await rm_pod_known(redis, orphan)
         await finished(leading)
 
         counts = await pool_jobs_of(b, k8s).reconcile_once()
@@ -111,7 +110,7 @@ async def test_reconcile_does_not_adopt_a_re_created_pod_under_a_dead_leader_s_r
         await eventually(lambda: lapsed(redis), "the dead leader's lease lapsed")
         counts = await pool_jobs_of(b, k8s).reconcile_once()
         assert (counts["adopted"], counts["deleted"]) == (0, 1)
-        assert orphan not in k8s.pods and not await redis.sismember(PODS_ALL, orphan)
+        assert orphan not in k8s.pods and not await rm_pod_known(redis, orphan)
         assert await redis.zcard(rm("pods")) == 0
         await finished(leading)
 
@@ -154,6 +153,6 @@ async def test_on_kubesim_the_taker_patches_the_incarnation_and_a_data_loss_keep
             counts = await pool_jobs_of(b, client).reconcile_once()
             assert (counts["adopted"], counts["deleted"]) == (1, 0)
             assert sim.pod("default", orphan) is not None
-            assert await redis.sismember(PODS_ALL, orphan)
+            assert await rm_pod_known(redis, orphan)
     finally:
         await client.close()

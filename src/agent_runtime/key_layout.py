@@ -12,7 +12,8 @@ Layout 1 only ever existed on a single server (its scripts cannot run on a clust
 renames never cross a node. Each module's ``legacy_keys.py`` says what its old names were,
 which of them are retired (deleted: ``pods:{pod_id}:scopes``, nothing reads it any more), and
 which carry content that moves to other keys (converted, one at a time, after the renames: a
-session hash goes under its scope's tag, a global index is split by scope).
+session hash goes under its scope's tag, a global index is split by scope or bucket, a
+resource-manager pod's keys go under the scope its info names).
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ MODULES: tuple[tuple[str, Callable[[str], str | None], Callable[[str], bool]], .
 # (SCAN MATCH pattern, old name → its content moves, the move), per module that has such keys
 CONVERSIONS: tuple[
     tuple[str, Callable[[str], bool], Callable[[Redis, str], Awaitable[bool]]], ...
-] = ((sm_legacy.SCAN_PATTERN, sm_legacy.convertible, sm_legacy.convert),)
+] = (
+    (sm_legacy.SCAN_PATTERN, sm_legacy.convertible, sm_legacy.convert),
+    (rm_legacy.SCAN_PATTERN, rm_legacy.convertible, rm_legacy.convert),
+)
 CONVERTED = ""  # the "current name" _legacy_keys gives a key to convert
 
 

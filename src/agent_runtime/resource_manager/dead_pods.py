@@ -137,7 +137,7 @@ class DeadPods:
         side is told the pod's scope: the one the purged record named, else ``scope_id`` (what
         the caller read of it; a door that comes after another's purge). Neither: the record
         was gone and the caller knew none; the door that purged it told the session side."""
-        scope = await self._jobs_state.purge(pod_id) or scope_id
+        scope = await self._jobs_state.purge(pod_id, scope_id) or scope_id
         if scope is None:
             log.info("pod %s: no record left; the session side was told by its purger", pod_id)
             return

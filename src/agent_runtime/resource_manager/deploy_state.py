@@ -22,11 +22,7 @@ from agent_runtime.resource_manager.state import (
     BUDGET_PODS_KEY,
     BUDGET_RULE_PREFIX,
     BUDGET_RULES_KEY,
-    DEPLOY_LOCK_PREFIX,
     DEPLOY_RECORD_FIELDS,
-    LEASED_SCOPES_KEY,
-    PODS_ALL_KEY,
-    SCOPE_PREFIX,
     ResourceState,
     deploy_lock_key,
     deploy_lock_prefix,
@@ -47,9 +43,10 @@ from agent_runtime.resource_manager.state_values import (
     OrphanPod,
     PlaceholderOutcome,
 )
+from agent_runtime.scope_buckets import BUCKETS
 
-BATCH = 500  # members per SSCAN page
-LEASE_PRUNE_BATCH = 20  # scopes per lease_prune call: ~8 commands, 15–30 µs a scope in Redis
+LEASE_PRUNE_BATCH = 50  # due scopes a bucket a pass, one lease_prune each (~8 commands)
+LIVE_DEPLOY_RECHECK = 5  # seconds: the next look at a scope whose cold deploy is live
 
 
 def lock_token(owner: str, started: float, demand: str = "") -> str:
@@ -110,6 +107,7 @@ class DeployState:
 
     def __init__(self, state: ResourceState) -> None:
         self.redis = state.redis
+        self.state = state
         self.pod_budget = state.pod_budget
         placeholders = ("_budget", "_placeholders")
         self._placeholder = state.script("placeholder", *placeholders)
@@ -137,11 +135,13 @@ class DeployState:
                 BUDGET_PODS_KEY,
                 BUDGET_RULES_KEY,
                 BUDGET_LIMITS_KEY,
-                LEASED_SCOPES_KEY,
             ],
             args=[token, placeholder_ttl, scope_id, BUDGET_RULE_PREFIX, self.pod_budget],
         )
-        return _placeholder(reply)
+        outcome = _placeholder(reply)
+        if outcome.member is not None:
+            await self.state.mark_leased(scope_id)
+        return outcome
 
     async def drop_placeholder(self, scope_id: str, member: str) -> None:
         """Give back a placeholder and its budget units (idempotent)."""
@@ -185,8 +185,6 @@ class DeployState:
                 scope_deploying_key(scope_id),
                 scope_config_key(scope_id),
                 BUDGET_PODS_KEY,
-                PODS_ALL_KEY,
-                LEASED_SCOPES_KEY,
                 scope_pods_key(scope_id),
                 BUDGET_RULES_KEY,
                 BUDGET_LIMITS_KEY,
@@ -209,7 +207,10 @@ class DeployState:
                 self.pod_budget,
             ],
         )
-        return _claim(reply)
+        claim = _claim(reply)
+        if claim.action in ("lead", "follow"):  # a placeholder, a lock or a seat
+            await self.state.mark_leased(scope_id)
+        return claim
 
     async def take_deploy_lease(
         self, scope_id: str, deploy_id: str, token: str, lease: float
@@ -221,7 +222,7 @@ class DeployState:
             keys=[
                 deploy_lock_key(scope_id, deploy_id),
                 deploy_pod_key(scope_id, deploy_id),
-                PODS_ALL_KEY,
+                scope_pods_key(scope_id),
             ],
             args=[token, max(int(lease * 1000), 1)],
         )
@@ -253,9 +254,7 @@ class DeployState:
                 BUDGET_RULES_KEY,
                 deploy_lock_key(scope_id, deploy_id),
                 deploy_pod_key(scope_id, deploy_id),
-                LEASED_SCOPES_KEY,
                 scope_cold_deploys_key(scope_id),
-                PODS_ALL_KEY,
             ],
             args=[
                 placeholder_token,
@@ -271,6 +270,7 @@ class DeployState:
             ],
         )
         if status == "ok":
+            await self.state.mark_leased(scope_id)  # taken again after a prune: looked at
             return LeaseRenewal(str(rest[0]))
         return LeaseRenewal(None, str(rest[0]) if rest else "taken")
 
@@ -345,22 +345,45 @@ class DeployState:
 
     # --- what a dead replica left --------------------------------------------------------------
 
-    async def prune_leases(self) -> LeasePrune:
+    async def prune_leases(self, *, walk: list[str] | None = None) -> LeasePrune:
         """Drop the follower seats and placeholders whose lease ran out (a replica that died
-        left them) in every scope that took one, LEASE_PRUNE_BATCH scopes a script call
-        (lease_prune.lua)."""
-        scopes = [s async for s in self.redis.sscan_iter(LEASED_SCOPES_KEY, count=BATCH)]
+        left them) in every scope of the leased index whose time has come, bucket by bucket
+        (LEASE_PRUNE_BATCH scopes a bucket a pass, one lease_prune call each), and settle each
+        (next look, or out of the index). ``walk``: scopes to look at besides, whatever the
+        index says (the job's slow walk, a slice a pass): one with a lease left is marked, so
+        a mark lost with a crashed replica is found."""
         seats = placeholders = 0
-        for i in range(0, len(scopes), LEASE_PRUNE_BATCH):
-            dropped_seats, dropped_placeholders = await self._lease_prune(
-                keys=[LEASED_SCOPES_KEY, BUDGET_PODS_KEY, PODS_ALL_KEY],
-                args=[
-                    SCOPE_PREFIX,
-                    BUDGET_RULE_PREFIX,
-                    DEPLOY_LOCK_PREFIX,
-                    *scopes[i : i + LEASE_PRUNE_BATCH],
-                ],
-            )
-            seats += int(dropped_seats)
-            placeholders += int(dropped_placeholders)
+        for bucket in range(BUCKETS):
+            for scope_id, seen in await self.state.leased.due(bucket, LEASE_PRUNE_BATCH):
+                dropped_seats, dropped_placeholders, next_look = await self._prune_scope(scope_id)
+                seats, placeholders = seats + dropped_seats, placeholders + dropped_placeholders
+                await self.state.leased.settle(scope_id, seen, next_look)
+        for scope_id in walk or ():
+            dropped_seats, dropped_placeholders, next_look = await self._prune_scope(scope_id)
+            seats, placeholders = seats + dropped_seats, placeholders + dropped_placeholders
+            if next_look is not None:
+                await self.state.leased.mark(scope_id, next_look)
         return LeasePrune(seats, placeholders)
+
+    async def _prune_scope(self, scope_id: str) -> tuple[int, int, float | None]:
+        dropped_seats, dropped_placeholders, next_look = await self._lease_prune(
+            keys=[
+                scope_deploying_key(scope_id),
+                scope_config_key(scope_id),
+                scope_cold_deploys_key(scope_id),
+                scope_pods_key(scope_id),
+                BUDGET_PODS_KEY,
+            ],
+            args=[
+                scope_id,
+                BUDGET_RULE_PREFIX,
+                deploy_lock_prefix(scope_id),
+                scope_key_head(scope_id),
+                LIVE_DEPLOY_RECHECK,
+            ],
+        )
+        return (
+            int(dropped_seats),
+            int(dropped_placeholders),
+            float(next_look) if next_look else None,
+        )

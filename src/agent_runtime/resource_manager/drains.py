@@ -110,7 +110,7 @@ class Drains:
                 status = listed.get(pod_id)
                 if status is None or status.node != node:
                     continue
-                info = await self._state.pod_info(pod_id)
+                info = await self._state.pod_info(pod_id, pods[pod_id])
                 if info is not None:
                     begun = await self._begin(pod_id, info, "admin", seconds=self._bounded(seconds))
                     drained.append(begun)
@@ -172,8 +172,9 @@ class Drains:
         # a graceful deletion kills the pod whatever we do: it never waits for a replacement
         pending = trigger != "graceful_delete" and await self._floor_needs(pod_id, info)
         begun = await self._drain_state.begin(
-            pod_id, trigger=trigger, pending=pending, seconds=seconds, deadline=deadline
-        )
+            pod_id, info.scope_id, trigger=trigger, pending=pending, seconds=seconds,
+            deadline=deadline,
+        )  # fmt: skip
         if begun is None:  # purged meanwhile: gone already
             return DrainStatus(pod_id, "deleted", trigger, 0.0, False, 0)
         if begun.started:
@@ -199,7 +200,7 @@ class Drains:
             return False
         idle = await self._jobs_state.idle_pods(info.scope_id)
         others = [p for p in idle if p != pod_id]
-        versions = await self._jobs_state.pod_versions(others)
+        versions = await self._jobs_state.pod_versions(dict.fromkeys(others, info.scope_id))
         under_drain = {d.pod_id for d in await self._drain_state.drains(others)}
         warm = [p for p in others if versions.get(p) == config.deploy_ver and p not in under_drain]
         return len(warm) < config.min_idle_pods
@@ -213,14 +214,19 @@ class Drains:
         (rebound) and delete it."""
         now = await self._state.now()
         finished = 0
-        for drain in await self._drain_state.drains(await self._drain_state.draining_pods()):
+        listed = await self._drain_state.draining_pods()
+        drains = await self._drain_state.drains(listed)
+        if stale := set(listed) - {d.pod_id for d in drains}:
+            await self._drain_state.drop_stale(stale)
+        for drain in drains:
             try:
                 if drain.state == "pending" and not await self._pending_over(drain, now):
                     continue
                 if drain.state == "pending":
                     begun = await self._drain_state.begin(
-                        drain.pod_id, trigger=drain.trigger, pending=False, deadline=drain.deadline
-                    )
+                        drain.pod_id, drain.scope_id, trigger=drain.trigger, pending=False,
+                        deadline=drain.deadline,
+                    )  # fmt: skip
                     if begun is None:
                         continue
                 sessions = await self._sessions.retire_pod(drain.scope_id, drain.pod_id)
@@ -236,7 +242,7 @@ class Drains:
     async def _pending_over(self, drain: Drain, now: float) -> bool:
         if now >= drain.deadline:
             return True
-        info = await self._state.pod_info(drain.pod_id)
+        info = await self._state.pod_info(drain.pod_id, drain.scope_id or None)
         if info is None or not await self._floor_needs(drain.pod_id, info):
             return True
         config = await self._state.pool_config(info.scope_id)
@@ -247,7 +253,7 @@ class Drains:
         """Evict what is left (rebound at the next route), delete the pod, forget it. False
         when Kubernetes could not be asked: the drain stays, the next tick tries again."""
         evicted = await self._sessions.notify_pod_dead(scope_id, pod_id)
-        info = await self._state.pod_info(pod_id)
+        info = await self._state.pod_info(pod_id, scope_id)
         if info is not None:
             namespace = info.namespace or self._default_namespace
             try:
@@ -255,12 +261,16 @@ class Drains:
             except Exception as exc:
                 log.warning("pod %s: drain delete failed (%s); tried again", pod_id, exc)
                 return False
-        await self._jobs_state.purge(pod_id)
+        await self._jobs_state.purge(pod_id, scope_id)
         self._metrics.drains_finished.labels(trigger or "admin", outcome).inc()
         log.info("pod %s: drained (%s, %s), %d sessions rebound", pod_id, trigger, outcome, evicted)
         return True
 
     # --- reads ---------------------------------------------------------------------------------
+
+    async def index_drains(self, pods: dict[str, str]) -> int:
+        """Reconcile's repair of the draining pods: every drain of ``pods`` listed."""
+        return await self._drain_state.index_drains(pods)
 
     async def under_drain(self) -> set[str]:
         """Every pod under a drain (pending or draining): autoscale counts none of them."""

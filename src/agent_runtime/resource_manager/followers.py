@@ -143,7 +143,7 @@ class FollowerRoom:
         if view.pod_id is not None:
             # the leader registers its pod before it gives back its lease: a leader that is
             # gone left its pod visible by now
-            info = await self._state.pod_info(view.pod_id)
+            info = await self._state.pod_info(view.pod_id, scope_id)
             if info is not None:
                 if info.phase == "in_use" and info.pod_sse_url:
                     return AcquiredPod(view.pod_id, info.pod_sse_url, info.deploy_ver)

@@ -39,12 +39,15 @@ class Places:
         self._default_namespace = default_namespace
         self._namespaces = namespaces
 
-    async def pods_by_place(self) -> dict[Place, list[str]]:
-        """Redis' pods by the place they were recorded in (no cluster field: the default)."""
-        grouped: dict[Place, list[str]] = defaultdict(list)
-        places = await self._jobs_state.pod_places(await self._jobs_state.all_pods())
-        for pod_id, place in places.items():
-            grouped[place.cluster, place.namespace or self._default_namespace].append(pod_id)
+    async def pods_by_place(self) -> dict[Place, dict[str, str]]:
+        """Redis' pods (pod id → scope id) by the place they were recorded in (no cluster
+        field: the default)."""
+        grouped: dict[Place, dict[str, str]] = defaultdict(dict)
+        pods = await self._jobs_state.all_pods()
+        for pod_id, place in (await self._jobs_state.pod_places(pods)).items():
+            grouped[place.cluster, place.namespace or self._default_namespace][pod_id] = pods[
+                pod_id
+            ]
         return grouped
 
     async def config_places(self) -> set[Place]:

@@ -70,33 +70,38 @@ class PodReports:
         return verdict
 
     async def _check(self, pod_id: str) -> PodVerdict:
-        claim = await self._reports.claim(pod_id, REPORT_WINDOW)
+        # the window is the pod's, under its scope: a pod the index does not name is not
+        # registered (cleaned already, or never ours)
+        scope_id = await self._state.scope_of_pod(pod_id)
+        if scope_id is None:
+            return PodVerdict.UNKNOWN
+        claim = await self._reports.claim(scope_id, pod_id, REPORT_WINDOW)
         if not claim.probe:
-            return await self._shared(pod_id, claim.seen)
-        verdict = await self._judge(pod_id)
-        await self._reports.answer(pod_id, verdict.value)
+            return await self._shared(scope_id, pod_id, claim.seen)
+        verdict = await self._judge(scope_id, pod_id)
+        await self._reports.answer(scope_id, pod_id, verdict.value)
         return verdict
 
-    async def _shared(self, pod_id: str, seen: str | None) -> PodVerdict:
+    async def _shared(self, scope_id: str, pod_id: str, seen: str | None) -> PodVerdict:
         """The window's verdict, once the probe running on another replica gives it; a probe
         that never answers (its replica died) counts as suspect: nothing is done."""
         loop = asyncio.get_running_loop()
         until = loop.time() + SHARED_WAIT
         while seen == PROBING and loop.time() < until:
             await asyncio.sleep(SHARED_POLL)
-            seen = await self._reports.seen(pod_id)
+            seen = await self._reports.seen(scope_id, pod_id)
         try:
             return PodVerdict(seen or "")
         except ValueError:
             return PodVerdict.SUSPECT
 
-    async def _judge(self, pod_id: str) -> PodVerdict:
-        info = await self._state.pod_info(pod_id)
+    async def _judge(self, scope_id: str, pod_id: str) -> PodVerdict:
+        info = await self._state.pod_info(pod_id, scope_id)
         if info is None:
             return PodVerdict.UNKNOWN  # cleaned already (or never ours)
         address = urlsplit(info.pod_sse_url)
         if address.hostname and address.port and await self._probe(address.hostname, address.port):
-            await self._jobs_state.clear_health_failures(pod_id)
+            await self._jobs_state.clear_health_failures({pod_id: scope_id})
             return PodVerdict.HEALTHY
         namespace = info.namespace or self._default_namespace
         status = await self._get(pod_id, namespace, info.cluster)
@@ -106,7 +111,7 @@ class PodReports:
                 pod_id, namespace, info.cluster, listed, by="report", scope_id=info.scope_id
             ):
                 return PodVerdict.DEAD
-        if await self._jobs_state.count_health_failure(pod_id) >= HEALTH_FAILS_TO_DEAD:
+        if await self._jobs_state.count_health_failure(scope_id, pod_id) >= HEALTH_FAILS_TO_DEAD:
             await self._dead.clean(
                 pod_id, namespace, info.cluster, exists=True, why="half-dead", by="report",
                 scope_id=info.scope_id,

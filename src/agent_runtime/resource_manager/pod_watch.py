@@ -208,7 +208,7 @@ class PodWatch:
         """LIST the place; every pod Redis knew there before the LIST is judged on it (a death
         while nobody watched); the LIST's resourceVersion, to watch from."""
         cluster, namespace = place
-        known = (await self._places.pods_by_place()).get(place, [])  # Redis BEFORE the LIST
+        known = (await self._places.pods_by_place()).get(place, {})  # Redis BEFORE the LIST
         listing = await self._k8s.list_pods_versioned(namespace, OWN_PODS_SELECTOR, cluster=cluster)
         self._relists.inc()
         listed = {pod.pod_id: pod for pod in listing.pods}

@@ -36,6 +36,7 @@ from agent_runtime.resource_manager.warm_policy import reclaimable
 from agent_runtime.resource_manager.warm_targets import WarmTargets
 
 log = logging.getLogger(__name__)
+LEASE_WALK = 50  # scopes the prune looks at each pass whatever the leased index says
 
 # YIELD_NOTE: the jobs run in the serving process; a loop over every pod (10k) between two
 # awaits holds requests for its whole length, so the long ones yield now and then.
@@ -81,6 +82,7 @@ class PoolJobs:
         self._default_namespace = default_namespace
         self._metrics = metrics or Metrics()
         self._adopted_pod_ttl = adopted_pod_ttl
+        self._lease_walk = 0  # where the prune's slow walk over every scope goes on
         self._orphans = Orphans(
             state=state,
             deploys=self._deploy_state,
@@ -181,7 +183,7 @@ class PoolJobs:
         self, scope_ids: list[str]
     ) -> tuple[dict[str, dict[str, float]], dict[str, str | None]]:
         idle = await self._jobs_state.idle_pods_of(scope_ids)
-        versions = await self._jobs_state.pod_versions([p for pods in idle.values() for p in pods])
+        versions = await self._jobs_state.pod_versions({p: s for s, ps in idle.items() for p in ps})
         return idle, versions
 
     async def _pool_configs(self) -> dict[str, PoolConfig]:
@@ -228,8 +230,16 @@ class PoolJobs:
 
     async def prune_once(self) -> int:
         """Follower seats and placeholders whose lease ran out (their replica died) leave
-        every scope that took one (``lease_prune``); how many were dropped."""
-        pruned = await self._deploy_state.prune_leases()
+        every scope that took one (``lease_prune``); how many were dropped. Besides the
+        scopes the leased index says are due, a slice of every scope (LEASE_WALK a pass, in
+        turn): a scope whose mark was lost with a crashed replica is found within
+        scopes / LEASE_WALK passes."""
+        scopes = sorted(await self._jobs_state.scopes_with_config())
+        if self._lease_walk >= len(scopes):
+            self._lease_walk = 0
+        walk = scopes[self._lease_walk : self._lease_walk + LEASE_WALK]
+        self._lease_walk += LEASE_WALK
+        pruned = await self._deploy_state.prune_leases(walk=walk)
         if pruned.seats or pruned.placeholders:
             log.info(
                 "pruned %d follower seats and %d placeholders past their lease",
@@ -241,7 +251,7 @@ class PoolJobs:
         # out of the pool first (only if still there), so no acquire can get a pod being deleted
         if not await self._jobs_state.take_out_of_idle(scope_id, pod_id):
             return False
-        info = await self._state.pod_info(pod_id)
+        info = await self._state.pod_info(pod_id, scope_id)
         namespace = (info.namespace if info else None) or self._default_namespace
         try:
             await self._k8s.delete(pod_id, namespace, cluster=info.cluster if info else None)
@@ -270,7 +280,7 @@ class PoolJobs:
         cordoned = await self.drains.cordoned_nodes({cluster for cluster, _ in listings})
         now = await self._state.now()
         cleaned = 0
-        probes: list[tuple[str, PodStatus, str | None]] = []
+        probes: list[tuple[str, str, PodStatus, str | None]] = []
         for (cluster, namespace), pods in known.items():
             listed = listings.get((cluster, namespace))
             if listed is None:
@@ -283,11 +293,11 @@ class PoolJobs:
                 ):  # fmt: skip
                     cleaned += 1
                 elif status is not None and status.phase == "Running" and status.pod_ip:
-                    probes.append((pod_id, status, cluster))
+                    probes.append((pod_id, pods[pod_id], status, cluster))
         cleaned += await self._probe_all(probes)
         return cleaned
 
-    async def _probe_all(self, probes: list[tuple[str, PodStatus, str | None]]) -> int:
+    async def _probe_all(self, probes: list[tuple[str, str, PodStatus, str | None]]) -> int:
         """PROBE_CONCURRENCY workers over the list (not a task per pod: 10k of them would be
         created in one go and stall the loop); their Redis calls too stay within that bound."""
         ports = {
@@ -295,29 +305,33 @@ class PoolJobs:
             for scope_id, config in (await self._pool_configs()).items()
             if config.pod_spec is not None
         }
-        healthy_pods: list[str] = []
+        healthy_pods: list[tuple[str, str]] = []
         pending = iter(probes)
         cleaned = 0
 
         async def worker() -> None:
             nonlocal cleaned
-            for n, (pod_id, status, cluster) in enumerate(pending):  # shared: one worker a pod
+            for n, (pod_id, scope_id, status, cluster) in enumerate(pending):  # one worker a pod
                 if n % 16 == 15:
                     await asyncio.sleep(0)  # YIELD_NOTE: a probe answered without I/O
                 port = ports.get(status.scope_id or "")
                 if port is None or status.pod_ip is None:
                     continue
                 if await self._k8s.probe_health(status.pod_ip, port):
-                    healthy_pods.append(pod_id)  # counters reset below, in one call per batch
-                elif await self._jobs_state.count_health_failure(pod_id) >= HEALTH_FAILS_TO_DEAD:
+                    healthy_pods.append((pod_id, scope_id))  # counters reset below, in batches
+                elif (
+                    await self._jobs_state.count_health_failure(scope_id, pod_id)
+                    >= HEALTH_FAILS_TO_DEAD
+                ):
                     await self.dead_pods.clean(
-                        pod_id, status.namespace, cluster, exists=True, why="half-dead", by="pass"
-                    )
+                        pod_id, status.namespace, cluster, exists=True, why="half-dead",
+                        by="pass", scope_id=scope_id,
+                    )  # fmt: skip
                     cleaned += 1
 
         await asyncio.gather(*(worker() for _ in range(min(PROBE_CONCURRENCY, len(probes)))))
         for i in range(0, len(healthy_pods), 500):
-            await self._jobs_state.clear_health_failures(*healthy_pods[i : i + 500])
+            await self._jobs_state.clear_health_failures(dict(healthy_pods[i : i + 500]))
         return cleaned
 
     # --- reconcile (scenario L) ----------------------------------------------------------------
@@ -326,7 +340,7 @@ class PoolJobs:
         """Redis vs Kubernetes, both ways, and pods the session side stopped using.
 
         Read order matters: Redis' pods BEFORE the LIST (a pod registered after it would look
-        missing), placeholders and then pods:all AFTER it (a pod listed while still deploying
+        missing), placeholders and then the pod index AFTER it (a pod listed while still deploying
         has a placeholder, or is registered by then: never an orphan). Only live placeholders
         count: an expired one is a dead deployer's, whose pod is settled here. An orphan is
         adopted or deleted only when it is provably ours, a dead deploy leader's recorded pod
@@ -336,6 +350,11 @@ class PoolJobs:
         indexed = await self._jobs_state.index_scopes()
         if indexed:
             log.info("%d scopes with a pool config were missing from the index; added", indexed)
+        added, dropped = await self._jobs_state.index_pods()
+        if added or dropped:
+            log.warning("pod index drifted: %d pods added, %d dropped", added, dropped)
+        if drained := await self.drains.index_drains(await self._jobs_state.all_pods()):
+            log.warning("%d drains were missing from the draining pods; added", drained)
         known_before = await self._places.pods_by_place()
         places = set(known_before) | await self._places.config_places()
         listings = await self._places.list_all(sorted(places, key=lambda p: (p[0] or "", p[1])))
@@ -417,7 +436,7 @@ class PoolJobs:
         if not waiting:
             return 0
         now = await self._state.now()
-        since = await self._jobs_state.idle_since(list(waiting))
+        since = await self._jobs_state.idle_since(waiting)
         expired = 0
         for pod_id, scope_id in waiting.items():
             if pod_id in since and now - since[pod_id] >= self._adopted_pod_ttl:

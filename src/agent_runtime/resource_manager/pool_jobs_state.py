@@ -10,23 +10,20 @@ MGET per ≤ 200–500 keys, never a pipelined command per key — each holding 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
+from agent_runtime.redis_client import is_cluster
 from agent_runtime.resource_manager.models import WARM_TOKEN_PREFIX
 from agent_runtime.resource_manager.state import (
     BUDGET_LIMITS_KEY,
     BUDGET_PODS_KEY,
     BUDGET_RULE_PREFIX,
     BUDGET_RULES_KEY,
-    DRAINING_KEY,
     FOREIGN_COUNT_KEY,
     FOREIGN_PODS_KEY,
-    POD_PREFIX,
-    PODS_ALL_KEY,
     SCOPE_CONFIG_PATTERN,
     SCOPE_PREFIX,
-    SCOPES_KEY,
     ResourceState,
     budget_rule_pods_key,
     hash_of,
@@ -35,14 +32,18 @@ from agent_runtime.resource_manager.state import (
     pod_health_fails_key,
     pod_idle_since_key,
     pod_info_key,
+    pods_index_key,
     pool_config_of,
     registration_keys,
     scope_config_key,
     scope_deploy_times_key,
     scope_deploying_key,
+    scope_draining_key,
     scope_idle_key,
+    scope_index_key,
     scope_of_config_key,
     scope_pods_key,
+    scopes_key,
 )
 from agent_runtime.resource_manager.state_values import (
     AdoptOutcome,
@@ -52,6 +53,7 @@ from agent_runtime.resource_manager.state_values import (
     PodPlace,
     PoolConfig,
 )
+from agent_runtime.scope_buckets import BUCKETS, bucket_tag
 
 # The jobs' reads come in slices, a round trip each, so no slice holds the loop for long
 # and no call holds Redis (single-threaded: a route waits behind it) for more than ~0.5 ms.
@@ -68,7 +70,12 @@ class PoolJobsState:
 
     def __init__(self, state: ResourceState) -> None:
         self.redis = state.redis
+        self.state = state
         self.pod_budget = state.pod_budget
+        self._cluster = is_cluster(state.redis)
+        # pods indexed but unregistered at the last index repair: dropped if still so at the
+        # next (a registration runs between its index write and its script meanwhile)
+        self._unregistered: set[str] = set()
         self._pod_fields = state.script("pod_fields")
         self._read_many_script = state.script("read_many")
         self._budget_fill = state.script("budget_fill", "_budget")
@@ -80,8 +87,20 @@ class PoolJobsState:
     # --- scopes and their pools, in slices -----------------------------------------------------
 
     async def scopes_with_config(self) -> list[str]:
-        """Every scope with a pool config: an SSCAN of the index (see SCOPES_KEY)."""
-        return [s async for s in self.redis.sscan_iter(SCOPES_KEY, count=BATCH)]
+        """Every scope with a pool config: the scope index, bucket by bucket (SSCAN; every
+        bucket's first page in one pipeline, then the buckets that hold more)."""
+        keys = [scopes_key(bucket_tag(bucket)) for bucket in range(BUCKETS)]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.sscan(key, 0, count=BATCH)
+            pages = cast(list[tuple[int, list[str]]], await pipe.execute())
+        scopes: list[str] = []
+        for key, (cursor, page) in zip(keys, pages, strict=True):
+            scopes += page
+            while int(cursor):
+                cursor, more = await self.redis.sscan(key, cursor, count=BATCH)
+                scopes += cast(list[str], more)
+        return list(dict.fromkeys(scopes))  # SSCAN may give a member twice
 
     async def pool_configs(self, scope_ids: list[str]) -> dict[str, PoolConfig]:
         """The pool config of many scopes (those without one left out), in slices."""
@@ -99,7 +118,7 @@ class PoolJobsState:
     async def idle_pods_of(self, scope_ids: list[str]) -> dict[str, dict[str, float]]:
         """``idle_pods`` of many scopes: SMEMBERS in slices, then MGETs of the warm ones."""
         members = await self._members_of(scope_ids, scope_idle_key)
-        since = await self.idle_since([p for scope_pods in members.values() for p in scope_pods])
+        since = await self.idle_since({p: s for s, ps in members.items() for p in ps})
         return {s: {p: since.get(p, 0.0) for p in scope_pods} for s, scope_pods in members.items()}
 
     async def live_deploying_of(self, scope_ids: list[str]) -> dict[str, list[str]]:
@@ -145,51 +164,77 @@ class PoolJobsState:
     async def _read_many(self, keys: list[str], command: str) -> list[Any]:
         """One reply per key (``read_many`` script: HGETALL or SMEMBERS), SCRIPT_BATCH keys a
         call: one round trip and one reply parsed in C instead of a pipelined command each."""
-        replies: list[Any] = []
-        for i in range(0, len(keys), SCRIPT_BATCH):
-            replies += await self._read_many_script(keys=keys[i : i + SCRIPT_BATCH], args=[command])
+        replies: list[Any] = [None] * len(keys)
+        for positions in self.state.key_slices(keys, SCRIPT_BATCH):
+            chunk = [keys[i] for i in positions]
+            for i, reply in zip(
+                positions, await self._read_many_script(keys=chunk, args=[command]), strict=True
+            ):
+                replies[i] = reply
         return replies
 
     # --- pods, in slices -----------------------------------------------------------------------
 
-    async def all_pods(self) -> list[str]:
-        return [p async for p in self.redis.sscan_iter(PODS_ALL_KEY, count=BATCH)]
+    async def all_pods(self) -> dict[str, str]:
+        """Every indexed pod → its scope: the pod index, bucket by bucket (HSCAN): every
+        bucket's first page in one pipeline (one round trip a node), then the rest of the
+        buckets that hold more than a page."""
+        pods: dict[str, str] = {}
+        keys = [pods_index_key(bucket_tag(bucket)) for bucket in range(BUCKETS)]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.hscan(key, 0, count=BATCH)
+            pages = cast(list[tuple[int, dict[str, str]]], await pipe.execute())
+        for key, (cursor, page) in zip(keys, pages, strict=True):
+            pods.update(page)
+            while int(cursor):
+                cursor, more = await self.redis.hscan(key, cursor, count=BATCH)
+                pods.update(cast(dict[str, str], more))
+        return pods
 
-    async def pod_fields(self, pod_ids: list[str], *fields: str) -> dict[str, list[str | None]]:
-        """Some fields of many pods' infos: the jobs' cheap read, one ``pod_fields`` script
-        per SCRIPT_BATCH pods (each reply a flat list, n values per pod)."""
+    async def pod_fields(
+        self, pods: Mapping[str, str], *fields: str
+    ) -> dict[str, list[str | None]]:
+        """Some fields of many pods' infos (``pods``: pod id → scope id): the jobs' cheap
+        read, one ``pod_fields`` script per SCRIPT_BATCH pods (each reply a flat list, n values
+        per pod)."""
         n = len(fields)
+        pod_ids = list(pods)
+        keys = [pod_info_key(pods[p], p) for p in pod_ids]
         out: dict[str, list[str | None]] = {}
-        for i in range(0, len(pod_ids), SCRIPT_BATCH):
-            chunk = pod_ids[i : i + SCRIPT_BATCH]
-            flat = await self._pod_fields(keys=[], args=[POD_PREFIX, n, *fields, *chunk])
-            out.update((p, flat[j * n : j * n + n]) for j, p in enumerate(chunk))
+        for positions in self.state.key_slices(keys, SCRIPT_BATCH):
+            flat = await self._pod_fields(keys=[keys[i] for i in positions], args=list(fields))
+            out.update((pod_ids[i], flat[j * n : j * n + n]) for j, i in enumerate(positions))
         return out
 
-    async def pod_versions(self, pod_ids: list[str]) -> dict[str, str | None]:
-        return {
-            p: version for p, (version,) in (await self.pod_fields(pod_ids, "deploy_ver")).items()
-        }
+    async def pod_versions(self, pods: Mapping[str, str]) -> dict[str, str | None]:
+        return {p: version for p, (version,) in (await self.pod_fields(pods, "deploy_ver")).items()}
 
-    async def pod_places(self, pod_ids: list[str]) -> dict[str, PodPlace]:
+    async def pod_places(self, pods: Mapping[str, str]) -> dict[str, PodPlace]:
         """Where each pod runs, from its info. In slices."""
-        fields = await self.pod_fields(pod_ids, "cluster", "namespace")
+        fields = await self.pod_fields(pods, "cluster", "namespace")
         return {
             p: PodPlace(cluster or None, namespace) for p, (cluster, namespace) in fields.items()
         }
 
-    async def pod_phases(self, pod_ids: list[str]) -> dict[str, PodPhase]:
+    async def pod_phases(self, pods: Mapping[str, str]) -> dict[str, PodPhase]:
         """Each pod's phase (in_use / idle) and scope, from its info. In slices."""
-        fields = await self.pod_fields(pod_ids, "phase", "scope_id")
+        fields = await self.pod_fields(pods, "phase", "scope_id")
         return {p: PodPhase(phase, scope_id) for p, (phase, scope_id) in fields.items()}
 
-    async def idle_since(self, pod_ids: list[str]) -> dict[str, float]:
-        """When each warm pod joined the warm pool (Redis seconds); a pod that is not warm is
-        left out. MGETs of BATCH keys."""
+    async def idle_since(self, pods: Mapping[str, str]) -> dict[str, float]:
+        """When each warm pod (``pods``: pod id → scope id) joined the warm pool (Redis
+        seconds); a pod that is not warm is left out. MGETs of BATCH keys (on a Redis Cluster
+        split by slot)."""
         since: dict[str, float] = {}
+        pod_ids = list(pods)
         for i in range(0, len(pod_ids), BATCH):
             chunk = pod_ids[i : i + BATCH]
-            values = await self.redis.mget([pod_idle_since_key(p) for p in chunk])
+            keys = [pod_idle_since_key(pods[p], p) for p in chunk]
+            if self._cluster:
+                values = await self.redis.mget_nonatomic(keys)  # type: ignore[attr-defined]
+            else:
+                values = await self.redis.mget(keys)
             since.update((p, float(v)) for p, v in zip(chunk, values, strict=True) if v)
         return since
 
@@ -199,45 +244,54 @@ class PoolJobsState:
         """Atomically leave the warm pool, only if still in it (reclaim, before deleting)."""
         removed = await self.redis.srem(scope_idle_key(scope_id), pod_id)
         if removed:
-            await self.redis.delete(pod_idle_since_key(pod_id))
+            await self.redis.delete(pod_idle_since_key(scope_id, pod_id))
         return bool(removed)
 
-    async def purge(self, pod_id: str) -> str | None:
-        """Forget the pod (purge.lua: its keys, its units back); its scope, None if unknown."""
+    async def purge(self, pod_id: str, scope_id: str | None = None) -> str | None:
+        """Forget the pod (purge.lua: its keys, its units back), then drop it from the pod
+        index; its scope (its info's), None if unknown. Without ``scope_id`` the index names
+        the scope; a pod it does not name is registered nowhere (the index comes first)."""
+        if scope_id is None and (scope_id := await self.state.scope_of_pod(pod_id)) is None:
+            return None
         scope = await self._purge(
             keys=[
-                pod_info_key(pod_id),
-                pod_idle_since_key(pod_id),
-                pod_health_fails_key(pod_id),
-                PODS_ALL_KEY,
+                pod_info_key(scope_id, pod_id),
+                pod_idle_since_key(scope_id, pod_id),
+                pod_health_fails_key(scope_id, pod_id),
+                pod_drain_key(scope_id, pod_id),
+                scope_pods_key(scope_id),
+                scope_idle_key(scope_id),
+                scope_config_key(scope_id),
                 BUDGET_PODS_KEY,
-                pod_drain_key(pod_id),
-                DRAINING_KEY,
             ],
-            args=[pod_id, SCOPE_PREFIX, BUDGET_RULE_PREFIX],
+            args=[pod_id, BUDGET_RULE_PREFIX],
         )
+        await self.redis.zrem(scope_draining_key(scope_id), pod_id)  # its drain, if any
+        if await self.state.scope_of_pod(pod_id) == scope_id:
+            await self.state.unindex_pod(pod_id)
         return cast(str | None, scope or None)
 
-    async def count_health_failure(self, pod_id: str) -> int:
+    async def count_health_failure(self, scope_id: str, pod_id: str) -> int:
         """One more failed probe; 0 if the pod has been forgotten meanwhile.
 
         A probe can race the pod's purge (reclaim, watch or reconcile of another tick or
         replica): checked AFTER the increment, so either the purge comes later and deletes the
         counter itself, or we see it gone and delete the counter we just made.
         """
-        key = pod_health_fails_key(pod_id)
+        key = pod_health_fails_key(scope_id, pod_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.incr(key)
             pipe.expire(key, HEALTH_FAILS_TTL)
             fails, _ = await pipe.execute()
-        if not await self.redis.sismember(PODS_ALL_KEY, pod_id):
+        if not await self.redis.exists(pod_info_key(scope_id, pod_id)):
             await self.redis.delete(key)
             return 0
         return int(fails)
 
-    async def clear_health_failures(self, *pod_ids: str) -> None:
-        if pod_ids:
-            await self.redis.delete(*(pod_health_fails_key(p) for p in pod_ids))
+    async def clear_health_failures(self, pods: Mapping[str, str]) -> None:
+        """Drop the fail counters of ``pods`` (pod id → scope id)."""
+        if pods:
+            await self.redis.delete(*(pod_health_fails_key(s, p) for p, s in pods.items()))
 
     # --- reconcile's repairs -------------------------------------------------------------------
 
@@ -255,6 +309,7 @@ class PoolJobsState:
         """A verified pod of ours that Redis does not know into its scope's warm pool
         (adopt.lua: within max_pods and the budgets when the scope has a config, as it is
         when it has none); ``cluster``: where it runs (None: the process default)."""
+        await self.state.index_pod(scope_id, pod_id)  # first, as for a registration
         action, *detail = await self._adopt(
             keys=[*registration_keys(scope_id, pod_id), BUDGET_LIMITS_KEY],
             args=[
@@ -262,6 +317,8 @@ class PoolJobsState:
                 BUDGET_RULE_PREFIX, self.pod_budget, cluster or "",
             ],
         )  # fmt: skip
+        if action not in ("adopted", "known"):  # refused: nothing registered, nothing indexed
+            await self.state.unindex_pod(pod_id)
         return AdoptOutcome(action, detail[0] if detail else None)
 
     async def index_scopes(self) -> int:
@@ -272,10 +329,55 @@ class PoolJobsState:
             async for key in self.redis.scan_iter(match=SCOPE_CONFIG_PATTERN, count=BATCH)
             if (sid := scope_of_config_key(key))
         ]
+        by_bucket: dict[str, list[str]] = {}
+        for scope_id in found:
+            by_bucket.setdefault(scope_index_key(scope_id), []).append(scope_id)
         added = 0
-        for i in range(0, len(found), BATCH):
-            added += int(await self.redis.sadd(SCOPES_KEY, *found[i : i + BATCH]))
+        for key, scopes in by_bucket.items():
+            for i in range(0, len(scopes), BATCH):
+                added += int(await self.redis.sadd(key, *scopes[i : i + BATCH]))
         return added
+
+    async def index_pods(self) -> tuple[int, int]:
+        """Reconcile's repair of the pod index: every registered pod of a scope with a config
+        is indexed (added), and a pod indexed but registered in no scope for two passes in a
+        row (a crash between a purge and its index write; a registration that died before its
+        script) leaves it (dropped: one seen once may be a registration in flight). Returns
+        (added, dropped)."""
+        indexed = await self.all_pods()
+        scopes = await self.scopes_with_config()
+        registered: dict[str, str] = {}
+        for i in range(0, len(scopes), SCRIPT_BATCH):
+            chunk = scopes[i : i + SCRIPT_BATCH]
+            for scope_id, pods in (await self._zmembers_of(chunk)).items():
+                registered.update(dict.fromkeys(pods, scope_id))
+        # a pod registered after the index was read is indexed already: asked again
+        missing = [p for p, s in registered.items() if indexed.get(p) != s]
+        now_indexed = await self.state.scopes_of_pods(missing)
+        added = 0
+        for pod_id in missing:
+            if now_indexed.get(pod_id) != (scope_id := registered[pod_id]):
+                await self.state.index_pod(scope_id, pod_id)
+                added += 1
+        stray = {p for p, s in indexed.items() if registered.get(p) != s}
+        if stray:  # a pod of a scope without config: registered if its info is there
+            infos = await self.pod_fields({p: indexed[p] for p in stray}, "scope_id")
+            stray = {p for p in stray if infos[p][0] is None}
+        dropped = 0
+        for pod_id in stray & self._unregistered:
+            if await self.state.scope_of_pod(pod_id) == indexed[pod_id]:
+                await self.state.unindex_pod(pod_id)
+                dropped += 1
+        self._unregistered = stray - self._unregistered
+        return added, dropped
+
+    async def _zmembers_of(self, scope_ids: list[str]) -> dict[str, list[str]]:
+        """Each scope's registered pods (its pods ZSET), in pipelined ZRANGEs of one slot each."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for scope_id in scope_ids:
+                pipe.zrange(scope_pods_key(scope_id), 0, -1)
+            replies = cast(list[list[str]], await pipe.execute())
+        return dict(zip(scope_ids, replies, strict=True))
 
     async def repair_budgets(self) -> BudgetRepair:
         """Reconcile's repair of the budgets from the pools (which reconcile keeps equal to
@@ -301,10 +403,12 @@ class PoolJobsState:
         units = [u async for u, _ in self.redis.zscan_iter(key, count=BATCH)]
         dropped = 0
         for i in range(0, max(len(units), 1), PRUNE_BATCH):  # once even when empty
+            chunk = units[i : i + PRUNE_BATCH]
+            scopes = await self.state.scopes_of_pods([u for u in chunk if ":" not in u])
+            pairs = [x for u in chunk for x in (u, scopes.get(u, ""))]
             dropped += int(
                 await self._budget_prune(
-                    keys=[key, PODS_ALL_KEY, BUDGET_RULES_KEY],
-                    args=[rule_id, SCOPE_PREFIX, POD_PREFIX, *units[i : i + PRUNE_BATCH]],
+                    keys=[key, BUDGET_RULES_KEY], args=[rule_id, SCOPE_PREFIX, *pairs]
                 )
             )
         return dropped

@@ -1,5 +1,5 @@
 """What a gateway's report of a pod reads and changes in Redis: the per-pod probe window
-(``pod_report.lua`` on ``resource:pod:{pod_id}:reported``)."""
+(``pod_report.lua`` on ``resource:pod:{sid}:{pod_id}:reported``)."""
 
 from __future__ import annotations
 
@@ -18,18 +18,18 @@ class ReportState:
         self.redis = state.redis
         self._gate = state.script("pod_report")
 
-    async def claim(self, pod_id: str, window: float) -> ReportClaim:
+    async def claim(self, scope_id: str, pod_id: str, window: float) -> ReportClaim:
         """The window's probe, if nobody took it (pod_report.lua ``claim``)."""
         first, seen = await self._gate(
-            keys=[pod_reported_key(pod_id)], args=["claim", max(1, round(window * 1000))]
+            keys=[pod_reported_key(scope_id, pod_id)], args=["claim", max(1, round(window * 1000))]
         )
         return ReportClaim(bool(int(first)), str(seen))
 
-    async def answer(self, pod_id: str, verdict: str) -> None:
+    async def answer(self, scope_id: str, pod_id: str, verdict: str) -> None:
         """The window's verdict, for the reports that come while it lasts."""
-        await self._gate(keys=[pod_reported_key(pod_id)], args=["answer", verdict])
+        await self._gate(keys=[pod_reported_key(scope_id, pod_id)], args=["answer", verdict])
 
-    async def seen(self, pod_id: str) -> str | None:
+    async def seen(self, scope_id: str, pod_id: str) -> str | None:
         """What the window says now: "probing", a verdict, or None (no window)."""
-        value = await self.redis.get(pod_reported_key(pod_id))
+        value = await self.redis.get(pod_reported_key(scope_id, pod_id))
         return None if value is None else str(value)

@@ -19,46 +19,73 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 from redis.asyncio import Redis
+from redis.cluster import key_slot
 
 from agent_runtime import lua
 from agent_runtime.config import RM_KEY_PREFIX as P
+from agent_runtime.redis_client import is_cluster
 from agent_runtime.resource_manager.models import AcquiredPod
 from agent_runtime.resource_manager.state_values import (
     AcquireOutcome,
     PodInfo,
     PoolConfig,
 )
+from agent_runtime.scope_buckets import DueIndex, bucket_of, bucket_tag
 
 # Every key of one scope's state carries the scope id as its Redis Cluster hash tag, braces
 # included ("resource:scope:{<sid>}:pods", "lock:rm:deploy:{<sid>}:<deploy id>"): a script
 # that touches one scope touches one slot. A script given SCOPE_PREFIX derives the same names
 # with lua/_keys.lua.
 SCOPE_PREFIX = f"{P}resource:scope:"
+# A pod's keys carry its scope's tag too ("resource:pod:{<sid>}:<pod id>:info"): a pod belongs
+# to one scope, and its keys go with the scope's into the scope's scripts. Lua derives them
+# with pod_key (lua/_keys.lua).
 POD_PREFIX = f"{P}resource:pod:"
-PODS_ALL_KEY = f"{P}resource:pods:all"
+# The pod index: which scope a pod id belongs to, for the doors that know only the pod (a
+# gateway's report, the admin pod view, a drain by pod, watch events). A HASH pod id -> scope
+# id per bucket of pod ids ("resource:pods:{b07}", bucket_of(pod id)): one HGET. Written by
+# Python beside the scripts (a script of one scope cannot reach it): before registration (a
+# crash never leaves a registered pod unindexed), deleted after the purge; reconcile repairs
+# what a crash left between the two steps (index_pods).
+PODS_INDEX_PREFIX = f"{P}resource:pods:"
 # Not in the contract (nothing outside reads it): every scope with a pool config, so the jobs
 # find them with an SSCAN of their own set instead of a SCAN of the whole keyspace (at 100k
 # sessions ~150k keys, 300 round trips a tick). Written with the config; reconcile adds any
 # config the index lacks (an upgrade from a version without it, a config written by hand).
-SCOPES_KEY = f"{P}resource:scopes"
+# One SET per bucket of scope ids ("resource:scopes:{b07}", bucket_of(scope id)), walked
+# bucket by bucket: a script of one scope cannot reach it, so pool_config.lua replies
+# "written" and Python adds the scope; scope_expire.lua replies "gone" and Python removes it
+# (then looks again: a config written meanwhile puts it back).
+SCOPES_PREFIX = f"{P}resource:scopes:"
 SCOPE_CONFIG_PATTERN = f"{SCOPE_PREFIX}{{*}}:config"
-# Not in the contract: scopes that took a follower seat or a placeholder since the prune job
-# last found them empty, where a dead replica's leftovers can be (lease_prune.lua).
-LEASED_SCOPES_KEY = f"{P}resource:leased_scopes"
+# Not in the contract: scopes that took a follower seat or a placeholder, where a dead
+# replica's leftovers can be (lease_prune.lua): a DueIndex per bucket (scope -> when to look),
+# marked by Python after the script that took the lease, settled by the prune job; a mark
+# lost with a crash is found by the job's slow walk over every scope.
+LEASED_PREFIX = f"{P}resource:leased_scopes:"
 # Pod budgets (docs/spec/resource-manager.md "Pod budgets"): ZSETs of units, a registered pod
 # (score +inf) or a placeholder "{sid}:{member}" (score = its deadline), changed only by the
 # scripts that add or remove the pod or placeholder itself.
-BUDGET_PODS_KEY = f"{P}budget:pods"
-BUDGET_RULE_PREFIX = f"{P}budget:rule:"
-BUDGET_RULES_KEY = f"{P}budget:rules"  # SET: rule ids that have a units ZSET (for reconcile)
-BUDGET_LIMITS_KEY = f"{P}budget:rule_limits"  # HASH: rule id -> its pod budget (>= 1)
+# Every budget key carries one literal hash tag of its own, "{budget}": the budgets span
+# scopes, so their keys share a slot with each other and with no scope (the scripts that count
+# a budget beside a scope's keys are the last cross-slot ones: docs/feature, issue 17).
+BUDGET_TAG = "{budget}"
+BUDGET_PODS_KEY = f"{P}budget:{BUDGET_TAG}:pods"
+BUDGET_RULE_PREFIX = f"{P}budget:{BUDGET_TAG}:rule:"
+BUDGET_RULES_KEY = f"{P}budget:{BUDGET_TAG}:rules"  # SET: rule ids with a units ZSET (reconcile)
+BUDGET_LIMITS_KEY = f"{P}budget:{BUDGET_TAG}:rule_limits"  # HASH: rule id -> its budget (>= 1)
 DEFAULT_POD_BUDGET = 1000
-# Reconcile's report of pods with our labels that are not provably ours (foreign_report.lua)
-FOREIGN_PODS_KEY = f"{P}resource:foreign_pods"
-FOREIGN_COUNT_KEY = f"{P}resource:foreign_pods:count"
-# Drains (drains.py): the pods being drained, pod -> deadline (Redis seconds), beside each
-# pod's ``pod:{pod}:drain`` hash (drain_begin.lua writes both, purge.lua drops both).
-DRAINING_KEY = f"{P}resource:draining"
+# Reconcile's report of pods with our labels that are not provably ours (foreign_report.lua):
+# both keys under one hash tag of their own, "{foreign}" (literal), as the script writes both
+FOREIGN_TAG = "{foreign}"
+FOREIGN_PODS_KEY = f"{P}resource:foreign_pods:{FOREIGN_TAG}"
+FOREIGN_COUNT_KEY = f"{P}resource:foreign_pods:{FOREIGN_TAG}:count"
+# Drains (drains.py): the pods being drained, pod -> deadline (Redis seconds), one ZSET per
+# bucket of the pods' scopes ("resource:draining:{b07}"), beside each pod's
+# ``pod:{sid}:{pod}:drain`` hash: drain_begin.lua writes the hash and replies the deadline,
+# Python then adds the pod here; purge.lua drops the hash, Python then the entry. The drains
+# job drops an entry without a hash; reconcile adds one a crash left out.
+DRAINING_PREFIX = f"{P}resource:draining:"
 DEPLOY_LOCK_PREFIX = f"{P}lock:rm:deploy:"  # + "{<sid>}:<deploy id>"
 IDEM_TTL = 60
 DEPLOY_TIMES_KEPT = 32  # a scope's recent deploy times (deploy_time.lua)
@@ -126,26 +153,66 @@ def scope_config_gen_key(scope_id: str) -> str:
     return f"{scope_key_head(scope_id)}config_gen"
 
 
-def pod_info_key(pod_id: str) -> str:
-    return f"{POD_PREFIX}{pod_id}:info"
+def pod_key_head(scope_id: str, pod_id: str) -> str:
+    """The head of a pod's keys, ``resource_manager:resource:pod:{<sid>}:<pod id>:``."""
+    return f"{POD_PREFIX}{{{scope_id}}}:{pod_id}:"
 
 
-def pod_idle_since_key(pod_id: str) -> str:
-    return f"{POD_PREFIX}{pod_id}:idle_since"
+def pod_info_key(scope_id: str, pod_id: str) -> str:
+    return f"{pod_key_head(scope_id, pod_id)}info"
 
 
-def pod_health_fails_key(pod_id: str) -> str:
-    return f"{POD_PREFIX}{pod_id}:health_fails"
+def pod_idle_since_key(scope_id: str, pod_id: str) -> str:
+    return f"{pod_key_head(scope_id, pod_id)}idle_since"
 
 
-def pod_drain_key(pod_id: str) -> str:
+def pod_health_fails_key(scope_id: str, pod_id: str) -> str:
+    return f"{pod_key_head(scope_id, pod_id)}health_fails"
+
+
+def pod_drain_key(scope_id: str, pod_id: str) -> str:
     """The pod's drain: deadline, trigger, since, state (pending | draining), scope_id."""
-    return f"{POD_PREFIX}{pod_id}:drain"
+    return f"{pod_key_head(scope_id, pod_id)}drain"
 
 
-def pod_reported_key(pod_id: str) -> str:
+def pod_reported_key(scope_id: str, pod_id: str) -> str:
     """A gateway's report of the pod: the window of its one probe (pod_report.lua)."""
-    return f"{POD_PREFIX}{pod_id}:reported"
+    return f"{pod_key_head(scope_id, pod_id)}reported"
+
+
+def scopes_key(bucket: str) -> str:
+    """One bucket of the scope index (``bucket``: its tag, ``{b07}``): scopes with a config."""
+    return f"{SCOPES_PREFIX}{bucket}"
+
+
+def scope_index_key(scope_id: str) -> str:
+    """The bucket of the scope index that holds ``scope_id``."""
+    return scopes_key(bucket_tag(bucket_of(scope_id)))
+
+
+def leased_scopes_key(bucket: str) -> str:
+    """One bucket of the leased scopes' DueIndex: scope id -> when the prune looks at it."""
+    return f"{LEASED_PREFIX}{bucket}"
+
+
+def draining_key(bucket: str) -> str:
+    """One bucket of the draining pods (by their scope's bucket): pod id -> drain deadline."""
+    return f"{DRAINING_PREFIX}{bucket}"
+
+
+def scope_draining_key(scope_id: str) -> str:
+    """The bucket of the draining pods that holds the pods of ``scope_id``."""
+    return draining_key(bucket_tag(bucket_of(scope_id)))
+
+
+def pods_index_key(bucket: str) -> str:
+    """One bucket of the pod index (``bucket``: its tag, ``{b07}``): pod id -> scope id."""
+    return f"{PODS_INDEX_PREFIX}{bucket}"
+
+
+def pod_index_key(pod_id: str) -> str:
+    """The bucket of the pod index that holds ``pod_id``."""
+    return pods_index_key(bucket_tag(bucket_of(pod_id)))
 
 
 def deploy_lock_key(scope_id: str, deploy_id: str) -> str:
@@ -267,14 +334,14 @@ def _acquire_outcome(reply: list[str]) -> AcquireOutcome:
 
 
 def registration_keys(scope_id: str, pod_id: str) -> list[str]:
-    """What registering a pod writes: KEYS[1..9] of register.lua and adopt.lua alike."""
+    """What registering a pod writes: KEYS[1..8] of register.lua and adopt.lua alike (the pod
+    index is written before, by ``ResourceState.index_pod``)."""
     return [
-        pod_info_key(pod_id),
+        pod_info_key(scope_id, pod_id),
         scope_pods_key(scope_id),
-        PODS_ALL_KEY,
         scope_deploying_key(scope_id),
         scope_idle_key(scope_id),
-        pod_idle_since_key(pod_id),
+        pod_idle_since_key(scope_id, pod_id),
         scope_config_key(scope_id),
         BUDGET_PODS_KEY,
         BUDGET_RULES_KEY,
@@ -306,6 +373,25 @@ class ResourceState:
         self._pool_config_script = self.script("pool_config")
         self._scope_expire = self.script("scope_expire")
         self._deploy_time = self.script("deploy_time")
+        # scopes that took a lease (placeholder, follower seat, cold deploy): the prune's
+        self.leased = DueIndex(
+            redis, lambda b: leased_scopes_key(bucket_tag(b)), name="rm_leased", observe=observe
+        )
+
+    def key_slices(self, keys: list[str], size: int) -> list[list[int]]:
+        """The positions of ``keys`` cut into script calls of at most ``size`` keys; on a
+        Redis Cluster each call's keys are of one slot (one scope's), as a script needs there
+        (a read over many scopes then costs a call per scope)."""
+        if not is_cluster(self.redis):
+            return [list(range(i, min(i + size, len(keys)))) for i in range(0, len(keys), size)]
+        by_slot: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            by_slot.setdefault(key_slot(key.encode()), []).append(i)
+        return [
+            positions[j : j + size]
+            for positions in by_slot.values()
+            for j in range(0, len(positions), size)
+        ]
 
     def script(self, name: str, *preludes: str) -> Any:
         """A script of the resource manager's ``lua/`` folder on this client (EVALSHA), after
@@ -341,9 +427,11 @@ class ResourceState:
             fields["pod_spec_json"] = json.dumps(pod_spec, sort_keys=True, separators=(",", ":"))
         flat = [x for kv in fields.items() for x in kv]
         written = await self._pool_config_script(
-            keys=[scope_config_key(scope_id), SCOPES_KEY, scope_config_gen_key(scope_id)],
-            args=[scope_id, "" if generation is None else generation, *flat],
+            keys=[scope_config_key(scope_id), scope_config_gen_key(scope_id)],
+            args=["" if generation is None else generation, *flat],
         )
+        if written:  # into the scope index after (a crash between: reconcile's index_scopes)
+            await self.redis.sadd(scope_index_key(scope_id), scope_id)
         return bool(written)
 
     async def expire_scope(self, scope_id: str) -> bool:
@@ -356,11 +444,13 @@ class ResourceState:
                 scope_idle_key(scope_id),
                 scope_deploying_key(scope_id),
                 scope_cold_deploys_key(scope_id),
-                SCOPES_KEY,
                 scope_config_gen_key(scope_id),
             ],
-            args=[scope_id],
         )
+        if gone:  # out of the scope index; back in if a config was written meanwhile
+            await self.redis.srem(scope_index_key(scope_id), scope_id)
+            if await self.redis.exists(scope_config_key(scope_id)):
+                await self.redis.sadd(scope_index_key(scope_id), scope_id)
         return bool(gone)
 
     async def pool_config(self, scope_id: str) -> PoolConfig | None:
@@ -401,7 +491,6 @@ class ResourceState:
                 BUDGET_PODS_KEY,
                 BUDGET_RULES_KEY,
                 BUDGET_LIMITS_KEY,
-                LEASED_SCOPES_KEY,
             ],
             args=[
                 POD_PREFIX,
@@ -416,7 +505,15 @@ class ResourceState:
                 "1" if cold_claim else "",
             ],
         )
-        return _acquire_outcome(reply)
+        outcome = _acquire_outcome(reply)
+        if outcome.action == "need_deploy":  # a placeholder: the prune looks at the scope
+            await self.mark_leased(scope_id)
+        return outcome
+
+    async def mark_leased(self, scope_id: str) -> None:
+        """The scope holds a lease now (placeholder, seat, cold deploy): the prune job looks
+        at it at its next pass (lease_prune says when to look again)."""
+        await self.leased.mark(scope_id, 0.0)
 
     async def cached_result(self, scope_id: str, request_id: str) -> AcquiredPod | None:
         """The pod this request_id got for this scope within IDEM_TTL (another scope's result
@@ -447,7 +544,10 @@ class ResourceState:
         cluster: str | None = None,
     ) -> bool:
         """Returns whether the placeholder was still held (False: it expired meanwhile).
-        ``cluster``: where the pod runs (None: the process default; no field is written)."""
+        ``cluster``: where the pod runs (None: the process default; no field is written).
+        The pod index first: a crash between the two steps leaves an indexed pod that is not
+        registered (reconcile drops it), never a registered pod nobody can find."""
+        await self.index_pod(scope_id, pod_id)
         held = await lua.run_acked(
             self.redis,
             self._register,
@@ -466,8 +566,8 @@ class ResourceState:
             keys=[
                 scope_pods_key(scope_id),
                 scope_idle_key(scope_id),
-                pod_idle_since_key(pod_id),
-                pod_info_key(pod_id),
+                pod_idle_since_key(scope_id, pod_id),
+                pod_info_key(scope_id, pod_id),
             ],
             args=[pod_id],
         )
@@ -475,9 +575,46 @@ class ResourceState:
 
     # --- one pod's reads -----------------------------------------------------------------------
 
-    async def pod_info(self, pod_id: str) -> PodInfo | None:
-        """The pod's info (None: not registered)."""
-        return _pod_info_of(cast(dict[str, str], await self.redis.hgetall(pod_info_key(pod_id))))
+    async def pod_info(self, pod_id: str, scope_id: str | None = None) -> PodInfo | None:
+        """The pod's info (None: not registered); without ``scope_id`` the pod index names
+        the scope (one HGET more)."""
+        if scope_id is None and (scope_id := await self.scope_of_pod(pod_id)) is None:
+            return None
+        raw = await self.redis.hgetall(pod_info_key(scope_id, pod_id))
+        return _pod_info_of(cast(dict[str, str], raw))
+
+    # --- the pod index: pod id -> scope id -----------------------------------------------------
+
+    async def scope_of_pod(self, pod_id: str) -> str | None:
+        """The scope the pod index names for the pod (None: not indexed: not registered)."""
+        return cast(str | None, await self.redis.hget(pod_index_key(pod_id), pod_id))
+
+    async def scopes_of_pods(self, pod_ids: list[str]) -> dict[str, str]:
+        """The scope of each indexed pod (one left out: not indexed), one HMGET per bucket
+        (a pipeline: at most BUCKETS commands, each one slot)."""
+        by_bucket: dict[str, list[str]] = {}
+        for pod_id in dict.fromkeys(pod_ids):
+            by_bucket.setdefault(pod_index_key(pod_id), []).append(pod_id)
+        if not by_bucket:
+            return {}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key, pods in by_bucket.items():
+                pipe.hmget(key, pods)
+            replies = cast(list[list[str | None]], await pipe.execute())
+        return {
+            pod_id: scope_id
+            for pods, scopes in zip(by_bucket.values(), replies, strict=True)
+            for pod_id, scope_id in zip(pods, scopes, strict=True)
+            if scope_id
+        }
+
+    async def index_pod(self, scope_id: str, pod_id: str) -> None:
+        """The pod into the index (before its registration: see ``register``)."""
+        await self.redis.hset(pod_index_key(pod_id), pod_id, scope_id)
+
+    async def unindex_pod(self, pod_id: str) -> None:
+        """The pod out of the index (after its purge)."""
+        await self.redis.hdel(pod_index_key(pod_id), pod_id)
 
     async def record_deploy_time(self, scope_id: str, seconds: float) -> None:
         """One successful deploy's duration into the scope's recent deploy times."""

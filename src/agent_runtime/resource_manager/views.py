@@ -38,6 +38,7 @@ class ResourceViews:
 
     def __init__(self, state: ResourceState) -> None:
         self.redis = state.redis
+        self._state = state
         self._pods = PoolJobsState(state)
         self._drains = DrainState(state)
 
@@ -67,7 +68,7 @@ class ResourceViews:
         leaders = [c["leader"] for c in cold if c["leader"] is not None]
         async with self.redis.pipeline(transaction=False) as pipe:
             for pod_id in pods:
-                pipe.hmget(pod_info_key(pod_id), *POD_VIEW_FIELDS)
+                pipe.hmget(pod_info_key(scope_id, pod_id), *POD_VIEW_FIELDS)
             infos = await pipe.execute()
         return {
             "pool_config": config or None,
@@ -85,8 +86,11 @@ class ResourceViews:
 
     async def pod_info(self, pod_id: str) -> dict[str, str]:
         """The pod's info hash as stored (empty: not registered); its ``cluster`` field is
-        absent for the process default."""
-        return cast(dict[str, str], await self.redis.hgetall(pod_info_key(pod_id)))
+        absent for the process default. Its scope from the pod index."""
+        scope_id = await self._state.scope_of_pod(pod_id)
+        if scope_id is None:
+            return {}
+        return cast(dict[str, str], await self.redis.hgetall(pod_info_key(scope_id, pod_id)))
 
     async def foreign_pods(self) -> tuple[int, list[dict[str, Any]]]:
         """Reconcile's last report: how many were seen, and those it holds (sorted by

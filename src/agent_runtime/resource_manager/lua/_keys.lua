@@ -7,3 +7,9 @@
 -- a scope's key (config, pods, idle, deploying, deploy_followers:{id}, …), with the deploy
 -- lock prefix "resource_manager:lock:rm:deploy:" a deploy's lock (what = the deploy id)
 local function scope_key(prefix, sid, what) return prefix .. '{' .. sid .. '}:' .. what end
+
+-- a pod's key: prefix "resource_manager:resource:pod:" .. '{' .. sid .. '}:' .. pod .. ':' ..
+-- what (info, idle_since, health_fails, drain, reported): the pod's keys carry its scope's tag
+local function pod_key(prefix, sid, pod, what)
+  return prefix .. '{' .. sid .. '}:' .. pod .. ':' .. what
+end

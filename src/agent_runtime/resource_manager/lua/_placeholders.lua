@@ -54,12 +54,11 @@ local function rule_limit_of(limits, rule)
   return tonumber(redis.call('HGET', limits, rule) or '0')
 end
 
--- `leased`: resource:leased_scopes, where the prune job finds the scope (lease_prune.lua)
-local function add_placeholder(key, token, now, lifetime, sid, global, rule_key, index, rule,
-    leased)
+-- (the caller marks the scope in the leased scopes' index, where the prune job finds it:
+-- another slot, so not here)
+local function add_placeholder(key, token, now, lifetime, sid, global, rule_key, index, rule)
   local member = token .. '@' .. tostring(now + lifetime)
   redis.call('SADD', key, member)
-  redis.call('SADD', leased, sid)
   budget_add(global, rule_key, index, rule, sid .. ':' .. member, now + lifetime)
   return member
 end

@@ -9,9 +9,8 @@
 -- KEYS[6] budget:pods                     ZSET  every budget unit (see _budget.lua)
 -- KEYS[7] budget:rules                    SET   rule ids that have a units ZSET
 -- KEYS[8] budget:rule_limits              HASH  rule id -> pod budget
--- KEYS[9] resource:leased_scopes          SET   scopes with placeholders (the prune job's)
--- ARGV[1] pod key prefix, e.g. "resource_manager:resource:pod:" (derives {prefix}{pod}:info
---         and {prefix}{pod}:idle_since for the warm pods)
+-- ARGV[1] pod key prefix "resource_manager:resource:pod:" (derives the warm pods'
+--         resource:pod:{sid}:{pod}:info and :idle_since with pod_key: the scope's slot)
 -- ARGV[2] placeholder token (unique per attempt; the same token on a re-sent call)
 -- ARGV[3] placeholder lifetime in seconds (the deploy lease: its deployer renews it)
 -- ARGV[4] idem TTL in seconds
@@ -31,7 +30,8 @@
 --         {"no_config"}                    the scope has no pool config yet
 --         {"max_reached"}                  ZCARD pods + SCARD deploying >= max_pods
 --         {"budget_reached", "global"|"rule"}  a new pod would exceed that pod budget
---         {"need_deploy", member}          a placeholder was added (or already was: replay)
+--         {"need_deploy", member}          a placeholder was added (or already was: replay);
+--                                          the caller marks the scope as leased
 --         {"cold"}                         no warm pod (ARGV[10] "1"): claim a deploy
 --
 -- invariant: ZCARD pods + SCARD deploying <= max_pods, and a new placeholder only while each
@@ -68,16 +68,16 @@ end
 local version = redis.call('HGET', KEYS[1], 'deploy_ver')
 local best, best_since = nil, -1
 for _, pod in ipairs(redis.call('SMEMBERS', KEYS[2])) do
-  local info = ARGV[1] .. pod .. ':info'
+  local info = pod_key(ARGV[1], sid, pod, 'info')
   if version and redis.call('HGET', info, 'deploy_ver') == version then
-    local since = tonumber(redis.call('GET', ARGV[1] .. pod .. ':idle_since') or '0')
+    local since = tonumber(redis.call('GET', pod_key(ARGV[1], sid, pod, 'idle_since')) or '0')
     if since > best_since then best, best_since = pod, since end  -- most recently idle first
   end
 end
 if best then
-  local info = ARGV[1] .. best .. ':info'
+  local info = pod_key(ARGV[1], sid, best, 'info')
   redis.call('SREM', KEYS[2], best)
-  redis.call('DEL', ARGV[1] .. best .. ':idle_since')
+  redis.call('DEL', pod_key(ARGV[1], sid, best, 'idle_since'))
   redis.call('HSET', info, 'phase', 'in_use')
   local url = redis.call('HGET', info, 'pod_sse_url') or ''
   redis.call('SET', KEYS[5], cjson.encode({pod_id = best, pod_sse_url = url, deploy_ver = version,
@@ -90,4 +90,4 @@ local refused = room_refusal(KEYS[1], KEYS[3], KEYS[4], KEYS[6], global_limit, r
   rule_limit, now)
 if refused then return refused end
 return {'need_deploy', add_placeholder(KEYS[4], ARGV[2], now, tonumber(ARGV[3]), sid, KEYS[6],
-  rule_key, KEYS[7], rule, KEYS[9])}
+  rule_key, KEYS[7], rule)}

@@ -3,12 +3,12 @@
 -- expired, a unit of a scope now linked to another rule), each checked here, atomically.
 --
 -- KEYS[1] the budget: budget:pods, or budget:rule:{rule_id}:pods
--- KEYS[2] resource:pods:all   SET
--- KEYS[3] budget:rules        SET  rule ids that have a units ZSET
+-- KEYS[2] budget:rules        SET  rule ids that have a units ZSET
 -- ARGV[1] rule id of KEYS[1] ("" for the global budget)
 -- ARGV[2] scope key prefix (derives {prefix}{sid}:config, :pods, :deploying)
--- ARGV[3] pod key prefix (derives {prefix}{pod}:info for the pod's scope)
--- ARGV[4 ..] units read from KEYS[1] (at most a few hundred a call)
+-- ARGV[3 ..] unit, scope, unit, scope ...: units read from KEYS[1] (at most a few hundred a
+--         call), each with its pod's scope as the pod index names it ("" for a placeholder's
+--         unit, which names its scope, or a pod the index does not know: not registered)
 --
 -- returns how many units were dropped; a rule whose ZSET is left empty leaves the index
 local rule = ARGV[1]
@@ -17,7 +17,7 @@ local function linked(sid)
   return rule == '' or redis.call('HGET', scope_key(ARGV[2], sid, 'config'), 'budget_rule') == rule
 end
 local dropped = 0
-for i = 4, #ARGV do
+for i = 3, #ARGV, 2 do
   local unit = ARGV[i]
   local colon = string.find(unit, ':', 1, true)
   local valid
@@ -26,12 +26,11 @@ for i = 4, #ARGV do
     valid = placeholder_deadline(member) >= now
       and redis.call('SISMEMBER', scope_key(ARGV[2], sid, 'deploying'), member) == 1 and linked(sid)
   else
-    local sid = redis.call('HGET', ARGV[3] .. unit .. ':info', 'scope_id')
-    valid = redis.call('SISMEMBER', KEYS[2], unit) == 1
-      and (rule == '' or (sid and redis.call('ZSCORE', scope_key(ARGV[2], sid, 'pods'), unit)
-        and linked(sid)))
+    local sid = ARGV[i + 1]
+    valid = sid ~= '' and redis.call('ZSCORE', scope_key(ARGV[2], sid, 'pods'), unit)
+      and linked(sid)
   end
   if not valid then dropped = dropped + redis.call('ZREM', KEYS[1], unit) end
 end
-if rule ~= '' and redis.call('ZCARD', KEYS[1]) == 0 then redis.call('SREM', KEYS[3], rule) end
+if rule ~= '' and redis.call('ZCARD', KEYS[1]) == 0 then redis.call('SREM', KEYS[2], rule) end
 return dropped

@@ -17,11 +17,9 @@
 -- KEYS[2] resource:scope:{sid}:deploying    SET  placeholders "{token}@{deadline}"
 -- KEYS[3] resource:scope:{sid}:config       HASH (max_pods, budget_rule)
 -- KEYS[4] budget:pods                       ZSET every budget unit
--- KEYS[5] resource:pods:all                 SET  registered pods
--- KEYS[6] resource:leased_scopes            SET  scopes the prune job looks at
--- KEYS[7] resource:scope:{sid}:pods         ZSET the scope's pods
--- KEYS[8] budget:rules                      SET  rule ids that have a units ZSET
--- KEYS[9] budget:rule_limits                HASH rule id -> pod budget
+-- KEYS[5] resource:scope:{sid}:pods         ZSET the scope's pods (registered: a member)
+-- KEYS[6] budget:rules                      SET  rule ids that have a units ZSET
+-- KEYS[7] budget:rule_limits                HASH rule id -> pod budget
 -- ARGV[1] lock prefix "…lock:rm:deploy:{sid}:" (derives each deploy's lock {prefix}{id})
 -- ARGV[2] scope prefix "…resource:scope:{sid}:" (derives {prefix}deploy_pod:{id} and
 --         {prefix}deploy_followers:{id})
@@ -39,6 +37,7 @@
 -- ARGV[14] placeholder lifetime in seconds (the deploy lease: its leader renews it)
 -- ARGV[15] the installation's pod budget
 --
+-- ("lead" and "follow": the caller marks the scope in the leased scopes' index)
 -- returns {"lead", id, member}               a new deploy is ours (lock set, indexed; member:
 --                                            its placeholder)
 --         {"lead", id, member, pod_id, namespace, created, uid, cluster}
@@ -91,7 +90,6 @@ end
 local function follow(id, holder)
   redis.call('ZADD', room(id), now + tonumber(ARGV[8]), member)
   redis.call('EXPIRE', room(id), tonumber(ARGV[9]))
-  redis.call('SADD', KEYS[6], sid)
   give_back_placeholder()
   return {'follow', id, holder}
 end
@@ -99,7 +97,7 @@ end
 -- a lapsed deploy's record naming a pod nobody registered (not a failure notice): inherited
 local function orphan_of(id)
   local rec = redis.call('HMGET', record(id), 'token', 'pod_id', 'failed')
-  return rec[1] and rec[2] and not rec[3] and redis.call('SISMEMBER', KEYS[5], rec[2]) == 0
+  return rec[1] and rec[2] and not rec[3] and not redis.call('ZSCORE', KEYS[5], rec[2])
 end
 
 -- the lock lapses with the placeholder (whole seconds: it counts through its deadline's
@@ -109,7 +107,6 @@ local function lead(id)
   local now_ms = second * 1000 + math.floor(tonumber(t[2]) / 1000)
   redis.call('SET', lock_prefix .. id, token, 'PX', math.max(until_ms - now_ms, lease_ms))
   redis.call('ZADD', KEYS[1], 'NX', now, id)
-  redis.call('SADD', KEYS[6], sid)
   local rec = redis.call('HMGET', record(id), 'token', 'pod_id', 'namespace', 'created', 'uid',
     'cluster')
   if not rec[1] then return {'lead', id, mine} end
@@ -154,14 +151,14 @@ if open then return follow(open, open_holder) end
 
 -- 3. a slot for a new pod
 if not mine then
-  local refused = room_refusal(KEYS[3], KEYS[7], KEYS[2], KEYS[4], tonumber(ARGV[15]), rule_key,
-    rule_limit_of(KEYS[9], rule), second)
+  local refused = room_refusal(KEYS[3], KEYS[5], KEYS[2], KEYS[4], tonumber(ARGV[15]), rule_key,
+    rule_limit_of(KEYS[7], rule), second)
   if refused then
     if redis.call('SCARD', KEYS[2]) > 0 then return {'coming'} end  -- swept: all live
     return refused
   end
   mine = add_placeholder(KEYS[2], ptoken, second, tonumber(ARGV[14]), sid, KEYS[4], rule_key,
-    KEYS[8], rule, KEYS[6])
+    KEYS[6], rule)
 end
 
 -- 4. lead: a lapsed deploy first (its pod is on its way already), else a new one

@@ -10,8 +10,7 @@
 -- KEYS[5] budget:rules                     SET    rule ids that have a units ZSET
 -- KEYS[6] lock:rm:deploy:{sid}:{id}            STRING the leader's token, PX the lease
 -- KEYS[7] resource:scope:{sid}:deploy_pod:{id} HASH   the leader's pod (deploy_lease_take.lua)
--- KEYS[8] resource:leased_scopes           SET    scopes the prune job looks at
--- KEYS[9] resource:scope:{sid}:cold_deploys ZSET  the scope's cold deploys (deploy_claim.lua)
+-- KEYS[8] resource:scope:{sid}:cold_deploys ZSET  the scope's cold deploys (deploy_claim.lua)
 -- ARGV[1] placeholder token (its member is "{token}@{deadline}")
 -- ARGV[2] lock token ("" for a warm deploy: a placeholder and no lock)
 -- ARGV[3] lease in seconds (the placeholder's deadline is whole seconds, rounded up; the
@@ -21,8 +20,7 @@
 -- ARGV[8] seconds the record lives (the pod's own deadline: ready_timeout + margin)
 -- ARGV[9] the pod's uid (its incarnation: a pod re-created under the name is not this one)
 -- ARGV[10] the pod's cluster ("" = the process default: no `cluster` field is written)
--- ARGV[11] the deploy's id (its member of KEYS[9]; "" for a warm deploy)
--- KEYS[10] resource:pods:all                SET    registered pods
+-- ARGV[11] the deploy's id (its member of KEYS[8]; "" for a warm deploy)
 --
 -- returns {"ok", member}   renewed; member: the placeholder's new name
 --         {"lost", "taken"}  another leader holds the lock, or held it (it took over after our
@@ -61,7 +59,7 @@ if ltoken ~= '' then
     -- lapsed after its pod was registered); taking the lock back would hand the pod out twice
     local rec = redis.call('HGET', KEYS[7], 'token')
     taken = (rec and rec ~= ltoken)
-      or (ARGV[6] ~= '' and redis.call('SISMEMBER', KEYS[10], ARGV[6]) == 1)
+      or (ARGV[6] ~= '' and redis.call('ZSCORE', KEYS[3], ARGV[6]) ~= false)
   end
   if taken then
     if member then
@@ -80,14 +78,14 @@ else
   if at_max_pods(KEYS[2], KEYS[3], KEYS[1]) then return {'lost', 'no_room'} end
 end
 local renewed = add_placeholder(KEYS[1], ptoken, now, math.ceil(lease), sid, KEYS[4], rule_key,
-  KEYS[5], linked, KEYS[8])
+  KEYS[5], linked)
 if ltoken ~= '' then
   -- until the placeholder lapses (it counts through its deadline's second): a lapsed lock
   -- means a lapsed slot, so a taker never runs beside a placeholder still counted
   local until_ms = (placeholder_deadline(renewed) + 1) * 1000
   local now_ms = now * 1000 + math.floor(tonumber(clock[2]) / 1000)
   redis.call('SET', KEYS[6], ltoken, 'PX', math.max(until_ms - now_ms, math.ceil(lease * 1000)))
-  redis.call('ZADD', KEYS[9], 'NX', now, ARGV[11])  -- back in the index if a claim dropped it
+  redis.call('ZADD', KEYS[8], 'NX', now, ARGV[11])  -- back in the index if a claim dropped it
   if ARGV[6] ~= '' then
     local rec = redis.call('HMGET', KEYS[7], 'token', 'pod_id')
     if rec[1] ~= ltoken or rec[2] ~= ARGV[6] then

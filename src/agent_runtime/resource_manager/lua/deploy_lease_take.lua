@@ -9,7 +9,7 @@
 --                                          created (Redis seconds), uid, cluster (absent:
 --                                          the process default); or a failure
 --                                          notice: token, failed (deploy_lease_end.lua)
--- KEYS[3] resource:pods:all                SET    registered pods
+-- KEYS[3] resource:scope:{sid}:pods       ZSET   the scope's pods (registered: a member)
 -- ARGV[1] token   ARGV[2] lease in milliseconds
 --
 -- returns {"leader"}                                the lease is ours, nothing to inherit
@@ -32,7 +32,7 @@ local rec = redis.call('HMGET', KEYS[2], 'token', 'pod_id', 'namespace', 'create
   'uid', 'cluster')
 if not rec[1] then return {'leader'} end
 if rec[1] ~= ARGV[1] then
-  if rec[5] or not rec[2] or redis.call('SISMEMBER', KEYS[3], rec[2]) == 1 then
+  if rec[5] or not rec[2] or redis.call('ZSCORE', KEYS[3], rec[2]) then
     redis.call('DEL', KEYS[2])
     return {'leader'}
   end

@@ -2,9 +2,9 @@
 -- (pod identity), replaced as a whole after each pass: readers (the admin view, /metrics on
 -- any replica) never see half of one.
 --
--- KEYS[1] resource:foreign_pods         HASH   "{namespace}/{pod}" -> JSON of the pod
--- KEYS[2] resource:foreign_pods:count   STRING foreign pods the last pass saw (the hash holds
---                                              at most a bounded number of them)
+-- KEYS[1] resource:foreign_pods:{foreign}        HASH   "{namespace}/{pod}" -> JSON of the pod
+-- KEYS[2] resource:foreign_pods:{foreign}:count  STRING foreign pods the last pass saw (the
+--         hash holds at most a bounded number of them); both under the literal tag {foreign}
 -- ARGV[1] that count   ARGV[2 ..] field, value, field, value ... (a bounded number)
 --
 -- returns the count

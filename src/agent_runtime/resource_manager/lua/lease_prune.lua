@@ -1,53 +1,68 @@
--- lease_prune (uses _budget.lua, _placeholders.lua): the prune job's slice. Follower seats and
--- placeholders stop counting at their deadline in every script that counts them, but stay as
--- members until one of those runs for the scope; a replica that died leaves them behind in
--- scopes nobody routes to. This drops them, and a cold deploy whose leader is gone from the
--- scope's deploy index once nothing is left to take over: it died before its create, or its
--- pod is registered (adopted by reconcile, or registered by a leader that died before it ended
--- its lease: its record goes too); a scope left with nothing leaves the leased index.
+-- lease_prune (uses _budget.lua, _placeholders.lua): the prune job's look at one scope of the
+-- leased scopes' index. Follower seats and placeholders stop counting at their deadline in
+-- every script that counts them, but stay as members until one of those runs for the scope; a
+-- replica that died leaves them behind in scopes nobody routes to. This drops them, and a cold
+-- deploy whose leader is gone from the scope's deploy index once nothing is left to take over:
+-- it died before its create, or its pod is registered (adopted by reconcile, or registered by
+-- a leader that died before it ended its lease: its record goes too). It says when to look
+-- at the scope again (the index is another slot: the caller settles it).
 --
--- KEYS[1] resource:leased_scopes  SET  scopes that took a follower seat or a placeholder
--- KEYS[2] budget:pods             ZSET every budget unit
--- KEYS[3] resource:pods:all       SET  registered pods
--- ARGV[1] scope key prefix "resource_manager:resource:scope:" (derives {prefix}{sid}:config,
---         :deploying, :cold_deploys, and per deploy :deploy_followers:{id}, :deploy_pod:{id})
+-- KEYS[1] resource:scope:{sid}:deploying     SET  placeholders "{token}@{deadline}"
+-- KEYS[2] resource:scope:{sid}:config        HASH (budget_rule)
+-- KEYS[3] resource:scope:{sid}:cold_deploys  ZSET the scope's cold deploys
+-- KEYS[4] resource:scope:{sid}:pods          ZSET the scope's pods (registered: a member)
+-- KEYS[5] budget:pods                        ZSET every budget unit
+-- ARGV[1] scope_id
 -- ARGV[2] rule budget prefix (derives {prefix}{budget_rule}:pods of the scope's linked rule)
--- ARGV[3] deploy lock prefix "resource_manager:lock:rm:deploy:" (derives {prefix}{sid}:{id})
--- ARGV[4 ..] scope ids (20 a call: ~8 commands each, + ~4 a cold deploy in flight)
+-- ARGV[3] deploy lock prefix "…lock:rm:deploy:{sid}:" (derives each deploy's lock {prefix}{id})
+-- ARGV[4] scope prefix "…resource:scope:{sid}:" (derives per deploy :deploy_followers:{id}
+--         and :deploy_pod:{id})
+-- ARGV[5] seconds after which to look again at a scope whose cold deploys have no deadline
+--         of their own here (a live leader: its lease is renewed)
 --
--- returns {follower seats dropped, placeholders dropped}
+-- returns {follower seats dropped, placeholders dropped, when to look next}: the Redis time
+-- (seconds, as a string) of the soonest deadline still held (a seat or a placeholder), or now
+-- + ARGV[5] for a live cold deploy; "" when the scope holds none of them (it may leave the
+-- index)
 --
 -- invariant: only members past their deadline go (a placeholder with its budget units); a
 -- deploy leaves the index only without a live leader and with nothing to take over (a pod
--- still starting waits for a leader to take it over, or for its record's own expiry); a scope
--- leaves the leased index only when it holds none of them, in the same step (a gate, claim or
--- placeholder script that adds a member adds the scope again). Replay-safe.
+-- still starting waits for a leader to take it over, or for its record's own expiry).
+-- Replay-safe.
 local now = tonumber(redis.call('TIME')[1])
+local sid = ARGV[1]
 local seats, placeholders = 0, 0
-for i = 4, #ARGV do
-  local sid = ARGV[i]
-  local s = scope_key(ARGV[1], sid, '')
-  local before = redis.call('SCARD', s .. 'deploying')
-  if before > 0 then
-    local rule = redis.call('HGET', s .. 'config', 'budget_rule')
-    sweep_placeholders(s .. 'deploying', '', now, sid, KEYS[2], rule_budget_key(ARGV[2], rule))
-    placeholders = placeholders + before - redis.call('SCARD', s .. 'deploying')
-  end
-  for _, id in ipairs(redis.call('ZRANGE', s .. 'cold_deploys', 0, -1)) do
-    seats = seats + redis.call('ZREMRANGEBYSCORE', s .. 'deploy_followers:' .. id, '-inf',
-      '(' .. now)
-    if redis.call('EXISTS', scope_key(ARGV[3], sid, id)) == 0 then
-      local record = redis.call('HMGET', s .. 'deploy_pod:' .. id, 'token', 'pod_id', 'failed')
-      if not record[1] or record[3] or not record[2]
-          or redis.call('SISMEMBER', KEYS[3], record[2]) == 1 then
-        if record[2] and not record[3] then redis.call('DEL', s .. 'deploy_pod:' .. id) end
-        redis.call('ZREM', s .. 'cold_deploys', id)
-      end
-    end
-  end
-  if redis.call('ZCARD', s .. 'cold_deploys') == 0
-      and redis.call('SCARD', s .. 'deploying') == 0 then
-    redis.call('SREM', KEYS[1], sid)
+local soonest = nil
+local function keep(deadline)
+  if deadline and (not soonest or deadline < soonest) then soonest = deadline end
+end
+local before = redis.call('SCARD', KEYS[1])
+if before > 0 then
+  local rule = redis.call('HGET', KEYS[2], 'budget_rule')
+  sweep_placeholders(KEYS[1], '', now, sid, KEYS[5], rule_budget_key(ARGV[2], rule))
+  placeholders = before - redis.call('SCARD', KEYS[1])
+  for _, member in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+    keep(placeholder_deadline(member) + 1)  -- it counts through its deadline's second
   end
 end
-return {seats, placeholders}
+for _, id in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
+  local room = ARGV[4] .. 'deploy_followers:' .. id
+  seats = seats + redis.call('ZREMRANGEBYSCORE', room, '-inf', '(' .. now)
+  local record = ARGV[4] .. 'deploy_pod:' .. id
+  local stays = true
+  if redis.call('EXISTS', ARGV[3] .. id) == 0 then
+    local rec = redis.call('HMGET', record, 'token', 'pod_id', 'failed')
+    if not rec[1] or rec[3] or not rec[2] or redis.call('ZSCORE', KEYS[4], rec[2]) then
+      if rec[2] and not rec[3] then redis.call('DEL', record) end
+      redis.call('ZREM', KEYS[3], id)
+      stays = false  -- its room's seats wait for nothing now (the room expires by itself)
+    end
+  end
+  if stays then
+    -- a live leader, or a pod to take over: looked at again in a while, or at a seat's end
+    keep(now + tonumber(ARGV[5]))
+    local first = redis.call('ZRANGE', room, 0, 0, 'WITHSCORES')
+    if first[2] then keep(math.ceil(tonumber(first[2]))) end
+  end
+end
+return {seats, placeholders, soonest and tostring(soonest) or ''}

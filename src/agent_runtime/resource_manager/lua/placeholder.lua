@@ -8,14 +8,14 @@
 -- KEYS[4] budget:pods                     ZSET every budget unit
 -- KEYS[5] budget:rules                    SET  rule ids that have a units ZSET
 -- KEYS[6] budget:rule_limits              HASH rule id -> pod budget
--- KEYS[7] resource:leased_scopes          SET  scopes with placeholders (the prune job's)
 -- ARGV[1] placeholder token (the same token on a re-sent call)
 -- ARGV[2] placeholder lifetime in seconds (a deploy renews it: deploy_lease.lua)
 -- ARGV[3] scope_id
 -- ARGV[4] rule budget prefix (derives {prefix}{budget_rule}:pods of the scope's linked rule)
 -- ARGV[5] the installation's pod budget
 --
--- returns {"ok", member}, {"no_config"}, {"max_reached"} or {"budget_reached", "global"|"rule"}
+-- returns {"ok", member} (the caller marks the scope as leased), {"no_config"},
+--         {"max_reached"} or {"budget_reached", "global"|"rule"}
 --
 -- invariant: ZCARD pods + SCARD deploying <= max_pods; a new unit only under each budget.
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'no_config'} end
@@ -29,4 +29,4 @@ local refused = room_refusal(KEYS[1], KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[5
   rule_limit_of(KEYS[6], rule), now)
 if refused then return refused end
 return {'ok', add_placeholder(KEYS[3], ARGV[1], now, tonumber(ARGV[2]), sid, KEYS[4], rule_key,
-  KEYS[5], rule, KEYS[7])}
+  KEYS[5], rule)}

@@ -2,18 +2,14 @@
 -- every pod each tick; one pipelined HMGET per pod costs ~45 µs of client CPU in redis-py,
 -- this costs one small array per pod in the reply.
 --
--- KEYS (derived from ARGV[1], per pod): resource:pod:{pod}:info   HASH
--- ARGV[1] pod key prefix "resource_manager:resource:pod:"
--- ARGV[2] n, the number of fields;  ARGV[3 .. 2+n] the fields
--- ARGV[3+n ..] pod ids
+-- KEYS    resource:pod:{sid}:{pod}:info of each pod (declared: on a Redis Cluster the caller
+--         groups them by slot, one scope's pods a call)
+-- ARGV    the fields
 --
--- returns a flat list: for each pod in order, its n values (nil where missing)
-local p, n = ARGV[1], tonumber(ARGV[2])
-local fields = {}
-for i = 1, n do fields[i] = ARGV[2 + i] end
-local out, k = {}, 0
-for i = 3 + n, #ARGV do
-  local values = redis.call('HMGET', p .. ARGV[i] .. ':info', unpack(fields))
+-- returns a flat list: for each pod in order, its values of the fields (nil where missing)
+local out, k, n = {}, 0, #ARGV
+for _, key in ipairs(KEYS) do
+  local values = redis.call('HMGET', key, unpack(ARGV))
   for j = 1, n do
     k = k + 1
     out[k] = values[j]

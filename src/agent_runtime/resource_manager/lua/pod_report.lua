@@ -1,7 +1,7 @@
 -- pod_report: the gate of a gateway's report of a pod (route's rawdata.failed_pod_id): at most
 -- one probe per pod per window across every replica, and its verdict shared for the window.
 --
--- KEYS[1] resource:pod:{pod_id}:reported   STRING "probing" while the window's one probe runs,
+-- KEYS[1] resource:pod:{sid}:{pod_id}:reported   STRING "probing" while the window's one probe runs,
 --         then its verdict (healthy | suspect | dead | unknown); lives ARGV[2] ms from the claim
 -- ARGV[1] "claim" | "answer"
 -- ARGV[2] claim: the window (ms)   answer: the verdict

@@ -9,11 +9,10 @@
 -- KEYS[4] resource:scope:{sid}:deploying SET "{token}@{deadline}"
 -- KEYS[5] resource:scope:{sid}:cold_deploys ZSET deploy id -> first led (a cold deploy live,
 --         or lapsed with a pod to take over; its lock, record and follower room hang off it)
--- KEYS[6] resource:scopes               SET the scope index
--- KEYS[7] resource:scope:{sid}:config_gen STRING
--- ARGV[1] scope_id
+-- KEYS[6] resource:scope:{sid}:config_gen STRING
 --
--- returns 1 gone (expired now, or there was nothing), 0 kept (still in use)
+-- returns 1 gone (expired now, or there was nothing: the caller takes the scope out of the
+-- scope index, another slot), 0 kept (still in use)
 local now = tonumber(redis.call('TIME')[1])
 if redis.call('ZCARD', KEYS[2]) > 0 or redis.call('SCARD', KEYS[3]) > 0
     or redis.call('ZCARD', KEYS[5]) > 0 then
@@ -23,6 +22,5 @@ for _, member in ipairs(redis.call('SMEMBERS', KEYS[4])) do
   local deadline = tonumber(string.match(member, '@([^@]*)$') or '')
   if not deadline or deadline >= now then return 0 end
 end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[7])
-redis.call('SREM', KEYS[6], ARGV[1])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
 return 1
