@@ -433,7 +433,7 @@ async def check_config_propagation(run: Run) -> str:
     resp = await run.api.sync(live[0].url, "template", "update", tpl)
     expect(resp.status_code == 200, f"update: {resp.text}")
     expect((await run.api.route(live[1].url, scope, "conf-2")).status_code == 200, "route 2")
-    ttl = str(await run.redis.hget(f"{SM}session:{run.api.rid('conf-2')}", "session_ttl"))
+    ttl = str(await run.redis.hget(f"{SM}session:{{{sid}}}:{run.api.rid('conf-2')}", "session_ttl"))
     expect(ttl == "123", f"new session_ttl not seen: {ttl}")
     await run.nothing_held(sid, 5)
     return "session_ttl 60 → 123 on replica 0, used by replica 1's next route"

@@ -703,7 +703,7 @@ async def test_lost_reply_orphan_is_found_by_reconcile(sim: KubeSim, rm: Rm) -> 
     with pytest.raises(DeployFailed):
         await rm.facade.acquire(SCOPE, pod_spec, pool(), "r-1")
     (orphan,) = ours(sim)
-    assert await PoolJobsState(rm.state).all_pods() == []
+    assert await PoolJobsState(rm.state).all_pods() == {}
     assert "agent-runtime/incarnation" not in sim.pod("default", orphan)["metadata"]["annotations"]
     await until(
         lambda: bool((sim.pod("default", orphan) or {}).get("status", {}).get("podIP")), "ip"
@@ -719,7 +719,7 @@ async def test_lost_reply_orphan_is_found_by_reconcile(sim: KubeSim, rm: Rm) -> 
         "expired": 0,
         "foreign": 0,
     }
-    assert await PoolJobsState(rm.state).all_pods() == []
+    assert await PoolJobsState(rm.state).all_pods() == {}
     await until(lambda: not ours(sim), "the unfinished orphan gone")
 
 

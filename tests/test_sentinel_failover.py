@@ -32,7 +32,9 @@ from helpers import sentinel_url
 
 
 @pytest.mark.real_backend
-@pytest.mark.timeout(240)
+# the guard above the scenario's own bounded waits: the set ready (60 s), the warm-up (60 s), the
+# failover (30 s), every replica answering again (35 s), the cleanup (30 s), the wake-up (15 s)
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("sql_backend", ["sqlite"], indirect=True)
 async def test_a_sentinel_failover_mid_load_answers_in_contract_and_keeps_redis_consistent(
     redis_sentinel: Redis, db: Database
