@@ -25,12 +25,6 @@ from failover_load import Outcome, Shape, one_failover, service
 
 pytestmark = [
     pytest.mark.real_backend,
-    # open in issue 17: the resource manager's scripts still count the pod budgets beside a
-    # scope's keys (two slots), so a cold route fails on a cluster and the load never warms up
-    # (TimeoutError). Strict: the day the budgets move, these pass and the mark must go.
-    pytest.mark.xfail(
-        strict=True, raises=TimeoutError, reason="pod budgets still cross-slot (issue 17)"
-    ),
     pytest.mark.timeout(300),
     pytest.mark.parametrize("sql_backend", ["sqlite"], indirect=True),
 ]

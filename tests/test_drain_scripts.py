@@ -19,9 +19,8 @@ from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.session_manager.state import SessionState
 from contract_keys import rm_draining, sm_pod, sm_scope
 
-# the cluster joins when every script the module drives is of one slot (issue 17: the pod
-# budgets still count beside a scope's keys)
-pytestmark = pytest.mark.topologies(cluster=False)
+# every script it drives is of one slot: the single server, the Sentinel set and the cluster
+pytestmark = pytest.mark.topologies
 
 SID = "s" * 32
 DRAINING = rm_draining(SID)  # the scope's bucket of the draining pods

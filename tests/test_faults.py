@@ -261,6 +261,11 @@ async def held(redis: Redis) -> dict[str, Any]:
         "reserved": await redis.zrangebyscore(sm_scope(SID, "reserved"), now, "+inf"),
         "followers": await follower_seats(redis, SID),
         "placeholders": placeholders,
+        "budget_reservations": [  # a pod on its way's unit (a pod's own is +inf)
+            u
+            for u in await redis.zrangebyscore(BUDGET_PODS, now, "(+inf")
+            if u.startswith(f"{SID}:")
+        ],
         "deploy_locks": await deploy_locks(redis, SID),
         "pending": pending,
     }
@@ -289,18 +294,21 @@ def script_sha(package: str, name: str, prelude: str | tuple[str, ...] | None = 
 
 
 SM, RM = "agent_runtime.session_manager", "agent_runtime.resource_manager"
+BUDGET_PODS = "resource_manager:budget:{budget}:pods"  # the installation's pod budget
 SCRIPTS = {  # each module's scripts come after its key builders (lua/_keys.lua)
     "route_place": (SM, "route_place", ("_keys", "_session")),
     "touch": (SM, "touch", ("_keys", "_session")),
     "waiter_gate": (lua.SHARED, "seat_gate", None),  # the shared seat gate, as the queue's
-    "acquire": (RM, "acquire", ("_keys", "_budget", "_placeholders")),
-    "deploy_claim": (RM, "deploy_claim", ("_keys", "_budget", "_placeholders")),
+    "acquire": (RM, "acquire", ("_keys", "_placeholders")),
+    "deploy_claim": (RM, "deploy_claim", ("_keys", "_placeholders")),
+    "budget_reserve": (RM, "budget_reserve", ("_keys", "_budget")),
 }
 ROUTE_PLACE_SHA = script_sha(*SCRIPTS["route_place"])
 TOUCH_SHA = script_sha(*SCRIPTS["touch"])
 WAITER_GATE_SHA = script_sha(*SCRIPTS["waiter_gate"])
 ACQUIRE_SHA = script_sha(*SCRIPTS["acquire"])
 CLAIM_SHA = script_sha(*SCRIPTS["deploy_claim"])
+RESERVE_SHA = script_sha(*SCRIPTS["budget_reserve"])
 
 
 async def load_scripts(redis: Redis) -> None:
@@ -1000,6 +1008,7 @@ async def test_routes_cancelled_at_random_points_hold_nothing_beyond_the_lease(
         "waiter_gate",
         "acquire",
         "deploy_claim",
+        "budget_reserve",
     ],
 )
 @real_only
@@ -1014,6 +1023,7 @@ async def test_a_route_cancelled_while_a_reply_is_in_flight_holds_nothing_beyond
         "waiter_gate": (b"EVALSHA", WAITER_GATE_SHA),
         "acquire": (b"EVALSHA", ACQUIRE_SHA),
         "deploy_claim": (b"EVALSHA", CLAIM_SHA),
+        "budget_reserve": (b"EVALSHA", RESERVE_SHA),
     }[call]
     async with (
         redis_proxy(redis) as proxy,

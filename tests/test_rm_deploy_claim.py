@@ -22,9 +22,8 @@ from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.resource_manager.state_values import DeployClaim
 from helpers import other_client
 
-# the cluster joins when every script the module drives is of one slot (issue 17: the pod
-# budgets still count beside a scope's keys)
-pytestmark = pytest.mark.topologies(cluster=False)
+# every script it drives is of one slot: the single server, the Sentinel set and the cluster
+pytestmark = pytest.mark.topologies
 
 SID = "scope-c"
 CONFIG = f"resource_manager:resource:scope:{{{SID}}}:config"

@@ -6,15 +6,11 @@ method that runs a script (acquire, claims and leases, registration, release, dr
 the jobs' reads and repairs, the migration's indexes) then must have given each call keys of
 one slot (``redis.cluster.key_slot``), the state's bulk reads cut by slot as on a cluster.
 
-The pod budgets are not split off yet (issue 17, the budget step): their keys share one tag
-of their own (``budget:{budget}:…``), but the scripts that count a budget still take them
-beside the scope's keys. For those the test holds two slots exactly — the budget keys' and the
-rest's — and the exact list of them, so that a new cross-slot script fails here, and so does
-the list once the budgets become a step of their own.
+The pod budgets are a step of their own: their keys share one tag (``budget:{budget}:…``),
+and only the budget scripts take them, never beside a scope's keys; the test holds that list
+exactly.
 
-On the tests' real Redis Cluster (``redis_cluster``): the scripts of that list are refused
-(CROSSSLOT), and the rest run: a pod's report window, its release, a drain, a deploy lease
-taken and ended, a scope's config written and expired, the jobs' reads.
+On the tests' real Redis Cluster (``redis_cluster``) the same flow runs end to end.
 """
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 from redis.cluster import key_slot
-from redis.exceptions import RedisClusterException, ResponseError
 
 from agent_runtime import lua
 from agent_runtime.resource_manager import state as state_module
@@ -37,19 +32,21 @@ from agent_runtime.resource_manager.state import ResourceState
 from contract_keys import rm_pod, rm_pod_scope, rm_scope
 
 BUDGET_KEYS = "resource_manager:budget:{budget}:"  # the budget keys: their own tag, one slot
-# the scripts that still count a pod budget beside the scope's keys
+BUDGET_LINKS = f"{BUDGET_KEYS}links"
+
+
+def budget_units(sid: str) -> str:
+    return f"{BUDGET_KEYS}scope:{sid}:units"
+
+
+# the scripts that take the budget keys: those keys only
 BUDGETED = {
-    "acquire",
-    "adopt",
-    "budget_fill",
-    "budget_prune",
-    "deploy_claim",
-    "deploy_lease",
-    "drop_placeholder",
-    "lease_prune",
-    "placeholder",
-    "purge",
-    "register",
+    "budget_confirm",
+    "budget_link",
+    "budget_release",
+    "budget_renew",
+    "budget_repair",
+    "budget_reserve",
 }
 CONFIG = {"min_idle_pods": 0, "max_pods": 4, "pod_ttl": 60, "pod_concurrency": 2}
 
@@ -86,9 +83,10 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Calls:
     return recorded
 
 
-async def flow(rs: ResourceState, sid: str, other: str) -> None:
+async def flow(rs: ResourceState, sid: str, other: str, *, installation_wide: bool = True) -> None:
     """Every state method that runs a script, over two scopes (so that a call mixing them
-    shows)."""
+    shows); ``installation_wide``: the reconcile repairs over every scope and the foreign
+    report too."""
     ds, js, drains, reports = DeployState(rs), PoolJobsState(rs), DrainState(rs), ReportState(rs)
     for scope in (sid, other):
         assert await rs.write_pool_config(scope, CONFIG, deploy_ver="v1", pod_spec={"i": "x"})
@@ -131,9 +129,10 @@ async def flow(rs: ResourceState, sid: str, other: str) -> None:
         namespace="n", deploy_ver="v1",
     )  # fmt: skip
     assert adopted.action == "adopted"
-    await js.repair_budgets()
-    await js.index_pods()
-    await js.report_foreign(1, {"n/x": {"pod_id": "x"}})
+    if installation_wide:
+        await js.repair_budgets()
+        await js.index_pods()
+        await js.report_foreign(1, {"n/x": {"pod_id": "x"}})
     assert await js.purge(f"p1{sid}") == sid
     assert await js.purge(f"p2{other}") == other
     for scope in (sid, other):
@@ -150,15 +149,11 @@ async def test_every_resource_manager_script_call_is_given_keys_of_one_slot(
             "bucket_due", "bucket_mark", "bucket_settle"} <= names, names  # fmt: skip
     budgeted: set[str] = set()
     for name, keys, slots in calls.slots():
+        assert len(slots) <= 1, f"{name}: keys of {len(slots)} slots: {keys}"
         if any(k.startswith(BUDGET_KEYS) for k in keys):
             budgeted.add(name)
-            budgets = {key_slot(k.encode()) for k in keys if k.startswith(BUDGET_KEYS)}
-            rest = {key_slot(k.encode()) for k in keys if not k.startswith(BUDGET_KEYS)}
-            assert len(budgets) == 1, f"{name}: the budget keys span slots: {keys}"
-            assert len(rest) <= 1, f"{name}: its keys beside the budgets span slots: {keys}"
-        else:
-            assert len(slots) <= 1, f"{name}: keys of {len(slots)} slots: {keys}"
-    assert budgeted == BUDGETED, "the scripts that still take the budget keys"
+            assert all(k.startswith(BUDGET_KEYS) for k in keys), f"{name}: {keys}"
+    assert budgeted == BUDGETED, "the scripts that take the budget keys"
 
 
 async def test_a_pod_s_keys_share_its_scope_s_slot_and_the_index_names_the_scope(
@@ -181,43 +176,22 @@ async def flow_until_registered(rs: ResourceState, sid: str) -> None:
     )  # fmt: skip
 
 
-async def test_on_the_redis_cluster_the_scope_scripts_run_and_the_budgeted_ones_are_refused(
+async def test_on_the_redis_cluster_every_script_runs_and_the_budgets_count(
     redis_cluster: Redis, cluster_tag: str
 ) -> None:
-    """The real test cluster: one scope's scripts run there (their keys one slot); those
-        that still count a budget are refused until the budgets move (the client refuses a call
-    whose keys span slots, as the cluster would with CROSSSLOT)."""
+    """The real test cluster (shared with other test processes: the installation-wide
+    repairs stay out): the whole flow runs, and the budget units it took are given back."""
     rs = ResourceState(redis_cluster)
-    ds, js, drains, reports = DeployState(rs), PoolJobsState(rs), DrainState(rs), ReportState(rs)
-    sid, pod = f"s-{cluster_tag}", f"p-{cluster_tag}"
+    sid, other = f"s-{cluster_tag}", f"o-{cluster_tag}"
     try:
-        assert await rs.write_pool_config(sid, CONFIG, deploy_ver="v1", pod_spec={"i": "x"})
-        assert await js.pool_configs([sid]) != {}
-        with pytest.raises(
-            (ResponseError, RedisClusterException), match=r"CROSSSLOT|same key slot"
-        ):
-            await rs.acquire(sid, "r1", "t1", 60)
-        # a pod of the scope, written as register.lua would (its script is budgeted)
-        await rs.index_pod(sid, pod)
-        await redis_cluster.hset(
-            rm_pod(sid, pod, "info"),
-            mapping={"scope_id": sid, "phase": "in_use", "deploy_ver": "v1", "pod_sse_url": "u"},
-        )
-        await redis_cluster.zadd(rm_scope(sid, "pods"), {pod: 1})
-        assert await rs.release(sid, pod)
-        assert (await rs.pod_info(pod)).phase == "idle"  # type: ignore[union-attr]
-        assert await js.pod_phases(await js.all_pods()) != {}
-        begun = await drains.begin(pod, sid, trigger="admin", pending=False, seconds=30)
-        assert begun is not None and begun.state == "draining"
-        assert [d.pod_id for d in await drains.drains([pod])] == [pod]
-        assert (await reports.claim(sid, pod, 1.0)).probe
-        assert (await ds.take_deploy_lease(sid, "rq", "reconcile//u@1", 5)).leader
-        assert await ds.end_deploy_lease(sid, "rq", "reconcile//u@1", "done", 1)
-        await rs.mark_leased(sid)
-        await rs.record_deploy_time(sid, 2.0)
+        await flow(rs, sid, other, installation_wide=False)
+        for scope in (sid, other):
+            assert await redis_cluster.zcard(budget_units(scope)) == 0
+            assert not await redis_cluster.hexists(BUDGET_LINKS, scope)
     finally:
-        # the cross-scope indexes are no key of the test's: their entries go by hand
-        await rs.unindex_pod(pod)
-        await redis_cluster.zrem(state_module.scope_draining_key(sid), pod)
-        await redis_cluster.srem(state_module.scope_index_key(sid), sid)
-        await redis_cluster.zrem(rs.leased.key(sid), sid)
+        for scope in (sid, other):
+            units = await redis_cluster.zrange(budget_units(scope), 0, -1)
+            await rs.budget.release(scope, *units)
+            await rs.budget.forget(scope)
+            await redis_cluster.srem(state_module.scope_index_key(scope), scope)
+            await redis_cluster.zrem(rs.leased.key(scope), scope)

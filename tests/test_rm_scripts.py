@@ -36,9 +36,8 @@ from agent_runtime.resource_manager.views import ResourceViews
 from contract_keys import rm_pod_known, rm_pod_scope, rm_pods_known
 from helpers import other_client, run_redis_state_machine
 
-# the cluster joins when every script the module drives is of one slot (issue 17: the pod
-# budgets still count beside a scope's keys)
-pytestmark = pytest.mark.topologies(cluster=False)
+# every script it drives is of one slot: the single server, the Sentinel set and the cluster
+pytestmark = pytest.mark.topologies
 
 T = TypeVar("T")
 TTL = 600  # placeholder lifetime: no placeholder expires during a test unless made so on purpose
@@ -83,6 +82,11 @@ class K:
     BUDGET = "resource_manager:budget:{budget}:pods"
     BUDGET_RULES = "resource_manager:budget:{budget}:rules"
     BUDGET_LIMITS = "resource_manager:budget:{budget}:rule_limits"
+    BUDGET_LINKS = "resource_manager:budget:{budget}:links"
+
+    @staticmethod
+    def scope_units(sid: str) -> str:
+        return f"resource_manager:budget:{{budget}}:scope:{sid}:units"
 
     @staticmethod
     def rule_budget(rule_id: str) -> str:
@@ -176,8 +180,7 @@ async def second_client(redis: Redis) -> AsyncIterator[Redis]:
 def acquire_call(sid: str, request_id: str, token: str) -> dict[str, Any]:
     """The exact EVALSHA keys/args ``ResourceState.acquire`` sends."""
     keys = [K.config(sid), K.idle(sid), K.pods(sid), K.deploying(sid), K.idem(sid, request_id)]
-    keys += [K.BUDGET, K.BUDGET_RULES, K.BUDGET_LIMITS]
-    args = [POD_PREFIX, token, TTL, 60, sid, "resource_manager:budget:{budget}:rule:", "", 0, 1000]
+    args = [POD_PREFIX, token, 60, sid, ""]
     return {"keys": keys, "args": args}
 
 
@@ -344,8 +347,7 @@ async def test_acquire_need_deploy_adds_exactly_one_placeholder_and_replay_keeps
     again = await rs.acquire("s1", "r1", "t1", TTL)  # the same call re-sent
     assert again == out
     raw = acquire_call("s1", "r1", "t1")
-    assert await rs._acquire(**raw) == ["need_deploy", out.placeholder]
-    assert await rs._acquire(**raw) == ["need_deploy", out.placeholder]
+    assert await rs._acquire(**raw) == ["cold"]  # the script itself: the claim finds it
     assert await smembers(redis, K.deploying("s1")) == {out.placeholder}
     assert not await redis.exists(K.idem("s1", "r1"))  # only a handed-out pod is cached
 
@@ -478,10 +480,10 @@ async def test_placeholder_replay_returns_the_same_member(
 ) -> None:
     await configure(rs, "s1", max_pods=1)
     keys = [K.config("s1"), K.pods("s1"), K.deploying("s1")]
-    keys += [K.BUDGET, K.BUDGET_RULES, K.BUDGET_LIMITS]
-    args = ["t1", TTL, "s1", "resource_manager:budget:{budget}:rule:", 1000]
-    first_reply = await ds._placeholder(keys=keys, args=args)
-    second_reply = await ds._placeholder(keys=keys, args=args)  # at the cap, but ours
+    assert await rs._placeholder(keys=keys, args=["t1", TTL, "0"]) == ["reserve"]
+    assert not await redis.exists(K.deploying("s1"))  # asked without its budget unit: nothing
+    first_reply = await rs._placeholder(keys=keys, args=["t1", TTL, "1"])
+    second_reply = await rs._placeholder(keys=keys, args=["t1", TTL, "0"])  # at the cap, ours
     assert first_reply == second_reply
     first = first_reply[1]
     assert await smembers(redis, K.deploying("s1")) == {first}
@@ -567,11 +569,8 @@ async def test_register_replay_keeps_the_first_values_and_answer(
         K.idle("s1"),
         K.idle_since("s1", "p1"),
         K.config("s1"),
-        K.BUDGET,
-        K.BUDGET_RULES,
     ]
     args = ["p1", member, "s1", sse("p1"), "10.0.0.1", "agents", "v1", "1"]
-    args.append("resource_manager:budget:{budget}:rule:")
     assert await rs._register(keys=keys, args=args) == 1
     # make the first call look older, so that a rewrite would show
     await redis.hset(K.info("s1", "p1"), "created_ts", "1000")
@@ -726,17 +725,18 @@ async def test_read_many_reads_each_key_in_order_and_refuses_other_commands(
     rs: ResourceState, js: PoolJobsState, redis: Redis
 ) -> None:
     await configure(rs, "s1", max_pods=2)
+    missing = "resource_manager:resource:scope:{s1}:missing"  # one slot with s1's keys
     await add_pod(rs, "s1", "p1", warm=True)
     config = await redis.hgetall(K.config("s1"))
-    flat = await js._read_many_script(keys=[K.config("s1"), K.config("nope")], args=["HGETALL"])
+    flat = await js._read_many_script(keys=[K.config("s1"), missing], args=["HGETALL"])
     assert dict(zip(flat[0][::2], flat[0][1::2], strict=True)) == config and flat[1] == []
-    sets = await js._read_many_script(keys=[K.idle("s1"), K.idle("nope")], args=["SMEMBERS"])
+    sets = await js._read_many_script(keys=[K.idle("s1"), missing], args=["SMEMBERS"])
     assert sets == [["p1"], []]
-    counts = await js._read_many_script(keys=[K.pods("s1"), K.pods("nope")], args=["ZCARD"])
+    counts = await js._read_many_script(keys=[K.pods("s1"), missing], args=["ZCARD"])
     assert counts == [1, 0]
     await redis.rpush("resource_manager:resource:scope:{s1}:deploy_times", "3.5", "2.0")
     lists = await js._read_many_script(
-        keys=["resource_manager:resource:scope:{s1}:deploy_times", K.pods("nope")], args=["LRANGE"]
+        keys=["resource_manager:resource:scope:{s1}:deploy_times", missing], args=["LRANGE"]
     )
     assert lists == [["3.5", "2.0"], []]
     for command in ("DEL", "SET", "hgetall", "LPUSH"):
@@ -817,15 +817,15 @@ async def test_acquire_refuses_past_the_global_budget_without_a_placeholder(
     refused = await rs.acquire("s3", "r3", "t3", TTL)
     assert refused == AcquireOutcome("budget_reached", budget="global")
     assert not await redis.exists(K.deploying("s3"))
-    assert await units(redis, K.BUDGET) == {f"s1:{a.placeholder}", f"s2:{b.placeholder}"}
-    # a unit's score is its placeholder's deadline
+    assert await units(redis, K.BUDGET) == {"s1:t1", "s2:t2"}  # "{sid}:{placeholder token}"
+    # a unit's score is its placeholder's deadline (+ the margin: two clocks on a cluster)
     deadline = int(str(a.placeholder).rpartition("@")[2])
-    assert await redis.zscore(K.BUDGET, f"s1:{a.placeholder}") == deadline
+    assert deadline <= (await redis.zscore(K.BUDGET, "s1:t1") or 0) <= deadline + 2
     # the replay of a call that got a placeholder keeps it, at the budget too
     assert await rs.acquire("s1", "r1", "t1", TTL) == a
     # register: the placeholder's unit becomes the pod's, the count stays
     assert await register(rs, "s1", "p1", a.placeholder)
-    assert await units(redis, K.BUDGET) == {"p1", f"s2:{b.placeholder}"}
+    assert await units(redis, K.BUDGET) == {"p1", "s2:t2"}
     assert await redis.zscore(K.BUDGET, "p1") == float("inf")
     assert (await rs.acquire("s3", "r4", "t4", TTL)).action == "budget_reached"
     # a failed deploy gives its unit back, and so does a purged pod
@@ -835,7 +835,7 @@ async def test_acquire_refuses_past_the_global_budget_without_a_placeholder(
     assert c.action == "need_deploy"
     assert (await rs.acquire("s2", "r6", "t6", TTL)).action == "budget_reached"
     assert await PoolJobsState(rs).purge("p1") == "s1"
-    assert await units(redis, K.BUDGET) == {f"s3:{c.placeholder}"}
+    assert await units(redis, K.BUDGET) == {"s3:t5"}
     assert await ResourceViews(rs).budget_used() == 1
 
 
@@ -855,11 +855,11 @@ async def test_expired_placeholders_stop_counting_against_a_budget(redis: Redis)
     now = await rnow(redis)
     # a crashed deployer of another scope: its placeholder and unit outlived their deadline
     await redis.sadd(K.deploying("s1"), f"crashed@{now - 1}")
-    await redis.zadd(K.BUDGET, {f"s1:crashed@{now - 1}": now - 1})
+    await redis.zadd(K.BUDGET, {"s1:crashed": now - 1})
     assert await ResourceViews(rs).budget_used() == 0
     out = await rs.acquire("s2", "r1", "t1", TTL)
     assert out.action == "need_deploy"
-    assert await units(redis, K.BUDGET) == {f"s2:{out.placeholder}"}
+    assert await units(redis, K.BUDGET) == {"s2:t1"}
 
 
 async def test_rule_budget_counts_the_scopes_of_its_rule_and_follows_the_link(
@@ -880,24 +880,17 @@ async def test_rule_budget_counts_the_scopes_of_its_rule_and_follows_the_link(
     other = await rs.acquire("c", "r4", "t4", TTL, rule_id="S", rule_pod_budget=0)
     assert other.action == "need_deploy"
     assert not await redis.hexists(K.BUDGET_LIMITS, "S")
-    assert await units(redis, K.rule_budget("R")) == {f"a:{x.placeholder}", f"b:{y.placeholder}"}
+    assert await units(redis, K.rule_budget("R")) == {"a:t1", "b:t2"}
     # scope b now resolves through S: its units move there, R has room again
     assert await register(rs, "b", "pb", y.placeholder)
     moved = await rs.acquire("b", "r5", "t5", TTL, rule_id="S", rule_pod_budget=0)
     assert moved.action == "need_deploy"
-    assert await units(redis, K.rule_budget("R")) == {f"a:{x.placeholder}"}
-    assert await units(redis, K.rule_budget("S")) == {
-        f"c:{other.placeholder}",
-        "pb",
-        f"b:{moved.placeholder}",
-    }
+    assert await units(redis, K.rule_budget("R")) == {"a:t1"}
+    assert await units(redis, K.rule_budget("S")) == {"c:t4", "pb", "b:t5"}
     # c comes back to R with its unit: R holds a's and c's, its budget of 2 is used up
     back = await rs.acquire("c", "r6", "t6", TTL, rule_id="R", rule_pod_budget=2)
     assert back == AcquireOutcome("budget_reached", budget="rule")
-    assert await units(redis, K.rule_budget("R")) == {
-        f"a:{x.placeholder}",
-        f"c:{other.placeholder}",
-    }
+    assert await units(redis, K.rule_budget("R")) == {"a:t1", "c:t4"}
     # purge and drop give back to the rule the scope is linked to
     assert await PoolJobsState(rs).purge("pb") == "b"
     await DeployState(rs).drop_placeholder("b", str(moved.placeholder))
@@ -958,16 +951,23 @@ async def test_repair_budgets_rebuilds_lost_units_and_drops_stale_ones(redis: Re
     ph = await rs.acquire("s1", "r1", "t1", TTL, rule_id="R", rule_pod_budget=9)
     assert ph.placeholder is not None
     await add_pod(rs, "s1", "p1")
-    expected = {"p1", f"s1:{ph.placeholder}"}
+    expected = {"p1", "s1:t1"}
     assert await units(redis, K.BUDGET) == expected
     # Redis lost the budgets (or an older version never wrote them)
-    await redis.delete(K.BUDGET, K.rule_budget("R"), K.BUDGET_RULES)
+    await redis.delete(
+        K.BUDGET, K.rule_budget("R"), K.BUDGET_RULES, K.BUDGET_LINKS, K.scope_units("s1")
+    )
     assert await PoolJobsState(rs).repair_budgets() == BudgetRepair(2, 0)
-    assert await units(redis, K.BUDGET) == await units(redis, K.rule_budget("R")) == expected
+    assert await units(redis, K.BUDGET) == expected
+    # the link was lost with the rest: the scope counts in no rule until its next acquire
+    assert await redis.zcard(K.rule_budget("R")) == 0
+    assert (await rs.acquire("s1", "r2", "t2", TTL, rule_id="R", rule_pod_budget=9)).placeholder
+    assert await units(redis, K.rule_budget("R")) == expected | {"s1:t2"}
     assert await smembers(redis, K.BUDGET_RULES) == {"R"}
-    # units that stand for nothing: a pod no longer registered, a placeholder given back, a
-    # scope now linked elsewhere
-    await redis.zadd(K.BUDGET, {"ghost": float("inf"), "s1:gone@99999999999": 99999999999})
+    await DeployState(rs).drop_placeholders_of("s1", "t2")
+    # units that stand for nothing: a pod no longer registered, a unit of no scope, a
+    # rule's unit of a scope linked elsewhere
+    await redis.zadd(K.BUDGET, {"ghost": float("inf"), "s9:gone": 99999999999})
     await redis.zadd(K.rule_budget("Q"), {"p1": float("inf")})
     await redis.sadd(K.BUDGET_RULES, "Q")
     assert await PoolJobsState(rs).repair_budgets() == BudgetRepair(0, 3)
@@ -1138,7 +1138,8 @@ class PoolMachine(RuleBasedStateMachine):
         # the budget holds exactly this scope's pods and placeholders (other examples' scopes
         # share the key)
         mine = {u for u in await zmembers(r, K.BUDGET) if u.startswith(sid)}
-        assert mine == pods | {f"{sid}:{m}" for m in deploying}
+        assert mine == pods | {f"{sid}:{m.rpartition('@')[0]}" for m in deploying}
+        assert set(await zmembers(r, K.scope_units(sid))) == mine
         # and Redis agrees with the model
         assert pods == set(self.pods)
         assert idle == {p for p, (_, is_idle) in self.pods.items() if is_idle}

@@ -28,6 +28,7 @@ from fakeredis import FakeAsyncRedis
 from redis.asyncio import BlockingConnectionPool, Redis
 
 from agent_runtime.db.engine import Database
+from agent_runtime.redis_client import is_cluster
 from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.resource_manager.models import PodDeployInfo
 from agent_runtime.session_manager import slow_route
@@ -58,9 +59,8 @@ from helpers import (
     url_of,
 )
 
-# the cluster joins when every script the module drives is of one slot (issue 17: the pod
-# budgets still count beside a scope's keys)
-pytestmark = pytest.mark.topologies(cluster=False)
+# every script it drives is of one slot: the single server, the Sentinel set and the cluster
+pytestmark = pytest.mark.topologies
 
 ROUTE = "/api/session/route"
 TOUCH = "/api/session/touch"
@@ -126,7 +126,7 @@ async def two_replicas(
 def replica_client(redis: Redis, url: str | None = None, timeout: float = 2.0) -> Redis:
     """A replica's own Redis client, built as the service builds it (``build_redis``: its
     pool, timeouts and retries), on the fixture's server and db."""
-    kwargs = redis.connection_pool.connection_kwargs
+    kwargs = {} if is_cluster(redis) else redis.connection_pool.connection_kwargs
     if "server" in kwargs:  # fakeredis: what build_redis does in local mode, on our server
         return FakeAsyncRedis(
             server=kwargs["server"],

@@ -47,8 +47,7 @@ from helpers import envelope, running_app, sync_body
 # every test: fakeredis and the real Redis (the `redis` fixture), on SQLite
 pytestmark = [
     pytest.mark.parametrize("sql_backend", ["sqlite"], indirect=True),
-    # the cluster joins when the pod budgets leave the scope's scripts (issue 17)
-    pytest.mark.topologies(cluster=False),
+    pytest.mark.topologies,  # the single server, the Sentinel set and the cluster
 ]
 
 ROUTE = "/api/session/route"

@@ -16,12 +16,9 @@ import uuid
 from typing import cast
 from urllib.parse import quote
 
+from agent_runtime.resource_manager.budget_state import reservation_unit
 from agent_runtime.resource_manager.models import WARM_TOKEN_PREFIX
 from agent_runtime.resource_manager.state import (
-    BUDGET_LIMITS_KEY,
-    BUDGET_PODS_KEY,
-    BUDGET_RULE_PREFIX,
-    BUDGET_RULES_KEY,
     DEPLOY_RECORD_FIELDS,
     ResourceState,
     deploy_lock_key,
@@ -93,6 +90,8 @@ def _claim(reply: list[str]) -> DeployClaim:
         return DeployClaim(action, rest[0], orphan=orphan, placeholder=rest[1])
     if action == "budget_reached":
         return DeployClaim(action, budget=rest[0])
+    if action == "reserve":
+        return DeployClaim(action, coming=rest[0] == "1")
     return DeployClaim(action)
 
 
@@ -108,15 +107,12 @@ class DeployState:
     def __init__(self, state: ResourceState) -> None:
         self.redis = state.redis
         self.state = state
-        self.pod_budget = state.pod_budget
-        placeholders = ("_budget", "_placeholders")
-        self._placeholder = state.script("placeholder", *placeholders)
-        self._drop_placeholder = state.script("drop_placeholder", "_budget")
-        self._claim = state.script("deploy_claim", *placeholders)
+        self.budget = state.budget
+        self._claim = state.script("deploy_claim", "_placeholders")
         self._lease_take = state.script("deploy_lease_take")
-        self._lease_renew = state.script("deploy_lease", *placeholders)
+        self._lease_renew = state.script("deploy_lease", "_placeholders")
         self._lease_end = state.script("deploy_lease_end")
-        self._lease_prune = state.script("lease_prune", *placeholders)
+        self._lease_prune = state.script("lease_prune", "_placeholders")
 
     # --- placeholders --------------------------------------------------------------------------
 
@@ -127,37 +123,19 @@ class DeployState:
     async def try_placeholder(
         self, scope_id: str, token: str, placeholder_ttl: int
     ) -> PlaceholderOutcome:
-        reply = await self._placeholder(
-            keys=[
-                scope_config_key(scope_id),
-                scope_pods_key(scope_id),
-                scope_deploying_key(scope_id),
-                BUDGET_PODS_KEY,
-                BUDGET_RULES_KEY,
-                BUDGET_LIMITS_KEY,
-            ],
-            args=[token, placeholder_ttl, scope_id, BUDGET_RULE_PREFIX, self.pod_budget],
-        )
-        outcome = _placeholder(reply)
-        if outcome.member is not None:
-            await self.state.mark_leased(scope_id)
-        return outcome
+        """A placeholder with its budget unit (``ResourceState.reserve_placeholder``; the
+        scope's link and the rules' limits as they are)."""
+        return await self.state.reserve_placeholder(scope_id, token, placeholder_ttl)
 
     async def drop_placeholder(self, scope_id: str, member: str) -> None:
-        """Give back a placeholder and its budget units (idempotent)."""
-        await self._drop_placeholders(scope_id, "member", member)
+        """Give back a placeholder and its budget unit (idempotent)."""
+        await self.state.drop_placeholders(scope_id, "member", member)
 
     async def drop_placeholders_of(self, scope_id: str, token: str) -> int:
         """Placeholders taken with ``token`` (members ``{token}@{deadline}``), for a caller
-        that never saw the member (its reply was lost). The set is small (≤ max_pods)."""
-        return await self._drop_placeholders(scope_id, "token", token)
-
-    async def _drop_placeholders(self, scope_id: str, mode: str, value: str) -> int:
-        dropped = await self._drop_placeholder(
-            keys=[scope_config_key(scope_id), scope_deploying_key(scope_id), BUDGET_PODS_KEY],
-            args=[scope_id, BUDGET_RULE_PREFIX, mode, value],
-        )
-        return int(dropped)
+        that never saw the member (its reply was lost), and the token's budget unit. The set
+        is small (≤ max_pods)."""
+        return await self.state.drop_placeholders(scope_id, "token", token)
 
     # --- cold deploys: the claim, each deploy's lease ------------------------------------------
 
@@ -174,43 +152,63 @@ class DeployState:
         room_ttl: int,
         concurrency: int,
         pod_concurrency: int,
+        rule: tuple[str, int] | None = None,
     ) -> DeployClaim:
         """Follow a deploy in flight with a free seat, or reserve a slot (placeholder
         ``placeholder_token``, within max_pods and the pod budgets) and take over a lapsed
         deploy or lead a new one as ``deploy_id`` within ``concurrency`` live deploys; a
-        deploy's room holds ``pod_concurrency`` - 1 followers. One step (deploy_claim.lua)."""
-        reply = await self._claim(
-            keys=[
-                scope_cold_deploys_key(scope_id),
-                scope_deploying_key(scope_id),
-                scope_config_key(scope_id),
-                BUDGET_PODS_KEY,
-                scope_pods_key(scope_id),
-                BUDGET_RULES_KEY,
-                BUDGET_LIMITS_KEY,
-            ],
-            args=[
-                deploy_lock_prefix(scope_id),
-                scope_key_head(scope_id),
-                deploy_id,
-                token,
-                max(int(lease * 1000), 1),
-                placeholder_token,
-                member,
-                seat_hold,
-                room_ttl,
-                concurrency,
-                scope_id,
-                BUDGET_RULE_PREFIX,
-                pod_concurrency,
-                math.ceil(lease),
-                self.pod_budget,
-            ],
-        )
-        claim = _claim(reply)
-        if claim.action in ("lead", "follow"):  # a placeholder, a lock or a seat
+        deploy's room holds ``pod_concurrency`` - 1 followers (deploy_claim.lua). Asked first
+        without a budget unit: only where it would lead with a new placeholder is the unit
+        reserved (budget_reserve.lua, another slot) and the claim asked again; the unit is
+        given back unless the claim then leads (the placeholder's owner renews it, the pod's
+        registration confirms it)."""
+
+        async def claim(reserved: bool) -> DeployClaim:
+            reply = await self._claim(
+                keys=[
+                    scope_cold_deploys_key(scope_id),
+                    scope_deploying_key(scope_id),
+                    scope_config_key(scope_id),
+                    scope_pods_key(scope_id),
+                ],
+                args=[
+                    deploy_lock_prefix(scope_id),
+                    scope_key_head(scope_id),
+                    deploy_id,
+                    token,
+                    max(int(lease * 1000), 1),
+                    placeholder_token,
+                    member,
+                    seat_hold,
+                    room_ttl,
+                    concurrency,
+                    scope_id,
+                    pod_concurrency,
+                    math.ceil(lease),
+                    "1" if reserved else "0",
+                ],
+            )
+            return _claim(reply)
+
+        outcome = await claim(False)
+        if outcome.action == "reserve":
+            unit = reservation_unit(scope_id, placeholder_token)
+            refused = await self.budget.reserve(scope_id, unit, lease, rule=rule)
+            if refused is not None:  # a placeholder live: a pod may still come
+                outcome = (
+                    DeployClaim("coming")
+                    if outcome.coming
+                    else DeployClaim("budget_reached", budget=refused)
+                )
+            else:
+                try:
+                    outcome = await claim(True)
+                finally:
+                    if outcome.action != "lead":
+                        await self.budget.release(scope_id, unit)
+        if outcome.action in ("lead", "follow"):  # a placeholder, a lock or a seat
             await self.state.mark_leased(scope_id)
-        return claim
+        return outcome
 
     async def take_deploy_lease(
         self, scope_id: str, deploy_id: str, token: str, lease: float
@@ -250,8 +248,6 @@ class DeployState:
                 scope_deploying_key(scope_id),
                 scope_config_key(scope_id),
                 scope_pods_key(scope_id),
-                BUDGET_PODS_KEY,
-                BUDGET_RULES_KEY,
                 deploy_lock_key(scope_id, deploy_id),
                 deploy_pod_key(scope_id, deploy_id),
                 scope_cold_deploys_key(scope_id),
@@ -260,8 +256,6 @@ class DeployState:
                 placeholder_token,
                 lock_token,
                 lease,
-                scope_id,
-                BUDGET_RULE_PREFIX,
                 *(pod or ("", ""))[:2],
                 record_ttl,
                 pod[2] if pod else "",
@@ -269,9 +263,12 @@ class DeployState:
                 deploy_id,
             ],
         )
+        unit = reservation_unit(scope_id, placeholder_token)
         if status == "ok":
+            await self.budget.renew(scope_id, unit, lease)  # the unit lives as the lease
             await self.state.mark_leased(scope_id)  # taken again after a prune: looked at
             return LeaseRenewal(str(rest[0]))
+        await self.budget.release(scope_id, unit)  # the placeholder is gone: its unit too
         return LeaseRenewal(None, str(rest[0]) if rest else "taken")
 
     async def end_deploy_lease(
@@ -369,14 +366,10 @@ class DeployState:
         dropped_seats, dropped_placeholders, next_look = await self._lease_prune(
             keys=[
                 scope_deploying_key(scope_id),
-                scope_config_key(scope_id),
                 scope_cold_deploys_key(scope_id),
                 scope_pods_key(scope_id),
-                BUDGET_PODS_KEY,
             ],
             args=[
-                scope_id,
-                BUDGET_RULE_PREFIX,
                 deploy_lock_prefix(scope_id),
                 scope_key_head(scope_id),
                 LIVE_DEPLOY_RECHECK,

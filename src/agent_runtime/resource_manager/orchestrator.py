@@ -254,6 +254,7 @@ class ResourceOrchestrator:
                 room_ttl=math.ceil(call.ready_timeout) + LOCK_MARGIN,
                 concurrency=self.scope_deploy_concurrency,
                 pod_concurrency=max(int(call.pool_config.get("pod_concurrency", 1)), 1),
+                rule=(call.rule_id, call.rule_pod_budget),
             )
         except BaseException:
             with contextlib.suppress(Exception):

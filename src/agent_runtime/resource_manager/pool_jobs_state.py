@@ -14,18 +14,18 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from agent_runtime.redis_client import is_cluster
+from agent_runtime.resource_manager.budget_state import (
+    RESERVATION_MARGIN,
+    BudgetFix,
+    reservation_unit,
+    token_of,
+)
 from agent_runtime.resource_manager.models import WARM_TOKEN_PREFIX
 from agent_runtime.resource_manager.state import (
-    BUDGET_LIMITS_KEY,
-    BUDGET_PODS_KEY,
-    BUDGET_RULE_PREFIX,
-    BUDGET_RULES_KEY,
     FOREIGN_COUNT_KEY,
     FOREIGN_PODS_KEY,
     SCOPE_CONFIG_PATTERN,
-    SCOPE_PREFIX,
     ResourceState,
-    budget_rule_pods_key,
     hash_of,
     placeholder_deadline,
     pod_drain_key,
@@ -59,9 +59,9 @@ from agent_runtime.scope_buckets import BUCKETS, bucket_tag
 # and no call holds Redis (single-threaded: a route waits behind it) for more than ~0.5 ms.
 BATCH = 500  # keys per MGET / SADD, members per SSCAN page (~0.3 ms in Redis)
 SCRIPT_BATCH = 200  # keys per pod_fields / read_many call (~2–3 µs each inside Redis)
-# reconcile's budget repair: a scope costs ~3 commands + 2 per pod and placeholder, a unit ~4
-FILL_BATCH = 25  # scopes per budget_fill call
-PRUNE_BATCH = 100  # units per budget_prune call
+REPAIR_SLICE = 200  # scopes whose pools and units reconcile's budget repair reads at once
+ADOPT_RESERVATION = 30  # seconds an adoption's unit is reserved between its two script calls
+INF = float("inf")
 HEALTH_FAILS_TTL = 3600  # a fail counter nobody clears (its pod forgotten) goes by itself
 
 
@@ -71,18 +71,15 @@ class PoolJobsState:
     def __init__(self, state: ResourceState) -> None:
         self.redis = state.redis
         self.state = state
-        self.pod_budget = state.pod_budget
         self._cluster = is_cluster(state.redis)
         # pods indexed but unregistered at the last index repair: dropped if still so at the
         # next (a registration runs between its index write and its script meanwhile)
         self._unregistered: set[str] = set()
         self._pod_fields = state.script("pod_fields")
         self._read_many_script = state.script("read_many")
-        self._budget_fill = state.script("budget_fill", "_budget")
-        self._budget_prune = state.script("budget_prune", "_budget")
         self._foreign_report = state.script("foreign_report")
-        self._adopt = state.script("adopt", "_budget", "_placeholders")
-        self._purge = state.script("purge", "_budget")
+        self._adopt = state.script("adopt", "_placeholders")
+        self._purge = state.script("purge")
 
     # --- scopes and their pools, in slices -----------------------------------------------------
 
@@ -151,9 +148,7 @@ class PoolJobsState:
 
     async def budget_room(self) -> int:
         """Pods the installation's budget still allows: its limit less the live units."""
-        seconds, micros = await self.redis.time()
-        live = int(await self.redis.zcount(BUDGET_PODS_KEY, seconds + micros / 1e6, "+inf"))
-        return max(self.pod_budget - live, 0)
+        return await self.state.budget.room()
 
     async def _members_of(
         self, scope_ids: list[str], key: Callable[[str], str]
@@ -248,9 +243,10 @@ class PoolJobsState:
         return bool(removed)
 
     async def purge(self, pod_id: str, scope_id: str | None = None) -> str | None:
-        """Forget the pod (purge.lua: its keys, its units back), then drop it from the pod
-        index; its scope (its info's), None if unknown. Without ``scope_id`` the index names
-        the scope; a pod it does not name is registered nowhere (the index comes first)."""
+        """Forget the pod (purge.lua: its keys), then drop it from the pod index and give back
+        its budget unit; its scope (its info's), None if unknown. Without ``scope_id`` the
+        index names the scope; a pod it does not name is registered nowhere (the index comes
+        first)."""
         if scope_id is None and (scope_id := await self.state.scope_of_pod(pod_id)) is None:
             return None
         scope = await self._purge(
@@ -261,14 +257,13 @@ class PoolJobsState:
                 pod_drain_key(scope_id, pod_id),
                 scope_pods_key(scope_id),
                 scope_idle_key(scope_id),
-                scope_config_key(scope_id),
-                BUDGET_PODS_KEY,
             ],
-            args=[pod_id, BUDGET_RULE_PREFIX],
+            args=[pod_id],
         )
         await self.redis.zrem(scope_draining_key(scope_id), pod_id)  # its drain, if any
         if await self.state.scope_of_pod(pod_id) == scope_id:
             await self.state.unindex_pod(pod_id)
+        await self.state.budget.release(scope_id, pod_id)  # after the index: see repair_budgets
         return cast(str | None, scope or None)
 
     async def count_health_failure(self, scope_id: str, pod_id: str) -> int:
@@ -307,19 +302,39 @@ class PoolJobsState:
         cluster: str | None = None,
     ) -> AdoptOutcome:
         """A verified pod of ours that Redis does not know into its scope's warm pool
-        (adopt.lua: within max_pods and the budgets when the scope has a config, as it is
-        when it has none); ``cluster``: where it runs (None: the process default)."""
-        await self.state.index_pod(scope_id, pod_id)  # first, as for a registration
-        action, *detail = await self._adopt(
-            keys=[*registration_keys(scope_id, pod_id), BUDGET_LIMITS_KEY],
-            args=[
-                pod_id, scope_id, pod_sse_url, pod_ip, namespace, deploy_ver,
-                BUDGET_RULE_PREFIX, self.pod_budget, cluster or "",
-            ],
-        )  # fmt: skip
-        if action not in ("adopted", "known"):  # refused: nothing registered, nothing indexed
+        (adopt.lua: within max_pods and, reserved first, the budgets when the scope has a
+        config; as it is when it has none); ``cluster``: where it runs (None: the process
+        default). The pod index first, as for a registration; the unit (the pod id) reserved
+        between the script's two asks and confirmed after the adoption, given back after a
+        refusal."""
+        await self.state.index_pod(scope_id, pod_id)
+        budget = self.state.budget
+
+        async def adopt(reserved: bool) -> list[str]:
+            return cast(list[str], await self._adopt(
+                keys=registration_keys(scope_id, pod_id),
+                args=[
+                    pod_id, scope_id, pod_sse_url, pod_ip, namespace, deploy_ver,
+                    cluster or "", "1" if reserved else "0",
+                ],
+            ))  # fmt: skip
+
+        reply = await adopt(False)
+        if reply[0] == "reserve":
+            refused = await budget.reserve(scope_id, pod_id, ADOPT_RESERVATION)
+            reply = ["budget_reached", refused] if refused is not None else reply
+            if refused is None:
+                try:
+                    reply = await adopt(True)
+                finally:
+                    if reply[0] != "adopted":
+                        await budget.release(scope_id, pod_id)
+        action, *detail = reply
+        if action == "adopted":
+            await budget.confirm(scope_id, pod_id, pod_id)
+        elif action != "known":  # refused: nothing registered, nothing indexed
             await self.state.unindex_pod(pod_id)
-        return AdoptOutcome(action, detail[0] if detail else None)
+        return AdoptOutcome(cast(Any, action), detail[0] if detail else None)
 
     async def index_scopes(self) -> int:
         """Add to the index every scope whose config it lacks (a SCAN of the keyspace, never
@@ -381,37 +396,59 @@ class PoolJobsState:
 
     async def repair_budgets(self) -> BudgetRepair:
         """Reconcile's repair of the budgets from the pools (which reconcile keeps equal to
-        Kubernetes): missing units added, stale ones dropped, each checked inside a script.
-        O(pods + scopes), in slices (FILL_BATCH, PRUNE_BATCH)."""
-        added = 0
-        scopes = await self.scopes_with_config()
-        for i in range(0, len(scopes), FILL_BATCH):
-            chunk = scopes[i : i + FILL_BATCH]
-            added += int(
-                await self._budget_fill(
-                    keys=[BUDGET_PODS_KEY, BUDGET_RULES_KEY],
-                    args=[SCOPE_PREFIX, BUDGET_RULE_PREFIX, *chunk],
-                )
-            )
-        dropped = await self._prune(BUDGET_PODS_KEY, "")
-        rules = [r async for r in self.redis.sscan_iter(BUDGET_RULES_KEY, count=BATCH)]
-        for rule_id in rules:
-            dropped += await self._prune(budget_rule_pods_key(rule_id), rule_id)
-        return BudgetRepair(added, dropped)
-
-    async def _prune(self, key: str, rule_id: str) -> int:
-        units = [u async for u, _ in self.redis.zscan_iter(key, count=BATCH)]
-        dropped = 0
-        for i in range(0, max(len(units), 1), PRUNE_BATCH):  # once even when empty
-            chunk = units[i : i + PRUNE_BATCH]
-            scopes = await self.state.scopes_of_pods([u for u in chunk if ":" not in u])
-            pairs = [x for u in chunk for x in (u, scopes.get(u, ""))]
-            dropped += int(
-                await self._budget_prune(
-                    keys=[key, BUDGET_RULES_KEY], args=[rule_id, SCOPE_PREFIX, *pairs]
-                )
-            )
-        return dropped
+        Kubernetes), scope by scope: a registered pod or a live placeholder not counted is
+        counted; a pod's unit whose pod is neither registered nor indexed (a purge or a
+        registration that died between its steps) is dropped; so is a unit of no scope, and
+        a unit in a rule's ZSET whose scope is not linked to that rule. A scope's reservation
+        is never dropped here: it lapses by itself. The budget is read before the pools (the
+        global and the rules' units before the scopes'), so what is dropped was there before
+        the pools were read without what it stands for. O(pods + scopes), REPAIR_SLICE scopes
+        at a time."""
+        budget = self.state.budget
+        global_units = await budget.global_units()
+        rule_units = await budget.rule_units()
+        links = await budget.links()
+        scopes = sorted(set(await self.scopes_with_config()) | set(links))
+        counted: set[str] = set()  # the units of every scope, after the repair
+        expected: dict[str, set[str]] = {}  # rule -> its scopes' units
+        added = dropped = 0
+        for i in range(0, len(scopes), REPAIR_SLICE):
+            chunk = scopes[i : i + REPAIR_SLICE]
+            units = await budget.units_of(chunk)
+            pods = await self._zmembers_of(chunk)
+            placeholders = await self._members_of(chunk, scope_deploying_key)
+            now = await self.state.now()
+            pods_of = {s: set(pods[s]) for s in chunk}
+            candidates = [
+                u for s in chunk for u, score in units[s].items()
+                if score == INF and u not in pods_of[s]
+            ]  # fmt: skip
+            indexed = await self.state.scopes_of_pods(candidates)
+            fixes = []
+            for s in chunk:
+                drop = [
+                    u for u, score in units[s].items()
+                    if score == INF and u not in pods_of[s] and indexed.get(u) != s
+                ]  # fmt: skip
+                add = dict.fromkeys(pods[s], "+inf")  # the script adds what is missing
+                for member in placeholders[s]:
+                    deadline = placeholder_deadline(member)
+                    if deadline >= now:
+                        unit = reservation_unit(s, token_of(member))
+                        add[unit] = str(int(deadline) + RESERVATION_MARGIN)
+                fixes.append(BudgetFix("scope", s, drop, add))
+                kept = (set(units[s]) - set(drop)) | set(add)
+                counted |= kept
+                expected.setdefault(links.get(s, ""), set()).update(kept)
+            a, d = await budget.repair(fixes)
+            added, dropped = added + a, dropped + d
+        fixes = [BudgetFix("stray", "", [u for u in global_units if u not in counted])]
+        fixes += [
+            BudgetFix("rule", rule, sorted(units - expected.get(rule, set())))
+            for rule, units in rule_units.items()
+        ]
+        _, d = await budget.repair(fixes)
+        return BudgetRepair(added, dropped + d)
 
     async def report_foreign(self, count: int, pods: dict[str, dict[str, Any]]) -> None:
         """Replace reconcile's report: ``count`` foreign pods seen, ``pods`` (a bounded number

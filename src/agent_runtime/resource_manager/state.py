@@ -24,9 +24,16 @@ from redis.cluster import key_slot
 from agent_runtime import lua
 from agent_runtime.config import RM_KEY_PREFIX as P
 from agent_runtime.redis_client import is_cluster
+from agent_runtime.resource_manager.budget_state import (
+    DEFAULT_POD_BUDGET,
+    BudgetState,
+    reservation_unit,
+    token_of,
+)
 from agent_runtime.resource_manager.models import AcquiredPod
 from agent_runtime.resource_manager.state_values import (
     AcquireOutcome,
+    PlaceholderOutcome,
     PodInfo,
     PoolConfig,
 )
@@ -63,18 +70,6 @@ SCOPE_CONFIG_PATTERN = f"{SCOPE_PREFIX}{{*}}:config"
 # marked by Python after the script that took the lease, settled by the prune job; a mark
 # lost with a crash is found by the job's slow walk over every scope.
 LEASED_PREFIX = f"{P}resource:leased_scopes:"
-# Pod budgets (docs/spec/resource-manager.md "Pod budgets"): ZSETs of units, a registered pod
-# (score +inf) or a placeholder "{sid}:{member}" (score = its deadline), changed only by the
-# scripts that add or remove the pod or placeholder itself.
-# Every budget key carries one literal hash tag of its own, "{budget}": the budgets span
-# scopes, so their keys share a slot with each other and with no scope (the scripts that count
-# a budget beside a scope's keys are the last cross-slot ones: docs/feature, issue 17).
-BUDGET_TAG = "{budget}"
-BUDGET_PODS_KEY = f"{P}budget:{BUDGET_TAG}:pods"
-BUDGET_RULE_PREFIX = f"{P}budget:{BUDGET_TAG}:rule:"
-BUDGET_RULES_KEY = f"{P}budget:{BUDGET_TAG}:rules"  # SET: rule ids with a units ZSET (reconcile)
-BUDGET_LIMITS_KEY = f"{P}budget:{BUDGET_TAG}:rule_limits"  # HASH: rule id -> its budget (>= 1)
-DEFAULT_POD_BUDGET = 1000
 # Reconcile's report of pods with our labels that are not provably ours (foreign_report.lua):
 # both keys under one hash tag of their own, "{foreign}" (literal), as the script writes both
 FOREIGN_TAG = "{foreign}"
@@ -135,10 +130,6 @@ def scope_cold_deploys_key(scope_id: str) -> str:
     A member is live while its lock exists; one whose lock lapsed stays while its record
     names a pod nobody registered (to be taken over), and leaves at the next claim or prune."""
     return f"{scope_key_head(scope_id)}cold_deploys"
-
-
-def budget_rule_pods_key(rule_id: str) -> str:
-    return f"{BUDGET_RULE_PREFIX}{rule_id}:pods"
 
 
 def scope_deploy_times_key(scope_id: str) -> str:
@@ -334,8 +325,8 @@ def _acquire_outcome(reply: list[str]) -> AcquireOutcome:
 
 
 def registration_keys(scope_id: str, pod_id: str) -> list[str]:
-    """What registering a pod writes: KEYS[1..8] of register.lua and adopt.lua alike (the pod
-    index is written before, by ``ResourceState.index_pod``)."""
+    """What registering a pod writes: KEYS[1..6] of register.lua and adopt.lua alike (the pod
+    index and its budget unit are written before, by ``ResourceState.register``)."""
     return [
         pod_info_key(scope_id, pod_id),
         scope_pods_key(scope_id),
@@ -343,8 +334,6 @@ def registration_keys(scope_id: str, pod_id: str) -> list[str]:
         scope_idle_key(scope_id),
         pod_idle_since_key(scope_id, pod_id),
         scope_config_key(scope_id),
-        BUDGET_PODS_KEY,
-        BUDGET_RULES_KEY,
     ]
 
 
@@ -364,11 +353,14 @@ class ResourceState:
         wait: lua.ReplicaWait | None = None,
     ) -> None:
         self.redis = redis
-        self.pod_budget = pod_budget  # the installation's: pods + placeholders of all scopes
         self.wait = wait  # WAIT after a pod's registration (AGENT_RUNTIME_REDIS_WAIT_*)
         self._observe = observe
-        self._acquire = self.script("acquire", "_budget", "_placeholders")
-        self._register = self.script("register", "_budget")
+        # the pod budgets: a step of their own around the scope's scripts (another slot)
+        self.budget = BudgetState(redis, self.script, pod_budget)
+        self._acquire = self.script("acquire", "_placeholders")
+        self._register = self.script("register")
+        self._placeholder = self.script("placeholder", "_placeholders")
+        self._drop_placeholder = self.script("drop_placeholder")
         self._release = self.script("release")
         self._pool_config_script = self.script("pool_config")
         self._scope_expire = self.script("scope_expire")
@@ -377,6 +369,15 @@ class ResourceState:
         self.leased = DueIndex(
             redis, lambda b: leased_scopes_key(bucket_tag(b)), name="rm_leased", observe=observe
         )
+
+    @property
+    def pod_budget(self) -> int:
+        """The installation's pod budget: pods + live reservations of all scopes."""
+        return self.budget.pod_budget
+
+    @pod_budget.setter
+    def pod_budget(self, value: int) -> None:
+        self.budget.pod_budget = value
 
     def key_slices(self, keys: list[str], size: int) -> list[list[int]]:
         """The positions of ``keys`` cut into script calls of at most ``size`` keys; on a
@@ -448,6 +449,7 @@ class ResourceState:
             ],
         )
         if gone:  # out of the scope index; back in if a config was written meanwhile
+            await self.budget.forget(scope_id)
             await self.redis.srem(scope_index_key(scope_id), scope_id)
             if await self.redis.exists(scope_config_key(scope_id)):
                 await self.redis.sadd(scope_index_key(scope_id), scope_id)
@@ -460,10 +462,7 @@ class ResourceState:
 
     async def set_rule_pod_budget(self, rule_id: str, limit: int) -> None:
         """A rule's pod budget as config_sync wrote it (0 = unbounded: the limit is dropped)."""
-        if limit > 0:
-            await self.redis.hset(BUDGET_LIMITS_KEY, rule_id, str(limit))
-        else:
-            await self.redis.hdel(BUDGET_LIMITS_KEY, rule_id)
+        await self.budget.set_rule_limit(rule_id, limit)
 
     # --- acquire -------------------------------------------------------------------------------
 
@@ -479,8 +478,9 @@ class ResourceState:
         cold_claim: bool = False,
     ) -> AcquireOutcome:
         """``rule_id``: the rule the scope resolves through now (its units follow it there);
-        ``rule_pod_budget``: that rule's budget, 0 = unbounded. ``cold_claim``: no warm pod
-        answers "cold" and reserves nothing (the claim reserves the slot if it leads)."""
+        ``rule_pod_budget``: that rule's budget, 0 = unbounded. A warm pod, or "cold": with
+        ``cold_claim`` nothing is reserved (the claim reserves the slot if it leads), without
+        it a placeholder is taken (``reserve_placeholder``: "need_deploy", or the refusal)."""
         reply = await self._acquire(
             keys=[
                 scope_config_key(scope_id),
@@ -488,27 +488,75 @@ class ResourceState:
                 scope_pods_key(scope_id),
                 scope_deploying_key(scope_id),
                 idem_key(scope_id, request_id),
-                BUDGET_PODS_KEY,
-                BUDGET_RULES_KEY,
-                BUDGET_LIMITS_KEY,
             ],
-            args=[
-                POD_PREFIX,
-                token,
-                placeholder_ttl,
-                IDEM_TTL,
-                scope_id,
-                BUDGET_RULE_PREFIX,
-                rule_id,
-                rule_pod_budget,
-                self.pod_budget,
-                "1" if cold_claim else "",
-            ],
+            args=[POD_PREFIX, token, IDEM_TTL, scope_id, rule_id],
         )
+        if reply[-1] == "relink":  # the scope's rule changed: its units follow (rare)
+            await self.budget.link(scope_id, rule_id, rule_pod_budget)
+            reply = reply[:-1]
         outcome = _acquire_outcome(reply)
-        if outcome.action == "need_deploy":  # a placeholder: the prune looks at the scope
-            await self.mark_leased(scope_id)
+        if outcome.action != "cold" or cold_claim:
+            return outcome
+        placed = await self.reserve_placeholder(
+            scope_id, token, placeholder_ttl, rule=(rule_id, rule_pod_budget)
+        )
+        if placed.member is not None:
+            return AcquireOutcome("need_deploy", placeholder=placed.member)
+        return AcquireOutcome(cast(Any, placed.refused), budget=placed.budget)
+
+    # --- placeholders: a deploy slot within max_pods, with its budget unit ---------------------
+
+    async def reserve_placeholder(
+        self,
+        scope_id: str,
+        token: str,
+        placeholder_ttl: int,
+        *,
+        rule: tuple[str, int] | None = None,
+    ) -> PlaceholderOutcome:
+        """A placeholder for a deploy of ``token`` (placeholder.lua) with its budget unit:
+        asked first whether a slot is free, then the unit reserved (budget_reserve.lua), then
+        the placeholder taken; the unit given back if it is not. ``rule``: see
+        ``BudgetState.reserve``. The scope is marked leased when a member is returned."""
+        outcome = await self._take_placeholder(scope_id, token, placeholder_ttl, reserved=False)
+        if outcome.refused != "reserve":
+            return outcome
+        unit = reservation_unit(scope_id, token)
+        refused = await self.budget.reserve(scope_id, unit, placeholder_ttl, rule=rule)
+        if refused is not None:
+            return PlaceholderOutcome(None, "budget_reached", refused)
+        try:
+            outcome = await self._take_placeholder(scope_id, token, placeholder_ttl, reserved=True)
+        finally:
+            if outcome.member is None or outcome.refused == "reserve":
+                await self.budget.release(scope_id, unit)
         return outcome
+
+    async def _take_placeholder(
+        self, scope_id: str, token: str, placeholder_ttl: int, *, reserved: bool
+    ) -> PlaceholderOutcome:
+        reply = await self._placeholder(
+            keys=[
+                scope_config_key(scope_id),
+                scope_pods_key(scope_id),
+                scope_deploying_key(scope_id),
+            ],
+            args=[token, placeholder_ttl, "1" if reserved else "0"],
+        )
+        if reply[0] != "ok":
+            return PlaceholderOutcome(None, str(reply[0]))
+        await self.mark_leased(scope_id)
+        return PlaceholderOutcome(str(reply[1]))
+
+    async def drop_placeholders(self, scope_id: str, mode: str, value: str) -> int:
+        """Give back placeholders (``mode`` "member": the member ``value``; "token": every
+        member taken with the token ``value``), then their budget unit."""
+        dropped = await self._drop_placeholder(
+            keys=[scope_deploying_key(scope_id)], args=[mode, value]
+        )
+        token = token_of(value) if mode == "member" else value
+        await self.budget.release(scope_id, reservation_unit(scope_id, token))
+        return int(dropped)
 
     async def mark_leased(self, scope_id: str) -> None:
         """The scope holds a lease now (placeholder, seat, cold deploy): the prune job looks
@@ -545,9 +593,13 @@ class ResourceState:
     ) -> bool:
         """Returns whether the placeholder was still held (False: it expired meanwhile).
         ``cluster``: where the pod runs (None: the process default; no field is written).
-        The pod index first: a crash between the two steps leaves an indexed pod that is not
-        registered (reconcile drops it), never a registered pod nobody can find."""
+        The pod index first, then the pod's budget unit in place of its placeholder's
+        reservation: a crash between the steps leaves an indexed pod that is not registered
+        and maybe its unit (reconcile drops both), never a registered pod nobody can find or
+        the budgets do not count."""
         await self.index_pod(scope_id, pod_id)
+        reservation = reservation_unit(scope_id, token_of(placeholder)) if placeholder else None
+        await self.budget.confirm(scope_id, pod_id, reservation)
         held = await lua.run_acked(
             self.redis,
             self._register,
@@ -556,7 +608,7 @@ class ResourceState:
             keys=registration_keys(scope_id, pod_id),
             args=[
                 pod_id, placeholder or "", scope_id, pod_sse_url, pod_ip, namespace, deploy_ver,
-                "1" if warm else "0", BUDGET_RULE_PREFIX, cluster or "",
+                "1" if warm else "0", cluster or "",
             ],
         )  # fmt: skip
         return bool(held)

@@ -115,6 +115,7 @@ class DeployClaim:
     orphan: OrphanPod | None = None
     placeholder: str | None = None
     budget: str | None = None
+    coming: bool = False  # reserve: a placeholder is live (a refused unit means "coming")
 
 
 @dataclass(frozen=True, slots=True)

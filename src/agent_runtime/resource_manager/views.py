@@ -14,12 +14,10 @@ from typing import Any, cast
 from agent_runtime.resource_manager.drain_state import DrainState
 from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.state import (
-    BUDGET_PODS_KEY,
     FOREIGN_COUNT_KEY,
     FOREIGN_PODS_KEY,
     POD_VIEW_FIELDS,
     ResourceState,
-    budget_rule_pods_key,
     deploy_lock_key,
     placeholder_deadline,
     pod_info_key,
@@ -136,10 +134,8 @@ class ResourceViews:
             return sum(int(n) for n in await pipe.execute())
 
     async def budget_used(self, rule_id: str | None = None) -> int:
-        """Live units of the global budget (or of a rule's): pods + unexpired placeholders."""
-        key = BUDGET_PODS_KEY if rule_id is None else budget_rule_pods_key(rule_id)
-        seconds, _ = await self.redis.time()
-        return int(await self.redis.zcount(key, seconds, "+inf"))
+        """Live units of the global budget (or of a rule's): pods + unexpired reservations."""
+        return await self._state.budget.used(rule_id)
 
     async def foreign_pod_count(self) -> int:
         return int(await self.redis.get(FOREIGN_COUNT_KEY) or 0)

@@ -1,4 +1,4 @@
--- deploy_claim (uses _budget.lua, _placeholders.lua): a cold acquire (the acquire script found
+-- deploy_claim (uses _placeholders.lua): a cold acquire (the acquire script found
 -- no warm pod) decides in one step whether it follows a deploy in flight or leads one, and
 -- reserves the new pod's slot when it leads. In order:
 --   1. the deploy of its own demand is live under another token: join it, whatever its room
@@ -6,20 +6,21 @@
 --      once). A deploy serves the demand its holder's token names (``{owner}/{demand}/{uuid}
 --      @{start}``), not the one its id names: a takeover keeps the dead demand's id;
 --   2. a live deploy of the scope whose follower room has a free seat (each deploy's pod holds
---      pod_concurrency sessions: its leader + pod_concurrency - 1 followers): follow it;
---   3. a placeholder within max_pods and the pod budgets, or else "coming" (a placeholder of a
---      deploy in flight is live: a pod may still come) or the refusal;
+--      pod_concurrency sessions: its leader + pod_concurrency - 1 followers) and whose pod is
+--      not registered yet (a served pod's followers may have left their seats): follow it;
+--   3. a placeholder within max_pods, or else "coming" (a placeholder of a deploy in flight is
+--      live: a pod may still come) or the refusal; the placeholder only with the caller's pod
+--      budget reservation (budget_reserve.lua, the budget's own slot): without one (ARGV[14]
+--      "0") the script answers "reserve" where it would add the placeholder, and the caller,
+--      once it holds the unit, asks again with "1" (and gives the unit back unless it leads);
 --   4. with it, take over a deploy whose lease lapsed with a pod nobody registered (its record
 --      passes to us: adopt or delete), else lead a new deploy if the scope runs fewer than its
 --      deploy concurrency, else give the placeholder back ("busy").
 --
 -- KEYS[1] resource:scope:{sid}:cold_deploys ZSET deploy id -> first led (Redis seconds)
 -- KEYS[2] resource:scope:{sid}:deploying    SET  placeholders "{token}@{deadline}"
--- KEYS[3] resource:scope:{sid}:config       HASH (max_pods, budget_rule)
--- KEYS[4] budget:pods                       ZSET every budget unit
--- KEYS[5] resource:scope:{sid}:pods         ZSET the scope's pods (registered: a member)
--- KEYS[6] budget:rules                      SET  rule ids that have a units ZSET
--- KEYS[7] budget:rule_limits                HASH rule id -> pod budget
+-- KEYS[3] resource:scope:{sid}:config       HASH (max_pods)
+-- KEYS[4] resource:scope:{sid}:pods         ZSET the scope's pods (registered: a member)
 -- ARGV[1] lock prefix "…lock:rm:deploy:{sid}:" (derives each deploy's lock {prefix}{id})
 -- ARGV[2] scope prefix "…resource:scope:{sid}:" (derives {prefix}deploy_pod:{id} and
 --         {prefix}deploy_followers:{id})
@@ -32,10 +33,10 @@
 -- ARGV[7] follower member (the acquire's request id)   ARGV[8] seat hold in seconds
 -- ARGV[9] seconds a follower room lives after its last seat was taken (ready_timeout + margin)
 -- ARGV[10] the scope's deploy concurrency (live cold deploys at once)
--- ARGV[11] scope_id   ARGV[12] rule budget prefix (derives {prefix}{budget_rule}:pods)
--- ARGV[13] pod_concurrency (as the caller resolved the scope: sessions one pod holds)
--- ARGV[14] placeholder lifetime in seconds (the deploy lease: its leader renews it)
--- ARGV[15] the installation's pod budget
+-- ARGV[11] scope_id
+-- ARGV[12] pod_concurrency (as the caller resolved the scope: sessions one pod holds)
+-- ARGV[13] placeholder lifetime in seconds (the deploy lease: its leader renews it)
+-- ARGV[14] "1": the caller holds the budget reservation of its placeholder token; "0": not yet
 --
 -- ("lead" and "follow": the caller marks the scope in the leased scopes' index)
 -- returns {"lead", id, member}               a new deploy is ours (lock set, indexed; member:
@@ -46,12 +47,15 @@
 --         {"busy"}                           the scope runs its deploy concurrency already
 --         {"coming"}                         no slot for a pod, but a placeholder is live
 --         {"max_reached"}                    no slot (ZCARD pods + live placeholders), none live
---         {"budget_reached", "global"|"rule"}  a pod budget is reached, nothing is on its way
+--         {"reserve", "1"|"0"}               (ARGV[14] "0") it would lead with a new
+--                                            placeholder: reserve the budget unit and ask
+--                                            again; "1": a placeholder is live (a refused
+--                                            reservation is then "coming", not a refusal)
 --
 -- invariant: a live deploy has at most pod_concurrency - 1 seats (+ callers of its own
 -- demand); live cold deploys <= concurrency (a renewal that takes a lapsed claim back may
 -- pass it by its own deploy); ZCARD pods + SCARD deploying <= max_pods and a placeholder only
--- under each budget (as the acquire script); a lapsed deploy's pod passes to exactly one new
+-- with its budget reservation; a lapsed deploy's pod passes to exactly one new
 -- holder; only a leader holds a placeholder; a demand joins as its own only the deploy whose
 -- holder serves it. Replay-safe: a re-sent call of a leader finds its own token on a lock (its
 -- own deploy's or the one it took over, with its placeholder by its token) and is told "lead"
@@ -61,10 +65,7 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local second = tonumber(t[1])
 local lock_prefix, prefix, own, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local lease_ms, ptoken, member = tonumber(ARGV[5]), ARGV[6], ARGV[7]
-local sid = ARGV[11]
-local rule = redis.call('HGET', KEYS[3], 'budget_rule') or ''
-local rule_key = rule_budget_key(ARGV[12], rule)
-local room_limit = math.max(tonumber(ARGV[13]) - 1, 0)
+local room_limit = math.max(tonumber(ARGV[12]) - 1, 0)
 
 -- the demand a lock token serves: its segment before the uuid (nil for a token without one)
 local function demand_of(tok) return string.match(tok, '/([^/@]*)/[^/@]*@[^@]*$') end
@@ -78,13 +79,12 @@ end
 local function room(id) return prefix .. 'deploy_followers:' .. id end
 local function record(id) return prefix .. 'deploy_pod:' .. id end
 
--- expired placeholders leave first (with their units); ours, on a re-sent call, is found
-local mine = sweep_placeholders(KEYS[2], ptoken, second, sid, KEYS[4], rule_key)
+-- expired placeholders leave first; ours, on a re-sent call, is found
+local mine = sweep_placeholders(KEYS[2], ptoken, second)
 
+-- (its budget unit is the caller's to give back: another slot)
 local function give_back_placeholder()
-  if mine and redis.call('SREM', KEYS[2], mine) == 1 then
-    budget_remove(KEYS[4], rule_key, sid .. ':' .. mine)
-  end
+  if mine then redis.call('SREM', KEYS[2], mine) end
 end
 
 local function follow(id, holder)
@@ -94,10 +94,17 @@ local function follow(id, holder)
   return {'follow', id, holder}
 end
 
+-- a deploy whose pod is registered: its pod_concurrency is served (its leader may still hold
+-- the lock a moment, for its on_ready), no seat for a late caller
+local function served(id)
+  local pod = redis.call('HGET', record(id), 'pod_id')
+  return pod and redis.call('ZSCORE', KEYS[4], pod)
+end
+
 -- a lapsed deploy's record naming a pod nobody registered (not a failure notice): inherited
 local function orphan_of(id)
   local rec = redis.call('HMGET', record(id), 'token', 'pod_id', 'failed')
-  return rec[1] and rec[2] and not rec[3] and not redis.call('ZSCORE', KEYS[5], rec[2])
+  return rec[1] and rec[2] and not rec[3] and not redis.call('ZSCORE', KEYS[4], rec[2])
 end
 
 -- the lock lapses with the placeholder (whole seconds: it counts through its deadline's
@@ -137,7 +144,7 @@ for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   if holder and holder ~= token and serves_own(id, holder) then return follow(id, holder) end
   if holder then
     live = live + 1
-    if not open and room_limit > 0 and holder ~= token then
+    if not open and room_limit > 0 and holder ~= token and not served(id) then
       redis.call('ZREMRANGEBYSCORE', room(id), '-inf', '(' .. string.format('%.6f', now))
       if redis.call('ZCARD', room(id)) < room_limit then open, open_holder = id, holder end
     end
@@ -151,14 +158,14 @@ if open then return follow(open, open_holder) end
 
 -- 3. a slot for a new pod
 if not mine then
-  local refused = room_refusal(KEYS[3], KEYS[5], KEYS[2], KEYS[4], tonumber(ARGV[15]), rule_key,
-    rule_limit_of(KEYS[7], rule), second)
-  if refused then
-    if redis.call('SCARD', KEYS[2]) > 0 then return {'coming'} end  -- swept: all live
-    return refused
+  local live_placeholders = redis.call('SCARD', KEYS[2])  -- swept: all live
+  if at_max_pods(KEYS[3], KEYS[4], KEYS[2]) then
+    if live_placeholders > 0 then return {'coming'} end
+    return {'max_reached'}
   end
-  mine = add_placeholder(KEYS[2], ptoken, second, tonumber(ARGV[14]), sid, KEYS[4], rule_key,
-    KEYS[6], rule)
+  if not orphan and live >= tonumber(ARGV[10]) then return {'busy'} end
+  if ARGV[14] ~= '1' then return {'reserve', live_placeholders > 0 and '1' or '0'} end
+  mine = add_placeholder(KEYS[2], ptoken, second, tonumber(ARGV[13]))
 end
 
 -- 4. lead: a lapsed deploy first (its pod is on its way already), else a new one

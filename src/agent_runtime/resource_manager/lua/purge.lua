@@ -1,6 +1,6 @@
--- purge (uses _budget.lua): forget a pod: every resource_manager key of it in its scope, its
--- place in its scope's pool, and its budget units (the budget unit given back). The pod index
--- (resource:pods:{bNN}) and the draining pods (resource:draining:{bNN}) are the caller's,
+-- purge: forget a pod: every resource_manager key of it in its scope and its place in its
+-- scope's pool. The pod index (resource:pods:{bNN}), the draining pods
+-- (resource:draining:{bNN}) and the pod's budget unit (budget_release.lua) are the caller's,
 -- after this script (other slots).
 --
 -- KEYS[1] resource:pod:{sid}:{pod}:info          HASH (scope_id)
@@ -9,19 +9,13 @@
 -- KEYS[4] resource:pod:{sid}:{pod}:drain         HASH its drain, if one was under way
 -- KEYS[5] resource:scope:{sid}:pods              ZSET
 -- KEYS[6] resource:scope:{sid}:idle              SET
--- KEYS[7] resource:scope:{sid}:config            HASH (budget_rule)
--- KEYS[8] budget:pods                            ZSET every budget unit
 -- ARGV[1] pod_id
--- ARGV[2] rule budget prefix (derives {prefix}{budget_rule}:pods of the scope's linked rule)
 --
 -- returns the pod's scope_id (its info's), or false if the pod was unknown (already purged)
 --
 -- invariant: afterwards no RM key of the scope names the pod; idempotent.
 local scope = redis.call('HGET', KEYS[1], 'scope_id')
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
-redis.call('ZREM', KEYS[8], ARGV[1])
-local rule = redis.call('HGET', KEYS[7], 'budget_rule')
-budget_remove(KEYS[8], rule_budget_key(ARGV[2], rule), ARGV[1])
 redis.call('ZREM', KEYS[5], ARGV[1])
 redis.call('SREM', KEYS[6], ARGV[1])
 return scope or false
