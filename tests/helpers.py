@@ -26,7 +26,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from agent_runtime import redis_client
-from agent_runtime.config import Mode, Settings
+from agent_runtime.config import RM_KEY_PREFIX, SM_KEY_PREFIX, Mode, Settings
 from agent_runtime.db.engine import Database, normalize_url
 from agent_runtime.main import create_app
 from agent_runtime.resource_manager.identity import PodIdentity
@@ -705,6 +705,29 @@ async def follower_seats(client: Redis, scope_id: str) -> list[str]:
     for room in sorted(await redis_keys(client, pattern)):
         seats += await client.zrange(room, 0, -1)
     return sorted(seats)
+
+
+async def redis_state(client: Redis) -> dict[str, Any]:
+    """Every key of both modules with its type and value, to compare."""
+    state: dict[str, Any] = {}
+    async for key in client.scan_iter(match="*"):
+        if not key.startswith((SM_KEY_PREFIX, RM_KEY_PREFIX)):
+            continue
+        kind = await client.type(key)
+        if kind == "string":
+            value: Any = await client.get(key)
+        elif kind == "hash":
+            value = await client.hgetall(key)
+        elif kind == "set":
+            value = sorted(await client.smembers(key))
+        elif kind == "zset":
+            value = await client.zrange(key, 0, -1, withscores=True)
+        elif kind == "list":
+            value = await client.lrange(key, 0, -1)
+        else:
+            value = kind
+        state[key] = (kind, value)
+    return state
 
 
 async def session_hashes(redis: Redis, session_id: str = "*") -> list[str]:
