@@ -28,7 +28,6 @@ import asyncio
 import json
 import math
 import sys
-import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -80,36 +79,25 @@ async def claimed(url: str) -> AsyncIterator[BenchRedis]:
 async def run(
     url: str, failovers: int, master_check: bool, wait_replicas: int = 0
 ) -> dict[str, Any]:
-    from sqlalchemy import create_engine
-
     from agent_runtime import redis_client
-    from agent_runtime.db import schema
-    from agent_runtime.db.engine import Database
-    from failover_load import SentinelSet, Shape, one_failover, service
+    from failover_load import SentinelSet, Shape, one_failover, sqlite_service
     from helpers import topology_client
 
     if not master_check:
         redis_client.MASTER_CHECK = math.inf  # asked once, at the first connection
     shape = Shape(wait_replicas=wait_replicas)
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        db_url = f"sqlite:///{tmp}/config.db"
-        engine = create_engine(db_url)
-        schema.upgrade(engine)
-        engine.dispose()
-        db = Database.from_url(db_url, pool_size=4)
-        observer = topology_client(url)
-        sentinels = SentinelSet(url)
-        try:
-            async with service(url, db, shape) as svc:
-                for i in range(failovers):
-                    out = await one_failover(svc, sentinels.failover, observer, shape)
-                    print(f"  [{i + 1}/{failovers}] {out.summary()}", file=sys.stderr)
-                    rows.append(row(out))
-        finally:
-            await sentinels.aclose()
-            await observer.aclose()
-            await db.close()
+    observer = topology_client(url)
+    sentinels = SentinelSet(url)
+    try:
+        async with sqlite_service(url, shape) as svc:
+            for i in range(failovers):
+                out = await one_failover(svc, sentinels.failover, observer, shape)
+                print(f"  [{i + 1}/{failovers}] {out.summary()}", file=sys.stderr)
+                rows.append(row(out))
+    finally:
+        await sentinels.aclose()
+        await observer.aclose()
     return {
         "failovers": failovers,
         "master_check": master_check,

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -34,53 +33,38 @@ NAME = "redis_wait"
 
 
 async def one_setting(url: str, calls: int, replicas: int, timeout_ms: int) -> dict[str, Any]:
-    from sqlalchemy import create_engine
-
-    from agent_runtime.db import schema
-    from agent_runtime.db.engine import Database
-    from failover_load import ROUTE, TOUCH, Shape, service
+    from failover_load import ROUTE, TOUCH, Shape, sqlite_service
     from helpers import envelope
 
     shape = Shape(scopes=1, wait_replicas=replicas, wait_timeout_ms=timeout_ms)
-    with tempfile.TemporaryDirectory() as tmp:
-        db_url = f"sqlite:///{tmp}/config.db"
-        engine = create_engine(db_url)
-        schema.upgrade(engine)
-        engine.dispose()
-        db = Database.from_url(db_url, pool_size=4)
-        try:
-            async with service(url, db, shape) as svc:
-                app = svc.apps[0]
-                group, bot = svc.scopes[0]
+    async with sqlite_service(url, shape) as svc:
+        app = svc.apps[0]
+        group, bot = svc.scopes[0]
 
-                async def route_and_end(i: int) -> float:
-                    session = f"s-{uuid.uuid4().hex}"
-                    body = envelope(
-                        request_id=f"r-{uuid.uuid4().hex}",
-                        session_id=session,
-                        bot_id=bot,
-                        extra={"group_id": group},
-                    )
-                    started = time.perf_counter()
-                    resp = await app.post(ROUTE, json=body)
-                    took = time.perf_counter() - started
-                    assert resp.status_code == 200, resp.text
-                    eos = envelope({"eos": True}, request_id=f"t-{i}-{session}", session_id=session)
-                    assert (await app.post(TOUCH, json=eos)).status_code == 200
-                    return took
+        async def route_and_end(i: int) -> float:
+            session = f"s-{uuid.uuid4().hex}"
+            body = envelope(
+                request_id=f"r-{uuid.uuid4().hex}",
+                session_id=session,
+                bot_id=bot,
+                extra={"group_id": group},
+            )
+            started = time.perf_counter()
+            resp = await app.post(ROUTE, json=body)
+            took = time.perf_counter() - started
+            assert resp.status_code == 200, resp.text
+            eos = envelope({"eos": True}, request_id=f"t-{i}-{session}", session_id=session)
+            assert (await app.post(TOUCH, json=eos)).status_code == 200
+            return took
 
-                for i in range(20):  # the pod deployed, scripts loaded
-                    await route_and_end(-i - 1)
-                times = [await route_and_end(i) for i in range(calls)]
-                short = 0.0
-                scrape = await app.get("/metrics")
-                for line in scrape.text.splitlines():
-                    if line.startswith(
-                        'agent_runtime_redis_wait_short_total{script="route_place"}'
-                    ):
-                        short = float(line.split()[-1])
-        finally:
-            await db.close()
+        for i in range(20):  # the pod deployed, scripts loaded
+            await route_and_end(-i - 1)
+        times = [await route_and_end(i) for i in range(calls)]
+        short = 0.0
+        scrape = await app.get("/metrics")
+        for line in scrape.text.splitlines():
+            if line.startswith('agent_runtime_redis_wait_short_total{script="route_place"}'):
+                short = float(line.split()[-1])
     ms = [t * 1000 for t in times]
     return {
         "wait_replicas": replicas,

@@ -114,7 +114,7 @@ async def redis(request: pytest.FixtureRequest) -> AsyncIterator[Redis]:
     ``topologies`` module also the Sentinel set's master (a claimed db) and the cluster
     (owned by this run, emptied after the test)."""
     if request.param == "sentinel":
-        async with _sentinel_client() as client:
+        async with _claimed_db(await claim_sentinel()) as client:
             yield client
         return
     if request.param == "cluster":
@@ -131,22 +131,8 @@ async def redis(request: pytest.FixtureRequest) -> AsyncIterator[Redis]:
         yield client
         await client.aclose()
         return
-    client = await claim_real_redis()
-    owner = await client.get(CLAIM_KEY)
-    try:
+    async with _claimed_db(await claim_real_redis()) as client:
         yield client
-    finally:
-        # keep the db ours for the next test: flushed and marked in one transaction, so that
-        # another run never finds it empty and unmarked for a moment and takes it too
-        async with client.pipeline(transaction=True) as pipe:
-            pipe.flushdb()
-            pipe.set(CLAIM_KEY, owner)
-            await pipe.execute()
-        # closing waits up to the connect timeout (2 s) for every socket to be seen closed: on
-        # a loaded machine, after a test that opened a hundred connections, that wait can run
-        # out with nothing wrong (each socket was closed; the db is flushed and marked above)
-        with contextlib.suppress(RedisTimeoutError):
-            await client.aclose()
 
 
 @pytest.fixture
@@ -177,13 +163,15 @@ async def redis_sentinel() -> AsyncIterator[Redis]:
     """A master_for client (AGENT_RUNTIME_TEST_REDIS_SENTINEL_URL) on a db index of the
     Sentinel set's master that this process claimed (as the ``redis`` fixture's): flushed and
     marked again after the test."""
-    async with _sentinel_client() as client:
+    async with _claimed_db(await claim_sentinel()) as client:
         yield client
 
 
 @contextlib.asynccontextmanager
-async def _sentinel_client() -> AsyncIterator[Redis]:
-    client = await claim_sentinel()
+async def _claimed_db(client: Redis) -> AsyncIterator[Redis]:
+    """A db this process claimed (the real server's, the Sentinel master's), kept ours for the
+    next test: flushed and marked in one transaction, so that another run never finds it empty
+    and unmarked for a moment and takes it too."""
     owner = await client.get(CLAIM_KEY)
     try:
         yield client
@@ -192,6 +180,9 @@ async def _sentinel_client() -> AsyncIterator[Redis]:
             pipe.flushdb()
             pipe.set(CLAIM_KEY, owner)
             await pipe.execute()
+        # closing waits up to the connect timeout (2 s) for every socket to be seen closed: on
+        # a loaded machine, after a test that opened a hundred connections, that wait can run
+        # out with nothing wrong (each socket was closed; the db is flushed and marked above)
         with contextlib.suppress(RedisTimeoutError):
             await client.aclose()
 

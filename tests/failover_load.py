@@ -29,6 +29,7 @@ import contextlib
 import itertools
 import random
 import statistics
+import tempfile
 import time
 import uuid
 from collections import Counter
@@ -39,9 +40,11 @@ from typing import Any
 
 import httpx
 from redis.asyncio import Redis
+from sqlalchemy import create_engine
 
 import invariants
 from agent_runtime import redis_client
+from agent_runtime.db import schema
 from agent_runtime.db.engine import Database
 from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.util import scope_id_of
@@ -478,6 +481,23 @@ async def service(url: str, db: Database, shape: Shape) -> AsyncIterator[Service
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
+
+
+@asynccontextmanager
+async def sqlite_service(url: str, shape: Shape) -> AsyncIterator[Service]:
+    """``service`` over a config database of its own: a temporary SQLite file, its schema
+    upgraded, gone after (the benches': bench/failover.py, bench/redis_wait.py)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        db_url = f"sqlite:///{tmp}/config.db"
+        engine = create_engine(db_url)
+        schema.upgrade(engine)
+        engine.dispose()
+        db = Database.from_url(db_url, pool_size=4)
+        try:
+            async with service(url, db, shape) as svc:
+                yield svc
+        finally:
+            await db.close()
 
 
 async def _sweep(svc: Service) -> None:

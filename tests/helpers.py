@@ -26,7 +26,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from agent_runtime import redis_client
-from agent_runtime.config import Mode, Settings
+from agent_runtime.config import RM_KEY_PREFIX, SM_KEY_PREFIX, Mode, Settings
 from agent_runtime.db.engine import Database, normalize_url
 from agent_runtime.main import create_app
 from agent_runtime.resource_manager.identity import PodIdentity
@@ -108,33 +108,43 @@ async def claim_real_redis() -> Redis:
     """
     global _claimed_url
     base, _, index = REDIS_URL.rpartition("/")
-    candidates = (
-        [_claimed_url]
-        if _claimed_url
-        else [f"{base}/{db}" for db in range(int(index or 0), max(int(index or 0) - 5, -1), -1)]
-    )
-    refused = []
-    for url in candidates:
-        client = Redis.from_url(
+    _claimed_url, client = await _claim_one_of(
+        [_claimed_url] if _claimed_url else _db_urls(base, int(index or 0)),
+        lambda url: Redis.from_url(
             url, decode_responses=True, socket_connect_timeout=TEST_CONNECT_TIMEOUT
-        )
+        ),
+        "redis",
+        "no free real-Redis db for the tests: {}"
+        " — point AGENT_RUNTIME_TEST_REDIS_URL at an empty db index",
+    )
+    return client
+
+
+def _db_urls(base: str, index: int) -> list[str]:
+    """The db ``index`` and the next lower ones, down to 4 below it (and never below 0)."""
+    return [f"{base}/{db}" for db in range(index, max(index - 5, -1), -1)]
+
+
+async def _claim_one_of(
+    urls: list[str], connect: Callable[[str], Redis], what: str, failure: str
+) -> tuple[str, Redis]:
+    """The first of ``urls`` whose db this process claims (``_claim_db``), with its client
+    (``connect``); unreachable: ``unavailable``; every one held: fails, ``failure`` naming
+    why (``{}``)."""
+    refused = []
+    for url in urls:
+        client = connect(url)
         try:
             await client.ping()
         except Exception as exc:
             await client.aclose()
-            unavailable(f"redis at {url}", exc)
+            unavailable(f"{what} at {url}", exc)
         why = await _claim_db(client)
         if why is None:
-            _claimed_url = url
-            return client
+            return url, client
         refused.append(f"{url} ({why})")
         await client.aclose()
-    pytest.fail(
-        "no free real-Redis db for the tests: "
-        + "; ".join(refused)
-        + " — point AGENT_RUNTIME_TEST_REDIS_URL at an empty db index",
-        pytrace=False,
-    )
+    pytest.fail(failure.format("; ".join(refused)), pytrace=False)
 
 
 async def _claim_db(client: Redis) -> str | None:
@@ -300,29 +310,13 @@ async def claim_sentinel() -> Redis:
     base, _, index = SENTINEL_URL.rstrip("/").rpartition("/")
     if not index.isdigit():
         base, index = SENTINEL_URL.rstrip("/"), "0"
-    candidates = (
-        [_claimed_sentinel_url]
-        if _claimed_sentinel_url
-        else [f"{base}/{db}" for db in range(int(index), max(int(index) - 5, -1), -1)]
+    _claimed_sentinel_url, client = await _claim_one_of(
+        [_claimed_sentinel_url] if _claimed_sentinel_url else _db_urls(base, int(index)),
+        topology_client,
+        "redis sentinel set",
+        "no free db on the Sentinel set's master for the tests: {}",
     )
-    refused = []
-    for url in candidates:
-        client = topology_client(url)
-        try:
-            await client.ping()
-        except Exception as exc:
-            await client.aclose()
-            unavailable(f"redis sentinel set at {url}", exc)
-        why = await _claim_db(client)
-        if why is None:
-            _claimed_sentinel_url = url
-            return client
-        refused.append(f"{url} ({why})")
-        await client.aclose()
-    pytest.fail(
-        "no free db on the Sentinel set's master for the tests: " + "; ".join(refused),
-        pytrace=False,
-    )
+    return client
 
 
 # --- SQL ---
@@ -705,6 +699,29 @@ async def follower_seats(client: Redis, scope_id: str) -> list[str]:
     for room in sorted(await redis_keys(client, pattern)):
         seats += await client.zrange(room, 0, -1)
     return sorted(seats)
+
+
+async def redis_state(client: Redis) -> dict[str, Any]:
+    """Every key of both modules with its type and value, to compare."""
+    state: dict[str, Any] = {}
+    async for key in client.scan_iter(match="*"):
+        if not key.startswith((SM_KEY_PREFIX, RM_KEY_PREFIX)):
+            continue
+        kind = await client.type(key)
+        if kind == "string":
+            value: Any = await client.get(key)
+        elif kind == "hash":
+            value = await client.hgetall(key)
+        elif kind == "set":
+            value = sorted(await client.smembers(key))
+        elif kind == "zset":
+            value = await client.zrange(key, 0, -1, withscores=True)
+        elif kind == "list":
+            value = await client.lrange(key, 0, -1)
+        else:
+            value = kind
+        state[key] = (kind, value)
+    return state
 
 
 async def session_hashes(redis: Redis, session_id: str = "*") -> list[str]:

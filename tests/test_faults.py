@@ -66,6 +66,7 @@ from helpers import (
     real_mariadb_and_fake,
     real_only,
     real_redis_url,
+    redis_state,
     running_app,
     sync_body,
 )
@@ -586,27 +587,6 @@ async def test_redis_losing_its_data_over_admits_nothing_and_reconcile_heals(
 
 
 # --- 3. the DB down ----------------------------------------------------------------------------
-
-
-async def redis_state(client: Redis) -> dict[str, Any]:
-    """Every key of both modules with its type and value, to compare."""
-    state: dict[str, Any] = {}
-    async for key in client.scan_iter(match="*"):
-        if not key.startswith(("session_manager:", "resource_manager:")):
-            continue
-        kind = await client.type(key)
-        if kind == "string":
-            value: Any = await client.get(key)
-        elif kind == "hash":
-            value = await client.hgetall(key)
-        elif kind == "set":
-            value = sorted(await client.smembers(key))
-        elif kind == "zset":
-            value = await client.zrange(key, 0, -1, withscores=True)
-        else:
-            value = kind
-        state[key] = (kind, value)
-    return state
 
 
 async def db_rows(db: Database) -> dict[str, list[tuple[Any, ...]]]:

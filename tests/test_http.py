@@ -20,12 +20,11 @@ import pytest
 from redis.asyncio import Redis
 from sqlalchemy.engine import make_url
 
-from agent_runtime.config import RM_KEY_PREFIX, SM_KEY_PREFIX
 from agent_runtime.db.engine import Database
 from agent_runtime.session_manager import config_repo
 from agent_runtime.util import scope_id_of
 from agent_runtime.wiring import build_redis
-from helpers import TcpProxy, make_settings, running_app, sync_body
+from helpers import TcpProxy, make_settings, redis_state, running_app, sync_body
 
 SYNC = "/api/session/config_sync"
 ADMIN = {"Authorization": "Bearer adm"}
@@ -88,29 +87,6 @@ def assert_success(resp: httpx.Response, request_id: str, **data: Any) -> dict[s
     for key, value in data.items():
         assert body["data"][key] == value, body
     return body["data"]
-
-
-async def redis_state(client: Redis) -> dict[str, Any]:
-    """Every key of both modules with its type and value, to compare."""
-    state: dict[str, Any] = {}
-    async for key in client.scan_iter(match="*"):
-        if not key.startswith((SM_KEY_PREFIX, RM_KEY_PREFIX)):
-            continue
-        kind = await client.type(key)
-        if kind == "string":
-            value: Any = await client.get(key)
-        elif kind == "hash":
-            value = await client.hgetall(key)
-        elif kind == "set":
-            value = sorted(await client.smembers(key))
-        elif kind == "zset":
-            value = await client.zrange(key, 0, -1, withscores=True)
-        elif kind == "list":
-            value = await client.lrange(key, 0, -1)
-        else:
-            value = kind
-        state[key] = (kind, value)
-    return state
 
 
 async def db_state(db: Database) -> config_repo.Snapshot:

@@ -9,18 +9,20 @@ the keys in place (``RENAMENX``: a key keeps its value and its TTL) and records 
 ``agent_runtime:key_layout``. It refuses while job leader locks show replicas still running.
 
 Layout 1 only ever existed on a single server (its scripts cannot run on a cluster), so the
-renames never cross a node. Each module's ``legacy_keys.py`` says what its old names were,
-which of them are retired (deleted: ``pods:{pod_id}:scopes``, nothing reads it any more), and
-which carry content that moves to other keys (converted, one at a time, after the renames: a
-session hash goes under its scope's tag, a global index is split by scope or bucket, a
-resource-manager pod's keys go under the scope its info names).
+renames never cross a node. Each module's ``legacy_keys.py`` says what its old names were
+(``LegacyKeys``: the heads a bare scope id followed — the tag is put around it here — and its
+other renames), which of them are retired (deleted: ``pods:{pod_id}:scopes``, nothing reads
+it any more), and which carry content that moves to other keys (converted, one at a time,
+after the renames: a session hash goes under its scope's tag, a global index is split by scope
+or bucket, a resource-manager pod's keys go under the scope its info names).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import re
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from redis.asyncio import Redis
 
@@ -34,34 +36,58 @@ LAYOUT = 2
 SCAN_COUNT = 1000
 RENAME_BATCH = 500  # renames per pipeline: ~0.5 ms of Redis each
 
-# (SCAN MATCH pattern, old name → current name or None, old name → retired), one per module
-MODULES: tuple[tuple[str, Callable[[str], str | None], Callable[[str], bool]], ...] = (
-    (sm_legacy.SCAN_PATTERN, sm_legacy.current_name, sm_legacy.retired),
-    (rm_legacy.SCAN_PATTERN, rm_legacy.current_name, rm_legacy.retired),
-)
-# (SCAN MATCH pattern, old name → its content moves, the move), per module that has such keys
-CONVERSIONS: tuple[
-    tuple[str, Callable[[str], bool], Callable[[Redis, str], Awaitable[bool]]], ...
-] = (
-    (sm_legacy.SCAN_PATTERN, sm_legacy.convertible, sm_legacy.convert),
-    (rm_legacy.SCAN_PATTERN, rm_legacy.convertible, rm_legacy.convert),
-)
+
+class LegacyKeys(Protocol):
+    """What a module's ``legacy_keys.py`` says of its own keys (the mechanics are here)."""
+
+    PREFIX: str  # every key of the module starts with it (what SCAN looks at)
+    # "<PREFIX><head>:<sid>:…" with a bare scope id → "<PREFIX><head>:{<sid>}:…" (a rename)
+    SCOPE_HEADS: tuple[str, ...]
+
+    # its other renames (old name → layout-2 name, or None); names no version uses (deleted);
+    # keys whose content moves (convert, after the renames; False: nothing moved, or a clash)
+    def renamed(self, key: str) -> str | None: ...
+    def retired(self, key: str) -> bool: ...
+    def convertible(self, key: str) -> bool: ...
+    async def convert(self, redis: Redis, key: str) -> bool: ...
+
+
+@dataclass(frozen=True)
+class _Module:
+    keys: LegacyKeys
+    scope_bare: re.Pattern[str]  # a key of a scope head with the scope id bare: head, sid, rest
+
+    @classmethod
+    def of(cls, keys: LegacyKeys) -> _Module:
+        heads = "|".join(re.escape(head) for head in keys.SCOPE_HEADS)
+        return cls(keys, re.compile(rf"^({re.escape(keys.PREFIX)}(?:{heads}):)([^:{{}}]+)(:.+)$"))
+
+    def current_name(self, key: str) -> str | None:
+        """The layout-2 name of a layout-1 key, or None when ``key`` is not one (already
+        current, or a key whose name did not change)."""
+        if (new := self.keys.renamed(key)) is not None:
+            return new
+        if (match := self.scope_bare.match(key)) is None:
+            return None
+        head, scope_id, rest = match.groups()
+        return f"{head}{{{scope_id}}}{rest}"
+
+
+MODULES = (_Module.of(sm_legacy), _Module.of(rm_legacy))
 CONVERTED = ""  # the "current name" _legacy_keys gives a key to convert
 
 
-async def _legacy_keys(redis: Redis) -> AsyncIterator[tuple[str, str | None]]:
-    """(old name, current name) of every key still in an earlier layout; current name None:
-    a retired key, to be deleted; CONVERTED: a key whose content moves."""
-    for pattern, current_name, retired in MODULES:
-        async for key in redis.scan_iter(match=pattern, count=SCAN_COUNT):
-            if retired(key):
-                yield key, None
-            elif (new := current_name(key)) is not None:
-                yield key, new
-    for pattern, convertible, _ in CONVERSIONS:
-        async for key in redis.scan_iter(match=pattern, count=SCAN_COUNT):
-            if convertible(key):
-                yield key, CONVERTED
+async def _legacy_keys(redis: Redis) -> AsyncIterator[tuple[str, str | None, _Module]]:
+    """(old name, current name, its module) of every key still in an earlier layout; current
+    name None: a retired key, to be deleted; CONVERTED: a key whose content moves."""
+    for module in MODULES:
+        async for key in redis.scan_iter(match=f"{module.keys.PREFIX}*", count=SCAN_COUNT):
+            if module.keys.retired(key):
+                yield key, None, module
+            elif (new := module.current_name(key)) is not None:
+                yield key, new, module
+            elif module.keys.convertible(key):
+                yield key, CONVERTED, module
 
 
 async def check(redis: Redis) -> None:
@@ -83,7 +109,7 @@ async def check_only(redis: Redis) -> bool:
             f"redis keys are in key layout {number}, newer than this version's ({LAYOUT}):"
             " a newer version wrote them; run that version"
         )
-    async for old, _ in _legacy_keys(redis):
+    async for old, _, _ in _legacy_keys(redis):
         raise ConfigError(
             f"redis holds keys of an earlier key layout (e.g. {old!r}): stop every replica of"
             " the older version, then run `agent-runtime redis migrate` (same environment)"
@@ -110,6 +136,11 @@ class Migration:
     clashes: list[str] = field(default_factory=list)
     clash_count: int = 0
     dry_run: bool = False
+
+    def clash(self, key: str) -> None:
+        self.clash_count += 1
+        if len(self.clashes) < 20:
+            self.clashes.append(key)
 
     def describe(self) -> str:
         verb = "would rename" if self.dry_run else "renamed"
@@ -165,29 +196,24 @@ async def migrate(redis: Redis, *, dry_run: bool = False, force: bool = False) -
                 elif moved:
                     done.renamed += 1
                 elif await redis.exists(old):  # not renamed, and still there: a clash
-                    done.clash_count += 1
-                    if len(done.clashes) < 20:
-                        done.clashes.append(old)
+                    done.clash(old)
         batch.clear()
 
-    converts: list[str] = []
-    async for pair in _legacy_keys(redis):
-        if pair[1] == CONVERTED:
-            converts.append(pair[0])
+    converts: list[tuple[str, _Module]] = []
+    async for old, new, module in _legacy_keys(redis):
+        if new == CONVERTED:
+            converts.append((old, module))
             continue
-        batch.append(pair)
+        batch.append((old, new))
         if len(batch) >= RENAME_BATCH:
             await flush()
     if batch:
         await flush()
-    for key in converts:  # after the renames; one at a time (each reads what it moves)
-        convert = next(c for pattern, convertible, c in CONVERSIONS if convertible(key))
-        if dry_run or await convert(redis, key):
+    for key, module in converts:  # after the renames; one at a time (each reads what it moves)
+        if dry_run or await module.keys.convert(redis, key):
             done.converted += 1
         elif await redis.exists(key):  # not moved, and still there: a clash
-            done.clash_count += 1
-            if len(done.clashes) < 20:
-                done.clashes.append(key)
+            done.clash(key)
     if not dry_run:
         await redis.set(LAYOUT_KEY, LAYOUT)
     return done

@@ -31,10 +31,10 @@ from agent_runtime.resource_manager.state import (
 )
 from agent_runtime.scope_buckets import bucket_of, bucket_tag
 
-SCAN_PATTERN = f"{P}*"
-
-# resource:scope:{sid}:… and lock:rm:deploy:{sid}:{deploy_id} with a bare scope id
-_SCOPE_BARE = re.compile(rf"^({re.escape(P)}(?:resource:scope|lock:rm:deploy):)([^:{{}}]+)(:.+)$")
+PREFIX = P  # every key of this module
+# resource:scope:{sid}:… and lock:rm:deploy:{sid}:{deploy_id} with a bare scope id: key_layout
+# puts the tag around it
+SCOPE_HEADS: tuple[str, ...] = ("resource:scope", "lock:rm:deploy")
 
 POD_PARTS = ("info", "idle_since", "health_fails", "drain", "reported")
 PODS_ALL_KEY = f"{P}resource:pods:all"  # SET of every pod id
@@ -62,17 +62,13 @@ _FOREIGN = {
 _BUDGET_BARE = re.compile(rf"^({re.escape(P)}budget:)((?:pods|rules|rule_limits|rule:.+:pods))$")
 
 
-def current_name(key: str) -> str | None:
-    """The layout-2 name of a layout-1 key, or None when ``key`` is not one."""
+def renamed(key: str) -> str | None:
+    """The layout-2 name of an untagged foreign-pod report or budget key, or None."""
     if key in _FOREIGN:
         return _FOREIGN[key]
     if budget := _BUDGET_BARE.match(key):
         return f"{budget[1]}{{budget}}:{budget[2]}"
-    match = _SCOPE_BARE.match(key)
-    if match is None:
-        return None
-    head, scope_id, rest = match.groups()
-    return f"{head}{{{scope_id}}}{rest}"
+    return None
 
 
 def retired(key: str) -> bool:

@@ -41,12 +41,10 @@ from agent_runtime.session_manager.state import (
     session_scope_key,
 )
 
-# what SCAN looks at (MATCH): every key of this module
-SCAN_PATTERN = f"{P}*"
-
+PREFIX = P  # every key of this module
 # scope:{sid}:… and pod:{sid}:{pod_id}:… with a bare scope id (a scope id is hex, or any id
-# without ':' and braces in tests): the tag goes around it, the rest stays as it was
-_SCOPE_BARE = re.compile(rf"^({re.escape(P)}(?:scope|pod):)([^:{{}}]+)(:.+)$")
+# without ':' and braces in tests): key_layout puts the tag around it, the rest stays as it was
+SCOPE_HEADS: tuple[str, ...] = ("scope", "pod")
 
 # retired: pods:{pod_id}:scopes (a pod belongs to one scope, the resource manager names it);
 # the global session_expiry (each hash carries its expiry); touch:{request_id} without a scope
@@ -61,14 +59,9 @@ _LEASED_SCOPES = f"{P}leased_scopes"
 _SCOPE_REGISTRY = f"{P}scope_registry"
 
 
-def current_name(key: str) -> str | None:
-    """The layout-2 name of a layout-1 key, or None when ``key`` is not one (already
-    current, or a key whose name did not change)."""
-    match = _SCOPE_BARE.match(key)
-    if match is None:
-        return None
-    head, scope_id, rest = match.groups()
-    return f"{head}{{{scope_id}}}{rest}"
+def renamed(key: str) -> str | None:
+    """None: no key of this module is renamed other than by its scope's tag."""
+    return None
 
 
 def retired(key: str) -> bool:
