@@ -14,10 +14,12 @@ config_sync bumped, nor wrote the scope's record already).
 
 A session's keys carry its scope's tag (``session:{<sid>}:<id>``, ``scope:{<sid>}:session_expiry``,
 ``touch:{<sid>}:<rid>``, ``pods:{<sid>}:registered``): every script of ``SessionState`` touches one
-slot. Three keys span scopes and are written by ``SessionState`` beside the script whose reply
-asks for it: the session-scope index ``session_scope:<id>`` (a hint for callers that know only
-the session id), and the bucketed DueIndexes ``expiry_due:{bNN}`` and ``leased_scopes:{bNN}``
-(``scope_buckets``); ``SessionState.safety_walk`` remakes a mark a crashed replica lost.
+slot. Three keys span scopes and are written by ``SessionState`` when a script's reply asks for
+it: the session-scope index ``session_scope:<id>`` (a hint for callers that know only the
+session id), and the bucketed DueIndexes ``expiry_due:{bNN}`` and ``leased_scopes:{bNN}``
+(``scope_buckets``); those a route's or a touch's reply asks for (all but ``need_acquire``'s
+``leased_scopes`` mark) after the reply, by ``index_writes`` (the hot path stays one round
+trip); ``SessionState.safety_walk`` remakes a mark a crashed replica lost.
 
 ``SessionState`` is the door to sessions, pods and routes (the hot path's scripts, the
 sweeper's passes, the facade's questions); ``scope_state.ScopeState`` the door to the scope
@@ -378,8 +380,9 @@ class SessionState:
 
     Every script works on one scope (its keys carry the scope's tag: one slot on a Redis
     Cluster). The indexes that span scopes — the session-scope index, ``expiry_due`` and
-    ``leased_scopes`` — are written here beside the script that asked for it (its reply says
-    so); a mark lost with a crashed replica is found again by ``safety_walk``."""
+    ``leased_scopes`` — are written here when the script's reply asks for them: a route's and a
+    touch's after the reply (``index_writes``, in order, bounded, drained at stop); a mark lost
+    with a crashed replica is found again by ``safety_walk``."""
 
     def __init__(
         self,
