@@ -1,8 +1,10 @@
-"""redis_cost: Redis commands and round trips per route (refresh, placed), per touch, and for
-the no-op (control: none), counted two ways over a fixed number of requests:
+"""redis_cost: Redis commands and round trips per route (refresh, placed), per touch (naming
+its scope; without: through the session-scope index), and for the no-op (control: none),
+counted two ways over a fixed number of requests:
 
 - client side, exact: the bench server counts every command it sends and every socket
-  write (a round trip) in redis-py (``--count-redis``);
+  write (a round trip) in redis-py (``--count-redis``); those of the detached index writer
+  (after the reply: ``detached_round_trips_per_request``) apart from the request's path;
 - server side: ``INFO commandstats`` and ``total_commands_processed`` deltas. These are
   server-wide (every db and client of this Redis) and include the commands a script runs
   inside Redis (``redis.call``), so they show the script's own work; the idle rate of other
@@ -49,7 +51,8 @@ async def run(ctx: Context) -> dict[str, Any]:
                 "noop": lambda i: post(http, "/_bench/noop", existing_route(i)),
                 "refresh": lambda i: post(http, f"{API}/route", existing_route(i)),
                 "placed": lambda i: post(http, f"{API}/route", new_route(i)),
-                "touch": lambda i: post(http, f"{API}/touch", touch_body(i)),
+                "touch": lambda i: post(http, f"{API}/touch", touch_body(i, named=True)),
+                "touch_no_ids": lambda i: post(http, f"{API}/touch", touch_body(i)),
             }
             out: dict[str, Any] = {"requests_per_phase": n, "idle_noise": noise}
             for name, call in phases.items():
@@ -68,8 +71,14 @@ def new_route(i: int) -> dict[str, Any]:
     return route_body(rid(), f"cn-{rid()}", GROUP, f"b-{i % SCOPES}")
 
 
-def touch_body(i: int) -> dict[str, Any]:
-    return {"metadata": {"request_id": rid(), "session_id": f"c-{random.randrange(SESSIONS)}"}}
+def touch_body(i: int, *, named: bool = False) -> dict[str, Any]:
+    """A touch of a placed session; ``named``: with its scope (``bot_id`` +
+    ``extra.group_id``, as a gateway should), else through the session-scope index."""
+    k = random.randrange(SESSIONS)
+    metadata: dict[str, Any] = {"request_id": rid(), "session_id": f"c-{k}"}
+    if named:
+        metadata.update(bot_id=f"b-{k % SCOPES}", extra={"group_id": GROUP})
+    return {"metadata": metadata}
 
 
 async def post(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> str:
@@ -116,6 +125,7 @@ async def measure(
 
     sent = Counter(s1["redis_commands"])
     sent.subtract(s0["redis_commands"])
+    detached = s1["redis_round_trips_detached"] - s0["redis_round_trips_detached"]
     by_client = {k: round(v / n, 3) for k, v in sorted(sent.items()) if v}
     by_server = {
         k: round((stats1.get(k, 0) - stats0.get(k, 0)) / n, 3)
@@ -128,9 +138,11 @@ async def measure(
         "seconds": round(elapsed, 3),
         "client": {
             "commands_per_request": round(sum(sent.values()) / n, 3),
+            # on the request's path: all but the detached index writer's (after the reply)
             "round_trips_per_request": round(
-                (s1["redis_round_trips"] - s0["redis_round_trips"]) / n, 3
+                (s1["redis_round_trips"] - s0["redis_round_trips"] - detached) / n, 3
             ),
+            "detached_round_trips_per_request": round(detached / n, 3),
             "evalsha_per_request": round(sent.get("EVALSHA", 0) / n, 3),
             "by_command": by_client,
         },

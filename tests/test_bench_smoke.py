@@ -69,13 +69,14 @@ def test_quick_bench_writes_wellformed_results(tmp_path: Path) -> None:
 
     cost = results["redis_cost"]
     assert number(cost["requests_per_phase"]) and number(cost["idle_noise"]["commands_per_s"])
-    for phase in ("noop", "refresh", "placed", "touch"):
+    for phase in ("noop", "refresh", "placed", "touch", "touch_no_ids"):
         for side in ("client", "server"):
             numbers = cost[phase][side]
             assert number(numbers["commands_per_request"])
             assert number(numbers["evalsha_per_request"])
             assert isinstance(numbers["by_command"], dict)
         assert number(cost[phase]["client"]["round_trips_per_request"])
+        assert number(cost[phase]["client"]["detached_round_trips_per_request"])
         assert sum(cost[phase]["answers"].values()) == cost["requests_per_phase"]
 
     wake = results["queue_wake"]

@@ -65,6 +65,7 @@ async def route(state: SessionState, session_id: str) -> str:
     placement = await state.route_place(
         request_id=uuid.uuid4().hex, session_id=session_id, scope_id=SID, token="t"
     )
+    await state.index_writes.flush()  # the expiry mark is written after the reply
     return placement.action.value
 
 

@@ -209,8 +209,12 @@ _rid = 0
 
 
 async def place(state: SessionState, **call: Any) -> list[Any]:
-    """One ``route_place`` through ``SessionState``, its answer spelled as the script's reply."""
-    return spelled(await state.route_place(**call))
+    """One ``route_place`` through ``SessionState``, its answer spelled as the script's reply,
+    once the index writes it asked for are done (after the reply: a bounded wait, each batch
+    has its deadline)."""
+    placement = await state.route_place(**call)
+    await state.index_writes.flush()
+    return spelled(placement)
 
 
 async def route(

@@ -93,6 +93,7 @@ async def every_script(redis: Redis, sid: str, other: str, *, records: bool = Tr
             request_id=f"{sid}-{request}", session_id=f"{sid}-{session}", scope_id=scope_id,
             token="t",
         )  # fmt: skip
+        await state.index_writes.flush()  # what the reply asked of other slots: done after it
         return placement.action.value
 
     assert await route("s1", sid, "r1") == "placed"

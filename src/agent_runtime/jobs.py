@@ -11,12 +11,14 @@ loops and gives the locks back.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from redis.asyncio import Redis
 from redis.asyncio.lock import Lock
@@ -154,3 +156,98 @@ class BackgroundTasks:
     async def wait(self) -> None:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class DetachedWrites(Generic[T]):
+    """Writes done after the reply, in order: one detached task (started when the first write
+    comes, gone when none is left) takes the pending ones in batches of at most ``batch`` and
+    hands each batch to ``write``, within ``timeout`` seconds; a batch that fails or runs out of
+    time is logged and counted ``failed`` (not retried: what it writes must be rewritten by its
+    owner later). At most ``pending`` wait: a ``put`` beyond it waits for room (the caller pays
+    about one batch's round trip; the order stays) up to ``timeout``, then the write is dropped,
+    counted ``dropped`` and logged. ``drain()`` (shutdown) writes what is pending; a ``put``
+    after it writes its own at once (``inline``). ``counted(outcome, n)``: ``written``,
+    ``failed``, ``waited`` (a put that waited for room), ``dropped``, ``inline``."""
+
+    def __init__(
+        self,
+        write: Callable[[list[T]], Awaitable[object]],
+        *,
+        name: str,
+        pending: int,
+        batch: int,
+        timeout: float,
+        counted: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self._write = write
+        self._name = name
+        self._bound = pending
+        self._batch = batch
+        self._timeout = timeout
+        self._counted = counted or (lambda outcome, n: None)
+        self._queue: collections.deque[T] = collections.deque()
+        self._room = asyncio.Event()
+        self._worker: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    async def put(self, item: T) -> None:
+        if self._closed:
+            await self._write_now([item], "inline")
+            return
+        if len(self._queue) >= self._bound:
+            self._counted("waited", 1)
+            try:
+                async with asyncio.timeout(self._timeout):
+                    while len(self._queue) >= self._bound:
+                        self._room.clear()
+                        await self._room.wait()
+            except TimeoutError:
+                self._counted("dropped", 1)
+                log.warning("%s: %d writes pending for %.1f s: one dropped", self._name,
+                            len(self._queue), self._timeout)  # fmt: skip
+                return
+            if self._closed:
+                await self._write_now([item], "inline")
+                return
+        self._queue.append(item)
+        if self._worker is None:
+            # a context of its own: the request's log fields are not the batch's
+            self._worker = asyncio.create_task(
+                self._run(), name=f"detached-writes:{self._name}", context=contextvars.Context()
+            )
+
+    async def _run(self) -> None:
+        try:
+            while self._queue:
+                n = min(len(self._queue), self._batch)
+                batch = [self._queue.popleft() for _ in range(n)]
+                self._room.set()
+                await self._write_now(batch, "written")
+        finally:
+            self._worker = None
+            self._room.set()
+
+    async def _write_now(self, batch: list[T], outcome: str) -> None:
+        try:
+            async with asyncio.timeout(self._timeout):
+                await self._write(batch)
+        except Exception as exc:
+            self._counted("failed", len(batch))
+            log.warning("%s: %d writes failed: %s: %s", self._name, len(batch),
+                        type(exc).__name__, exc)  # fmt: skip
+        else:
+            self._counted(outcome, len(batch))
+
+    async def flush(self) -> None:
+        """Wait until every write put so far was tried (bounded: each batch by ``timeout``)."""
+        while self._worker is not None:
+            await asyncio.shield(self._worker)
+
+    async def drain(self) -> None:
+        """Shutdown: no more detached writes; the pending ones are written first."""
+        self._closed = True
+        self._room.set()
+        await self.flush()

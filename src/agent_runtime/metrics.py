@@ -194,6 +194,14 @@ class Metrics:
             ["script"],
             registry=self.registry,
         )
+        self.index_writes = Counter(
+            "agent_runtime_index_writes",
+            "Writes a route or a touch asks of keys outside its script's slot (the session-scope "
+            "index, expiry marks, a moved session's eviction), done after the reply, by outcome: "
+            "written, failed, waited (for room: the bound reached), dropped, inline (at stop)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.db_seconds = Histogram(
             "agent_runtime_db_seconds",
             "SQL calls by kind (read / write)",

@@ -370,7 +370,9 @@ class Services:
                 self.pod_watch.start()
 
     async def stop(self) -> None:
-        """Reverse order: no new ticks, then running deploys finish or clean up."""
+        """Reverse order: the index writes of the last requests (they are done: none comes
+        after), no new ticks, then running deploys finish or clean up."""
+        await self.session_state.index_writes.drain()
         await self.pod_watch.stop()
         await self.jobs.stop()
         await self.session_sweeper.wait_for_notices()
@@ -394,7 +396,12 @@ def wire(
     db = backends.db.observed(metrics.db_call)
     k8s = MeteredK8sPodClient(backends.k8s, metrics.k8s_call)
     wait = replica_wait(settings, metrics)
-    session_state = SessionState(redis, observe=metrics.redis_call, wait=wait)
+    session_state = SessionState(
+        redis,
+        observe=metrics.redis_call,
+        wait=wait,
+        index_writes_counted=lambda outcome, n: metrics.index_writes.labels(outcome).inc(n),
+    )
     scope_state = ScopeState(redis, observe=metrics.redis_call)
     resource_state = ResourceState(
         redis, observe=metrics.redis_call, pod_budget=settings.pod_budget, wait=wait

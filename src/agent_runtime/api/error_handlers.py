@@ -1,8 +1,8 @@
 """Every failure is an envelope: the exception handlers (``AgentRuntimeError`` → its code,
-FastAPI's validation → 400, Starlette's HTTP errors → their code, backend connection errors →
-503 ``BACKEND_UNAVAILABLE``, a caller gone mid-body → 499), ``GuardMiddleware`` (bodies over
-64 KiB → 400, any escaped exception → 500 ``INTERNAL`` without a stack trace) and ``install``,
-which wires them and the OpenAPI completion into an app."""
+FastAPI's validation → 400, Starlette's HTTP errors → their code, backend connection errors and
+a Redis Cluster's refusals → 503 ``BACKEND_UNAVAILABLE``, a caller gone mid-body → 499),
+``GuardMiddleware`` (bodies over 64 KiB → 400, any escaped exception → 500 ``INTERNAL`` without
+a stack trace) and ``install``, which wires them and the OpenAPI completion into an app."""
 
 from __future__ import annotations
 
@@ -61,11 +61,18 @@ async def _on_app_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _on_backend_error(request: Request, exc: Exception) -> JSONResponse:
-    # the library's text (hosts, ports, errno) is for the log; the caller gets which backend
-    log.warning(
-        "request %s: backend unavailable: %s: %s", request_id_of(request), type(exc).__name__, exc
+    # the library's text (hosts, ports, errno) is for the log; the caller gets which backend.
+    # Keys of several slots are this code's fault, not the cluster's: an ERROR for whoever
+    # watches the logs (the caller still gets the 503 and retries: nothing was done)
+    crossslot = isinstance(exc, redis_errors.ClusterCrossSlotError) or (
+        type(exc) is redis_errors.RedisClusterException and "same key slot" in str(exc)
     )
-    which = "redis" if isinstance(exc, redis_errors.RedisError) else "database"
+    log.log(
+        logging.ERROR if crossslot else logging.WARNING,
+        "request %s: backend unavailable: %s: %s", request_id_of(request), type(exc).__name__, exc,
+    )  # fmt: skip
+    redis = (redis_errors.RedisError, redis_errors.RedisClusterException)
+    which = "redis" if isinstance(exc, redis) else "database"
     err = BackendUnavailable(f"{which} is unavailable; retry shortly")
     return await _on_app_error(request, err)
 
@@ -100,6 +107,8 @@ async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 BACKEND_ERRORS: tuple[type[Exception], ...] = (
+    # unreachable: refused, reset, timed out, the pool's connections all taken
+    # (MaxConnectionsError), no master known to Sentinel (MasterNotFoundError)
     redis_errors.ConnectionError,
     redis_errors.TimeoutError,
     redis_errors.BusyLoadingError,
@@ -111,6 +120,15 @@ BACKEND_ERRORS: tuple[type[Exception], ...] = (
     redis_errors.MasterDownError,
     redis_errors.TryAgainError,
     redis_errors.ClusterDownError,
+    # a Redis Cluster that refused the call: its redirections (MOVED, ASK) or TRYAGAINs
+    # outlasted the client's retries (ClusterError "TTL exhausted", the base of
+    # ClusterDownError), a redirection answered as such, keys of several slots (CROSSSLOT from
+    # a node, or the client's own refusal before sending: RedisClusterException, the base of
+    # SlotNotCoveredError — a slot no node is known to serve)
+    redis_errors.ClusterError,
+    redis_errors.AskError,
+    redis_errors.ClusterCrossSlotError,
+    redis_errors.RedisClusterException,
     sa_errors.OperationalError,
     sa_errors.InterfaceError,
     sa_errors.TimeoutError,

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from redis.exceptions import ClusterError, SlotNotCoveredError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -179,9 +180,11 @@ class SessionOrchestrator:
         self, exc: BaseException, scope_id: str, request_id: str, token: str
     ) -> None:
         """A failed route gives back its marker, reservation and seat — unless Redis is
-        unreachable: another call would only add its timeout to the 503, and the lease frees
+        unreachable, or a cluster's retries for the slot ran out (down, uncovered, redirected
+        without end): another call would only add its timeout to the 503, and the lease frees
         them within ROUTE_LEASE."""
-        if isinstance(exc, RedisConnectionError | RedisTimeoutError):
+        unreachable = RedisConnectionError | RedisTimeoutError | ClusterError | SlotNotCoveredError
+        if isinstance(exc, unreachable):
             return
         with contextlib.suppress(Exception):
             await self._state.release_route(scope_id, request_id, token)

@@ -14,10 +14,12 @@ config_sync bumped, nor wrote the scope's record already).
 
 A session's keys carry its scope's tag (``session:{<sid>}:<id>``, ``scope:{<sid>}:session_expiry``,
 ``touch:{<sid>}:<rid>``, ``pods:{<sid>}:registered``): every script of ``SessionState`` touches one
-slot. Three keys span scopes and are written by ``SessionState`` beside the script whose reply
-asks for it: the session-scope index ``session_scope:<id>`` (a hint for callers that know only
-the session id), and the bucketed DueIndexes ``expiry_due:{bNN}`` and ``leased_scopes:{bNN}``
-(``scope_buckets``); ``SessionState.safety_walk`` remakes a mark a crashed replica lost.
+slot. Three keys span scopes and are written by ``SessionState`` when a script's reply asks for
+it: the session-scope index ``session_scope:<id>`` (a hint for callers that know only the
+session id), and the bucketed DueIndexes ``expiry_due:{bNN}`` and ``leased_scopes:{bNN}``
+(``scope_buckets``); those a route's or a touch's reply asks for (all but ``need_acquire``'s
+``leased_scopes`` mark) after the reply, by ``index_writes`` (the hot path stays one round
+trip); ``SessionState.safety_walk`` remakes a mark a crashed replica lost.
 
 ``SessionState`` is the door to sessions, pods and routes (the hot path's scripts, the
 sweeper's passes, the facade's questions); ``scope_state.ScopeState`` the door to the scope
@@ -33,8 +35,8 @@ import hashlib
 import json
 import logging
 from collections import defaultdict
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import replace
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 from redis.asyncio import Redis
@@ -43,6 +45,7 @@ from redis.exceptions import NoScriptError
 from agent_runtime import lua
 from agent_runtime.config import SM_KEY_PREFIX as P
 from agent_runtime.errors import BackendUnavailable
+from agent_runtime.jobs import DetachedWrites
 from agent_runtime.redis_client import is_cluster
 from agent_runtime.resource_manager.session_side import ARRIVAL_FAST_WINDOW, ARRIVAL_SLOW_WINDOW
 from agent_runtime.scope_buckets import BUCKETS, DueIndex, bucket_tag
@@ -266,6 +269,16 @@ def _placement(reply: list[Any]) -> RoutePlacement:
     return RoutePlacement(action)
 
 
+def _index_write(session_id: str, scope_id: str, placement: RoutePlacement) -> IndexWrite | None:
+    """What a refresh's or a placement's reply asks of the keys of other slots (None: nothing).
+    A new binding (``placed``, ``rebound``) always rewrites the index and looks at what it
+    named before."""
+    if placement.action not in PLACING or not (placement.index_ttl or placement.due is not None):
+        return None
+    moved = placement.action is not Placement.REFRESH and bool(placement.index_ttl)
+    return IndexWrite(session_id, scope_id, placement.index_ttl, moved, placement.due)
+
+
 async def registry_page(redis: Redis, cursor: str, count: int) -> tuple[str, dict[str, str]]:
     """One HSCAN page of the registry's buckets, from ``cursor`` (``"<bucket>:<hscan cursor>"``,
     "0" to start): (the next cursor, "0" when every bucket was walked; sid → entry)."""
@@ -342,13 +355,34 @@ async def registered_in(redis: Redis, scope_ids: list[str]) -> list[list[str]]:
         return [sorted(str(m) for m in members) for members in await pipe.execute()]
 
 
+# The writes a placement's reply asks for outside its script's slot, done after the reply
+# (docs/spec/session-manager.md, "Index writes after the reply"): at most INDEX_WRITES_PENDING
+# wait (a route beyond it waits for room), INDEX_WRITE_BATCH per pipeline, each batch within
+# INDEX_WRITE_TIMEOUT seconds.
+INDEX_WRITES_PENDING = 4096
+INDEX_WRITE_BATCH = 256
+INDEX_WRITE_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class IndexWrite:
+    """What a refresh, a placement or a touch asks of the keys of other slots."""
+
+    session_id: str
+    scope_id: str
+    ttl: int = 0  # the session-scope index's new TTL (0: not due)
+    moved: bool = False  # a new binding: SET … GET, and a binding of another scope is evicted
+    due: float | None = None  # the scope's new earliest expiry (mark expiry_due)
+
+
 class SessionState:
     """Typed operations on sessions, pods and routes (client with decode_responses).
 
     Every script works on one scope (its keys carry the scope's tag: one slot on a Redis
     Cluster). The indexes that span scopes — the session-scope index, ``expiry_due`` and
-    ``leased_scopes`` — are written here beside the script that asked for it (its reply says
-    so); a mark lost with a crashed replica is found again by ``safety_walk``."""
+    ``leased_scopes`` — are written here when the script's reply asks for them: a route's and a
+    touch's after the reply (``index_writes``, in order, bounded, drained at stop); a mark lost
+    with a crashed replica is found again by ``safety_walk``."""
 
     def __init__(
         self,
@@ -356,6 +390,7 @@ class SessionState:
         *,
         observe: lua.ScriptObserver | None = None,
         wait: lua.ReplicaWait | None = None,
+        index_writes_counted: Callable[[str, int], None] | None = None,
     ) -> None:
         self.redis = redis
         self.observe = observe  # the script observer, for the session side's other readers
@@ -384,64 +419,83 @@ class SessionState:
         self._seat_prune = script("seat_prune")
         self.expiry_due = DueIndex(redis, expiry_due_key, name="expiry_due", observe=observe)
         self.leased = DueIndex(redis, leased_scopes_key, name="leased_scopes", observe=observe)
+        # the index writes after the reply (the hot path stays one round trip); drained at stop
+        self.index_writes = DetachedWrites[IndexWrite](
+            self.write_indexes,
+            name="session index writes",
+            pending=INDEX_WRITES_PENDING,
+            batch=INDEX_WRITE_BATCH,
+            timeout=INDEX_WRITE_TIMEOUT,
+            counted=index_writes_counted,
+        )
 
     # --- route and touch (scripts) -------------------------------------------------------------
 
     async def route_place(
         self, *, request_id: str, session_id: str, scope_id: str, token: str, slow: bool = False
     ) -> RoutePlacement:
-        """One EVALSHA: replay, refresh, or first-fit placement (see route_place.lua). Then,
-        only when its reply asks: the session-scope index (a new binding: a binding in another
-        scope is evicted there), the scope's expiry mark, a reservation's prune mark.
-        ``slow``: the caller may hold a seat or a reservation; placing gives them back."""
+        """One EVALSHA: replay, refresh, or first-fit placement (see route_place.lua). What its
+        reply asks of keys of other slots — the session-scope index (a new binding: a binding
+        in another scope is evicted there), the scope's expiry mark — is written after the
+        reply (``index_writes``); a reservation's prune mark (``need_acquire``, the slow path)
+        before it. ``slow``: the caller may hold a seat or a reservation; placing gives them
+        back."""
         keys, args = _route_call(request_id, session_id, scope_id, token, slow)
         reply = await lua.run_acked(
             self.redis, self._route_place, keys=keys, args=args, wait=self.wait,
             use="route_place", binds=_binds,
         )  # fmt: skip
         placement = _placement(reply)
-        await self._after_place(session_id, scope_id, placement)
+        if placement.action is Placement.NEED_ACQUIRE and placement.due is not None:
+            await self.leased.mark(scope_id, placement.due)
+        write = _index_write(session_id, scope_id, placement)
+        if write is not None:
+            await self.index_writes.put(write)
         return placement
 
     async def place_many(
         self, requests: Sequence[tuple[str, str, str]], token: str
     ) -> list[RoutePlacement]:
         """``route_place`` for each (request_id, session_id, scope_id), pipelined in one round
-        trip (set-ups of benches and fixtures: many sessions at once), the indexes after."""
+        trip (set-ups of benches and fixtures: many sessions at once), the indexes after, before
+        it returns."""
         calls = [
             (self._route_place, *_route_call(request_id, session_id, scope_id, token, False))
             for request_id, session_id, scope_id in requests
         ]
         placements = [_placement(reply) for reply in await pipelined(self.redis, calls)]
-        done = list(zip(requests, placements, strict=True))
-        async with self.redis.pipeline(transaction=False) as pipe:  # the index, in one go
-            for (_, session_id, scope_id), placement in done:
-                if placement.index_ttl:
-                    pipe.set(session_scope_key(session_id), scope_id, ex=placement.index_ttl)
-            await pipe.execute()
-        for (_, session_id, scope_id), placement in done:  # marks: the first of each scope
-            await self._after_place(session_id, scope_id, replace(placement, index_ttl=0))
+        writes = [
+            write
+            for (_, session_id, scope_id), placement in zip(requests, placements, strict=True)
+            if (write := _index_write(session_id, scope_id, placement)) is not None
+        ]
+        for i in range(0, len(writes), INDEX_WRITE_BATCH):
+            await self.write_indexes(writes[i : i + INDEX_WRITE_BATCH])
         return placements
 
-    async def _after_place(self, session_id: str, scope_id: str, placement: RoutePlacement) -> None:
-        """What route_place's reply asks of the indexes it cannot reach."""
-        if placement.due is not None:
-            index = self.leased if placement.action is Placement.NEED_ACQUIRE else self.expiry_due
-            await index.mark(scope_id, placement.due)
-        if not placement.index_ttl:
-            return
-        if placement.action is Placement.REFRESH:
-            await self.redis.set(session_scope_key(session_id), scope_id, ex=placement.index_ttl)
-            return
-        before = await self.redis.set(
-            session_scope_key(session_id), scope_id, ex=placement.index_ttl, get=True
-        )
-        if before and before != scope_id:
-            # bound in another scope before (the gateway's ids changed): that binding must not
-            # keep holding a seat there (rare: extra round trips)
-            moved = await self.evict(session_id, scope_id=str(before))
-            if moved is not None:
-                log.info("session %s moved from scope %s to %s", session_id, before, scope_id)
+    async def write_indexes(self, writes: Sequence[IndexWrite]) -> None:
+        """The index writes of many placements, in order: every session-scope index in one
+        pipeline (``SET … GET`` for a new binding), then the expiry marks (the earliest per
+        scope), then the evictions of sessions whose index named another scope (moved: that
+        binding must not keep holding a seat there; rare)."""
+        indexed = [w for w in writes if w.ttl]
+        before: list[Any] = []
+        if indexed:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for w in indexed:
+                    pipe.set(session_scope_key(w.session_id), w.scope_id, ex=w.ttl, get=w.moved)
+                before = await pipe.execute()
+        marks: dict[str, float] = {}
+        for w in writes:
+            if w.due is not None:
+                marks[w.scope_id] = min(w.due, marks.get(w.scope_id, w.due))
+        for scope_id, due in marks.items():
+            await self.expiry_due.mark(scope_id, due)
+        for w, was in zip(indexed, before, strict=True):
+            if w.moved and was and was != w.scope_id:
+                moved = await self.evict(w.session_id, scope_id=str(was))
+                if moved is not None:
+                    log.info("session %s moved from scope %s to %s", w.session_id, was, w.scope_id)
 
     async def renew_route(self, scope_id: str, request_id: str, token: str) -> bool:
         """Keep a running route's marker, reservation and seat for ROUTE_LEASE more seconds;
@@ -492,8 +546,8 @@ class SessionState:
         )
         if int(touched) < 0:
             return None
-        if int(index_ttl):
-            await self.redis.set(session_scope_key(session_id), scope, ex=int(index_ttl))
+        if int(index_ttl):  # after the reply, like a route's
+            await self.index_writes.put(IndexWrite(session_id, scope, int(index_ttl)))
         return TouchOutcome(bool(touched), bool(released))
 
     async def take_waiter_seat(
