@@ -327,13 +327,6 @@ async def test_cold_burst_deploys_up_to_max_pods_and_fills_their_slots(
     await assert_nothing_held(redis)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="over-admission (found from a flake of the cold-burst test): a follower that got the"
-    " pod gives its seat back (followers.py, FollowerRoom.follow's finally) while the leader"
-    " still holds the deploy's lock (orchestrator.py _lead: cache_result, on_ready, then"
-    " lease.end); deploy_claim.lua step 2 seats a new caller in that room, and it gets the pod",
-)
 async def test_a_deploy_s_pod_goes_to_pod_concurrency_callers_even_while_its_leader_finishes(
     rm: Instance, k8s: FakeK8sPodClient
 ) -> None:

@@ -108,13 +108,9 @@ class FollowerRoom:
 
     async def follow(self, call: AcquireCall, deploy_id: str) -> AcquiredPod:
         """Wait in ``deploy_id``'s room (the claim seated us) for its pod; the seat is renewed
-        while we wait and given back if we leave without the pod. With the pod it is kept
-        until its deadline: the room stays full while the leader still holds its lock (after
-        the registration, its on_ready), so no late caller is seated on a pod whose
-        pod_concurrency is taken already."""
+        while we wait and given back however we leave."""
         scope_id, request_id = call.scope_id, call.request_id
         entered = renewed = _now()
-        served = False
         try:
             # parked throughout: it waits on the leader, holding no connection but for a look
             # every poll (a burst's followers would otherwise hold the edge's places)
@@ -125,7 +121,6 @@ class FollowerRoom:
                             raise MaxPodsReached(f"scope {scope_id}: this replica is stopping")
                         pod = await self._look(call, deploy_id)
                         if pod is not None:
-                            served = True
                             return pod
                         remaining = call.remaining()
                         if remaining <= 0:
@@ -138,9 +133,8 @@ class FollowerRoom:
                         await listener.wait(min(FOLLOWER_POLL, remaining))
         finally:
             self._waits.observe(_now() - entered)
-            if not served:
-                with contextlib.suppress(Exception):
-                    await self._deploys.leave_follower_seat(scope_id, deploy_id, request_id)
+            with contextlib.suppress(Exception):
+                await self._deploys.leave_follower_seat(scope_id, deploy_id, request_id)
 
     async def _look(self, call: AcquireCall, deploy_id: str) -> AcquiredPod | None:
         """The deploy's pod once registered in use; None while its leader is on it."""
