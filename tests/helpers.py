@@ -270,8 +270,12 @@ async def claim_cluster_whole() -> Redis:
     """The cluster for a test that does not tag its keys: owned by this run (``hold_cluster``)
     and empty but for the markers; ``release_cluster_whole`` empties it again."""
     client = await claim_cluster("")  # the marker checks: a cluster not ours is refused
-    await hold_cluster(client)
-    await _flush_cluster(client)
+    try:
+        await hold_cluster(client)
+        await _flush_cluster(client)
+    except BaseException:
+        await client.aclose()  # held by another run: its connections go with the refusal
+        raise
     return client
 
 

@@ -286,3 +286,41 @@ async def test_detached_writes_drop_a_write_that_finds_no_room_in_time() -> None
     stuck.set()
     await asyncio.wait_for(writes.drain(), 2.0)
     assert counts == {"waited": 1, "dropped": 1, "written": 2}
+
+
+async def test_an_index_write_the_server_refuses_is_sent_again_and_keeps_its_before(
+    redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slot moving or a master failing over refuses a command of the batch (TRYAGAIN, a
+    connection lost): the refused ones are sent again after a pause, each with its own
+    ``GET`` reply, so the index survives a failover's window and a moved session's old
+    binding is still seen."""
+    from redis.exceptions import ResponseError
+
+    from agent_runtime.session_manager.state import IndexWrite
+
+    state = SessionState(redis)
+    await redis.set(K.sm_session_scope("s-moved"), "old-scope")
+    refusals = iter([ResponseError("TRYAGAIN Multiple keys request during rehashing of slot")])
+    pipeline_execute = Pipeline.execute
+
+    async def execute(self: Pipeline, raise_on_error: bool = True) -> Any:
+        results = await pipeline_execute(self, raise_on_error)
+        refusal = next(refusals, None)
+        if refusal is not None:  # the first command refused, as a node in the middle of a move
+            await redis.set(K.sm_session_scope("s-moved"), "old-scope")  # (not applied)
+            results[0] = refusal
+        return results
+
+    monkeypatch.setattr(Pipeline, "execute", execute)
+    evicted: list[tuple[str, str]] = []
+
+    async def evict(session_id: str, *, scope_id: str) -> None:
+        evicted.append((session_id, scope_id))
+
+    monkeypatch.setattr(state, "evict", evict)
+    writes = [IndexWrite("s-moved", "new-scope", 60, moved=True), IndexWrite("s-2", "b", 60)]
+    await state.write_indexes(writes)
+    assert await redis.get(K.sm_session_scope("s-moved")) == "new-scope"
+    assert await redis.get(K.sm_session_scope("s-2")) == "b"
+    assert evicted == [("s-moved", "old-scope")], "the retried SET … GET's own reply counts"

@@ -40,7 +40,9 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisClusterException
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from agent_runtime import lua
 from agent_runtime.config import SM_KEY_PREFIX as P
@@ -361,7 +363,11 @@ async def registered_in(redis: Redis, scope_ids: list[str]) -> list[list[str]]:
 # INDEX_WRITE_TIMEOUT seconds.
 INDEX_WRITES_PENDING = 4096
 INDEX_WRITE_BATCH = 256
-INDEX_WRITE_TIMEOUT = 5.0
+INDEX_WRITE_TIMEOUT = 10.0
+# a session-scope index write the server refused (a node failing over, a slot moving) is tried
+# again after these pauses, within INDEX_WRITE_TIMEOUT: a failover's window is seconds, and
+# an index lost means a touch without ids answers "not touched" until the next refresh
+INDEX_WRITE_RETRIES = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 2.4, 3.2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -479,12 +485,7 @@ class SessionState:
         scope), then the evictions of sessions whose index named another scope (moved: that
         binding must not keep holding a seat there; rare)."""
         indexed = [w for w in writes if w.ttl]
-        before: list[Any] = []
-        if indexed:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for w in indexed:
-                    pipe.set(session_scope_key(w.session_id), w.scope_id, ex=w.ttl, get=w.moved)
-                before = await pipe.execute()
+        before = await self._set_indexes(indexed)
         marks: dict[str, float] = {}
         for w in writes:
             if w.due is not None:
@@ -496,6 +497,36 @@ class SessionState:
                 moved = await self.evict(w.session_id, scope_id=str(was))
                 if moved is not None:
                     log.info("session %s moved from scope %s to %s", w.session_id, was, w.scope_id)
+
+    async def _set_indexes(self, writes: list[IndexWrite]) -> list[Any]:
+        """Each write's ``SET … GET`` (its reply: the scope the index named before), in one
+        pipeline; the commands the server refused (a slot moving, a node failing over) are
+        sent again after a pause (INDEX_WRITE_RETRIES), so a failover's window loses none.
+        Raises the last refusal when they run out."""
+        replies: list[Any] = [None] * len(writes)
+        todo = list(range(len(writes)))
+        for pause in (*INDEX_WRITE_RETRIES, None):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for i in todo:
+                    w = writes[i]
+                    pipe.set(session_scope_key(w.session_id), w.scope_id, ex=w.ttl, get=w.moved)
+                try:
+                    results = await pipe.execute(raise_on_error=False)
+                except (RedisConnectionError, RedisTimeoutError, RedisClusterException) as exc:
+                    results = [exc] * len(todo)
+            failed = []
+            for i, result in zip(todo, results, strict=True):
+                if isinstance(result, Exception):
+                    failed.append(i)
+                else:
+                    replies[i] = result
+            if not failed:
+                return replies
+            if pause is None:
+                raise cast(Exception, results[todo.index(failed[0])])
+            todo = failed
+            await asyncio.sleep(pause)
+        return replies  # (not reached)
 
     async def renew_route(self, scope_id: str, request_id: str, token: str) -> bool:
         """Keep a running route's marker, reservation and seat for ROUTE_LEASE more seconds;
