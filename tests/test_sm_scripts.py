@@ -37,9 +37,7 @@ from agent_runtime.session_manager.scope_state import ScopeState
 from agent_runtime.session_manager.state import SessionState, request_hash
 from helpers import other_client, run_redis_state_machine, shard_message, spelled
 
-# the cluster joins when every script the module drives is of one slot (issue 17: the pod
-# budgets still count beside a scope's keys)
-pytestmark = pytest.mark.topologies(cluster=False)
+pytestmark = pytest.mark.topologies
 
 T = TypeVar("T")
 P = "session_manager:"
