@@ -1146,6 +1146,6 @@ class PoolMachine(RuleBasedStateMachine):
         assert deploying == set(self.placeholders.values())
 
 
-@pytest.mark.parametrize("backend", ["fake", "real", "sentinel"])
+@pytest.mark.parametrize("backend", ["fake", "real", "sentinel", "cluster"])
 def test_pool_state_machine(backend: str) -> None:
     run_redis_state_machine(backend, PoolMachine, steps=40)

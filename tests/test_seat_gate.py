@@ -24,9 +24,7 @@ from agent_runtime import lua
 from agent_runtime.session_manager.state import SessionState
 from helpers import other_client
 
-# the cluster joins when every script the module drives is of one slot (issue 17: the pod
-# budgets still count beside a scope's keys)
-pytestmark = pytest.mark.topologies(cluster=False)
+pytestmark = pytest.mark.topologies
 
 ROOM = "seat_gate_test:room"
 

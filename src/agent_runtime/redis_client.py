@@ -22,13 +22,15 @@ import asyncio
 import contextlib
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import unquote
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
@@ -142,6 +144,41 @@ MASTER_CHECK = 0.5  # seconds between two questions to the sentinels while comma
 WATCH_IDLE = 5.0  # seconds without a command after which the master watch stops (restarts on use)
 
 
+class _WriteGuard:
+    """A cluster connection's write that fails as a lost connection (``ConnectionError``,
+    which the cluster client retries) when another task closed the connection under it.
+
+    redis-py 8.1's cluster node disconnects its idle connections after a connection error
+    (``ClusterNode.disconnect_free_connections``) while they stay in its free list, and closes
+    every connection, busy ones too, when it drops its slot map (``RedisCluster.aclose`` after
+    ``reinitialize_steps`` MOVED replies, or CLUSTERDOWN): a command that took such a
+    connection meanwhile writes through ``self._writer`` after ``disconnect()`` set it to
+    ``None``, an ``AttributeError`` that no retry catches. Here the writer is read once and
+    checked (nothing was written when this raises), as upstream's fix does (redis-py #4288)."""
+
+    _writer: asyncio.StreamWriter | None
+    if TYPE_CHECKING:  # Connection's
+
+        def _host_error(self) -> str: ...
+
+    async def _send_packed_command(self, command: Iterable[bytes]) -> None:
+        writer = self._writer
+        if writer is None or writer.transport.is_closing():
+            raise RedisConnectionError(
+                f"the connection to {self._host_error()} was closed before the command was sent"
+            )
+        writer.writelines(command)
+        await writer.drain()
+
+
+class _ClusterConnection(_WriteGuard, Connection):
+    pass
+
+
+class _ClusterSSLConnection(_WriteGuard, SSLConnection):
+    pass
+
+
 class GatedCluster(RedisCluster):
     """A ``RedisCluster`` whose commands wait for a free connection, as the single server's
     blocking pool does. redis-py's cluster pool raises ``MaxConnectionsError`` at once when a
@@ -149,12 +186,32 @@ class GatedCluster(RedisCluster):
     be answered 503 while Redis is fine. At most ``gate_size`` commands of this client are in
     flight (so no node's pool is ever short); a command waits ``gate_timeout`` s for a place,
     then fails as a Redis timeout does (503 + ``Retry-After``). A pipeline is one command to
-    it (one connection per node it reaches)."""
+    it (one connection per node it reaches).
+
+    And a command reads the slot map first. redis-py 8.1's ``execute_command`` picks a
+    command's route before its own ``initialize()``: with no map yet (a fresh client, or one
+    whose map was dropped) EVALSHA, ZCARD and every keyed command without a fixed route go to
+    a random master, which answers MOVED; every ``reinitialize_steps`` (5) MOVED replies the
+    client drops its map and closes all its connections, those of the commands in flight
+    too. A burst on a fresh client was a storm of MOVED and ``'NoneType' object has no
+    attribute 'writelines'`` (tests/test_redis_client_cluster.py). Its connections are
+    ``_WriteGuard``'s: a command whose connection another task closed is retried."""
 
     def __init__(self, *args: Any, gate_size: int, gate_timeout: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._gate = asyncio.Semaphore(gate_size)
         self._gate_timeout = gate_timeout
+        # RedisCluster takes no connection class: its nodes' connections are made from
+        # connection_kwargs (the startup nodes' are already made, without connections yet)
+        guarded = (
+            _ClusterSSLConnection
+            if self.connection_kwargs["connection_class"] is SSLConnection
+            else _ClusterConnection
+        )
+        self.connection_kwargs["connection_class"] = guarded
+        self.nodes_manager.connection_kwargs["connection_class"] = guarded
+        for node in self.nodes_manager.startup_nodes.values():
+            node.connection_class = guarded
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -165,6 +222,9 @@ class GatedCluster(RedisCluster):
                 f"no free Redis connection within {self._gate_timeout} s"
             ) from None
         try:
+            # the slot map first: redis-py picks a command's route before its own initialize()
+            # (see the class), so a command on a client without a map goes to a random master
+            await self.initialize()  # a no-op while the map is there; one reader at a time
             return await super().execute_command(*args, **kwargs)
         finally:
             self._gate.release()
