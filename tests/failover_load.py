@@ -344,8 +344,16 @@ class Gateway:
             )
             path = ROUTE
         else:
-            raw = {"eos": True} if kind == "eos" else {}
-            body = envelope(raw, request_id=f"t-{uuid.uuid4().hex}", session_id=session.session_id)
+            # as the API reference tells a gateway: the ids on touch too (one EVALSHA on the
+            # scope's node; a touch without them reads the session-scope index, written after
+            # the route's reply and delayed with the rest of those writes through a fault)
+            body = envelope(
+                {"eos": True} if kind == "eos" else {},
+                request_id=f"t-{uuid.uuid4().hex}",
+                session_id=session.session_id,
+                bot_id=bot,
+                extra={"group_id": group},
+            )
             path = TOUCH
         started = time.monotonic()
         resp = await app.post(path, json=body)

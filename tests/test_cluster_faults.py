@@ -13,6 +13,8 @@ window and what the kill lost are printed (bench/cluster_faults.py counts them o
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from collections.abc import AsyncIterator
 
 import pytest
@@ -23,11 +25,29 @@ from agent_runtime.db.engine import Database
 from cluster_faults import ClusterSet, slot_of
 from failover_load import Outcome, Shape, one_failover, service
 
+TIMEOUT = 300
+
 pytestmark = [
     pytest.mark.real_backend,
-    pytest.mark.timeout(300),
+    pytest.mark.timeout(TIMEOUT),
     pytest.mark.parametrize("sql_backend", ["sqlite"], indirect=True),
 ]
+
+
+@pytest.fixture(autouse=True)
+async def _tasks_shown_before_the_timeout() -> AsyncIterator[None]:
+    """A run that hangs shows where: every task's stack, printed 30 s before pytest-timeout
+    ends the test (which shows only the event loop's select)."""
+
+    async def show() -> None:
+        await asyncio.sleep(TIMEOUT - 30)
+        for task in asyncio.all_tasks():
+            print(f"task {task.get_name()}:", file=sys.stderr)
+            task.print_stack(limit=15, file=sys.stderr)
+
+    shower = asyncio.create_task(show())
+    yield
+    shower.cancel()
 
 
 @pytest.fixture
