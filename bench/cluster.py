@@ -159,7 +159,7 @@ async def measure_target(
 ) -> dict[str, Any]:
     masters = sorted(ctx.redis.masters())
     print(f"  {NAME}: {label}: masters {masters}", file=sys.stderr, flush=True)
-    server = await Server(ctx, f"cluster-{label}", count_redis=True).start()
+    server = await Server(ctx, f"cluster-{label}", count_redis=True, hot_path=True).start()
     keeper = asyncio.create_task(keep_claim(ctx), name="bench-cluster-keep-claim")
     try:
         started = time.perf_counter()

@@ -41,7 +41,7 @@ IGNORED = {"info"}  # the bench's own INFO readings
 
 async def run(ctx: Context) -> dict[str, Any]:
     n = 200 if ctx.quick else 2000
-    server = await Server(ctx, "cost", count_redis=True).start()
+    server = await Server(ctx, "cost", count_redis=True, hot_path=True).start()
     try:
         async with client(server.url) as http:
             await configure(http, "cost", GROUP, scope_concurrency=100_000, pod_concurrency=100_000)

@@ -166,7 +166,9 @@ def derive(report: dict[str, Any]) -> None:
     report["baseline_rps"] = round(base, 1) if base else None
     for name in ("refresh", "placed", "touch"):
         if base and "loaded" in results.get(name, {}):
-            results[name]["ratio_to_baseline"] = round(results[name]["loaded"]["rps"] / base, 3)
+            # OK answers only: a shed request is no route served
+            ok = results[name]["loaded"].get("ok_rps", results[name]["loaded"]["rps"])
+            results[name]["ratio_to_baseline"] = round(ok / base, 3)
     report["targets"] = targets(results)
 
 

@@ -8,7 +8,7 @@ Asserted, whatever the fault lost: every answer is a contract answer (200, or a 
 replica answers again without a restart, no scope or pod over its cap (sampled during the load
 and after), every session in all its places, nothing held once the leases ran out, and a
 session with no call in flight around the fault keeps what it was told. The unavailability
-window and what the kill lost are printed (bench/cluster_faults.py counts them over runs).
+window and what the kill lost are printed (docs/performance.md "Redis Cluster" has four runs').
 """
 
 from __future__ import annotations
