@@ -364,10 +364,10 @@ class Api:
         return await self.post(stats, step, "/route", body, outcome=placement)
 
     async def touch(self, stats: Stats, step: str, session_id: str, *, eos: bool = False) -> Answer:
-        body = {
-            "metadata": {"request_id": self.new_id("t"), "session_id": session_id},
-            "rawdata": {"eos": True} if eos else {},
-        }
+        metadata: dict[str, Any] = {"request_id": self.new_id("t"), "session_id": session_id}
+        if not self.args.touch_without_ids:  # as the API reference tells a gateway: one EVALSHA
+            metadata |= {"bot_id": self.args.bot_id, "extra": {"group_id": self.args.group_id}}
+        body = {"metadata": metadata, "rawdata": {"eos": True} if eos else {}}
         return await self.post(stats, step, "/touch", body, outcome=released if eos else touched)
 
     async def config_sync(self, stats: Stats, kind: str, item: dict[str, Any]) -> Answer:
@@ -922,6 +922,12 @@ def build_parser() -> argparse.ArgumentParser:
     sc = p.add_argument_group("scenarios")
     sc.add_argument("--sessions", type=int, default=10, help="refresh: sessions to pre-create (10)")
     sc.add_argument("--touches", type=int, default=1, help="route_touch: keep-alive touches (1)")
+    sc.add_argument(
+        "--touch-without-ids",
+        action="store_true",
+        help="touch with the session id alone (the service reads its session-scope index, "
+        "written just after the route's reply: a touch right after may find none yet)",
+    )
     sc.add_argument("--hold", type=float, default=0.5, help="queued: seconds a slot is held (0.5)")
     sc.add_argument(
         "--no-cleanup", action="store_true", help="route/refresh: leave the sessions to expire"

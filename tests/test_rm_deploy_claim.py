@@ -399,3 +399,39 @@ async def test_a_scope_with_a_cold_deploy_indexed_is_not_expired(
     await redis.delete(K.COLD)
     assert await rs.expire_scope(SID)
     assert not await redis.exists(CONFIG)
+
+
+# --- follower_leave: a served follower keeps its place in the room's count -----------------------
+
+
+async def test_followers_that_leave_with_the_pod_still_fill_the_room(
+    rs: ResourceState, redis: Redis
+) -> None:
+    """pod_concurrency 3: the leader and two followers. Both followers take the pod and leave
+    (served) while the leader still holds its lock: a late claim is not seated on that pod; a
+    follower that leaves without it (a failure) gives its place back; a re-sent leave counts
+    nothing twice; a record that is gone is not made again by a leave."""
+    await configure(rs, pod_concurrency=3, max_pods=1)
+    ds = DeployState(rs)
+    lead = await cold_claim(rs, "rq-lead")
+    assert lead.action == "lead"
+    did = lead.deploy_id
+    await redis.hset(K.record(did), mapping={"token": "lk-rq-lead@1", "pod_id": "agent-1"})
+    a, b = await cold_claim(rs, "rq-a"), await cold_claim(rs, "rq-b")
+    assert (a.action, a.deploy_id, b.action, b.deploy_id) == ("follow", did, "follow", did)
+    assert (await cold_claim(rs, "rq-full")).action == "coming", "the room is full"
+    for member in ("rq-a", "rq-b"):
+        await ds.leave_follower_seat(SID, did, member, served=True)
+    await ds.leave_follower_seat(SID, did, "rq-a", served=True)  # re-sent: counted once
+    assert await redis.zcard(K.room(did)) == 0
+    assert await redis.hget(K.record(did), "served") == "2"
+    assert (await cold_claim(rs, "rq-late")).action == "coming", "served followers hold places"
+    # one served follower less (as if it had failed instead): one place again
+    await redis.hset(K.record(did), "served", 1)
+    late = await cold_claim(rs, "rq-late-2")
+    assert (late.action, late.deploy_id) == ("follow", did)
+    await ds.leave_follower_seat(SID, did, "rq-late-2", served=False)  # without the pod
+    assert await redis.hget(K.record(did), "served") == "1"
+    await redis.delete(K.record(did))
+    await ds.leave_follower_seat(SID, did, "rq-late-2", served=True)
+    assert not await redis.exists(K.record(did)), "a leave never makes a record"

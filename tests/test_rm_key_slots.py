@@ -107,6 +107,7 @@ async def flow(rs: ResourceState, sid: str, other: str, *, installation_wide: bo
     )  # fmt: skip
     assert claim.action == "lead"
     assert (await ds.renew_deploy_claim(other, "t3", "o/rq/u@1", 5, deploy_id="rq")).member
+    await ds.leave_follower_seat(other, "rq", "f-1", served=True)
     assert await ds.end_deploy_lease(other, "rq", "o/rq/u@1", "none", 1)
     assert (await ds.take_deploy_lease(other, "rq", "reconcile//u@2", 5)).leader
     assert await ds.end_deploy_lease(other, "rq", "reconcile//u@2", "done", 1)
@@ -145,6 +146,7 @@ async def test_every_resource_manager_script_call_is_given_keys_of_one_slot(
     await flow(ResourceState(redis), "s-slot-a", "s-slot-b")
     names = {name for name, _ in calls.seen}
     assert {"acquire", "register", "release", "deploy_claim", "lease_prune", "drain_begin",
+            "follower_leave",
             "pod_report", "pod_fields", "read_many", "pool_config", "scope_expire",
             "bucket_due", "bucket_mark", "bucket_settle"} <= names, names  # fmt: skip
     budgeted: set[str] = set()

@@ -113,6 +113,7 @@ class DeployState:
         self._lease_renew = state.script("deploy_lease", "_placeholders")
         self._lease_end = state.script("deploy_lease_end")
         self._lease_prune = state.script("lease_prune", "_placeholders")
+        self._follower_leave = state.script("follower_leave")
 
     # --- placeholders --------------------------------------------------------------------------
 
@@ -337,8 +338,15 @@ class DeployState:
         key = scope_followers_key(scope_id, deploy_id)
         return bool(await self.redis.zcount(key, seconds + micros / 1_000_000, "+inf"))
 
-    async def leave_follower_seat(self, scope_id: str, deploy_id: str, member: str) -> None:
-        await self.redis.zrem(scope_followers_key(scope_id, deploy_id), member)
+    async def leave_follower_seat(
+        self, scope_id: str, deploy_id: str, member: str, *, served: bool = False
+    ) -> None:
+        """Give back a seat; ``served``: the follower leaves with the deploy's pod, and keeps
+        its place in the room's count (follower_leave.lua)."""
+        await self._follower_leave(
+            keys=[scope_followers_key(scope_id, deploy_id), deploy_pod_key(scope_id, deploy_id)],
+            args=[member, "1" if served else "0"],
+        )
 
     # --- what a dead replica left --------------------------------------------------------------
 

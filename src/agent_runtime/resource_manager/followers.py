@@ -111,6 +111,7 @@ class FollowerRoom:
         while we wait and given back however we leave."""
         scope_id, request_id = call.scope_id, call.request_id
         entered = renewed = _now()
+        served = False
         try:
             # parked throughout: it waits on the leader, holding no connection but for a look
             # every poll (a burst's followers would otherwise hold the edge's places)
@@ -121,6 +122,7 @@ class FollowerRoom:
                             raise MaxPodsReached(f"scope {scope_id}: this replica is stopping")
                         pod = await self._look(call, deploy_id)
                         if pod is not None:
+                            served = True
                             return pod
                         remaining = call.remaining()
                         if remaining <= 0:
@@ -133,8 +135,10 @@ class FollowerRoom:
                         await listener.wait(min(FOLLOWER_POLL, remaining))
         finally:
             self._waits.observe(_now() - entered)
-            with contextlib.suppress(Exception):
-                await self._deploys.leave_follower_seat(scope_id, deploy_id, request_id)
+            with contextlib.suppress(Exception):  # with the pod: it still counts in the room
+                await self._deploys.leave_follower_seat(
+                    scope_id, deploy_id, request_id, served=served
+                )
 
     async def _look(self, call: AcquireCall, deploy_id: str) -> AcquiredPod | None:
         """The deploy's pod once registered in use; None while its leader is on it."""

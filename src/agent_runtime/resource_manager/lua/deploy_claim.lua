@@ -6,8 +6,8 @@
 --      once). A deploy serves the demand its holder's token names (``{owner}/{demand}/{uuid}
 --      @{start}``), not the one its id names: a takeover keeps the dead demand's id;
 --   2. a live deploy of the scope whose follower room has a free seat (each deploy's pod holds
---      pod_concurrency sessions: its leader + pod_concurrency - 1 followers) and whose pod is
---      not registered yet (a served pod's followers may have left their seats): follow it;
+--      pod_concurrency sessions: its leader + pod_concurrency - 1 followers; those that left
+--      with its pod count, follower_leave.lua): follow it;
 --   3. a placeholder within max_pods, or else "coming" (a placeholder of a deploy in flight is
 --      live: a pod may still come) or the refusal; the placeholder only with the caller's pod
 --      budget reservation (budget_reserve.lua, the budget's own slot): without one (ARGV[14]
@@ -94,12 +94,9 @@ local function follow(id, holder)
   return {'follow', id, holder}
 end
 
--- a deploy whose pod is registered: its pod_concurrency is served (its leader may still hold
--- the lock a moment, for its on_ready), no seat for a late caller
-local function served(id)
-  local pod = redis.call('HGET', record(id), 'pod_id')
-  return pod and redis.call('ZSCORE', KEYS[4], pod)
-end
+-- followers that left with the deploy's pod (follower_leave.lua): their seats are gone, but
+-- they hold the pod's places (its leader may still hold the lock, for its on_ready)
+local function served(id) return tonumber(redis.call('HGET', record(id), 'served') or '0') end
 
 -- a lapsed deploy's record naming a pod nobody registered (not a failure notice): inherited
 local function orphan_of(id)
@@ -144,9 +141,11 @@ for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   if holder and holder ~= token and serves_own(id, holder) then return follow(id, holder) end
   if holder then
     live = live + 1
-    if not open and room_limit > 0 and holder ~= token and not served(id) then
+    if not open and room_limit > 0 and holder ~= token then
       redis.call('ZREMRANGEBYSCORE', room(id), '-inf', '(' .. string.format('%.6f', now))
-      if redis.call('ZCARD', room(id)) < room_limit then open, open_holder = id, holder end
+      if redis.call('ZCARD', room(id)) + served(id) < room_limit then
+        open, open_holder = id, holder
+      end
     end
   elseif orphan_of(id) then
     if not orphan or id == own then orphan = id end
