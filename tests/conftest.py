@@ -15,6 +15,7 @@ import os
 import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import fakeredis
@@ -156,6 +157,21 @@ async def redis_cluster(cluster_tag: str) -> AsyncIterator[Redis]:
         await release_cluster(client, cluster_tag)
         with contextlib.suppress(RedisTimeoutError):
             await client.aclose()
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[type[helpers.PrivateRedis]]:
+    """Start private ``redis-server``s with ``private_redis(*args)``; all stopped after."""
+    started: list[helpers.PrivateRedis] = []
+
+    class Tracked(helpers.PrivateRedis):
+        def __init__(self, *args: str) -> None:
+            super().__init__(tmp_path, *args)
+            started.append(self)
+
+    yield Tracked
+    for server in started:
+        server.stop()
 
 
 @pytest.fixture

@@ -8,7 +8,9 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -748,3 +750,51 @@ async def shard_message(pubsub: Any, within: float) -> dict[str, Any] | None:
         message: dict[str, Any] | None = await pubsub.get_sharded_message(timeout=within)
         return message
     return cast(dict[str, Any] | None, await pubsub.get_message(timeout=within))
+
+
+# --- a private Redis server -------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class PrivateRedis:
+    """A ``redis-server`` of one test on a free loopback port (the shared Redis is never
+    reconfigured), stopped by PID: through the ``private_redis`` fixture, which stops it."""
+
+    def __init__(self, tmp: Path, *args: str) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            message = "redis-server is not installed (scripts/services.sh installs it)"
+            if IN_CI:
+                pytest.fail(message, pytrace=False)
+            pytest.skip(message)
+        self.port = free_port()
+        cmd = [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", ""]
+        cmd += ["--appendonly", "no", "--dir", str(tmp), *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"redis-server on {self.port} did not start") from None
+                time.sleep(0.05)
+
+    def client(self) -> Redis:
+        return Redis(host="127.0.0.1", port=self.port, decode_responses=True)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)

@@ -8,76 +8,14 @@ stopped by PID (the shared Redis is never reconfigured)."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
-import subprocess
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from redis.asyncio import Redis
 from redis.exceptions import OutOfMemoryError
 
 from agent_runtime.db.engine import Database
-from helpers import IN_CI, running_app
+from helpers import PrivateRedis, running_app
 from test_faults import assert_error, configure, route
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class PrivateRedis:
-    def __init__(self, tmp: Path, *args: str) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            message = "redis-server is not installed (scripts/services.sh installs it)"
-            if IN_CI:
-                pytest.fail(message, pytrace=False)
-            pytest.skip(message)
-        self.port = _free_port()
-        cmd = [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", ""]
-        cmd += ["--appendonly", "no", "--dir", str(tmp), *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    raise RuntimeError(f"redis-server on {self.port} did not start") from None
-                time.sleep(0.05)
-
-    def client(self) -> Redis:
-        return Redis(host="127.0.0.1", port=self.port, decode_responses=True)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[type[PrivateRedis]]:
-    started: list[PrivateRedis] = []
-
-    class Tracked(PrivateRedis):
-        def __init__(self, *args: str) -> None:
-            super().__init__(tmp_path, *args)
-            started.append(self)
-
-    yield Tracked
-    for server in started:
-        server.stop()
 
 
 async def test_a_redis_out_of_memory_answers_503_backend_unavailable(
