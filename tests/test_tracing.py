@@ -20,16 +20,19 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
+from opentelemetry.context import Context
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
 from agent_runtime import logs
 from agent_runtime.main import create_app
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.tracing import OtelTracing, ServerSpans, Tracing, from_environment
 from agent_runtime.util import scope_id_of
-from helpers import envelope, make_settings
+from agent_runtime.wiring import build_backends
+from helpers import envelope, make_settings, sync_body
 from test_local_mode import local_server
 
 ROUTE = "/api/session/route"
@@ -69,13 +72,18 @@ def captured_logs() -> Iterator[LogLines]:
 
 
 @asynccontextmanager
-async def local_app(tmp_path: Path, tracing: Tracing | None) -> AsyncIterator[httpx.AsyncClient]:
-    """Local mode as a developer runs it (fakeredis, SQLite, the fake Kubernetes, the seeded
-    default template), lifespan started, through httpx's ASGI transport."""
+async def local_app(
+    tmp_path: Path, tracing: Tracing | None, *, ready_delay: float = 0.0
+) -> AsyncIterator[httpx.AsyncClient]:
+    """Local mode as a developer runs it (fakeredis, SQLite, the fake Kubernetes — its pods
+    Ready after ``ready_delay`` s —, the seeded default template), lifespan started, through
+    httpx's ASGI transport."""
     settings = make_settings(
         local_seed=True, database_url=f"sqlite:///{tmp_path / f'{uuid.uuid4().hex[:6]}.db'}"
     )
-    app = create_app(settings, tracing=tracing)
+    backends = build_backends(settings)
+    backends.k8s = FakeK8sPodClient(ready_delay=ready_delay)
+    app = create_app(settings, backends=backends, owns_backends=True, tracing=tracing)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
@@ -88,12 +96,46 @@ def traced() -> tuple[OtelTracing, InMemorySpanExporter]:
     return OtelTracing(exporter=exporter, instance_id="test-1", batch=False), exporter
 
 
-def route_body(session_id: str, request_id: str | None = None) -> dict[str, Any]:
+class Started(SpanProcessor):
+    """The names of the spans started so far: a test waits for a step to be under way."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.more = asyncio.Event()  # spans start on the event loop's thread
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        self.names.append(span.name)
+        self.more.set()
+
+    async def reached(self, name: str, within: float = 20.0) -> None:
+        async with asyncio.timeout(within):
+            while name not in self.names:
+                self.more.clear()
+                await self.more.wait()
+
+
+async def configure(
+    client: httpx.AsyncClient, group: str, *, scope_concurrency: int, pod_concurrency: int
+) -> None:
+    template = {
+        "template_id": f"t-{group}",
+        "image": "agent:1",
+        "scope_concurrency": scope_concurrency,
+        "pod_concurrency": pod_concurrency,
+        "min_idle_pods": 0,
+    }
+    rule = {"group_id": group, "bot_id": "*", "template_id": f"t-{group}"}
+    for kind, item in (("template", template), ("routing_rule", rule)):
+        resp = await client.post("/api/session/config_sync", json=sync_body(kind, "sync", item))
+        assert resp.status_code == 200, resp.text
+
+
+def route_body(session_id: str, group_id: str = "g-1") -> dict[str, Any]:
     return envelope(
-        request_id=request_id or f"r-{uuid.uuid4().hex[:8]}",
+        request_id=f"r-{uuid.uuid4().hex[:8]}",
         session_id=session_id,
         bot_id="bot-1",
-        extra={"group_id": "g-1"},
+        extra={"group_id": group_id},
     )
 
 
@@ -214,6 +256,62 @@ async def test_error_answers_carry_their_code_and_status_error(tmp_path: Path) -
     assert dict(nowhere.attributes or {})["url.path"] == "/api/session/nowhere"  # name bounded
     assert dict(touch.attributes or {})["agent_runtime.session_id"] == "s-none"
     assert touch.status.status_code is StatusCode.UNSET
+
+
+async def test_a_route_waiting_for_a_slot_has_its_queue_wait_span(tmp_path: Path) -> None:
+    tracing, exporter = traced()
+    started = Started()
+    tracing.provider.add_span_processor(started)
+    async with local_app(tmp_path, tracing) as client:
+        await configure(client, "g-q", scope_concurrency=1, pod_concurrency=1)
+        first = await client.post(ROUTE, json=route_body("s-q1", "g-q"))
+        assert first.json()["data"]["placement"] == "placed"
+        exporter.clear()
+        waiting = asyncio.create_task(client.post(ROUTE, json=route_body("s-q2", "g-q")))
+        await started.reached("queue wait")  # the scope is full: the second route waits
+        ended = await client.post(TOUCH, json=envelope(session_id="s-q1", rawdata={"eos": True}))
+        assert ended.json()["data"]["released"] is True
+        second = await waiting
+        assert second.json()["data"]["placement"] in ("placed", "rebound"), second.text
+        spans = list(exporter.get_finished_spans())
+    named = by_name(spans)
+    servers = [
+        s
+        for s in named["POST /api/session/route"]
+        if dict(s.attributes or {})["agent_runtime.session_id"] == "s-q2"
+    ]
+    [server] = servers
+    [wait] = named["queue wait"]
+    assert server.context is not None and parent_id(wait) == server.context.span_id
+    assert dict(wait.attributes or {})["agent_runtime.scope_id"] == scope_id_of("g-q", "bot-1")
+    assert wait.end_time is not None and server.end_time is not None
+    assert wait.end_time <= server.end_time
+
+
+async def test_a_follower_waits_under_its_own_span(tmp_path: Path) -> None:
+    tracing, exporter = traced()
+    started = Started()
+    tracing.provider.add_span_processor(started)
+    # one pod for two sessions (max_pods 1), Ready after a second: the second route follows
+    async with local_app(tmp_path, tracing, ready_delay=1.0) as client:
+        await configure(client, "g-f", scope_concurrency=2, pod_concurrency=2)
+        exporter.clear()
+        leader = asyncio.create_task(client.post(ROUTE, json=route_body("s-f1", "g-f")))
+        await started.reached("k8s deploy")  # the leader's deploy is under way
+        follower = await client.post(ROUTE, json=route_body("s-f2", "g-f"))
+        answers = [await leader, follower]
+        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        assert answers[0].json()["data"]["pod_id"] == answers[1].json()["data"]["pod_id"]
+        spans = list(exporter.get_finished_spans())
+    named = by_name(spans)
+    [wait] = named["follower wait"]
+    assert ancestors(wait, spans) == ["acquire", "POST /api/session/route"]
+    [server] = [s for s in named["POST /api/session/route"] if s.context and wait.context
+                and s.context.trace_id == wait.context.trace_id]  # fmt: skip
+    assert dict(server.attributes or {})["agent_runtime.session_id"] == "s-f2"
+    sources = {dict(s.attributes or {})["agent_runtime.acquire.source"] for s in named["acquire"]}
+    assert sources == {"deploy", "follower"}
+    assert len(named["deploy"]) == 1
 
 
 async def test_two_concurrent_routes_keep_their_own_traces(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -61,6 +61,12 @@ class Span(Protocol):
     def set_attribute(self, key: str, value: AttributeValue) -> None: ...
 
 
+class OpenSpan(Span, Protocol):
+    """A span that is not current (``open_span``): its owner ends it, once."""
+
+    def end(self) -> None: ...
+
+
 class _NoSpan:
     """The one span of tracing off: a context manager and a span that do nothing."""
 
@@ -89,13 +95,13 @@ class Tracing:
 
     def span(
         self, name: str, *, kind: Kind = "internal", attributes: Mapping[str, Any] | None = None
-    ) -> Any:  # a context manager giving a Span (Any: the off path returns NO_SPAN itself)
+    ) -> AbstractContextManager[Span]:
         """A child span of the current one for the ``with`` block, current inside it."""
         return NO_SPAN
 
     def open_span(
         self, name: str, *, kind: Kind = "internal", attributes: Mapping[str, Any] | None = None
-    ) -> Any:
+    ) -> OpenSpan:
         """A span under the current one that is never made current (a wait that spans several
         calls, a stream read by another task): its owner calls ``end()`` once."""
         return NO_SPAN
@@ -166,12 +172,12 @@ class OtelTracing(Tracing):
 
     def span(
         self, name: str, *, kind: Kind = "internal", attributes: Mapping[str, Any] | None = None
-    ) -> Any:
+    ) -> AbstractContextManager[Span]:
         return self._current(name, kind, attributes)
 
     def open_span(
         self, name: str, *, kind: Kind = "internal", attributes: Mapping[str, Any] | None = None
-    ) -> Any:
+    ) -> OpenSpan:
         span_kind = SpanKind.CLIENT if kind == "client" else SpanKind.INTERNAL
         return self.tracer.start_span(name, kind=span_kind, attributes=attributes)
 

@@ -44,7 +44,7 @@ from agent_runtime.session_manager.config_store import ConfigStore
 from agent_runtime.session_manager.replies import Placement, RoutePlacement
 from agent_runtime.session_manager.scope_cache import ScopeConfig
 from agent_runtime.session_manager.state import ROUTE_LEASE, SessionState, scope_free_channel
-from agent_runtime.tracing import SCOPE_ID, Tracing
+from agent_runtime.tracing import SCOPE_ID, OpenSpan, Tracing
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class SlowRoute:
         self.listening: contextlib.AsyncExitStack | None = None
         self.listener: Listener | None = None
         self.closed = False
-        self.queue_span: Any = None  # the queue wait's span while the route waits
+        self.queue_span: OpenSpan | None = None  # the queue wait's span while the route waits
         self.lease = asyncio.create_task(self._keep_lease(), name=f"route-lease:{request_id}")
 
     async def _keep_lease(self) -> None:
