@@ -73,9 +73,9 @@ class _Drop(BaseHTTPRequestHandler):
         return None
 
 
-def _row(result: dict[str, Any]) -> dict[str, float]:
+def _row(result: dict[str, Any], server: str) -> dict[str, float]:
     loaded, unloaded = result["loaded"], result["unloaded"]
-    cpu = loaded.get("cpu", {}).get("server_main_cpu_pct")
+    cpu = loaded.get("cpu", {}).get(f"server_{server}_cpu_pct")
     return {
         "ok_rps": loaded["ok_rps"],
         # the server's CPU per OK route: steadier than routes/s when others share the cores
@@ -119,7 +119,7 @@ async def run(ctx: Context, rounds: int = 3) -> dict[str, Any]:
             order = [("off", off), ("on", on)] if index % 2 == 0 else [("on", on), ("off", off)]
             for name, server in order:
                 result = await ctx.throughput(spec, [server], path=f"{API}/route")
-                measured[name].append(_row(result))
+                measured[name].append(_row(result, server.name))
                 print(f"bench tracing: round {index + 1} {name}: {measured[name][-1]}",
                       file=sys.stderr, flush=True)  # fmt: skip
     finally:

@@ -243,6 +243,8 @@ async def test_error_answers_carry_their_code_and_status_error(tmp_path: Path) -
         assert unknown.status_code == 404
         gone = await client.post(TOUCH, json=envelope(session_id="s-none"))
         assert gone.status_code == 200
+        for probe in ("/healthz", "/metrics"):  # probes and scrapes make no trace
+            assert (await client.get(probe)).status_code == 200
         spans = list(exporter.get_finished_spans())
     assert [s.name for s in spans] == ["POST /api/session/route", "POST", "POST /api/session/touch"]
     route, nowhere, touch = spans

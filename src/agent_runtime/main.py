@@ -179,7 +179,8 @@ def create_app(
     app.add_middleware(MetricsMiddleware, metrics=metrics, known_paths=known)
     # outermost, and only when on: off, the stack is exactly as without tracing
     if traces.enabled:
-        app.add_middleware(traces.middleware, known_paths=known)  # tracing.ServerSpans
+        untraced = frozenset({"/healthz", "/metrics"})  # probes and scrapes: no trace each
+        app.add_middleware(traces.middleware, known_paths=known, untraced=untraced)
 
     @app.get("/metrics", response_class=Response, responses=openapi.METRICS_RESPONSES)
     async def metrics_endpoint(request: Request) -> Response:

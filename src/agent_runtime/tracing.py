@@ -116,8 +116,11 @@ class Tracing:
         """Attributes of the current request's server span (none outside a request)."""
         return None
 
-    def middleware(self, app: ASGIApp, known_paths: frozenset[str]) -> ASGIApp:
-        """The app as served: off, the app itself (no middleware at all)."""
+    def middleware(
+        self, app: ASGIApp, known_paths: frozenset[str], untraced: frozenset[str] = frozenset()
+    ) -> ASGIApp:
+        """The app as served: off, the app itself (no middleware at all). On: ``ServerSpans``
+        (``untraced``: paths that get no span, e.g. probes and scrapes)."""
         return app
 
     async def shutdown(self, within: float) -> None:
@@ -198,8 +201,10 @@ class OtelTracing(Tracing):
         if placement is not None:
             span.set_attribute(PLACEMENT, placement)
 
-    def middleware(self, app: ASGIApp, known_paths: frozenset[str]) -> ASGIApp:
-        return ServerSpans(app, tracing=self, known_paths=known_paths)
+    def middleware(
+        self, app: ASGIApp, known_paths: frozenset[str], untraced: frozenset[str] = frozenset()
+    ) -> ASGIApp:
+        return ServerSpans(app, tracing=self, known_paths=known_paths, untraced=untraced)
 
     async def shutdown(self, within: float) -> None:
         """Flush and stop on a daemon thread (the export may sit in an HTTP call); waited for
@@ -237,15 +242,24 @@ class ServerSpans:
     new trace). Named ``METHOD /path`` for the app's known paths, ``METHOD`` alone otherwise
     (bounded names). Attributes: ``http.request.method``, ``url.path``,
     ``http.response.status_code``; ``agent_runtime.error_code`` and status ERROR on a failure
-    answer; what the handlers ``annotate``."""
+    answer; what the handlers ``annotate``. Paths in ``untraced`` (the probes' /healthz, the
+    scrapes' /metrics: a trace every few seconds that nobody reads) pass through untouched."""
 
-    def __init__(self, app: ASGIApp, *, tracing: OtelTracing, known_paths: frozenset[str]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        tracing: OtelTracing,
+        known_paths: frozenset[str],
+        untraced: frozenset[str] = frozenset(),
+    ) -> None:
         self.app = app
         self.tracing = tracing
         self.known_paths = known_paths
+        self.untraced = untraced
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in self.untraced:
             await self.app(scope, receive, send)
             return
         carrier = {
