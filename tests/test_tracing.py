@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -344,6 +345,57 @@ async def test_two_concurrent_routes_keep_their_own_traces(tmp_path: Path) -> No
         assert span.context is not None
         root = [s for s in servers if s.context and s.context.trace_id == span.context.trace_id]
         assert len(root) == 1, span.name
+
+
+async def test_a_job_tick_is_a_span_with_its_kubernetes_calls_under_it(tmp_path: Path) -> None:
+    tracing, exporter = traced()
+    async with local_app(tmp_path, tracing) as client:
+        assert (await client.post(ROUTE, json=route_body("s-job"))).status_code == 200
+        exporter.clear()
+        jobs = client.app.state.services.jobs  # type: ignore[attr-defined]
+        with captured_logs():
+            assert await jobs.run_once("rm_reconcile")
+        spans = list(exporter.get_finished_spans())
+    named = by_name(spans)
+    [tick] = named["job rm_reconcile"]
+    assert (
+        tick.parent is None and dict(tick.attributes or {})["agent_runtime.job"] == "rm_reconcile"
+    )
+    calls = [s for s in spans if s.name.startswith("k8s ")]
+    assert calls, sorted(named)
+    assert all(ancestors(call, spans)[-1] == "job rm_reconcile" for call in calls)
+
+
+class Stuck(InMemorySpanExporter):
+    """An exporter whose export hangs until released (a collector that stopped answering)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def export(self, spans: Any) -> Any:
+        self.release.wait(30)
+        return super().export(spans)
+
+
+def test_the_stop_does_not_wait_past_its_bound_for_a_stuck_export() -> None:
+    exporter = Stuck()
+    tracing = OtelTracing(exporter=exporter, instance_id="test-1")  # batched, as served
+    with tracing.span("before the stop"):
+        pass
+    started = time.monotonic()
+    try:
+        asyncio.run(tracing.shutdown(0.5))  # its own loop, closed when it returns
+        waited = time.monotonic() - started
+    finally:
+        exporter.release.set()  # the export ends: the shutdown thread goes on
+    assert waited < 5.0, waited  # the bound, with room for a loaded machine
+    # the shutdown thread ends after its loop closed: quietly (pytest fails the test on an
+    # exception in a thread)
+    for thread in [t for t in threading.enumerate() if t.name == "tracing-shutdown"]:
+        thread.join(30)
+        assert not thread.is_alive()
+    assert [s.name for s in exporter.get_finished_spans()] == ["before the stop"]
 
 
 def middleware_chain(app: FastAPI) -> list[Any]:

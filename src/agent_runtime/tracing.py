@@ -23,6 +23,7 @@ call); it runs on a daemon thread of its own, awaited within the stop bound.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Iterator, Mapping
@@ -221,7 +222,9 @@ class OtelTracing(Tracing):
             except Exception:
                 log.warning("tracing: shutdown failed", exc_info=True)
             finally:
-                loop.call_soon_threadsafe(done.set)
+                # the stop may have stopped waiting, and its loop be closed by now
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(done.set)
 
         threading.Thread(target=stop, name="tracing-shutdown", daemon=True).start()
         try:
