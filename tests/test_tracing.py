@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -435,6 +438,20 @@ def test_the_standard_variables_turn_it_on_and_off() -> None:
         tracing = from_environment(env, instance_id="i")
         assert isinstance(tracing, OtelTracing)
         asyncio.run(tracing.shutdown(5.0))  # its export thread ends with it
+
+
+def test_a_start_with_another_otlp_protocol_is_refused_in_one_line(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_RUNTIME_", "OTEL_"))}
+    env.update(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9", OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
+    done = subprocess.run(
+        [sys.executable, "-m", "agent_runtime.cli", "serve", "--mode", "local", "--port", "9"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "agent-runtime: error: OTEL_EXPORTER_OTLP_PROTOCOL=grpc: only http/protobuf is built in "
+        "(point it at the collector's OTLP/HTTP port, usually 4318)"
+    ]
 
 
 # --- a real process exporting to a receiver -------------------------------------------------

@@ -53,12 +53,7 @@ def create_app(
     """The service. Pass ``backends`` to share Redis/DB/Kubernetes (tests, replicas in one
     process); they are then closed by their owner unless ``owns_backends`` is true.
     ``tracing``: the process environment's (``OTEL_*``, tracing.py) unless given."""
-    if tracing is None:
-        try:
-            tracing = from_environment(os.environ, instance_id=settings.instance_id)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-    traces = tracing
+    traces = tracing if tracing is not None else _environment_tracing(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -202,3 +197,11 @@ def create_app(
         return JSONResponse({"ok": True, "instance_id": settings.instance_id})
 
     return app
+
+
+def _environment_tracing(settings: Settings) -> Tracing:
+    """Tracing as the process's ``OTEL_*`` variables say (off without an endpoint)."""
+    try:
+        return from_environment(os.environ, instance_id=settings.instance_id)
+    except ValueError as exc:  # a protocol we do not export with: a refused start, one line
+        raise ConfigError(str(exc)) from None

@@ -54,6 +54,7 @@ ERROR_CODE = "agent_runtime.error_code"
 _ERROR_CODE_HEADER = b"x-error-code"  # answers.ERROR_CODE_HEADER, as ASGI gives header names
 _TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
 _TRUE = frozenset({"true", "1", "yes", "on"})
+_KINDS: dict[Kind, SpanKind] = {"internal": SpanKind.INTERNAL, "client": SpanKind.CLIENT}
 
 
 class Span(Protocol):
@@ -167,11 +168,8 @@ class OtelTracing(Tracing):
     def _current(
         self, name: str, kind: Kind, attributes: Mapping[str, Any] | None
     ) -> Iterator[OtelSpan]:
-        span_kind = SpanKind.CLIENT if kind == "client" else SpanKind.INTERNAL
-        with (
-            self.tracer.start_as_current_span(name, kind=span_kind, attributes=attributes) as span,
-            logs.bound(**ids_of(span)),
-        ):
+        starting = self.tracer.start_as_current_span(name, kind=_KINDS[kind], attributes=attributes)
+        with starting as span, logs.bound(**ids_of(span)):
             yield span
 
     def span(
@@ -182,8 +180,7 @@ class OtelTracing(Tracing):
     def open_span(
         self, name: str, *, kind: Kind = "internal", attributes: Mapping[str, Any] | None = None
     ) -> OpenSpan:
-        span_kind = SpanKind.CLIENT if kind == "client" else SpanKind.INTERNAL
-        return self.tracer.start_span(name, kind=span_kind, attributes=attributes)
+        return self.tracer.start_span(name, kind=_KINDS[kind], attributes=attributes)
 
     def annotate(
         self,
