@@ -245,13 +245,17 @@ async def test_error_answers_carry_their_code_and_status_error(tmp_path: Path) -
         assert bad.status_code == 400
         unknown = await client.post("/api/session/nowhere", json={})
         assert unknown.status_code == 404
+        long = await client.post("/x" * 2000, json={})
+        assert long.status_code == 404
         gone = await client.post(TOUCH, json=envelope(session_id="s-none"))
         assert gone.status_code == 200
         for probe in ("/healthz", "/metrics"):  # probes and scrapes make no trace
             assert (await client.get(probe)).status_code == 200
         spans = list(exporter.get_finished_spans())
-    assert [s.name for s in spans] == ["POST /api/session/route", "POST", "POST /api/session/touch"]
-    route, nowhere, touch = spans
+    names = [s.name for s in spans]
+    assert names == ["POST /api/session/route", "POST", "POST", "POST /api/session/touch"]
+    route, nowhere, long_path, touch = spans
+    assert dict(long_path.attributes or {})["url.path"] == ("/x" * 2000)[:256]  # bounded
     for span, code, status in ((route, "VALIDATION", 400), (nowhere, "NOT_FOUND", 404)):
         attributes = dict(span.attributes or {})
         assert attributes["agent_runtime.error_code"] == code

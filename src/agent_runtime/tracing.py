@@ -53,6 +53,7 @@ PLACEMENT = "agent_runtime.placement"
 ERROR_CODE = "agent_runtime.error_code"
 _ERROR_CODE_HEADER = b"x-error-code"  # answers.ERROR_CODE_HEADER, as ASGI gives header names
 _TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
+MAX_PATH_ATTRIBUTE = 256  # characters of an unknown path kept in url.path
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _KINDS: dict[Kind, SpanKind] = {"internal": SpanKind.INTERNAL, "client": SpanKind.CLIENT}
 
@@ -270,7 +271,12 @@ class ServerSpans:
         parent = self.tracing.propagator.extract(carrier) if carrier else None
         method, path = scope["method"], scope["path"]
         name = f"{method} {path}" if path in self.known_paths else method
-        attributes: dict[str, AttributeValue] = {"http.request.method": method, "url.path": path}
+        attributes: dict[str, AttributeValue] = {
+            "http.request.method": method,
+            "url.path": path[
+                :MAX_PATH_ATTRIBUTE
+            ],  # the caller's: bounded here, not only by the edge
+        }
         if path in self.known_paths:
             attributes["http.route"] = path
         tracer = self.tracing.tracer
