@@ -324,6 +324,28 @@ async def test_a_follower_waits_under_its_own_span(tmp_path: Path) -> None:
     assert len(named["deploy"]) == 1
 
 
+async def test_a_failed_deploy_marks_its_spans_without_the_error_text(tmp_path: Path) -> None:
+    tracing, exporter = traced()
+    async with local_app(tmp_path, tracing) as client:
+        k8s = client.app.state.services.backends.k8s  # type: ignore[attr-defined]
+        k8s.fail_next_deploys = 1  # DeployFailed("fake: injected deploy failure")
+        exporter.clear()
+        resp = await client.post(ROUTE, json=route_body("s-fail"))
+        assert resp.json()["error_code"] == "NO_POD_AVAILABLE", resp.text
+        spans = list(exporter.get_finished_spans())
+    named = by_name(spans)
+    for name in ("k8s deploy", "deploy", "acquire"):
+        [span] = named[name]
+        assert span.status.status_code is StatusCode.ERROR, name
+        assert span.status.description == "DeployFailed", name
+        assert dict(span.attributes or {})["error.type"] == "DeployFailed", name
+    for span in spans:  # an API server's refusal may echo a manifest: no span holds the text
+        assert not span.events, (span.name, span.events)
+        assert "injected" not in (span.status.description or ""), span.name
+    [server] = named["POST /api/session/route"]
+    assert dict(server.attributes or {})["agent_runtime.error_code"] == "NO_POD_AVAILABLE"
+
+
 async def test_two_concurrent_routes_keep_their_own_traces(tmp_path: Path) -> None:
     tracing, exporter = traced()
     traces = [uuid.uuid4().hex for _ in range(2)]

@@ -169,9 +169,20 @@ class OtelTracing(Tracing):
     def _current(
         self, name: str, kind: Kind, attributes: Mapping[str, Any] | None
     ) -> Iterator[OtelSpan]:
-        starting = self.tracer.start_as_current_span(name, kind=_KINDS[kind], attributes=attributes)
+        # not the SDK's exception handling: it puts the exception's text on the span
+        starting = self.tracer.start_as_current_span(
+            name,
+            kind=_KINDS[kind],
+            attributes=attributes,
+            record_exception=False,
+            set_status_on_exception=False,
+        )
         with starting as span, logs.bound(**ids_of(span)):
-            yield span
+            try:
+                yield span
+            except Exception as exc:
+                failed(span, exc)
+                raise
 
     def span(
         self, name: str, *, kind: Kind = "internal", attributes: Mapping[str, Any] | None = None
@@ -231,6 +242,15 @@ class OtelTracing(Tracing):
             log.warning("tracing: spans not exported within %.1f s of the stop: dropped", within)
 
 
+def failed(span: OtelSpan, exc: Exception) -> None:
+    """Status ERROR and ``error.type``, named by the exception's class alone: its text may
+    echo what the logs redact (a manifest's env values in an API server's refusal), and a
+    span leaves the process unredacted, so it never carries the text."""
+    kind = type(exc).__name__
+    span.set_attribute("error.type", kind)
+    span.set_status(Status(StatusCode.ERROR, kind))
+
+
 def ids_of(span: OtelSpan) -> dict[str, str]:
     """``trace_id`` and ``span_id`` as W3C hex, for the log lines written under ``span``."""
     context = span.get_span_context()
@@ -281,7 +301,12 @@ class ServerSpans:
             attributes["http.route"] = path
         tracer = self.tracing.tracer
         with tracer.start_as_current_span(
-            name, context=parent, kind=SpanKind.SERVER, attributes=attributes
+            name,
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes=attributes,
+            record_exception=False,  # ``failed``: never the exception's text
+            set_status_on_exception=False,
         ) as span:
             slot = self.tracing.request_span.set(span)
 
@@ -299,6 +324,9 @@ class ServerSpans:
             try:
                 with logs.bound(**ids_of(span)):
                     await self.app(scope, receive, record)
+            except Exception as exc:  # past the guard: the server's own 500
+                failed(span, exc)
+                raise
             finally:
                 self.tracing.request_span.reset(slot)
 
