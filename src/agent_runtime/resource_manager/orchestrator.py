@@ -61,6 +61,7 @@ from agent_runtime.resource_manager.models import (
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.resource_manager.state_values import DeployClaim, OrphanPod
 from agent_runtime.resource_manager.warm_policy import WARM_POOLS
+from agent_runtime.tracing import SCOPE_ID, Tracing
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ DEFAULT_SCOPE_DEPLOY_CONCURRENCY = 100  # cold deploys of one scope at once
 MAX_ROUNDS = 20  # acquire rounds of one call (takeovers, lost leases): bounded even so
 CLEANUP_CONCURRENCY = 10
 POOL_CONFIG_FIELDS = ("min_idle_pods", "max_pods", "pod_ttl", "pod_concurrency")
+ACQUIRE_SOURCE = "agent_runtime.acquire.source"  # the acquires metric's label, on the span
 
 
 class ResourceOrchestrator:
@@ -86,6 +88,7 @@ class ResourceOrchestrator:
         deploy_lease: float = DEFAULT_DEPLOY_LEASE,
         instance_id: str = "",
         scope_deploy_concurrency: int = DEFAULT_SCOPE_DEPLOY_CONCURRENCY,
+        tracing: Tracing | None = None,
     ) -> None:
         """``bounds``: where a deploy may go (the wiring passes the settings'; None: anywhere,
         for tests that build an orchestrator by hand); ``identity`` signs every pod (and completes
@@ -93,8 +96,11 @@ class ResourceOrchestrator:
         claim lives unless renewed (AGENT_RUNTIME_DEPLOY_LEASE). ``instance_id``: named in
         the deploy lock's token, so an operator sees which replica leads a deploy.
         ``scope_deploy_concurrency``: cold deploys of one scope at once
-        (AGENT_RUNTIME_SCOPE_DEPLOY_CONCURRENCY)."""
+        (AGENT_RUNTIME_SCOPE_DEPLOY_CONCURRENCY). ``tracing``: spans of acquire, deploy and
+        follower wait (off unless given)."""
         metrics = metrics or Metrics()
+        tracing = tracing or Tracing()
+        self._tracing = tracing
         self._acquired = metrics.acquires
         self._claims = metrics.deploy_claims
         self._state = state
@@ -111,6 +117,7 @@ class ResourceOrchestrator:
             metrics=metrics,
             lease=deploy_lease,
             identity=identity,
+            tracing=tracing,
         )
         self._followers = FollowerRoom(
             state=state,
@@ -119,6 +126,7 @@ class ResourceOrchestrator:
             waits=metrics.follower_waits,
             deploy_lease=deploy_lease,
             seat_hold=math.ceil(deploy_lease),
+            tracing=tracing,
         )
         self._deploys = BackgroundTasks()
         self.deploy_lease = deploy_lease
@@ -150,36 +158,39 @@ class ResourceOrchestrator:
         asked_at: float | None = None,
         demand_id: str = "",
     ) -> AcquiredPod:
-        source = "failed"
-        try:
-            call = AcquireCall(
-                scope_id,
-                pod_spec,
-                pool_config,
-                request_id,
-                0.0,
-                on_ready,
-                rule_id,
-                rule_pod_budget,
-                asyncio.get_running_loop().time() if asked_at is None else asked_at,
-                demand_id,
-            )
-            result, source = await self._acquire(call)
-            return result
-        except DeployInProgress:
-            source = "in_progress"
-            raise
-        except MaxPodsReached:
-            source = "max_pods"
-            raise
-        except PodBudgetReached:
-            source = "budget"
-            raise
-        except DeployTimedOut:
-            source = "timeout"
-            raise
-        finally:
-            self._acquired.labels(source).inc()
+        # the slow path's own span: the deploy or follower wait under it (no-op when off)
+        with self._tracing.span("acquire", attributes={SCOPE_ID: scope_id}) as span:
+            source = "failed"
+            try:
+                call = AcquireCall(
+                    scope_id,
+                    pod_spec,
+                    pool_config,
+                    request_id,
+                    0.0,
+                    on_ready,
+                    rule_id,
+                    rule_pod_budget,
+                    asyncio.get_running_loop().time() if asked_at is None else asked_at,
+                    demand_id,
+                )
+                result, source = await self._acquire(call)
+                return result
+            except DeployInProgress:
+                source = "in_progress"
+                raise
+            except MaxPodsReached:
+                source = "max_pods"
+                raise
+            except PodBudgetReached:
+                source = "budget"
+                raise
+            except DeployTimedOut:
+                source = "timeout"
+                raise
+            finally:
+                self._acquired.labels(source).inc()
+                span.set_attribute(ACQUIRE_SOURCE, source)
 
     async def _acquire(self, call: AcquireCall) -> tuple[AcquiredPod, str]:
         """The pod and where it came from: replay, warm, deploy or follower."""
