@@ -216,12 +216,12 @@ def foreign_pods(client: AdminClient, args: argparse.Namespace, now: float) -> S
          p.get("phase"), p.get("image"), p.get("reason")]
         for p in pods
     ]  # fmt: skip
-    notes = [] if pods else ["No foreign pods found (as of reconcile's last pass)."]
-    count = _read(data, "count")
-    if isinstance(count, int) and count > len(pods):
-        notes.append(f"Reconcile saw {count} foreign pods; {len(pods)} shown.")
     headers = ["cluster", "namespace", "pod", "scope", "phase", "image", "reason"]
-    return Shown(data, output.table(headers, rows) if rows else "", tuple(notes))
+    return _counted(
+        data, headers, rows,
+        empty="No foreign pods found (as of reconcile's last pass).",
+        more="Reconcile saw {count} foreign pods; {shown} shown.",
+    )  # fmt: skip
 
 
 def drains(client: AdminClient, args: argparse.Namespace, now: float) -> Shown:
@@ -232,11 +232,23 @@ def drains(client: AdminClient, args: argparse.Namespace, now: float) -> Shown:
          output.span(p.get("deadline_in")), p.get("sessions"), output.age(p.get("since"), now)]
         for p in pods
     ]  # fmt: skip
-    notes = [] if pods else ["No pods under a drain."]
-    count = _read(data, "count")
-    if isinstance(count, int) and count > len(pods):
-        notes.append(f"{count} pods under a drain; {len(pods)} shown (--limit).")
     headers = ["pod", "scope", "state", "trigger", "deadline-in", "sessions", "age"]
+    return _counted(
+        data, headers, rows,
+        empty="No pods under a drain.",
+        more="{count} pods under a drain; {shown} shown (--limit).",
+    )  # fmt: skip
+
+
+def _counted(
+    data: Any, headers: list[str], rows: list[list[Any]], *, empty: str, more: str
+) -> Shown:
+    """A list the API answers with its full ``count`` beside the first pods: a table, and a
+    note when it is empty or when the count says more than the list holds."""
+    notes = [] if rows else [empty]
+    count = _read(data, "count")
+    if isinstance(count, int) and count > len(rows):
+        notes.append(more.format(count=count, shown=len(rows)))
     return Shown(data, output.table(headers, rows) if rows else "", tuple(notes))
 
 

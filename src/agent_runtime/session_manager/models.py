@@ -266,7 +266,9 @@ class CleanupPod(BaseModel):
 class CleanupData(BaseModel):
     cleaned: Annotated[int, Field(ge=0)] = Field(description="pods deleted (0 in a dry run)")
     # the dry run's only: absent from a real cleanup's answer (the contract's {"cleaned": n})
-    dry_run: Literal[True] | SkipJsonSchema[None] = None
+    dry_run: Literal[True] | SkipJsonSchema[None] = Field(
+        None, description="present (true) in a dry run's answer only"
+    )
     matched: Annotated[int, Field(ge=0)] | SkipJsonSchema[None] = Field(
         None, description="dry run: how many pods the same call would delete"
     )
