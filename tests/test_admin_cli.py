@@ -10,6 +10,7 @@ against servers that misbehave (no answer, an oversized one, not an envelope).
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import socket
@@ -18,7 +19,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +206,13 @@ def test_failures_exit_1_with_the_error_code_usage_errors_exit_2(server: LocalSe
     assert missing.returncode == 1
     assert missing.stderr == "agent-runtime: error: NOT_FOUND: pod agent-nobody is not known\n"
 
+    unknown = run_cli("scope", "0" * 32, url=server.base_url)
+    assert unknown.returncode == 1 and unknown.stderr.startswith("agent-runtime: error: NOT_FOUND")
+    foreign = run_cli("foreign-pods", url=server.base_url)  # local mode: none
+    assert ok(foreign) == "" and "No foreign pods found" in foreign.stderr
+    foreign_json = json.loads(ok(run_cli("foreign-pods", "--json", url=server.base_url)))
+    assert foreign_json == api(server, "/foreign_pods") == {"count": 0, "pods": []}
+
     port = free_port()  # nothing listens there
     gone = run_cli("scopes", url=f"http://127.0.0.1:{port}")
     assert gone.returncode == 1 and gone.stdout == ""
@@ -361,6 +369,72 @@ class OneShotServer:
                 continue
             conn.sendall(self.reply)
             conn.close()
+
+
+class FakeAdminApi:
+    """An HTTP server on 127.0.0.1 whose ``GET /api/session/admin/scopes`` answers what
+    ``pages(cursor)`` gives (the envelope around it); it counts the calls."""
+
+    def __init__(self, pages: Callable[[int], dict[str, Any]]) -> None:
+        api = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                api.calls += 1
+                query = dict(p.split("=", 1) for p in self.path.split("?", 1)[1].split("&"))
+                body = json.dumps(
+                    {"ok": True, "request_id": "x", "data": pages(int(query["cursor"]))}
+                )
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body.encode())
+
+            def log_message(self, *args: Any) -> None:  # quiet
+                pass
+
+        self.calls = 0
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> FakeAdminApi:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def fake_scope(group: str) -> dict[str, Any]:
+    pods = {"in_use": 1, "idle": 0, "deploying": 0, "retiring": 0}
+    return {
+        "scope_id": f"sid-{group}", "group_id": group, "bot_id": "b", "config": None,
+        "live_sessions": 1, "waiters": 0, "reserved": 0, "candidate_pods": 1, "pods": pods,
+    }  # fmt: skip
+
+
+def test_scopes_walks_every_page_once_per_scope_and_stops_at_its_bound() -> None:
+    a, b, c = fake_scope("a"), fake_scope("b"), fake_scope("c")
+    pages = {0: ([a, b], 7), 7: ([], 9), 9: ([b, c], 0)}  # an empty page, b seen twice
+
+    with FakeAdminApi(
+        lambda cursor: {"scopes": pages[cursor][0], "next_cursor": pages[cursor][1]}
+    ) as fake:
+        walked = json.loads(ok(run_cli("scopes", "--json", url=fake.url)))
+        assert fake.calls == 3
+        rows = table(ok(run_cli("scopes", url=fake.url)))
+    assert walked == {"scopes": [a, b, c], "next_cursor": 0}
+    assert [r["GROUP"] for r in rows] == ["a", "b", "c"] and rows[0]["TEMPLATE"] == "<none>"
+
+    # a cursor that never comes back to 0: at most 1,000 pages, then a hint where to go on
+    with FakeAdminApi(lambda cursor: {"scopes": [], "next_cursor": cursor + 1}) as endless:
+        proc = run_cli("scopes", url=endless.url, timeout=120)
+        assert endless.calls == 1000
+    assert ok(proc) == "" and "More scopes: --cursor 1000" in proc.stderr
 
 
 def test_no_answer_within_the_timeout_exits_1_saying_so() -> None:
