@@ -22,6 +22,7 @@ MAX_PAGE = 200  # the admin API's largest page (scopes, drains)
 WALK_MAX_SCOPES = 10_000  # ``scopes`` without --limit/--cursor stops after this many
 WALK_MAX_PAGES = 1_000  # and after this many pages (an HSCAN page may come back empty)
 MAX_DRAIN_SECONDS = 86_400  # the drain API's bound
+DETAIL_LIST_MAX = 100  # a scope's view lists its first 100 waiters and reservations
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,24 +67,24 @@ def scopes(client: AdminClient, args: argparse.Namespace, now: float) -> Shown:
             k: v for k, v in (("limit", args.limit), ("cursor", args.cursor)) if v is not None
         }
         data = client.get("/admin/scopes", params)
-        scopes, cursor = _list(data, "scopes"), _read(data, "next_cursor")
+        found, cursor = _list(data, "scopes"), _read(data, "next_cursor")
     else:  # every page, as kubectl lists in chunks; a scope seen twice (HSCAN may) once
         seen: dict[str, dict[str, Any]] = {}
         cursor = 0
         for _ in range(WALK_MAX_PAGES):
             page = client.get("/admin/scopes", {"cursor": cursor, "limit": MAX_PAGE})
-            for scope in _list(page, "scopes"):
-                seen.setdefault(str(_read(scope, "scope_id")), scope)
+            for entry in _list(page, "scopes"):
+                seen.setdefault(str(_read(entry, "scope_id")), entry)
             cursor = _read(page, "next_cursor")
             if cursor == 0 or len(seen) >= WALK_MAX_SCOPES:
                 break
-        scopes = list(seen.values())
-        data = {"scopes": scopes, "next_cursor": cursor}
-    notes = [] if scopes else ["No scopes found."]
+        found = list(seen.values())
+        data = {"scopes": found, "next_cursor": cursor}
+    notes = [] if found else ["No scopes found."]
     if cursor:
         notes.append(f"More scopes: --cursor {cursor}")
-    order = sorted(scopes, key=lambda s: (str(s.get("group_id")), str(s.get("bot_id"))))
-    rows = [_scope_row(scope) for scope in order]
+    order = sorted(found, key=lambda s: (str(s.get("group_id")), str(s.get("bot_id"))))
+    rows = [_scope_row(entry) for entry in order]
     headers = ["scope", "group", "bot", "template", "sessions", "waiters"]
     headers += ["in-use", "idle", "deploying", "retiring"]
     return Shown(data, output.table(headers, rows) if rows else "", tuple(notes))
@@ -104,6 +105,12 @@ POLICY_FIELDS = (
 )  # fmt: skip
 
 
+def _first_hundred(items: Any) -> str:
+    """A count of a list the view cuts at its first 100 (waiters, reservations)."""
+    count = len(items) if isinstance(items, list) else 0
+    return "100 or more" if count >= DETAIL_LIST_MAX else str(count)
+
+
 def scope(client: AdminClient, args: argparse.Namespace, now: float) -> Shown:
     data = client.get(f"/admin/scopes/{path_id(args.scope_id)}")
     config = _read(data, "config") or {}
@@ -118,8 +125,8 @@ def scope(client: AdminClient, args: argparse.Namespace, now: float) -> Shown:
         ("Deploy version", config.get("deploy_ver")),
         ("Policy", policy or None),
         ("Live sessions", data.get("live_sessions")),
-        ("Waiting routes", len(data.get("waiters") or [])),
-        ("Reserved", len(data.get("reserved") or [])),
+        ("Waiting routes", _first_hundred(data.get("waiters"))),
+        ("Reserved", _first_hundred(data.get("reserved"))),
         ("Candidate pods", data.get("candidate_pods")),
         ("Deploys", f"{pool.get('deploys_in_flight', 0)} in flight, "
                     f"{pool.get('followers', 0)} followers, leader {output.cell(leader)}"),
