@@ -262,6 +262,13 @@ def test_drain_pod_then_drains_and_pod_show_it(server: LocalServer) -> None:
     node = ok(run_cli("drain", "node", "node-nobody", url=server.base_url))
     assert node == "node/node-nobody: no pod of ours on it\n"
 
+    # its node: every pod of ours there, ours among them (its drain kept, not restarted)
+    listed = json.loads(ok(run_cli("cleanup", "--dry-run", "--json", url=server.base_url)))
+    (where,) = {p["node"] for p in listed["pods"] if p["pod_id"] == pod}
+    lines = ok(run_cli("drain", "node", where, "--seconds", "600", url=server.base_url))
+    ours = [line for line in lines.splitlines() if line.startswith(f"pod/{pod} ")]
+    assert len(ours) == 1 and ours[0].endswith("(a drain was under way: kept)"), lines
+
 
 @pytest.mark.timeout(120)
 def test_cleanup_dry_run_lists_the_pods_and_deletes_nothing_then_cleanup_deletes_them(
