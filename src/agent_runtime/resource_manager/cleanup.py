@@ -29,7 +29,7 @@ CLEANUP_CONCURRENCY = 10  # DELETE calls in flight at once
 PREVIEW_MAX = 500  # pods a dry run names; ``matched`` counts them all
 
 
-class PodCleanup:
+class BulkCleanup:
     def __init__(self, *, k8s: K8sPodClient, default_namespace: str) -> None:
         self._k8s = k8s
         self._default_namespace = default_namespace

@@ -33,7 +33,7 @@ from agent_runtime import admission, spec_fields
 from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
-from agent_runtime.resource_manager.cleanup import PodCleanup
+from agent_runtime.resource_manager.cleanup import BulkCleanup
 from agent_runtime.resource_manager.deploy_state import DeployState, lock_token
 from agent_runtime.resource_manager.deployer import Deployer, Requester
 from agent_runtime.resource_manager.followers import (
@@ -99,7 +99,7 @@ class ResourceOrchestrator:
         self._deploy_state = DeployState(state)
         self._k8s = k8s
         # the operator's bulk delete and its dry run (the facade's cleanup calls)
-        self.cleanup = PodCleanup(k8s=k8s, default_namespace=default_namespace)
+        self.cleanup = BulkCleanup(k8s=k8s, default_namespace=default_namespace)
         self._deployer = Deployer(
             state=state,
             deploys=self._deploy_state,
