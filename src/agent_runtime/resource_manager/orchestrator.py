@@ -30,10 +30,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from agent_runtime import admission, spec_fields
-from agent_runtime import label_selector as selectors
 from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
+from agent_runtime.resource_manager.cleanup import BulkCleanup
 from agent_runtime.resource_manager.deploy_state import DeployState, lock_token
 from agent_runtime.resource_manager.deployer import Deployer, Requester
 from agent_runtime.resource_manager.followers import (
@@ -46,7 +46,6 @@ from agent_runtime.resource_manager.identity import PodIdentity
 from agent_runtime.resource_manager.k8s import K8sPodClient
 from agent_runtime.resource_manager.lease import DeployLease
 from agent_runtime.resource_manager.models import (
-    OWN_PODS_SELECTOR,
     AcquiredPod,
     DeployBounds,
     DeployFailed,
@@ -69,7 +68,6 @@ LOCK_MARGIN = 30  # seconds a recorded pod outlives ready_timeout
 DEFAULT_DEPLOY_LEASE = 5.0
 DEFAULT_SCOPE_DEPLOY_CONCURRENCY = 100  # cold deploys of one scope at once
 MAX_ROUNDS = 20  # acquire rounds of one call (takeovers, lost leases): bounded even so
-CLEANUP_CONCURRENCY = 10
 POOL_CONFIG_FIELDS = ("min_idle_pods", "max_pods", "pod_ttl", "pod_concurrency")
 ACQUIRE_SOURCE = "agent_runtime.acquire.source"  # the acquires metric's label, on the span
 
@@ -106,7 +104,8 @@ class ResourceOrchestrator:
         self._state = state
         self._deploy_state = DeployState(state)
         self._k8s = k8s
-        self._default_namespace = default_namespace
+        # the operator's bulk delete and its dry run (the facade's cleanup calls)
+        self.cleanup = BulkCleanup(k8s=k8s, default_namespace=default_namespace)
         self._deployer = Deployer(
             state=state,
             deploys=self._deploy_state,
@@ -393,26 +392,6 @@ class ResourceOrchestrator:
 
     async def expire_scope(self, scope_id: str) -> bool:
         return await self._state.expire_scope(scope_id)
-
-    async def cleanup(self, namespace: str | None = None, label_selector: str | None = None) -> int:
-        """Delete AgentServer pods matching the selector (the component label and the
-        existence of our scope label always ANDed in: another tool's AgentServer is never
-        ours to delete), in the process default cluster only: pods of a named cluster are
-        never touched. Redis is not touched: watch and reconcile notice the deleted pods."""
-        ns = namespace or self._default_namespace
-        # ValueError for a selector we do not accept; what Kubernetes gets is its canonical
-        # form, so the API server never refuses (502) what we validated (400)
-        terms = selectors.parse(label_selector or "")
-        selector = ",".join([OWN_PODS_SELECTOR, *(term.render() for term in terms)])
-        pods = await self._k8s.list_pods(ns, selector)
-        gate = asyncio.Semaphore(CLEANUP_CONCURRENCY)
-
-        async def delete(pod_id: str) -> bool:
-            async with gate:
-                return await self._k8s.delete(pod_id, ns)
-
-        deleted = await asyncio.gather(*(delete(p.pod_id) for p in pods))
-        return sum(1 for d in deleted if d)
 
     async def close(self) -> None:
         """Let running deploys finish or clean up (they give back their placeholders)."""
