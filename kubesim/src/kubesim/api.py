@@ -18,6 +18,8 @@
                                              resourceVersion, 422 immutable (``uid``), 415
 ``DELETE .../pods/{name}``                   200 Pod (``gracePeriodSeconds`` query or body)
 ``/api/v1/nodes[/{name}]``                   GET, PATCH, watch (``api_nodes.py``)
+``/api/v1[/namespaces/{ns}]/events[/{name}]`` POST, GET (list, one), PATCH, DELETE
+                                             (``api_events.py``, ``events.py``)
 ``/_sim/...``                                the control endpoint (``control.py``)
 ==========================================  ==================================================
 
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from kubesim import pods, watch
+from kubesim.api_events import add_event_routes
 from kubesim.api_nodes import add_node_routes
 from kubesim.control import add_control_routes
 from kubesim.errors import (
@@ -133,6 +136,7 @@ def build_app(sim: KubeSim) -> web.Application:
     app.router.add_patch("/api/v1/namespaces/{namespace}/pods/{name}", api.patch_pod)
     app.router.add_delete("/api/v1/namespaces/{namespace}/pods/{name}", api.delete_pod)
     add_node_routes(app, sim, api.gate, api.watch)
+    add_event_routes(app, sim, api.gate)
     return app
 
 
@@ -149,7 +153,11 @@ class _Api:
         namespace: str | None,
         name: str | None = None,
         labels: dict[str, str] | None = None,
+        *,
+        exact: bool = False,
     ) -> None:
+        """Latency, injected errors and RBAC, in that order. ``exact``: a fault rule must name
+        ``resource`` itself (events: a ``*`` rule is meant for the pods)."""
         sim = self.sim
         sim.requests[f"{verb} {resource}"] += 1
         match: dict[str, Any] = {
@@ -158,6 +166,7 @@ class _Api:
             "namespace": namespace,
             "name": name,
             "labels": labels,
+            "exact": exact,
         }
         slow = sim.faults.take("latency", **match)
         if slow is not None:
@@ -242,6 +251,7 @@ class _Api:
                     resource(
                         "pods", "Pod", True, ["create", "delete", "get", "list", "patch", "watch"]
                     ),
+                    resource("events", "Event", True, ["create", "delete", "get", "list", "patch"]),
                 ],
             }
         )
