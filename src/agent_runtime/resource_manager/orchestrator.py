@@ -58,6 +58,7 @@ from agent_runtime.resource_manager.models import (
     PodBudgetReached,
     PoolConfigUpdate,
 )
+from agent_runtime.resource_manager.pod_events import PodEventSink
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.resource_manager.state_values import DeployClaim, OrphanPod
 from agent_runtime.resource_manager.warm_policy import WARM_POOLS
@@ -86,6 +87,7 @@ class ResourceOrchestrator:
         deploy_lease: float = DEFAULT_DEPLOY_LEASE,
         instance_id: str = "",
         scope_deploy_concurrency: int = DEFAULT_SCOPE_DEPLOY_CONCURRENCY,
+        events: PodEventSink | None = None,
     ) -> None:
         """``bounds``: where a deploy may go (the wiring passes the settings'; None: anywhere,
         for tests that build an orchestrator by hand); ``identity`` signs every pod (and completes
@@ -93,7 +95,8 @@ class ResourceOrchestrator:
         claim lives unless renewed (AGENT_RUNTIME_DEPLOY_LEASE). ``instance_id``: named in
         the deploy lock's token, so an operator sees which replica leads a deploy.
         ``scope_deploy_concurrency``: cold deploys of one scope at once
-        (AGENT_RUNTIME_SCOPE_DEPLOY_CONCURRENCY)."""
+        (AGENT_RUNTIME_SCOPE_DEPLOY_CONCURRENCY). ``events``: where a deploy records the
+        pod's Deployed / Adopted event (``pod_events.py``; None: nowhere)."""
         metrics = metrics or Metrics()
         self._acquired = metrics.acquires
         self._claims = metrics.deploy_claims
@@ -111,6 +114,7 @@ class ResourceOrchestrator:
             metrics=metrics,
             lease=deploy_lease,
             identity=identity,
+            events=events,
         )
         self._followers = FollowerRoom(
             state=state,

@@ -13,8 +13,9 @@ and one sender task (started with the first record) takes them one at a time: co
 client-go's recorder does (``pod_event_correlator.py``: aggregated, counted up by PATCH,
 rate-limited per pod), then written with a deadline per call. A failure (403 without the RBAC,
 404 a namespace gone, a timeout) is counted and logged (the first of each kind at WARNING,
-then at DEBUG), never retried. ``stop`` gives the sender ``within`` seconds to write what is
-queued, then drops the rest (counted).
+then at DEBUG), never retried. An event whose caller did not know the pod's uid gets it from
+one GET by the sender (``kubectl describe pod`` selects by uid). ``stop`` gives the sender
+``within`` seconds to write what is queued, then drops the rest (counted).
 
 Metric ``agent_runtime_pod_events_total{reason,outcome}``: ``sent`` (created), ``aggregated``
 (an occurrence more, patched onto the one written), ``dropped_full``, ``dropped_spam``,
@@ -24,13 +25,14 @@ Metric ``agent_runtime_pod_events_total{reason,outcome}``: ``sent`` (created), `
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 from agent_runtime.metrics import Metrics
 from agent_runtime.resource_manager.k8s import K8sPodClient
@@ -115,6 +117,19 @@ class PodRef:
     cluster: str | None = None
 
 
+class PodEventSink(Protocol):
+    """What a decision's code holds: ``record`` returns at once and never raises."""
+
+    def record(self, pod: PodRef, reason: PodEventReason, message: str) -> None: ...
+
+
+class NoPodEvents:
+    """Records nothing: the sink of a component built without a recorder (tests by hand)."""
+
+    def record(self, pod: PodRef, reason: PodEventReason, message: str) -> None:
+        return None
+
+
 def event_name(event: Occurrence) -> str:
     """client-go's: ``<pod>.<nanoseconds in hex>``."""
     return f"{event.pod}.{int(event.at * 1e9):x}"
@@ -185,12 +200,17 @@ class PodEvents:
             occurrence = await self._queue.get()
             try:
                 await self._send(occurrence)
+            except asyncio.CancelledError:  # the stop's bound ran out with this one in flight
+                self._count(occurrence.reason, "dropped_stop")
+                raise
             except Exception:  # never the sender's end: the next event is sent
                 log.exception("pod event %s not sent", occurrence.reason)
             finally:
                 self._queue.task_done()
 
     async def _send(self, occurrence: Occurrence) -> None:
+        if not occurrence.uid:
+            occurrence = await self._with_uid(occurrence)
         correlated = self._correlator.correlate(occurrence)
         if correlated is None:
             self._count(occurrence.reason, "dropped_spam")
@@ -202,6 +222,21 @@ class PodEvents:
             self._failed(correlated, exc)
             return
         self._count(occurrence.reason, outcome)
+
+    async def _with_uid(self, occurrence: Occurrence) -> Occurrence:
+        """The caller did not know the pod's uid (a reclaim, a drain: Redis keeps none): one
+        GET finds it, so ``kubectl describe pod`` (which selects by uid) lists the event; a pod
+        already gone, or a failed GET, leaves it without (listed by name only)."""
+        try:
+            async with asyncio.timeout(self._send_timeout):
+                status = await self._k8s.get_pod(
+                    occurrence.pod, occurrence.namespace, cluster=occurrence.cluster
+                )
+        except (K8sApiError, TimeoutError):
+            return occurrence
+        if status is None or not status.uid:
+            return occurrence
+        return dataclasses.replace(occurrence, uid=status.uid)
 
     async def _write(self, event: Correlated) -> str:
         """A patch of the Event already written, else (first, or it expired upstream: 404)
