@@ -57,6 +57,7 @@ from kubesim.errors import (
     unsupported_media_type,
 )
 from kubesim.labels import SelectorError, parse_field_selector, parse_selector
+from kubesim.paging import parse_limit
 from kubesim.store import Obj
 from kubesim.watch import (
     Event,
@@ -295,7 +296,7 @@ class _Api:
             raise bad_request(str(exc)) from None
         if watching:
             return await self.watch(request, Filter("pods", namespace, selector, fields), "Pod")
-        limit = _limit(query.get("limit"))
+        limit = parse_limit(query.get("limit"))
         sim = self.sim
 
         def listing() -> Iterator[tuple[str, Obj]]:
@@ -320,16 +321,7 @@ class _Api:
             listing=listing,
             expire=expire,
         )
-        meta: dict[str, Any] = {"resourceVersion": str(page.resource_version)}
-        if page.continue_token is not None:
-            meta["continue"] = page.continue_token
-        if page.remaining is not None:
-            meta["remainingItemCount"] = page.remaining
-        head = json.dumps({"kind": "PodList", "apiVersion": "v1", "metadata": meta})
-        return web.Response(
-            text=f'{head[:-1]}, "items": [{", ".join(page.items)}]}}',
-            content_type="application/json",
-        )
+        return web.Response(text=page.list_text("PodList"), content_type="application/json")
 
     async def watch(self, request: web.Request, what: Filter, kind: str) -> web.StreamResponse:
         """A watch (``watch.py``): parameters checked, the watcher opened (429 over the cap),
@@ -428,16 +420,6 @@ class _Api:
 def _item(obj: Obj) -> Obj:
     """A list item: the API server leaves out ``kind`` and ``apiVersion``."""
     return {k: v for k, v in obj.items() if k not in ("kind", "apiVersion")}
-
-
-def _limit(raw: str | None) -> int:
-    """``limit``: a whole number; absent, 0 or negative is no limit (one page)."""
-    if not raw:
-        return 0
-    try:
-        return max(int(raw), 0)
-    except ValueError:
-        raise bad_request(f'invalid value for limit: "{raw}": not an integer') from None
 
 
 async def _grace_seconds(request: web.Request) -> int | None:

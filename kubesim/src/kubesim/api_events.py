@@ -31,6 +31,7 @@ from aiohttp import web
 from kubesim.errors import PATCH_TYPES, bad_request, not_found, unsupported_media_type
 from kubesim.events import EVENT_FIELDS
 from kubesim.labels import SelectorError, parse_field_selector, parse_selector
+from kubesim.paging import parse_limit
 from kubesim.store import Obj
 
 if TYPE_CHECKING:
@@ -46,15 +47,6 @@ async def _body(request: web.Request) -> Any:
         return await request.json()
     except ValueError:
         raise bad_request("the body of the request was in an unknown format") from None
-
-
-def _limit(raw: str | None) -> int:
-    if not raw:
-        return 0
-    try:
-        return max(int(raw), 0)
-    except ValueError:
-        raise bad_request(f'invalid value for limit: "{raw}": not an integer') from None
 
 
 def add_event_routes(
@@ -87,21 +79,12 @@ def add_event_routes(
 
         page = sim.event_pager.page(
             (namespace, query.get("labelSelector") or "", query.get("fieldSelector") or ""),
-            limit=_limit(query.get("limit")),
+            limit=parse_limit(query.get("limit")),
             token=query.get("continue") or None,
             resource_version=int(sim.store.resource_version),
             listing=listing,
         )
-        meta: dict[str, Any] = {"resourceVersion": str(page.resource_version)}
-        if page.continue_token is not None:
-            meta["continue"] = page.continue_token
-        if page.remaining is not None:
-            meta["remainingItemCount"] = page.remaining
-        head = json.dumps({"kind": "EventList", "apiVersion": "v1", "metadata": meta})
-        return web.Response(
-            text=f'{head[:-1]}, "items": [{", ".join(page.items)}]}}',
-            content_type="application/json",
-        )
+        return web.Response(text=page.list_text("EventList"), content_type="application/json")
 
     async def create_event(request: web.Request) -> web.Response:
         namespace = request.match_info["namespace"]
