@@ -18,7 +18,6 @@ tombstone (their next route answers ``rebound`` with ``previous_pod_id``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Collection
 
@@ -139,13 +138,16 @@ class DeadPods:
         caller knows it), purge and tell the session side; ``by``: which door."""
         log.info("pod %s: %s; cleaning it (%s)", pod_id, why, by)
         if exists:
-            with contextlib.suppress(Exception):  # reconcile retries a delete that failed
+            deleted = "deleted"
+            try:
                 await self._k8s.delete(pod_id, namespace, cluster=cluster)
+            except Exception:  # reconcile retries a delete that failed
+                deleted = "forgotten (its delete failed: reconcile deletes it)"
             half_dead = why == "half-dead"
             self._events.record(
                 PodRef(pod_id, namespace, uid, cluster),
                 PodEventReason.DELETED_HALF_DEAD if half_dead else PodEventReason.DELETED_DEAD,
-                f"deleted: {_DOORS.get(by, by)} found it "
+                f"{deleted}: {_DOORS.get(by, by)} found it "
                 + ("failing its health checks" if half_dead else f"dead ({why})")
                 + "; its sessions are evicted (their next route is rebound)",
             )

@@ -192,7 +192,7 @@ class PodEvents:
         except asyncio.QueueFull:
             self._count(reason, "dropped_full")
             return
-        if self._sender is None:
+        if self._sender is None or self._sender.done():  # first record, or a sender that died
             self._sender = asyncio.create_task(self._send_all(), name="pod-events-sender")
 
     async def _send_all(self) -> None:
