@@ -53,7 +53,7 @@ MAX_DRAIN_SECONDS = 86_400  # a drain deadline is at most a day away
 REPLACEMENT_SLACK = 10.0  # seconds past the template's ready_timeout a pending drain waits
 # a drain's trigger as its pod's Events say it
 _TRIGGERS = {
-    "admin": "an admin drain (of the pod or its node)",
+    "admin": "an admin drain of the pod or its node",
     "cordon": "its node is cordoned",
     "graceful_delete": "Kubernetes is deleting it gracefully",
 }

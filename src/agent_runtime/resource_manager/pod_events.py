@@ -218,7 +218,7 @@ class PodEvents:
         try:
             async with asyncio.timeout(self._send_timeout):
                 outcome = await self._write(correlated)
-        except (K8sApiError, TimeoutError) as exc:
+        except Exception as exc:  # a refusal, a timeout, a client that is closed: counted
             self._failed(correlated, exc)
             return
         self._count(occurrence.reason, outcome)
