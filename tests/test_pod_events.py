@@ -127,6 +127,19 @@ async def test_the_spam_filter_drops_a_storm_and_refills() -> None:
     await events.stop()
 
 
+async def test_a_storm_about_one_pod_does_not_crowd_out_the_others() -> None:
+    k8s, clock, metrics = FakeK8sPodClient(), Clock(), Metrics()
+    events = recorder(k8s, clock, metrics, queue_size=30)
+    for _ in range(100):  # no await in between: the sender has not run
+        events.record(POD, PodEventReason.DELETED_HALF_DEAD, "failing")
+    events.record(PodRef("p-2", "default", "u-2"), PodEventReason.DEPLOYED, "deployed")
+    assert counted(metrics, "DeletedHalfDead", "dropped_spam") == 75, "filtered before the queue"
+    assert counted(metrics, "DeletedHalfDead", "dropped_full") == 0
+    await settle(events)
+    assert counted(metrics, "Deployed", "sent") == 1
+    await events.stop()
+
+
 async def test_the_queue_is_bounded_and_record_never_blocks() -> None:
     k8s, clock, metrics = FakeK8sPodClient(), Clock(), Metrics()
     events = recorder(k8s, clock, metrics, queue_size=3)

@@ -8,14 +8,16 @@ host: the replica's instance id; the same as ``reportingComponent`` / ``reportin
 ``firstTimestamp`` / ``lastTimestamp`` / ``count``, and goes to the cluster the pod runs in.
 
 Hazard: recording must never slow or fail a decision. ``record`` is synchronous and never
-raises: it puts the occurrence on a bounded queue (``queue_size``; full → dropped and counted)
-and one sender task (started with the first record) takes them one at a time: correlated as
-client-go's recorder does (``pod_event_correlator.py``: aggregated, counted up by PATCH,
-rate-limited per pod), then written with a deadline per call. A failure (403 without the RBAC,
-404 a namespace gone, a timeout) is counted and logged (the first of each kind at WARNING,
-then at DEBUG), never retried. An event whose caller did not know the pod's uid gets it from
-one GET by the sender (``kubectl describe pod`` selects by uid). ``stop`` gives the sender
-``within`` seconds to write what is queued, then drops the rest (counted).
+raises: it correlates the occurrence as client-go's recorder does (``pod_event_correlator.py``:
+aggregated, counted up by PATCH, rate-limited per pod: what the filter drops never takes a
+place in the queue, so a storm about some pods does not crowd out the others), puts what is
+to be written on a bounded queue (``queue_size``; full → dropped and counted), and one sender
+task (started with the first record) writes them one at a time, with a deadline per call. A
+failure (403 without the RBAC, 404 a namespace gone, a timeout) is counted and logged (the
+first of each kind at WARNING, then at DEBUG), never retried. An event whose caller did not
+know the pod's uid gets it from one GET by the sender (``kubectl describe pod`` selects by
+uid). ``stop`` gives the sender ``within`` seconds to write what is queued, then drops the
+rest (counted).
 
 Metric ``agent_runtime_pod_events_total{reason,outcome}``: ``sent`` (created), ``aggregated``
 (an occurrence more, patched onto the one written), ``dropped_full``, ``dropped_spam``,
@@ -163,7 +165,7 @@ class PodEvents:
         self._k8s = k8s
         self._host = instance_id
         self.enabled = enabled
-        self._queue: asyncio.Queue[Occurrence] = asyncio.Queue(maxsize=max(queue_size, 1))
+        self._queue: asyncio.Queue[Correlated] = asyncio.Queue(maxsize=max(queue_size, 1))
         self._counter = (metrics or Metrics()).pod_events
         self._clock = clock
         self._send_timeout = send_timeout
@@ -187,8 +189,12 @@ class PodEvents:
             pod.cluster, pod.namespace, pod.name, pod.uid, kind, reason.value,
             _bounded(message), self._clock(),
         )  # fmt: skip
+        correlated = self._correlator.correlate(occurrence)
+        if correlated is None:
+            self._count(reason, "dropped_spam")
+            return
         try:
-            self._queue.put_nowait(occurrence)
+            self._queue.put_nowait(correlated)
         except asyncio.QueueFull:
             self._count(reason, "dropped_full")
             return
@@ -197,31 +203,29 @@ class PodEvents:
 
     async def _send_all(self) -> None:
         while True:
-            occurrence = await self._queue.get()
+            correlated = await self._queue.get()
+            reason = correlated.occurrence.reason
             try:
-                await self._send(occurrence)
+                await self._send(correlated)
             except asyncio.CancelledError:  # the stop's bound ran out with this one in flight
-                self._count(occurrence.reason, "dropped_stop")
+                self._count(reason, "dropped_stop")
                 raise
             except Exception:  # never the sender's end: the next event is sent
-                log.exception("pod event %s not sent", occurrence.reason)
+                log.exception("pod event %s not sent", reason)
             finally:
                 self._queue.task_done()
 
-    async def _send(self, occurrence: Occurrence) -> None:
-        if not occurrence.uid:
-            occurrence = await self._with_uid(occurrence)
-        correlated = self._correlator.correlate(occurrence)
-        if correlated is None:
-            self._count(occurrence.reason, "dropped_spam")
-            return
+    async def _send(self, correlated: Correlated) -> None:
+        if not correlated.occurrence.uid:
+            found = await self._with_uid(correlated.occurrence)
+            correlated = dataclasses.replace(correlated, occurrence=found)
         try:
             async with asyncio.timeout(self._send_timeout):
                 outcome = await self._write(correlated)
         except Exception as exc:  # a refusal, a timeout, a client that is closed: counted
             self._failed(correlated, exc)
             return
-        self._count(occurrence.reason, outcome)
+        self._count(correlated.occurrence.reason, outcome)
 
     async def _with_uid(self, occurrence: Occurrence) -> Occurrence:
         """The caller did not know the pod's uid (a reclaim, a drain: Redis keeps none): one
@@ -309,7 +313,7 @@ class PodEvents:
             return
         if not await self.wait_sent(within):
             while not self._queue.empty():
-                self._count(self._queue.get_nowait().reason, "dropped_stop")
+                self._count(self._queue.get_nowait().occurrence.reason, "dropped_stop")
                 self._queue.task_done()
         sender.cancel()
         await asyncio.wait([sender])  # its cancellation is not ours: ours still propagates
