@@ -49,6 +49,7 @@ ORDER = [
     "loop_check",
     "overload",
     "drains",
+    "pod_events",
 ]
 # only when named (--only): the Redis Cluster of scripts/redis_topologies.sh, and minutes of
 # setup at 1,000 scopes
@@ -502,6 +503,11 @@ def details(results: dict[str, Any]) -> list[str]:
             f"hold {drains['tick_longest_loop_hold_ms']} ms), {drains['sessions_moved']} "
             f"sessions moved, {drains['pods_deleted']} pods deleted",
         ]
+    events = results.get("pod_events")
+    if events and "error" not in events:
+        from bench.pod_events import summary as pod_events_summary
+
+        out += ["", pod_events_summary(events)]
     loop = results.get("loop_check")
     if loop and "error" not in loop:
         out += [

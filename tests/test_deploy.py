@@ -626,11 +626,14 @@ async def test_recorded_calls_of_a_driven_client_are_all_found_by_the_parser() -
     await client.get_pod("agent-x", "agentservers")
     await client.list_pods("agentservers", "jiuwenclaw-component=agentserver")
     await client.delete("agent-x", "agentservers")
+    await client.create_event("agentservers", {"metadata": {"name": "agent-x.1"}})
+    await client.patch_event("agentservers", "agent-x.1", {"count": 2})
     await client.close()
     parsed = {call for _, call in k8s_calls()}
     assert set(api.calls) <= parsed, set(api.calls) - parsed
     driven = {"create_namespaced_pod", "patch_namespaced_pod", "read_namespaced_pod"}
-    assert driven | {"delete_namespaced_pod"} <= set(api.calls)
+    events = {"create_namespaced_event", "patch_namespaced_event"}
+    assert driven | events | {"delete_namespaced_pod"} <= set(api.calls)
 
 
 def _check_rbac(docs: list[dict[str, Any]], needed: set[Permission] | None = None) -> None:
@@ -695,6 +698,28 @@ def test_rbac_evaluator_refuses_what_is_not_granted(
     patched = [role if d["kind"] == "Role" else d for d in docs]
     assert allowed(patched, sa_ns, permission_for("read_namespace"), target_ns)
     assert not allowed(patched, sa_ns, permission_for("read_namespace"), "kube-system")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_pods_events_are_granted_create_and_patch_only(
+    overlays: dict[str, list[dict[str, Any]]], overlay: str
+) -> None:
+    """The pods' Events (pod_events.py): written where the pods are, never read or deleted."""
+    docs = overlays[overlay]
+    sa_ns, target_ns = _namespaces(docs)
+    event_calls = {p for p in needed_permissions() if p.resource == "events"}
+    assert {(p.group, p.verb, p.namespaced) for p in event_calls} == {
+        ("", "create", True), ("", "patch", True),
+    }  # fmt: skip
+    for verb in ("create", "patch", "get", "list", "watch", "delete", "update"):
+        granted = allowed(docs, sa_ns, Permission("x", "", "events", verb, True), target_ns)
+        assert granted == (verb in ("create", "patch")), verb
+        assert not allowed(docs, sa_ns, Permission("x", "", "events", verb, True), "kube-system")
+    # a verb more on events is refused by the least-privilege check
+    role = copy.deepcopy(_one(docs, "Role"))
+    role["rules"].append({"apiGroups": [""], "resources": ["events"], "verbs": ["list"]})
+    with pytest.raises(AssertionError, match="list 'events'"):
+        _check_rbac([role if d["kind"] == "Role" else d for d in docs])
 
 
 def test_a_call_added_to_k8s_py_fails_the_rbac_check(

@@ -934,7 +934,7 @@ async def test_discovery() -> None:
         assert (await http.get("/version")).json()["major"] == "1"
         assert (await http.get("/api")).json()["versions"] == ["v1"]
         kinds = {r["name"] for r in (await http.get("/api/v1")).json()["resources"]}
-        assert kinds == {"pods", "namespaces", "nodes"}
+        assert kinds == {"pods", "namespaces", "nodes", "events"}
         assert (await http.get("/healthz")).text == "ok"
 
 

@@ -125,6 +125,19 @@ class Settings(BaseSettings):
         "second; the watch pass stays as the safety net (needs jobs_enabled)",
     )
     reconcile_interval: float = Field(30.0, gt=0, description="Redis/Kubernetes reconcile tick (s)")
+    pod_events: bool = Field(
+        True,
+        description="record each decision about a pod (deployed, adopted, reclaimed, deleted "
+        "dead or half-dead, drained, foreign pod ignored) as a Kubernetes Event on it, for "
+        "`kubectl describe pod` (needs create and patch on events)",
+    )
+    pod_events_queue: int = Field(
+        1000,
+        ge=1,
+        le=100_000,
+        description="pod Events waiting for the one sender at most; beyond it an event is "
+        "dropped and counted (agent_runtime_pod_events_total{outcome=dropped_full})",
+    )
     jobs_enabled: bool = Field(
         True, description="run the background jobs (tests switch them off to tick by hand)"
     )

@@ -153,6 +153,14 @@ class Metrics:
             ["action"],
             registry=self.registry,
         )
+        self.pod_events = Counter(
+            "agent_runtime_pod_events",
+            "Kubernetes Events about pods (resource_manager/pod_events.py), by reason and "
+            "outcome: sent (created), aggregated (an occurrence more, patched), dropped_full "
+            "(queue full), dropped_spam (the per-pod rate limit), dropped_stop, failed",
+            ["reason", "outcome"],
+            registry=self.registry,
+        )
         self.foreign_pods = Counter(
             "agent_runtime_foreign_pods",
             "pods with our labels that are not provably ours (identity), first seen by this "

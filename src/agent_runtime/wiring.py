@@ -35,6 +35,7 @@ from agent_runtime.resource_manager.k8s_real import RealK8sPodClient
 from agent_runtime.resource_manager.models import DeployBounds
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.places import Places
+from agent_runtime.resource_manager.pod_events import PodEvents
 from agent_runtime.resource_manager.pod_reports import PodReports
 from agent_runtime.resource_manager.pod_watch import PodWatch
 from agent_runtime.resource_manager.pool_jobs import PoolJobs
@@ -310,6 +311,7 @@ class Services:
     jobs: JobRunner
     config_store: ConfigStore
     identity: PodIdentity
+    pod_events: PodEvents
     ready: bool = False  # set once startup completed; /healthz and handlers wait for it
     draining: bool = False  # set on SIGTERM; /healthz turns 503 first
 
@@ -379,6 +381,7 @@ class Services:
         await self.session_sweeper.wait_for_notices()
         await self.pool_jobs.wait_for_warm_deploys()
         await self.orchestrator.close()
+        await self.pod_events.stop()  # the decisions above are all taken: their events go
         await self.notifier.stop()
 
 
@@ -411,6 +414,14 @@ def wire(
         redis, observe=metrics.redis_call, pod_budget=settings.pod_budget, wait=wait
     )
     notifier = Notifier(redis)
+    # one recorder of the pods' Events, on the metered client (its calls are counted too)
+    pod_events = PodEvents(
+        k8s=k8s,
+        instance_id=settings.instance_id,
+        enabled=settings.pod_events,
+        queue_size=settings.pod_events_queue,
+        metrics=metrics,
+    )
     orchestrator = ResourceOrchestrator(
         state=resource_state,
         k8s=k8s,
@@ -425,6 +436,7 @@ def wire(
         instance_id=settings.instance_id,
         scope_deploy_concurrency=settings.scope_deploy_concurrency,
         tracing=tracing,
+        events=pod_events,
     )
     sessions = SessionManagerFacade(state=session_state)
     drains = Drains(
@@ -435,6 +447,7 @@ def wire(
         metrics=metrics,
         default_timeout=settings.drain_timeout,
         margin=settings.drain_margin,
+        events=pod_events,
     )
     pool_jobs = PoolJobs(
         state=resource_state,
@@ -448,6 +461,7 @@ def wire(
         adopted_pod_ttl=settings.adopted_pod_ttl,
         drains=drains,
         warm_deploy_concurrency=settings.warm_deploy_concurrency,
+        events=pod_events,
     )
     resources = ResourceManagerFacade(
         orchestrator=orchestrator,
@@ -533,4 +547,5 @@ def wire(
         jobs=jobs,
         config_store=config_store,
         identity=identity,
+        pod_events=pod_events,
     )

@@ -18,6 +18,8 @@
                                              resourceVersion, 422 immutable (``uid``), 415
 ``DELETE .../pods/{name}``                   200 Pod (``gracePeriodSeconds`` query or body)
 ``/api/v1/nodes[/{name}]``                   GET, PATCH, watch (``api_nodes.py``)
+``/api/v1[/namespaces/{ns}]/events[/{name}]`` POST, GET (list, one), PATCH, DELETE
+                                             (``api_events.py``, ``events.py``)
 ``/_sim/...``                                the control endpoint (``control.py``)
 ==========================================  ==================================================
 
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from kubesim import pods, watch
+from kubesim.api_events import add_event_routes
 from kubesim.api_nodes import add_node_routes
 from kubesim.control import add_control_routes
 from kubesim.errors import (
@@ -54,6 +57,7 @@ from kubesim.errors import (
     unsupported_media_type,
 )
 from kubesim.labels import SelectorError, parse_field_selector, parse_selector
+from kubesim.paging import parse_limit
 from kubesim.store import Obj
 from kubesim.watch import (
     Event,
@@ -133,6 +137,7 @@ def build_app(sim: KubeSim) -> web.Application:
     app.router.add_patch("/api/v1/namespaces/{namespace}/pods/{name}", api.patch_pod)
     app.router.add_delete("/api/v1/namespaces/{namespace}/pods/{name}", api.delete_pod)
     add_node_routes(app, sim, api.gate, api.watch)
+    add_event_routes(app, sim, api.gate)
     return app
 
 
@@ -149,7 +154,11 @@ class _Api:
         namespace: str | None,
         name: str | None = None,
         labels: dict[str, str] | None = None,
+        *,
+        exact: bool = False,
     ) -> None:
+        """Latency, injected errors and RBAC, in that order. ``exact``: a fault rule must name
+        ``resource`` itself (events: a ``*`` rule is meant for the pods)."""
         sim = self.sim
         sim.requests[f"{verb} {resource}"] += 1
         match: dict[str, Any] = {
@@ -158,6 +167,7 @@ class _Api:
             "namespace": namespace,
             "name": name,
             "labels": labels,
+            "exact": exact,
         }
         slow = sim.faults.take("latency", **match)
         if slow is not None:
@@ -242,6 +252,7 @@ class _Api:
                     resource(
                         "pods", "Pod", True, ["create", "delete", "get", "list", "patch", "watch"]
                     ),
+                    resource("events", "Event", True, ["create", "delete", "get", "list", "patch"]),
                 ],
             }
         )
@@ -285,7 +296,7 @@ class _Api:
             raise bad_request(str(exc)) from None
         if watching:
             return await self.watch(request, Filter("pods", namespace, selector, fields), "Pod")
-        limit = _limit(query.get("limit"))
+        limit = parse_limit(query.get("limit"))
         sim = self.sim
 
         def listing() -> Iterator[tuple[str, Obj]]:
@@ -310,16 +321,7 @@ class _Api:
             listing=listing,
             expire=expire,
         )
-        meta: dict[str, Any] = {"resourceVersion": str(page.resource_version)}
-        if page.continue_token is not None:
-            meta["continue"] = page.continue_token
-        if page.remaining is not None:
-            meta["remainingItemCount"] = page.remaining
-        head = json.dumps({"kind": "PodList", "apiVersion": "v1", "metadata": meta})
-        return web.Response(
-            text=f'{head[:-1]}, "items": [{", ".join(page.items)}]}}',
-            content_type="application/json",
-        )
+        return web.Response(text=page.list_text("PodList"), content_type="application/json")
 
     async def watch(self, request: web.Request, what: Filter, kind: str) -> web.StreamResponse:
         """A watch (``watch.py``): parameters checked, the watcher opened (429 over the cap),
@@ -418,16 +420,6 @@ class _Api:
 def _item(obj: Obj) -> Obj:
     """A list item: the API server leaves out ``kind`` and ``apiVersion``."""
     return {k: v for k, v in obj.items() if k not in ("kind", "apiVersion")}
-
-
-def _limit(raw: str | None) -> int:
-    """``limit``: a whole number; absent, 0 or negative is no limit (one page)."""
-    if not raw:
-        return 0
-    try:
-        return max(int(raw), 0)
-    except ValueError:
-        raise bad_request(f'invalid value for limit: "{raw}": not an integer') from None
 
 
 async def _grace_seconds(request: web.Request) -> int | None:

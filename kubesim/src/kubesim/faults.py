@@ -16,6 +16,8 @@ Kinds and when they are looked at:
 ``api_error``        each API request of ``verb`` on ``resource``: answers ``status``
                      (429 carries ``Retry-After: retry_after``) instead of doing it
 ``latency``          each API request of ``verb`` on ``resource``: waits ``seconds`` first
+                     (``events`` requests only by a rule that names ``resource: events``:
+                     a ``*`` rule aimed at pods never lands on a background event write)
 ``reply_lost``       a ``create`` / ``delete`` / ``patch`` that was applied: ``mode``
                      ``drop`` (the connection closes without an answer) or ``500``
 ``continue_expired`` each LIST page asked with a continue token: the token has expired
@@ -40,7 +42,7 @@ API_KINDS = ("api_error", "latency", "reply_lost", "continue_expired")
 NAMESPACE_KINDS = ("namespace_missing", "namespace_forbidden")
 KINDS = (*POD_KINDS, "health", *API_KINDS, *NAMESPACE_KINDS)
 VERBS = ("create", "get", "list", "watch", "delete", "patch", "*")
-RESOURCES = ("pods", "namespaces", "nodes", "*")
+RESOURCES = ("pods", "namespaces", "nodes", "events", "*")
 
 _COMMON = ("kind", "namespace", "name", "labels", "count", "ratio")
 _PARAMS: dict[str, dict[str, Any]] = {
@@ -143,14 +145,17 @@ class Faults:
         labels: dict[str, str] | None = None,
         verb: str | None = None,
         resource: str | None = None,
+        exact: bool = False,
     ) -> Fault | None:
-        """The first rule of ``kind`` that matches and fires now (its count is used up)."""
+        """The first rule of ``kind`` that matches and fires now (its count is used up).
+        ``exact``: only a rule that names ``resource`` itself (not ``*``) matches."""
         for fault in list(self._rules.values()):
             if fault.kind != kind or not fault.matches(namespace, name, labels):
                 continue
             if verb is not None and fault.params.get("verb") not in ("*", verb):
                 continue
-            if resource is not None and fault.params.get("resource", "*") not in ("*", resource):
+            named = fault.params.get("resource", "*")
+            if resource is not None and named != resource and (exact or named != "*"):
                 continue
             if fault.ratio is not None and self._rng.random() >= fault.ratio:
                 continue

@@ -99,6 +99,26 @@ class Page:
     continue_token: str | None
     remaining: int | None
 
+    def list_text(self, kind: str) -> str:
+        """The page as a ``<kind>`` (PodList, EventList …) body: its ListMeta and its items."""
+        meta: dict[str, Any] = {"resourceVersion": str(self.resource_version)}
+        if self.continue_token is not None:
+            meta["continue"] = self.continue_token
+        if self.remaining is not None:
+            meta["remainingItemCount"] = self.remaining
+        head = json.dumps({"kind": kind, "apiVersion": "v1", "metadata": meta})
+        return f'{head[:-1]}, "items": [{", ".join(self.items)}]}}'
+
+
+def parse_limit(raw: str | None) -> int:
+    """``limit``: a whole number; absent, 0 or negative is no limit (one page)."""
+    if not raw:
+        return 0
+    try:
+        return max(int(raw), 0)
+    except ValueError:
+        raise bad_request(f'invalid value for limit: "{raw}": not an integer') from None
+
 
 @dataclass
 class _Snapshot:

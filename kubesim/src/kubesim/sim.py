@@ -27,7 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kubesim import pod_status, pods, watch
+from kubesim import events, pod_status, pods, watch
 from kubesim.api import build_app
 from kubesim.errors import not_found
 from kubesim.faults import Faults
@@ -62,6 +62,8 @@ class KubeSim:
     ``nodes``: how many nodes (``kubesim-node``, ``kubesim-node-2``, …; ``nodes.py``).
     ``watch_history``, ``max_watches``, ``watch_queue``, ``watch_timeout``,
     ``bookmark_interval``: the bounds of watches (``watch.py``).
+    ``event_ttl``, ``max_events``: how long an event is kept after its last write, and how
+    many at most (``events.py``).
     ``seed``: makes jitter, fault ratios and generated names repeatable."""
 
     def __init__(
@@ -86,6 +88,8 @@ class KubeSim:
         watch_timeout: float = watch.DEFAULT_TIMEOUT,
         bookmark_interval: float = watch.DEFAULT_BOOKMARK_INTERVAL,
         nodes: int = 1,
+        event_ttl: float = events.DEFAULT_TTL,
+        max_events: int = events.DEFAULT_CAP,
     ) -> None:
         check_loopback(host)
         check_loopback(first_pod_ip)
@@ -111,6 +115,8 @@ class KubeSim:
         self.store.publish = self.watches.publish
         self.nodes = Nodes(self.store, nodes)
         self.pager = Pager()  # the snapshots paged LISTs continue from
+        self.events = events.EventStore(self.store, ttl=event_ttl, cap=max_events)
+        self.event_pager = Pager()  # the event LISTs' own (a query names no resource)
         self.faults = Faults(self.rng)
         self.kubelet = Kubelet(
             self.store,
@@ -298,9 +304,11 @@ class KubeSim:
             await self._shielded(self.kubelet.pod_removed(namespace, name), f"{namespace}/{name}")
 
     async def reset(self) -> None:
-        """Forget every pod and fault, the counters and paged lists; namespaces stay."""
+        """Forget every pod, event and fault, the counters and paged lists; namespaces stay."""
         self.faults.clear()
         self.pager.clear()
+        self.event_pager.clear()
+        self.events.clear()
         self.nodes.uncordon_all()
         self.requests.clear()
         self.injected.clear()
@@ -353,6 +361,7 @@ class KubeSim:
             "pods": listed,
             "nodes": self.nodes.describe(),
             "watches": self.watches.describe(),
+            "events": {"kept": len(self.events), "evicted": self.events.evicted},
             "faults": self.faults.to_json(),
             "requests": dict(self.requests),
             "injected": dict(self.injected),

@@ -56,6 +56,10 @@ class Store:
         self._rv += 1
         obj["metadata"]["resourceVersion"] = str(self._rv)
 
+    def stamp(self, obj: Obj) -> None:
+        """Give an object kept outside this store (an event) the next resourceVersion."""
+        self._bump(obj)
+
     @property
     def resource_version(self) -> str:
         return str(self._rv)

@@ -18,7 +18,6 @@ tombstone (their next route answers ``rebound`` with ``previous_pod_id``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Collection
 
@@ -26,6 +25,12 @@ from agent_runtime.metrics import Metrics
 from agent_runtime.resource_manager.drains import Drains
 from agent_runtime.resource_manager.k8s import K8sPodClient
 from agent_runtime.resource_manager.models import PodStatus
+from agent_runtime.resource_manager.pod_events import (
+    NoPodEvents,
+    PodEventReason,
+    PodEventSink,
+    PodRef,
+)
 from agent_runtime.resource_manager.pod_reading import pod_condition
 from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.session_side import SessionSide
@@ -34,6 +39,7 @@ log = logging.getLogger(__name__)
 
 HEALTH_FAILS_TO_DEAD = 2  # failed /health probes in a row that make a Running pod half-dead
 CLEANED_BY = ("pass", "stream", "report")  # the doors (metrics label)
+_DOORS = {"pass": "the watch pass", "stream": "the watch stream", "report": "a gateway's report"}
 
 
 class DeadPods:
@@ -46,9 +52,12 @@ class DeadPods:
         drains: Drains,
         clock: Callable[[], Awaitable[float]],
         metrics: Metrics | None = None,
+        events: PodEventSink | None = None,
     ) -> None:
         """``clock``: Redis seconds (the clock drain deadlines are kept in), read only for a
-        pod being deleted."""
+        pod being deleted; ``events``: where a deletion is recorded (DeletedDead,
+        DeletedHalfDead)."""
+        self._events = events or NoPodEvents()
         self._k8s = k8s
         self._drains = drains
         self._clock = clock
@@ -93,7 +102,7 @@ class DeadPods:
                 return False
             await self.clean(
                 pod_id, namespace, cluster, exists=status is not None, why=why, by=by,
-                scope_id=scope_id,
+                scope_id=scope_id, uid=status.uid if status is not None else "",
             )  # fmt: skip
             return True
         if now is None and status is not None and status.phase == "Terminating":
@@ -108,7 +117,7 @@ class DeadPods:
             why = "missing" if status is None else status.phase
             await self.clean(
                 pod_id, namespace, cluster, exists=status is not None, why=why, by=by,
-                scope_id=scope_id,
+                scope_id=scope_id, uid=status.uid if status is not None else "",
             )  # fmt: skip
             return True
         return False
@@ -123,12 +132,25 @@ class DeadPods:
         why: str,
         by: str,
         scope_id: str | None = None,
+        uid: str = "",
     ) -> None:
-        """Delete (if it ``exists``), purge and tell the session side; ``by``: which door."""
+        """Delete (if it ``exists``: recorded on the pod, ``uid`` its incarnation when the
+        caller knows it), purge and tell the session side; ``by``: which door."""
         log.info("pod %s: %s; cleaning it (%s)", pod_id, why, by)
         if exists:
-            with contextlib.suppress(Exception):  # reconcile retries a delete that failed
+            deleted = "deleted"
+            try:
                 await self._k8s.delete(pod_id, namespace, cluster=cluster)
+            except Exception:  # reconcile retries a delete that failed
+                deleted = "forgotten (its delete failed: reconcile deletes it)"
+            half_dead = why == "half-dead"
+            self._events.record(
+                PodRef(pod_id, namespace, uid, cluster),
+                PodEventReason.DELETED_HALF_DEAD if half_dead else PodEventReason.DELETED_DEAD,
+                f"{deleted}: {_DOORS.get(by, by)} found it "
+                + ("failing its health checks" if half_dead else f"dead ({why})")
+                + "; its sessions are evicted (their next route is rebound)",
+            )
         await self.forget(pod_id, scope_id)
         self._cleaned[by].inc()
 

@@ -36,6 +36,12 @@ from agent_runtime.resource_manager.models import (
     PodDeployInfo,
     PodGone,
 )
+from agent_runtime.resource_manager.pod_events import (
+    NoPodEvents,
+    PodEventReason,
+    PodEventSink,
+    PodRef,
+)
 from agent_runtime.resource_manager.state import ResourceState, registered_channel
 from agent_runtime.resource_manager.state_values import OrphanPod
 from agent_runtime.tracing import SCOPE_ID, Tracing
@@ -68,9 +74,11 @@ class Deployer:
         lease: float,
         identity: PodIdentity,
         tracing: Tracing | None = None,
+        events: PodEventSink | None = None,
     ) -> None:
         self._state = state
         self._tracing = tracing or Tracing()
+        self._events = events or NoPodEvents()
         self._deploy_state = deploys
         self._k8s = k8s
         self._notifier = notifier
@@ -183,7 +191,32 @@ class Deployer:
         log.info(
             "scope %s: pod %s registered (%s)", scope_id, info.pod_id, "warm" if warm else "in use"
         )
+        self._record_registered(scope_id, info, version, warm=warm, orphan=orphan, took=took)
         return AcquiredPod(info.pod_id, info.pod_sse_url, version)
+
+    def _record_registered(
+        self,
+        scope_id: str,
+        info: PodDeployInfo,
+        version: str,
+        *,
+        warm: bool,
+        orphan: OrphanPod | None,
+        took: float,
+    ) -> None:
+        pod = PodRef(info.pod_id, info.namespace, info.uid, info.cluster)
+        use = "warm pool" if warm else "in use"
+        if orphan is not None and orphan.pod_id == info.pod_id:
+            self._events.record(
+                pod, PodEventReason.ADOPTED,
+                f"adopted for scope {scope_id} ({use}, version {version}): its deploy leader's "
+                "lease lapsed before it registered the pod",
+            )  # fmt: skip
+            return
+        self._events.record(
+            pod, PodEventReason.DEPLOYED,
+            f"deployed for scope {scope_id} ({use}, version {version}), Ready in {took:.1f}s",
+        )  # fmt: skip
 
     async def _followers_waiting(self, lease: DeployLease) -> bool:
         try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Literal
 
 from agent_runtime.metrics import Metrics
@@ -31,6 +32,12 @@ from agent_runtime.resource_manager.drain_state import DrainState
 from agent_runtime.resource_manager.k8s import K8sPodClient
 from agent_runtime.resource_manager.models import K8sApiError
 from agent_runtime.resource_manager.places import Places
+from agent_runtime.resource_manager.pod_events import (
+    NoPodEvents,
+    PodEventReason,
+    PodEventSink,
+    PodRef,
+)
 from agent_runtime.resource_manager.pod_manifest import deploy_timing
 from agent_runtime.resource_manager.pod_reading import PodCondition
 from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
@@ -44,6 +51,16 @@ DEFAULT_DRAIN_TIMEOUT = 300.0
 DEFAULT_DRAIN_MARGIN = 2.0
 MAX_DRAIN_SECONDS = 86_400  # a drain deadline is at most a day away
 REPLACEMENT_SLACK = 10.0  # seconds past the template's ready_timeout a pending drain waits
+# a drain's trigger as its pod's Events say it
+_TRIGGERS = {
+    "admin": "an admin drain of the pod or its node",
+    "cordon": "its node is cordoned",
+    "graceful_delete": "Kubernetes is deleting it gracefully",
+}
+
+
+def _clock_time(unix: float) -> str:
+    return datetime.fromtimestamp(unix, UTC).strftime("%H:%M:%SZ")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +86,10 @@ class Drains:
         metrics: Metrics | None = None,
         default_timeout: float = DEFAULT_DRAIN_TIMEOUT,
         margin: float = DEFAULT_DRAIN_MARGIN,
+        events: PodEventSink | None = None,
     ) -> None:
         self._state = state
+        self._events = events or NoPodEvents()
         self._drain_state = DrainState(state)
         self._jobs_state = PoolJobsState(state)
         self._k8s = k8s
@@ -181,6 +200,13 @@ class Drains:
             self._metrics.drains_started.labels(begun.trigger).inc()
             log.info("pod %s: drain begun (%s, %s), deadline %.0f",
                      pod_id, begun.trigger, begun.state, begun.deadline)  # fmt: skip
+            waits = " (waits for a replacement first)" if begun.state == "pending" else ""
+            self._events.record(
+                PodRef(pod_id, info.namespace or self._default_namespace, "", info.cluster),
+                PodEventReason.DRAIN_STARTED,
+                f"drain begun ({_TRIGGERS.get(begun.trigger, begun.trigger)}){waits}: no new "
+                f"sessions; the rest leave by {_clock_time(begun.deadline)}",
+            )
         if begun.state == "pending":
             return DrainStatus(pod_id, "pending", begun.trigger, begun.deadline, begun.started, 0)
         sessions = await self._sessions.retire_pod(info.scope_id, pod_id)
@@ -263,6 +289,14 @@ class Drains:
                 return False
         await self._jobs_state.purge(pod_id, scope_id)
         self._metrics.drains_finished.labels(trigger or "admin", outcome).inc()
+        if info is not None:
+            left = "every session left" if outcome == "empty" else "its time ran out"
+            self._events.record(
+                PodRef(pod_id, info.namespace or self._default_namespace, "", info.cluster),
+                PodEventReason.DRAINED,
+                f"drained and deleted ({_TRIGGERS.get(trigger, trigger or 'admin')}): {left}; "
+                f"{evicted} sessions rebound",
+            )
         log.info("pod %s: drained (%s, %s), %d sessions rebound", pod_id, trigger, outcome, evicted)
         return True
 

@@ -11,7 +11,7 @@ The resource manager never sees a kubernetes_asyncio object. A LIST is paged and
 slice at a time. A deploy goes to its template's cluster (``clusters.template_cluster``);
 every call on an existing pod (``get_pod``, ``delete``, ``list_pods``, ``await_ready``,
 ``sign``) takes ``cluster=``, the cluster the pod was recorded in (None: the process default),
-and so does ``list_nodes``.
+and so do ``list_nodes`` and the Event calls (an Event goes where its pod runs).
 """
 
 from __future__ import annotations
@@ -140,3 +140,16 @@ class K8sPodClient(Protocol):
 
     async def probe_health(self, pod_ip: str, port: int) -> bool:
         """``GET http://{pod_ip}:{port}/health`` within 3 s; only a 200 is healthy."""
+
+    async def create_event(
+        self, namespace: str, body: dict[str, Any], *, cluster: str | None = None
+    ) -> None:
+        """Create the core/v1 Event ``body`` (its JSON, ``pod_events.py`` builds it) in
+        ``namespace`` of ``cluster``, bounded as every call. Any refusal (403: RBAC; 404: the
+        namespace; 409: the name is taken) or failure → ``K8sApiError`` with its status."""
+
+    async def patch_event(
+        self, namespace: str, name: str, patch: dict[str, Any], *, cluster: str | None = None
+    ) -> None:
+        """Strategic-merge-patch the Event ``name`` (``count``, ``lastTimestamp``, ``message``:
+        an occurrence more of one already recorded). Gone (expired) → ``K8sApiError`` 404."""

@@ -18,6 +18,7 @@ from agent_runtime import label_selector as selectors
 from agent_runtime.resource_manager.clusters import template_cluster
 from agent_runtime.resource_manager.identity import IDENTITY_ANNOTATION, PodIdentity
 from agent_runtime.resource_manager.k8s import OnCreated
+from agent_runtime.resource_manager.k8s_fake_events import FakeEvents
 from agent_runtime.resource_manager.k8s_fake_watch import EventLog, PodSet
 from agent_runtime.resource_manager.models import (
     DeployFailed,
@@ -78,6 +79,10 @@ class FakeK8sPodClient:
     event with a resourceVersion; ``drop_watches()`` ends every open stream (a dropped
     connection), ``compact_watches()`` makes every older version 410 (``watches_refused``:
     every new watch is refused, 503). ``health_probes`` counts ``probe_health`` calls.
+
+    Events (``k8s_fake_events.py``): ``kube_events`` keeps the core/v1 Events recorded on
+    pods (``of_pod``), refused in ``forbidden_namespaces`` (403) and ``missing_namespaces``
+    (404) as the real API refuses them.
     """
 
     def __init__(
@@ -102,6 +107,7 @@ class FakeK8sPodClient:
         self.clusters: set[str] | None = None if clusters is None else set(clusters)
         self.unreachable_clusters: set[str | None] = set()
         self.events = EventLog()
+        self.kube_events = FakeEvents()  # the core/v1 Events recorded on pods
         self.pods: dict[str, PodStatus] = PodSet(self.events, None)
         self._named: dict[str, dict[str, PodStatus]] = {}  # the named clusters' pod sets
         self.watches_refused = False
@@ -354,7 +360,7 @@ class FakeK8sPodClient:
             if pods.pop(pod_id, None) is not None:
                 self._note_deleted(cluster, pod_id)
             raise
-        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec), cluster)
+        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec), cluster, uid)
 
     def _note_deleted(self, cluster: str | None, pod_id: str) -> None:
         self.deleted.append(pod_id)
@@ -377,7 +383,7 @@ class FakeK8sPodClient:
             raise PodGone(f"pod {pod_id} disappeared")
         _, poll = deploy_timing(pod_spec)
         pod_ip = await self._wait_ready(pod_id, uid, (max(within, 0.0), poll), cluster)
-        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec), cluster)
+        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec), cluster, uid)
 
     async def sign(
         self,
@@ -507,6 +513,24 @@ class FakeK8sPodClient:
     def compact_watches(self) -> None:
         """Every version before now is compacted: a watch resuming from one gets 410."""
         self.events.compact()
+
+    async def create_event(
+        self, namespace: str, body: dict[str, Any], *, cluster: str | None = None
+    ) -> None:
+        self._reached(cluster)
+        self.kube_events.create(
+            cluster, namespace, body,
+            forbidden=self.forbidden_namespaces, missing=self.missing_namespaces,
+        )  # fmt: skip
+
+    async def patch_event(
+        self, namespace: str, name: str, patch: dict[str, Any], *, cluster: str | None = None
+    ) -> None:
+        self._reached(cluster)
+        self.kube_events.patch(
+            cluster, namespace, name, patch,
+            forbidden=self.forbidden_namespaces, missing=self.missing_namespaces,
+        )  # fmt: skip
 
     async def probe_health(self, pod_ip: str, port: int) -> bool:
         self.health_probes += 1

@@ -180,3 +180,14 @@ class MeteredK8sPodClient:
 
     async def probe_health(self, pod_ip: str, port: int) -> bool:
         return await self._timed("probe_health", self.inner.probe_health(pod_ip, port))
+
+    async def create_event(
+        self, namespace: str, body: dict[str, Any], *, cluster: str | None = None
+    ) -> None:
+        await self._timed("create_event", self.inner.create_event(namespace, body, cluster=cluster))
+
+    async def patch_event(
+        self, namespace: str, name: str, patch: dict[str, Any], *, cluster: str | None = None
+    ) -> None:
+        call = self.inner.patch_event(namespace, name, patch, cluster=cluster)
+        await self._timed("patch_event", call)

@@ -64,6 +64,7 @@ from agent_runtime.resource_manager.pod_reading import (
 log = logging.getLogger(__name__)
 
 AWAIT_READY_MIN = 1.0  # seconds await_ready looks for at least (one GET)
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"  # client-go's event patch
 WATCH_SLACK = 10  # seconds a watch's client waits past its timeoutSeconds (a silent connection)
 
 # Opens a CoreV1Api-like object for a configured cluster name (None: the process default). It must
@@ -353,6 +354,27 @@ class RealK8sPodClient:
         except Exception:
             return False
 
+    # events (pod_events.py's sender; the pod's cluster)
+
+    async def create_event(
+        self, namespace: str, body: dict[str, Any], *, cluster: str | None = None
+    ) -> None:
+        api = await self._pod_api(cluster)
+        await self._call(
+            f"create event in {namespace}", lambda: api.create_namespaced_event(namespace, body)
+        )
+
+    async def patch_event(
+        self, namespace: str, name: str, patch: dict[str, Any], *, cluster: str | None = None
+    ) -> None:
+        api = await self._pod_api(cluster)
+        await self._call(
+            f"patch event {namespace}/{name}",
+            lambda: api.patch_namespaced_event(
+                name, namespace, patch, _content_type=STRATEGIC_MERGE_PATCH
+            ),
+        )
+
     # deploy
 
     async def deploy(
@@ -387,7 +409,7 @@ class RealK8sPodClient:
             for maybe_created in job.sent:
                 await discard(api, maybe_created, job.namespace)
             raise
-        return PodDeployInfo(name, job.namespace, pod_ip, sse_url(pod_ip, pod_spec), cluster)
+        return PodDeployInfo(name, job.namespace, pod_ip, sse_url(pod_ip, pod_spec), cluster, uid)
 
     async def await_ready(
         self,
@@ -405,7 +427,7 @@ class RealK8sPodClient:
         deadline = Deadline(max(within, AWAIT_READY_MIN))
         job = DeployJob(api, namespace, "", "", pod_spec, deadline, identity=None)
         pod_ip = await wait_ready(job, pod_id, uid, poll)
-        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec), cluster)
+        return PodDeployInfo(pod_id, namespace, pod_ip, sse_url(pod_ip, pod_spec), cluster, uid)
 
     async def _deploy_api(self, cluster: str | None) -> Any:
         """The API of a deploy's cluster, or ``DeployFailed`` (an unknown or down one)."""

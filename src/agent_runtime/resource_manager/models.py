@@ -60,6 +60,7 @@ class PodDeployInfo:
     pod_ip: str
     pod_sse_url: str
     cluster: str | None = None  # where it runs (None: the process default)
+    uid: str = ""  # the incarnation (the Events recorded on it name it)
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,7 @@ from agent_runtime.resource_manager.models import (
     PodBudgetReached,
     PoolConfigUpdate,
 )
+from agent_runtime.resource_manager.pod_events import PodEventSink
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.resource_manager.state_values import DeployClaim, OrphanPod
 from agent_runtime.resource_manager.warm_policy import WARM_POOLS
@@ -87,6 +88,7 @@ class ResourceOrchestrator:
         instance_id: str = "",
         scope_deploy_concurrency: int = DEFAULT_SCOPE_DEPLOY_CONCURRENCY,
         tracing: Tracing | None = None,
+        events: PodEventSink | None = None,
     ) -> None:
         """``bounds``: where a deploy may go (the wiring passes the settings'; None: anywhere,
         for tests that build an orchestrator by hand); ``identity`` signs every pod (and completes
@@ -95,7 +97,8 @@ class ResourceOrchestrator:
         the deploy lock's token, so an operator sees which replica leads a deploy.
         ``scope_deploy_concurrency``: cold deploys of one scope at once
         (AGENT_RUNTIME_SCOPE_DEPLOY_CONCURRENCY). ``tracing``: spans of acquire, deploy and
-        follower wait (off unless given)."""
+        follower wait (off unless given). ``events``: where a deploy records the pod's
+        Deployed / Adopted event (``pod_events.py``; None: nowhere)."""
         metrics = metrics or Metrics()
         tracing = tracing or Tracing()
         self._tracing = tracing
@@ -117,6 +120,7 @@ class ResourceOrchestrator:
             lease=deploy_lease,
             identity=identity,
             tracing=tracing,
+            events=events,
         )
         self._followers = FollowerRoom(
             state=state,

@@ -20,7 +20,6 @@ pod is registered with it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import OrderedDict
 from typing import Any
@@ -30,6 +29,12 @@ from agent_runtime.resource_manager.deploy_state import DeployState, lock_token
 from agent_runtime.resource_manager.identity import Ownership, PodIdentity, Verdict
 from agent_runtime.resource_manager.k8s import K8sPodClient
 from agent_runtime.resource_manager.models import DeployFailed, PodGone, PodStatus
+from agent_runtime.resource_manager.pod_events import (
+    NoPodEvents,
+    PodEventReason,
+    PodEventSink,
+    PodRef,
+)
 from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.session_side import SessionSide
 from agent_runtime.resource_manager.state import ResourceState
@@ -52,8 +57,10 @@ class Orphans:
         identity: PodIdentity,
         metrics: Metrics,
         deploy_lease: float,
+        events: PodEventSink | None = None,
     ) -> None:
         self._state = state
+        self._events = events or NoPodEvents()
         self._deploy_state = deploys
         self._jobs_state = jobs_state
         self._k8s = k8s
@@ -107,9 +114,21 @@ class Orphans:
             return "adopted"
         if verdict.ownership is Ownership.UNFINISHED:
             log.warning("pod %s/%s: %s; deleting it", fresh.namespace, fresh.pod_id, verdict.reason)
-        with contextlib.suppress(Exception):
-            await self._k8s.delete(fresh.pod_id, fresh.namespace, cluster=cluster)
+        await self._delete(fresh, cluster, _why_not_adopted(fresh, verdict))
         return "deleted"
+
+    async def _delete(self, status: PodStatus, cluster: str | None, why: str) -> None:
+        """Delete an orphan of ours that is not adopted, and say so on the pod."""
+        try:
+            await self._k8s.delete(status.pod_id, status.namespace, cluster=cluster)
+        except Exception:  # the next pass finds it again
+            return
+        self._events.record(
+            PodRef(status.pod_id, status.namespace, status.uid, cluster),
+            PodEventReason.DELETED_ORPHAN,
+            f"deleted by reconcile: a pod of ours (scope {status.scope_id}) that Redis did not "
+            f"hold, not adopted: {why}",
+        )
 
     async def end_pass(self) -> int:
         """Write the pass's report; returns how many foreign pods it saw."""
@@ -177,8 +196,7 @@ class Orphans:
             settled = "done"  # the record goes: the pod is registered, or deleted now
             if adopted:
                 return "adopted"
-            with contextlib.suppress(Exception):
-                await self._k8s.delete(status.pod_id, status.namespace, cluster=cluster)
+            await self._delete(status, cluster, "its scope has no room for it")
             return "deleted"
         finally:
             await self._deploy_state.end_deploy_lease(
@@ -203,6 +221,13 @@ class Orphans:
             "reason": verdict.reason,
         }
         incarnation = f"{key}@{status.uid}"
+        # on every pass: the same event, counted up (and rate-limited) by the recorder
+        self._events.record(
+            PodRef(status.pod_id, status.namespace, status.uid, cluster),
+            PodEventReason.FOREIGN_POD_IGNORED,
+            f"carries our labels (scope {status.scope_id}) but is not provably ours "
+            f"({verdict.reason}): never adopted, routed to or deleted",
+        )
         if incarnation in self._logged:
             self._logged.move_to_end(incarnation)
             return
@@ -248,6 +273,12 @@ class Orphans:
                 "pod %s adopted into scope %s's warm pool (%s)",
                 status.pod_id, status.scope_id, outcome.detail or "already registered",
             )  # fmt: skip
+            self._events.record(
+                PodRef(status.pod_id, status.namespace, status.uid, cluster),
+                PodEventReason.ADOPTED,
+                f"adopted by reconcile into scope {status.scope_id}'s warm pool: Redis did not "
+                f"hold it ({outcome.detail or 'already registered'})",
+            )
         return outcome.kept
 
     async def _adopt_with_sessions(
@@ -274,4 +305,20 @@ class Orphans:
             cluster=cluster,
         )
         log.info("pod %s re-adopted in use: %d live sessions", status.pod_id, use.sessions)
+        self._events.record(
+            PodRef(status.pod_id, status.namespace, status.uid, cluster),
+            PodEventReason.ADOPTED,
+            f"adopted by reconcile in use for scope {status.scope_id}: Redis did not hold it, "
+            f"the session side has {use.sessions} live sessions on it",
+        )
         return True
+
+
+def _why_not_adopted(status: PodStatus, verdict: Verdict) -> str:
+    if verdict.ownership is Ownership.UNFINISHED:
+        return f"never signed for its incarnation ({verdict.reason})"
+    if status.dead:
+        return f"dead ({status.phase})"
+    if not status.ready:
+        return "not Ready"
+    return "an old version, or no room in its scope"

@@ -28,6 +28,12 @@ from agent_runtime.resource_manager.models import PodStatus
 from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.orphans import Orphans
 from agent_runtime.resource_manager.places import Places
+from agent_runtime.resource_manager.pod_events import (
+    NoPodEvents,
+    PodEventReason,
+    PodEventSink,
+    PodRef,
+)
 from agent_runtime.resource_manager.pool_jobs_state import PoolJobsState
 from agent_runtime.resource_manager.session_side import SessionSide
 from agent_runtime.resource_manager.state import ResourceState
@@ -60,13 +66,16 @@ class PoolJobs:
         adopted_pod_ttl: float = DEFAULT_ADOPTED_POD_TTL,
         drains: Drains | None = None,
         warm_deploy_concurrency: int = DEFAULT_WARM_DEPLOY_CONCURRENCY,
+        events: PodEventSink | None = None,
     ) -> None:
         """``namespaces``: the allow-list reconcile may look for orphans in besides where our
         pods are (None: wherever pool configs say); ``identity``: tells our pods from others;
         ``adopted_pod_ttl``: how long a warm pod of a scope without a pool config is kept;
         ``drains``: where the watch sends pods Kubernetes drains (default: one of its own);
         ``warm_deploy_concurrency``: warm deploys this replica runs at once (each scope's
-        also within the orchestrator's scope deploy concurrency, with its cold deploys)."""
+        also within the orchestrator's scope deploy concurrency, with its cold deploys);
+        ``events``: where the jobs' decisions about pods are recorded (``pod_events.py``)."""
+        self._events = events or NoPodEvents()
         self._state = state
         self._deploy_state = DeployState(state)
         self._jobs_state = PoolJobsState(state)
@@ -92,16 +101,17 @@ class PoolJobs:
             identity=identity,
             metrics=self._metrics,
             deploy_lease=orchestrator.deploy_lease,
+            events=self._events,
         )
         self.drains = drains or Drains(
             state=state, k8s=k8s, sessions=sessions, default_namespace=default_namespace,
-            metrics=self._metrics,
+            metrics=self._metrics, events=self._events,
         )  # fmt: skip
         # the one "dead → clean, retired → drain" of the pass, the stream and the reports
         # (the wiring shares it)
         self.dead_pods = DeadPods(
             k8s=k8s, jobs_state=self._jobs_state, sessions=sessions, drains=self.drains,
-            clock=state.now, metrics=self._metrics,
+            clock=state.now, metrics=self._metrics, events=self._events,
         )  # fmt: skip
         self._warm_deploys = BackgroundTasks()
         self._warm_targets = WarmTargets(jobs_state=self._jobs_state, sessions=sessions)
@@ -217,8 +227,13 @@ class PoolJobs:
             # the floor keeps the longest-idle ones: acquire takes the most recently idle
             decided = plans[scope_id]
             expired = reclaimable(decided.keep_idle, current, now, decided.reclaim_after)
-            for pod_id in [*old, *expired]:
-                if await self._reclaim(scope_id, pod_id):
+            for pod_id in old:
+                if await self._reclaim(scope_id, pod_id, "of an old version"):
+                    reclaimed += 1
+            for pod_id in expired:
+                if await self._reclaim(
+                    scope_id, pod_id, f"idle past {decided.reclaim_after:.0f}s above its plan"
+                ):
                     reclaimed += 1
         return reclaimed
 
@@ -247,7 +262,7 @@ class PoolJobs:
             )  # fmt: skip
         return pruned.seats + pruned.placeholders
 
-    async def _reclaim(self, scope_id: str, pod_id: str) -> bool:
+    async def _reclaim(self, scope_id: str, pod_id: str, why: str) -> bool:
         # out of the pool first (only if still there), so no acquire can get a pod being deleted
         if not await self._jobs_state.take_out_of_idle(scope_id, pod_id):
             return False
@@ -259,6 +274,11 @@ class PoolJobs:
             log.warning("pod %s: reclaim delete failed (%s); back to the pool", pod_id, exc)
             await self._state.release(scope_id, pod_id)
             return False
+        self._events.record(
+            PodRef(pod_id, namespace, "", info.cluster if info else None),
+            PodEventReason.RECLAIMED,
+            f"reclaimed from scope {scope_id}'s warm pool: {why}",
+        )
         await self._forget(pod_id, scope_id)
         return True
 
@@ -325,7 +345,7 @@ class PoolJobs:
                 ):
                     await self.dead_pods.clean(
                         pod_id, status.namespace, cluster, exists=True, why="half-dead",
-                        by="pass", scope_id=scope_id,
+                        by="pass", scope_id=scope_id, uid=status.uid,
                     )  # fmt: skip
                     cleaned += 1
 
@@ -436,11 +456,14 @@ class PoolJobs:
         if not waiting:
             return 0
         now = await self._state.now()
+        ttl = self._adopted_pod_ttl
         since = await self._jobs_state.idle_since(waiting)
         expired = 0
         for pod_id, scope_id in waiting.items():
             if pod_id in since and now - since[pod_id] >= self._adopted_pod_ttl:
                 log.info("pod %s: scope %s has no pool config; its warm pod goes", pod_id, scope_id)
-                if await self._reclaim(scope_id, pod_id):
+                if await self._reclaim(
+                    scope_id, pod_id, f"its scope has no pool config (idle past {ttl:.0f}s)"
+                ):
                     expired += 1
         return expired
