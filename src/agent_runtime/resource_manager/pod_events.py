@@ -27,6 +27,7 @@ Metric ``agent_runtime_pod_events_total{reason,outcome}``: ``sent`` (created), `
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import logging
 import time
@@ -199,7 +200,12 @@ class PodEvents:
             self._count(reason, "dropped_full")
             return
         if self._sender is None or self._sender.done():  # first record, or a sender that died
-            self._sender = asyncio.create_task(self._send_all(), name="pod-events-sender")
+            # an empty context: the sender outlives the request or job whose record started
+            # it, so it must not carry that caller's span (its Kubernetes calls would join the
+            # caller's trace for ever after) or its log ids
+            self._sender = asyncio.create_task(
+                self._send_all(), name="pod-events-sender", context=contextvars.Context()
+            )
 
     async def _send_all(self) -> None:
         while True:
