@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, cast
@@ -203,7 +204,9 @@ class Notifier:
         task never writes on the connection (redis-py swallows a cancellation that lands in
         a pub/sub send: the waiter would not stop)."""
         if shard.syncer is None or shard.syncer.done():
-            shard.syncer = asyncio.create_task(self._sync_soon(shard), name="notifier-sync")
+            shard.syncer = asyncio.create_task(
+                self._sync_soon(shard), name="notifier-sync", context=contextvars.Context()
+            )
         else:
             shard.again = True
 
@@ -229,7 +232,11 @@ class Notifier:
             shard.wanted = set(old.wanted) if old is not None else set()
             shard.idle_since = asyncio.get_running_loop().time()
             if not self._stopped:
-                shard.task = asyncio.create_task(self._run(shard), name=f"notifier:{name}")
+                # a context of its own (as the syncer's): the reader outlives the route whose
+                # listen started it, whose log ids and trace it must not carry
+                shard.task = asyncio.create_task(
+                    self._run(shard), name=f"notifier:{name}", context=contextvars.Context()
+                )
         return shard
 
     def _reroute(self, shard: _Shard) -> None:
