@@ -299,8 +299,12 @@ def test_a_per_call_deadline_overrides_the_clients() -> None:
 def test_an_answer_over_the_bound_is_refused_before_it_is_parsed() -> None:
     big = json.dumps({"ok": True, "data": {"touched": True, "pad": "x" * 5000}}).encode()
     script = Script(httpx.Response(200, content=big))  # with a Content-Length
-    with sync_client(script, max_answer_bytes=1024) as client, pytest.raises(UnexpectedAnswer):
-        client.touch("s")
+    with (
+        sync_client(script, max_answer_bytes=1024) as client,
+        pytest.raises(UnexpectedAnswer) as caught,
+    ):
+        client.touch("s", request_id="t-big")
+    assert caught.value.request_id == "t-big" and caught.value.http_status == 200
     streamed = Script(httpx.Response(200, content=iter([big[:800], big[800:]])))  # without one
     with sync_client(streamed, max_answer_bytes=1024) as client, pytest.raises(UnexpectedAnswer):
         client.touch("s")

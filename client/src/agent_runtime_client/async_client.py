@@ -30,6 +30,7 @@ from agent_runtime_client.core import (
     route_call,
     touch_call,
 )
+from agent_runtime_client.errors import UnexpectedAnswer
 from agent_runtime_client.models import Ended, Route
 
 # idle connections dropped after 4 s: before the service's 5 s keep-alive closes them under us
@@ -129,8 +130,8 @@ class AsyncGatewayClient:
             try:
                 async with asyncio.timeout(timeout):
                     step = attempts.answered(await self._send(call, attempts, budget=timeout))
-            except (httpx.TransportError, TimeoutError) as exc:
-                step = attempts.failed(exc)
+            except (httpx.TransportError, TimeoutError, UnexpectedAnswer) as exc:
+                step = attempts.failed(exc)  # raises at once for an oversized answer
             if isinstance(step, Done):
                 return step.data
             await asyncio.sleep(step.delay)

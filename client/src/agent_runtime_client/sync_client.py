@@ -32,6 +32,7 @@ from agent_runtime_client.core import (
     route_call,
     touch_call,
 )
+from agent_runtime_client.errors import UnexpectedAnswer
 from agent_runtime_client.models import Ended, Route
 
 
@@ -121,8 +122,8 @@ class GatewayClient:
             timeout = attempts.start()
             try:
                 step = attempts.answered(self._send(call, attempts, timeout))
-            except (httpx.TransportError, TimeoutError) as exc:
-                step = attempts.failed(exc)
+            except (httpx.TransportError, TimeoutError, UnexpectedAnswer) as exc:
+                step = attempts.failed(exc)  # raises at once for an oversized answer
             if isinstance(step, Done):
                 return step.data
             time.sleep(step.delay)
