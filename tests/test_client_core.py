@@ -269,6 +269,20 @@ async def test_the_deadline_bounds_an_attempt_that_never_answers() -> None:
     assert 1.0 <= elapsed < 10.0  # ended at the deadline, not at the answer (which never came)
 
 
+async def test_retries_off_an_attempt_cut_by_the_deadline_is_deadline_exceeded() -> None:
+    async def hang(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(60)
+        return ok(ROUTE_DATA)
+
+    client = AsyncGatewayClient(
+        URL, transport=httpx.MockTransport(hang), deadline=0.5, retry=RetryPolicy(max_attempts=1)
+    )
+    async with client:
+        with pytest.raises(DeadlineExceeded) as caught:
+            await client.touch("s")
+    assert caught.value.attempts == 1
+
+
 def test_the_sync_deadline_bounds_an_answer_that_trickles() -> None:
     def trickle() -> Iterator[bytes]:
         yield b'{"ok": true, '

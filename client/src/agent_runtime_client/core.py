@@ -378,6 +378,8 @@ class Attempts:
         self, failure: BaseException, retry_after: float, *, raise_as: BaseException | None
     ) -> Retry:
         self._last = failure
+        if raise_as is None and self.remaining() <= 0:  # the attempt ran into the deadline
+            raise self._deadline_exceeded()
         if self.attempts >= self.policy.max_attempts:
             if raise_as is not None:
                 raise raise_as
