@@ -93,13 +93,17 @@ class ClientConfig:
             headers["authorization"] = f"Bearer {self.token}"
         return headers
 
+    def http_options(self) -> dict[str, Any]:
+        """What both httpx clients are built with (besides pool, transport and proxies)."""
+        return {"base_url": self.base_url, "headers": self.headers(), "follow_redirects": False}
+
 
 def resolve_config(
     base_url: str | None,
     token: str | None,
     *,
     deadline: float,
-    retry: RetryPolicy,
+    retry: RetryPolicy | None,
     max_answer_bytes: int,
     environ: Mapping[str, str] = os.environ,
 ) -> ClientConfig:
@@ -117,7 +121,7 @@ def resolve_config(
         base_url=url.rstrip("/"),
         token=token if token is not None else environ.get(TOKEN_ENV) or None,
         deadline=deadline,
-        retry=retry,
+        retry=retry or RetryPolicy(),
         max_answer_bytes=max_answer_bytes,
     )
 

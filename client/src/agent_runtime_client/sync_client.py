@@ -55,19 +55,10 @@ class GatewayClient:
         trust_env: bool = True,
     ) -> None:
         self.config: ClientConfig = resolve_config(
-            base_url,
-            token,
-            deadline=deadline,
-            retry=retry or RetryPolicy(),
-            max_answer_bytes=max_answer_bytes,
+            base_url, token, deadline=deadline, retry=retry, max_answer_bytes=max_answer_bytes
         )
         self._http = httpx.Client(
-            base_url=self.config.base_url,
-            headers=self.config.headers(),
-            limits=limits,
-            transport=transport,
-            trust_env=trust_env,
-            follow_redirects=False,
+            limits=limits, transport=transport, trust_env=trust_env, **self.config.http_options()
         )
 
     def route(
