@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -240,6 +241,18 @@ async def test_cleanup_selectors_reach_kubernetes_as_accepted(tmp_path: Path) ->
                 ]
                 first, second = scope_of("g0", "b"), scope_of("g1", "b")
                 selector = f"agent-runtime/scope in ({first}, {second}), app notin (nothing)"
+                # the dry run lists those pods as the API server gives them, deletes nothing
+                dry = {"label_selector": selector, "dry_run": True}
+                resp = await app.post(CLEANUP, json=envelope(dry))
+                assert resp.status_code == 200, resp.text
+                listed = resp.json()["data"]["pods"]
+                assert resp.json()["data"]["matched"] == 2
+                assert sorted(p["pod_id"] for p in listed) == sorted(p.pod_id for p in pods[:2])
+                assert {p["scope_id"] for p in listed} == {first, second}
+                assert all(p["phase"] == "Running" and p["ready"] for p in listed), listed
+                # creationTimestamp: whole seconds, as the API server writes it
+                assert all(abs(p["created"] - time.time()) < 600 for p in listed), listed
+                assert all(not p["metadata"].get("deletionTimestamp") for p in sim.pods("default"))
                 resp = await app.post(CLEANUP, json=envelope({"label_selector": selector}))
                 assert resp.status_code == 200, resp.text
                 assert resp.json()["data"] == {"cleaned": 2}

@@ -1,5 +1,6 @@
 """The HTTP surface of contract §2 through the app: envelope, error table, tokens, config_sync
-refusals, backends going down, /healthz and /metrics.
+refusals, backends going down, /healthz and /metrics, and cleanup's dry run (it lists what
+the same call deletes, and deletes nothing).
 
 Tests whose outcome depends on Redis or the DB run on every ``redis`` × ``db`` combination;
 pure envelope tests run on fakeredis + SQLite only (``one_backend``). The BUSY and
@@ -10,6 +11,7 @@ stopped to take the backend down).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,10 +23,11 @@ from redis.asyncio import Redis
 from sqlalchemy.engine import make_url
 
 from agent_runtime.db.engine import Database
+from agent_runtime.resource_manager.k8s_fake import FakeK8sPodClient
 from agent_runtime.session_manager import config_repo
 from agent_runtime.util import scope_id_of
 from agent_runtime.wiring import build_redis
-from helpers import TcpProxy, make_settings, redis_state, running_app, sync_body
+from helpers import TcpProxy, envelope, make_settings, redis_state, running_app, sync_body
 
 SYNC = "/api/session/config_sync"
 ADMIN = {"Authorization": "Bearer adm"}
@@ -828,3 +831,121 @@ async def test_metrics_count_requests_per_endpoint_and_status(redis: Redis, db: 
         assert "no-such-path-1234" not in text  # unknown paths do not grow the label set
         assert 'code="NOT_FOUND",endpoint="other",status="404"' in text
         assert resp.headers.get("x-error-code") is None  # only failures carry it
+
+
+# --- cleanup's dry run ---------------------------------------------------------------------------
+
+CLEANUP = "/api/session/cleanup"
+PREVIEW_MAX = 500  # docs/reference/api.md: a dry run names the first 500 pods by name
+
+
+def cleanup_cluster() -> tuple[FakeK8sPodClient, dict[str, str]]:
+    """Pods a cleanup must tell apart: ours in the default namespace (two of team x), one of
+    ours elsewhere, a gateway pod with our scope label, and another tool's AgentServer (no
+    scope label of ours). Their names by role."""
+    k8s = FakeK8sPodClient()
+    x1 = k8s.add_pod(scope_id="s1", deploy_ver="v1", labels={"team": "x"}, node="node-a")
+    x2 = k8s.add_pod(scope_id="s2", deploy_ver="v2", labels={"team": "x"}, phase="Pending")
+    y = k8s.add_pod(scope_id="s3", deploy_ver="v1", labels={"team": "y"})
+    elsewhere = k8s.add_pod(scope_id="s4", deploy_ver="v1", namespace="team", labels={"team": "x"})
+    gateway = k8s.add_pod(
+        scope_id="s5", deploy_ver="v1", labels={"jiuwenclaw-component": "gateway", "team": "x"}
+    )
+    unscoped = k8s.add_pod(scope_id="s6", deploy_ver="v1", labels={"team": "x"})
+    labels = {k: v for k, v in unscoped.labels.items() if k != "agent-runtime/scope"}
+    k8s.pods[unscoped.pod_id] = dataclasses.replace(unscoped, labels=labels)
+    names = {
+        "x1": x1.pod_id,
+        "x2": x2.pod_id,
+        "y": y.pod_id,
+        "elsewhere": elsewhere.pod_id,
+        "gateway": gateway.pod_id,
+        "unscoped": unscoped.pod_id,
+    }
+    return k8s, names
+
+
+async def post_cleanup(client: httpx.AsyncClient, **rawdata: Any) -> httpx.Response:
+    return await client.post(CLEANUP, json=envelope(rawdata), headers=ADMIN)
+
+
+@one_backend
+async def test_cleanup_dry_run_lists_what_the_same_call_deletes_and_deletes_nothing(
+    redis: Redis, db: Database
+) -> None:
+    k8s, names = cleanup_cluster()
+    before = set(k8s.pods)
+    async with running_app(redis, db, k8s=k8s, admin_tokens=["adm"], namespaces=["team"]) as app:
+        resp = await post_cleanup(app, label_selector="team=x", dry_run=True)
+        assert resp.status_code == 200, resp.text
+        data = resp.json()["data"]
+        assert set(data) == {"cleaned", "dry_run", "matched", "truncated", "pods"}
+        assert data["cleaned"] == 0 and data["dry_run"] is True and data["truncated"] is False
+        assert data["matched"] == 2, "component and scope labels ANDed in, one namespace"
+        listed = {p["pod_id"]: p for p in data["pods"]}
+        assert list(listed) == sorted([names["x1"], names["x2"]]), "by name"
+        first, second = listed[names["x1"]], listed[names["x2"]]
+        assert first["namespace"] == "default" and first["scope_id"] == "s1"
+        assert (first["deploy_ver"], first["phase"], first["ready"]) == ("v1", "Running", True)
+        assert first["node"] == "node-a"
+        assert isinstance(first["created"], float) and abs(first["created"] - time.time()) < 600
+        assert (second["scope_id"], second["phase"], second["ready"]) == ("s2", "Pending", False)
+        assert set(k8s.pods) == before and not k8s.deleted, "a dry run deletes nothing"
+
+        # every pod of ours in the default namespace; another namespace on its own
+        resp = await post_cleanup(app, dry_run=True)
+        assert resp.json()["data"]["matched"] == 3
+        resp = await post_cleanup(app, namespace="team", dry_run=True)
+        assert [p["pod_id"] for p in resp.json()["data"]["pods"]] == [names["elsewhere"]]
+
+        # the real call deletes exactly what its dry run listed; its answer is the contract's
+        resp = await post_cleanup(app, label_selector="team=x", dry_run=False)
+        assert resp.json()["data"] == {"cleaned": 2}
+        assert set(k8s.pods) == before - {names["x1"], names["x2"]}
+        resp = await post_cleanup(app, label_selector="team=x", dry_run=True)
+        assert resp.json()["data"] == {
+            "cleaned": 0, "dry_run": True, "matched": 0, "truncated": False, "pods": []
+        }  # fmt: skip
+
+
+@one_backend
+async def test_cleanup_dry_run_names_at_most_500_pods_and_counts_them_all(
+    redis: Redis, db: Database
+) -> None:
+    k8s = FakeK8sPodClient()
+    for i in range(PREVIEW_MAX + 3):
+        k8s.add_pod(scope_id=f"s{i}", deploy_ver="v1", pod_id=f"agent-{i:04d}")
+    async with running_app(redis, db, k8s=k8s, admin_tokens=["adm"]) as app:
+        data = (await post_cleanup(app, dry_run=True)).json()["data"]
+        assert data["matched"] == PREVIEW_MAX + 3 and data["truncated"] is True
+        assert [p["pod_id"] for p in data["pods"]] == [f"agent-{i:04d}" for i in range(500)]
+        assert len(k8s.pods) == PREVIEW_MAX + 3
+
+
+@one_backend
+async def test_cleanup_dry_run_refuses_and_fails_as_the_real_call_does(
+    redis: Redis, db: Database
+) -> None:
+    k8s, _ = cleanup_cluster()
+    k8s.forbidden_namespaces.add("team")
+    async with running_app(redis, db, k8s=k8s, admin_tokens=["adm"], namespaces=["team"]) as app:
+        for dry_run in (True, False):
+            resp = await post_cleanup(app, label_selector="a in ()", dry_run=dry_run)
+            body = assert_failure(resp, 400, "VALIDATION", request_id=ANY_ID)
+            assert body["error_message"].startswith("rawdata.label_selector:")
+            resp = await post_cleanup(app, namespace="team", dry_run=dry_run)
+            body = assert_failure(resp, 502, "K8S_ERROR", request_id=ANY_ID)
+            assert body["error_message"] == "kubernetes refused the cleanup: 403 Forbidden"
+            # outside the allow-list: nothing of ours can be there, Kubernetes is not asked
+            resp = await post_cleanup(app, namespace="elsewhere", dry_run=dry_run)
+            expected: dict[str, Any] = {"cleaned": 0}
+            if dry_run:
+                expected.update(dry_run=True, matched=0, truncated=False, pods=[])
+            assert resp.json()["data"] == expected
+        for wrong in ("true", 1, None):  # strict: a boolean only
+            resp = await post_cleanup(app, dry_run=wrong)
+            body = assert_failure(resp, 400, "VALIDATION", request_id=ANY_ID)
+            assert "rawdata.dry_run" in body["error_message"]
+        resp = await app.post(CLEANUP, json=envelope({"dry_run": True}))  # no token
+        assert_failure(resp, 401, "UNAUTHORIZED")
+    assert not k8s.deleted

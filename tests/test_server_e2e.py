@@ -53,6 +53,7 @@ from helpers import (
     real_redis_url,
     sync_body,
 )
+from test_admin_cli import run_cli
 from test_local_mode import LocalServer, _wait_healthy, free_port
 from test_scenarios import (
     assert_failure,
@@ -1165,6 +1166,16 @@ async def test_j_cleanup_deletes_pods_in_kubernetes_and_watch_forgets_them(w: Sc
     await w.configure(scope_concurrency=2, pod_concurrency=1)
     first = (await w.routed("s1"))["pod_id"]
     second = (await w.routed("s2"))["pod_id"]
+    # the operators' CLI first: its dry run lists exactly that pod and deletes nothing
+    dry = await asyncio.to_thread(
+        run_cli, "cleanup", "--dry-run", "--json", "-l", f"app={first}",
+        url=w.stack.base_url, token=ADMIN_TOKEN,
+    )  # fmt: skip
+    assert dry.returncode == 0, dry.stderr
+    listed = json.loads(dry.stdout)
+    assert listed["matched"] == 1 and [p["pod_id"] for p in listed["pods"]] == [first]
+    assert listed["pods"][0]["scope_id"] == w.scope and listed["pods"][0]["phase"] == "Running"
+    assert first in await w.sim_pods() and await w.live_pods() == {first, second}
 
     resp = await w.cleanup(label_selector=f"app={first}")
 

@@ -1,5 +1,7 @@
 """Command line (contract §7): ``agent-runtime serve``, ``agent-runtime db upgrade|status`` and
 ``agent-runtime redis status|migrate`` (the key layout, ``key_layout.py``);
+``agent-runtime admin …`` is the operators' client of a running service's admin API
+(``admin_cli/``);
 ``agent-runtime kubesim`` runs the Kubernetes API simulator for tests (docs/spec/kubesim.md),
 when its own distribution is installed (``pip install -e ./kubesim``; the service's wheel and
 image carry none of it).
@@ -28,9 +30,8 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from agent_runtime import logs
+from agent_runtime.admin_cli import program as admin_cli
 from agent_runtime.config import ConfigError, Settings
-from agent_runtime.db import schema
-from agent_runtime.db.engine import Database
 
 T = TypeVar("T")
 EXIT_CONFIG = 2
@@ -164,6 +165,11 @@ def _unusable_url_is_config_error(build: Callable[..., T], *args: Any, **kwargs:
 
 
 def _db(args: argparse.Namespace) -> None:
+    # here, not at the top: SQLAlchemy and Alembic take ~0.6 s to import, which every
+    # `agent-runtime admin` call would pay for nothing
+    from agent_runtime.db import schema
+    from agent_runtime.db.engine import Database
+
     settings = _settings(args)
     db = _unusable_url_is_config_error(
         Database.from_url, settings.sqlalchemy_url(), connect_timeout=settings.db_connect_timeout
@@ -218,6 +224,10 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else ""
 
 
+def _admin(args: argparse.Namespace) -> None:
+    sys.exit(admin_cli.run(args))
+
+
 KUBESIM_MISSING = (
     "kubesim is not installed (the simulator is its own distribution, agent-runtime-kubesim):"
     " install it with `pip install -e ./kubesim` from the repository root"
@@ -264,6 +274,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     redis.add_argument("--env-file", default=None)
     redis.set_defaults(handler=_redis)
+
+    admin = commands.add_parser(
+        "admin",
+        help="ask a running service (admin API): scopes, pods, sessions, drains, cleanup",
+        description="The operators' command line over a running service's admin API "
+        "(docs/reference/cli.md#admin). Tables for people, --json for scripts.",
+    )
+    admin_cli.add_arguments(admin)
+    admin.set_defaults(handler=_admin)
 
     kubesim_help = "run the Kubernetes API simulator (tests, no cluster; installed on its own)"
     try:

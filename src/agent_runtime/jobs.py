@@ -25,6 +25,7 @@ from redis.asyncio.lock import Lock
 from redis.exceptions import LockError
 
 from agent_runtime import logs
+from agent_runtime.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,10 @@ class Job:
 
 
 class JobRunner:
-    def __init__(self, *, redis: Redis, jobs: list[Job]) -> None:
+    def __init__(self, *, redis: Redis, jobs: list[Job], tracing: Tracing | None = None) -> None:
+        """``tracing``: a span per tick (off unless given)."""
         self._redis = redis
+        self._tracing = tracing or Tracing()
         self.jobs = {job.name: job for job in jobs}
         self._locks = {
             job.name: Lock(
@@ -100,7 +103,11 @@ class JobRunner:
         job.runs += 1
         started = time.perf_counter()
         try:
-            with logs.bound(job=name):
+            # one span per tick: its Kubernetes calls (and deploys) are its children
+            with (
+                self._tracing.span(f"job {name}", attributes={"agent_runtime.job": name}),
+                logs.bound(job=name),
+            ):
                 await asyncio.wait_for(job.tick(), timeout=job.tick_timeout)
         except Exception:
             job.failures += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,11 +23,12 @@ from agent_runtime.admin import router as admin_router
 from agent_runtime.admission import Admission, AdmissionMiddleware, EdgeShed, LagGovernor
 from agent_runtime.api import error_handlers, openapi
 from agent_runtime.api.json_body import MAX_BODY_BYTES
-from agent_runtime.config import API_PREFIX, Mode, Settings, is_loopback
+from agent_runtime.config import API_PREFIX, ConfigError, Mode, Settings, is_loopback
 from agent_runtime.jobs import Job
 from agent_runtime.metrics import CONTENT_TYPE_LATEST, Metrics, MetricsMiddleware
 from agent_runtime.session_manager.handler_deps import install as install_handler_deps
 from agent_runtime.session_manager.handlers import router as session_router
+from agent_runtime.tracing import Tracing, from_environment
 from agent_runtime.wiring import (
     Backends,
     Services,
@@ -38,13 +40,20 @@ from agent_runtime.wiring import (
 
 log = logging.getLogger(__name__)
 GAUGES_TIMEOUT = 2.0  # seconds /metrics may spend reading Redis for the state gauges
+TRACES_FLUSH_MIN = 0.5  # seconds the spans' last export gets even when the stop bound is spent
 
 
 def create_app(
-    settings: Settings, *, backends: Backends | None = None, owns_backends: bool | None = None
+    settings: Settings,
+    *,
+    backends: Backends | None = None,
+    owns_backends: bool | None = None,
+    tracing: Tracing | None = None,
 ) -> FastAPI:
     """The service. Pass ``backends`` to share Redis/DB/Kubernetes (tests, replicas in one
-    process); they are then closed by their owner unless ``owns_backends`` is true."""
+    process); they are then closed by their owner unless ``owns_backends`` is true.
+    ``tracing``: the process environment's (``OTEL_*``, tracing.py) unless given."""
+    traces = tracing if tracing is not None else _environment_tracing(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -53,7 +62,7 @@ def create_app(
         try:
             await check_backends(settings, live)
             identity = await load_pod_identity(settings, live.db)
-            svc = wire(settings, live, metrics, identity=identity)
+            svc = wire(settings, live, metrics, identity=identity, tracing=traces)
             if settings.mode is Mode.LOCAL and settings.local_seed:
                 await svc.config_store.seed_local_defaults()
             try:
@@ -101,6 +110,10 @@ def create_app(
                     await asyncio.wait_for(svc_now.stop(), budget)
                 except Exception:
                     log.exception("shutdown: services did not stop cleanly")
+            # last: the spans of the stop itself (deploys that finished) go out too
+            deadline = getattr(app.state, "stop_deadline", None)
+            left = settings.shutdown_timeout if deadline is None else deadline - time.monotonic()
+            await traces.shutdown(max(left, TRACES_FLUSH_MIN))
             if owned:
                 await live.close()
 
@@ -159,6 +172,10 @@ def create_app(
         lambda: (admitted.active, admitted.parked_now, admitted.waiting, admitted.limit)
     )
     app.add_middleware(MetricsMiddleware, metrics=metrics, known_paths=known)
+    # outermost, and only when on: off, the stack is exactly as without tracing
+    if traces.enabled:
+        untraced = frozenset({"/healthz", "/metrics"})  # probes and scrapes: no trace each
+        app.add_middleware(traces.middleware, known_paths=known, untraced=untraced)
 
     @app.get("/metrics", response_class=Response, responses=openapi.METRICS_RESPONSES)
     async def metrics_endpoint(request: Request) -> Response:
@@ -180,3 +197,11 @@ def create_app(
         return JSONResponse({"ok": True, "instance_id": settings.instance_id})
 
     return app
+
+
+def _environment_tracing(settings: Settings) -> Tracing:
+    """Tracing as the process's ``OTEL_*`` variables say (off without an endpoint)."""
+    try:
+        return from_environment(os.environ, instance_id=settings.instance_id)
+    except ValueError as exc:  # a protocol we do not export with: a refused start, one line
+        raise ConfigError(str(exc)) from None

@@ -49,6 +49,7 @@ from agent_runtime.session_manager.scope_state import ScopeState
 from agent_runtime.session_manager.state import SessionState
 from agent_runtime.session_manager.sweeper import SessionSweeper
 from agent_runtime.session_manager.views import SessionViews
+from agent_runtime.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -387,14 +388,17 @@ def wire(
     metrics: Metrics | None = None,
     *,
     identity: PodIdentity,
+    tracing: Tracing | None = None,
 ) -> Services:
     """Build every service over the backends; with ``metrics``, Redis scripts, SQL calls and
     Kubernetes calls are timed and counted into it (the backends themselves stay as given).
-    ``identity``: ``load_pod_identity``'s (it signs every pod and proves adoptions)."""
+    ``identity``: ``load_pod_identity``'s (it signs every pod and proves adoptions).
+    ``tracing``: the app's (off unless given); each floor that opens spans gets it."""
     metrics = metrics or Metrics()
+    tracing = tracing or Tracing()
     redis = backends.redis
     db = backends.db.observed(metrics.db_call)
-    k8s = MeteredK8sPodClient(backends.k8s, metrics.k8s_call)
+    k8s = MeteredK8sPodClient(backends.k8s, metrics.k8s_call, tracing=tracing)
     wait = replica_wait(settings, metrics)
     session_state = SessionState(
         redis,
@@ -420,6 +424,7 @@ def wire(
         deploy_lease=settings.deploy_lease,
         instance_id=settings.instance_id,
         scope_deploy_concurrency=settings.scope_deploy_concurrency,
+        tracing=tracing,
     )
     sessions = SessionManagerFacade(state=session_state)
     drains = Drains(
@@ -480,6 +485,7 @@ def wire(
         wildcard_rule_pod_budget=settings.wildcard_rule_pod_budget,
         # a template's session_ttl is whole seconds: a fractional setting rounds up
         default_session_ttl=math.ceil(settings.default_session_ttl),
+        tracing=tracing,
     )
     session_sweeper = SessionSweeper(
         state=session_state,
@@ -498,6 +504,7 @@ def wire(
             Job("rm_reconcile", settings.reconcile_interval, pool_jobs.reconcile_once),
             Job("rm_drains", settings.drain_interval, drains.drains_once),
         ],
+        tracing=tracing,
     )
     return Services(
         settings=settings,
@@ -520,6 +527,7 @@ def wire(
             notifier=notifier,
             scope_full_timeout=settings.scope_full_timeout,
             metrics=metrics,
+            tracing=tracing,
         ),
         session_sweeper=session_sweeper,
         jobs=jobs,

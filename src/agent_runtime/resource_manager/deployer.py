@@ -38,8 +38,13 @@ from agent_runtime.resource_manager.models import (
 )
 from agent_runtime.resource_manager.state import ResourceState, registered_channel
 from agent_runtime.resource_manager.state_values import OrphanPod
+from agent_runtime.tracing import SCOPE_ID, Tracing
 
 log = logging.getLogger(__name__)
+# the deploy span's attributes
+DEPLOY_KIND = "agent_runtime.deploy.kind"  # cold (a route's) or warm (the pool's)
+DEPLOY_ADOPTS = "agent_runtime.deploy.adopts"  # a lapsed leader's pod taken over
+POD_ID = "agent_runtime.pod_id"
 
 
 @dataclass
@@ -62,8 +67,10 @@ class Deployer:
         metrics: Metrics,
         lease: float,
         identity: PodIdentity,
+        tracing: Tracing | None = None,
     ) -> None:
         self._state = state
+        self._tracing = tracing or Tracing()
         self._deploy_state = deploys
         self._k8s = k8s
         self._notifier = notifier
@@ -106,9 +113,13 @@ class Deployer:
                     scope_id, refusal, pod_spec.get("namespace"), pod_spec.get("kubeconfig"),
                 )  # fmt: skip
                 raise DeployFailed(refusal)
-            async with lease.kept():
-                with admission.parked():  # a cold route waits on Kubernetes, not on Redis
-                    info = await self._bring_pod(scope_id, version, pod_spec, lease, orphan)
+            # create to Ready (and the signature): the Kubernetes calls' spans under it
+            attributes = {SCOPE_ID: scope_id, DEPLOY_KIND: kind, DEPLOY_ADOPTS: orphan is not None}
+            with self._tracing.span("deploy", attributes=attributes) as span:
+                async with lease.kept():
+                    with admission.parked():  # a cold route waits on Kubernetes, not on Redis
+                        info = await self._bring_pod(scope_id, version, pod_spec, lease, orphan)
+                span.set_attribute(POD_ID, info.pod_id)
         except LeaseLost:
             self._deploys.labels(kind, "lost").inc()
             raise

@@ -1,9 +1,9 @@
 """``ResourceManagerFacade``: the only way the session manager reaches the resource manager.
 
 Thin on purpose: the work is in ``orchestrator``. Every method gives a small typed value
-(``AcquiredPod``, ``IdleTransition``, ``PoolConfigUpdate``, a bool or a count), never a dict.
-Those values and the resource manager's own failures are re-exported here, so the session side
-imports nothing else.
+(``AcquiredPod``, ``IdleTransition``, ``PoolConfigUpdate``, ``CleanupPreview``, a bool or a
+count), never a dict. Those values and the resource manager's own failures are re-exported
+here, so the session side imports nothing else.
 """
 
 from __future__ import annotations
@@ -11,10 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from agent_runtime.resource_manager.cleanup import PREVIEW_MAX as CLEANUP_PREVIEW_MAX
 from agent_runtime.resource_manager.drains import MAX_DRAIN_SECONDS, Drains, DrainStatus
 from agent_runtime.resource_manager.followers import OnReady
 from agent_runtime.resource_manager.models import (
     AcquiredPod,
+    CleanupCandidate,
+    CleanupPreview,
     DeployFailed,
     DeployInProgress,
     DeployTimedOut,
@@ -29,8 +32,11 @@ from agent_runtime.resource_manager.orchestrator import ResourceOrchestrator
 from agent_runtime.resource_manager.pod_reports import PodReports
 
 __all__ = [
+    "CLEANUP_PREVIEW_MAX",
     "MAX_DRAIN_SECONDS",
     "AcquiredPod",
+    "CleanupCandidate",
+    "CleanupPreview",
     "DeployFailed",
     "DeployInProgress",
     "DeployTimedOut",
@@ -157,8 +163,17 @@ class ResourceManagerFacade:
 
     async def cleanup(self, namespace: str | None = None, label_selector: str | None = None) -> int:
         """Delete AgentServer pods that carry our scope label (never another tool's); raises
-        ``K8sApiError`` when Kubernetes refuses (e.g. 403)."""
-        return await self._orchestrator.cleanup(namespace, label_selector)
+        ``K8sApiError`` when Kubernetes refuses (e.g. 403), ``ValueError`` for a selector
+        we do not accept."""
+        return await self._orchestrator.cleanup.delete(namespace, label_selector)
+
+    async def cleanup_preview(
+        self, namespace: str | None = None, label_selector: str | None = None
+    ) -> CleanupPreview:
+        """``cleanup``'s dry run: the pods the same call would delete now (selected by the
+        same rules), deleting nothing: their count and the first ``CLEANUP_PREVIEW_MAX`` by
+        name. The same errors as ``cleanup``'s."""
+        return await self._orchestrator.cleanup.preview(namespace, label_selector)
 
     async def drain_pod(self, pod_id: str, seconds: float | None = None) -> DrainStatus | None:
         """Drain a pod of ours: out of the placement candidates at once, its sessions stay

@@ -31,6 +31,7 @@ from agent_runtime.resource_manager.models import (
     MaxPodsReached,
 )
 from agent_runtime.resource_manager.state import ResourceState, registered_channel
+from agent_runtime.tracing import SCOPE_ID, Tracing
 
 FOLLOWER_MARGIN = 10  # seconds a caller waits beyond ready_timeout (registration overhead)
 FOLLOWER_POLL = 0.25  # safety net under the registration signal
@@ -95,6 +96,7 @@ class FollowerRoom:
         waits: Histogram,
         deploy_lease: float,
         seat_hold: float,
+        tracing: Tracing | None = None,
     ) -> None:
         """``waits``: the follower wait histogram; a seat is held ``seat_hold`` seconds and
         renewed every ``deploy_lease / 3``."""
@@ -105,6 +107,7 @@ class FollowerRoom:
         self._deploy_lease = deploy_lease
         self.seat_hold = seat_hold
         self.stopping = False  # the replica is stopping: followers leave at their next look
+        self._tracing = tracing or Tracing()
 
     async def follow(self, call: AcquireCall, deploy_id: str) -> AcquiredPod:
         """Wait in ``deploy_id``'s room (the claim seated us) for its pod; the seat is renewed
@@ -115,7 +118,11 @@ class FollowerRoom:
         try:
             # parked throughout: it waits on the leader, holding no connection but for a look
             # every poll (a burst's followers would otherwise hold the edge's places)
-            with admission.parked():
+            attributes = {SCOPE_ID: scope_id, "agent_runtime.deploy_id": deploy_id}
+            with (
+                self._tracing.span("follower wait", attributes=attributes),
+                admission.parked(),
+            ):
                 async with self._notifier.listen(registered_channel(scope_id)) as listener:
                     while True:
                         if self.stopping:

@@ -258,6 +258,7 @@ class FakeK8sPodClient:
             annotations={**notes, **(annotations or {})},
             image=image,
             node=node or self._place(cluster),
+            created=time.time(),
         )
         self.pods_in(cluster)[pod_id] = pod
         return pod
@@ -335,6 +336,7 @@ class FakeK8sPodClient:
         pods[pod_id] = PodStatus(
             pod_id, namespace, "Pending", False, None, body["metadata"]["labels"],
             uid=uid, annotations=notes, image=pod_spec["image"], node=self._place(cluster),
+            created=time.time(),
         )  # fmt: skip
         self._starting[cluster, pod_id] = asyncio.get_running_loop().time()
         try:

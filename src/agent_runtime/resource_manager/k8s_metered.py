@@ -1,6 +1,7 @@
 """``MeteredK8sPodClient``: any ``K8sPodClient``, each call counted and timed (the wiring
 wraps the real or fake client in it; metrics ``agent_runtime_k8s_calls_total`` and
-``agent_runtime_k8s_call_seconds``)."""
+``agent_runtime_k8s_call_seconds``) and, with tracing on, one CLIENT span each
+(``k8s <verb>``, under whatever span is current: a route's acquire, a job's tick)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from agent_runtime.resource_manager.models import (
     PodListing,
     PodStatus,
 )
+from agent_runtime.tracing import Tracing
 
 T = TypeVar("T")
+K8S_OUTCOME = "agent_runtime.k8s.outcome"  # the metrics' outcome label, on the call's span
 
 
 class MeteredK8sPodClient:
@@ -32,9 +35,16 @@ class MeteredK8sPodClient:
     ``timeout``, ``error``: a small fixed set, whatever the error text.
     """
 
-    def __init__(self, inner: K8sPodClient, observe: Callable[[str, str, float], None]) -> None:
+    def __init__(
+        self,
+        inner: K8sPodClient,
+        observe: Callable[[str, str, float], None],
+        *,
+        tracing: Tracing | None = None,
+    ) -> None:
         self.inner = inner
         self._observe = observe
+        self._tracing = tracing or Tracing()
 
     async def start(self) -> None:
         await self.inner.start()
@@ -45,21 +55,23 @@ class MeteredK8sPodClient:
     async def _timed(self, verb: str, call: Awaitable[T]) -> T:
         started = time.perf_counter()
         status = "error"
-        try:
-            result = await call
-            status = "ok"
-            return result
-        except K8sApiError as exc:
-            status = str(exc.status) if exc.status else "error"
-            raise
-        except DeployFailed:
-            status = "deploy_failed"
-            raise
-        except TimeoutError:
-            status = "timeout"
-            raise
-        finally:
-            self._observe(verb, status, time.perf_counter() - started)
+        with self._tracing.span(f"k8s {verb}", kind="client") as span:
+            try:
+                result = await call
+                status = "ok"
+                return result
+            except K8sApiError as exc:
+                status = str(exc.status) if exc.status else "error"
+                raise
+            except DeployFailed:
+                status = "deploy_failed"
+                raise
+            except TimeoutError:
+                status = "timeout"
+                raise
+            finally:
+                self._observe(verb, status, time.perf_counter() - started)
+                span.set_attribute(K8S_OUTCOME, status)
 
     async def deploy(
         self,
@@ -144,6 +156,8 @@ class MeteredK8sPodClient:
         ended by the server or closed by its reader: ``ok``."""
         started = time.perf_counter()
         status = "error"
+        # never current: the stream's reader runs between our yields, in its own context
+        span = self._tracing.open_span("k8s watch", kind="client")
         try:
             inner = self.inner.watch_pods(
                 namespace, label_selector, resource_version=resource_version,
@@ -161,6 +175,8 @@ class MeteredK8sPodClient:
             raise
         finally:
             self._observe("watch", status, time.perf_counter() - started)
+            span.set_attribute(K8S_OUTCOME, status)
+            span.end()
 
     async def probe_health(self, pod_ip: str, port: int) -> bool:
         return await self._timed("probe_health", self.inner.probe_health(pod_ip, port))

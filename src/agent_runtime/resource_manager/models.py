@@ -25,6 +25,33 @@ DEAD_PHASES = frozenset({"Terminating", "Failed", "Succeeded", *DEAD_WAITING_REA
 
 
 @dataclass(frozen=True, slots=True)
+class CleanupCandidate:
+    """A pod a cleanup would delete, as its dry run shows it (Kubernetes' view, not Redis')."""
+
+    pod_id: str
+    namespace: str
+    scope_id: str  # its scope label
+    deploy_ver: str  # its deploy-ver label ("" when it has none)
+    phase: str  # normalised, as ``PodStatus.phase``
+    ready: bool
+    node: str  # "" until scheduled
+    created: float | None  # Unix seconds; None when Kubernetes did not say
+
+
+@dataclass(frozen=True, slots=True)
+class CleanupPreview:
+    """A cleanup's dry run: how many pods the same call would delete, and the first of them
+    by name (at most the preview's bound)."""
+
+    matched: int
+    pods: tuple[CleanupCandidate, ...]
+
+    @property
+    def truncated(self) -> bool:
+        return self.matched > len(self.pods)
+
+
+@dataclass(frozen=True, slots=True)
 class PodDeployInfo:
     """A pod that a deploy brought to Ready."""
 
@@ -90,6 +117,8 @@ class PodStatus:
     # ``deletionTimestamp``); None when none began or its time cannot be read
     deletion_at: float | None = None
     node: str = ""  # spec.nodeName ("" until scheduled)
+    # ``metadata.creationTimestamp`` (Unix seconds); None when absent or unreadable
+    created: float | None = None
 
     @property
     def dead(self) -> bool:

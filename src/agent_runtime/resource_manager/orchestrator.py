@@ -30,10 +30,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from agent_runtime import admission, spec_fields
-from agent_runtime import label_selector as selectors
 from agent_runtime.jobs import BackgroundTasks
 from agent_runtime.metrics import Metrics
 from agent_runtime.notify import Notifier
+from agent_runtime.resource_manager.cleanup import BulkCleanup
 from agent_runtime.resource_manager.deploy_state import DeployState, lock_token
 from agent_runtime.resource_manager.deployer import Deployer, Requester
 from agent_runtime.resource_manager.followers import (
@@ -46,7 +46,6 @@ from agent_runtime.resource_manager.identity import PodIdentity
 from agent_runtime.resource_manager.k8s import K8sPodClient
 from agent_runtime.resource_manager.lease import DeployLease
 from agent_runtime.resource_manager.models import (
-    OWN_PODS_SELECTOR,
     AcquiredPod,
     DeployBounds,
     DeployFailed,
@@ -61,6 +60,7 @@ from agent_runtime.resource_manager.models import (
 from agent_runtime.resource_manager.state import ResourceState
 from agent_runtime.resource_manager.state_values import DeployClaim, OrphanPod
 from agent_runtime.resource_manager.warm_policy import WARM_POOLS
+from agent_runtime.tracing import SCOPE_ID, Tracing
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,8 @@ LOCK_MARGIN = 30  # seconds a recorded pod outlives ready_timeout
 DEFAULT_DEPLOY_LEASE = 5.0
 DEFAULT_SCOPE_DEPLOY_CONCURRENCY = 100  # cold deploys of one scope at once
 MAX_ROUNDS = 20  # acquire rounds of one call (takeovers, lost leases): bounded even so
-CLEANUP_CONCURRENCY = 10
 POOL_CONFIG_FIELDS = ("min_idle_pods", "max_pods", "pod_ttl", "pod_concurrency")
+ACQUIRE_SOURCE = "agent_runtime.acquire.source"  # the acquires metric's label, on the span
 
 
 class ResourceOrchestrator:
@@ -86,6 +86,7 @@ class ResourceOrchestrator:
         deploy_lease: float = DEFAULT_DEPLOY_LEASE,
         instance_id: str = "",
         scope_deploy_concurrency: int = DEFAULT_SCOPE_DEPLOY_CONCURRENCY,
+        tracing: Tracing | None = None,
     ) -> None:
         """``bounds``: where a deploy may go (the wiring passes the settings'; None: anywhere,
         for tests that build an orchestrator by hand); ``identity`` signs every pod (and completes
@@ -93,14 +94,18 @@ class ResourceOrchestrator:
         claim lives unless renewed (AGENT_RUNTIME_DEPLOY_LEASE). ``instance_id``: named in
         the deploy lock's token, so an operator sees which replica leads a deploy.
         ``scope_deploy_concurrency``: cold deploys of one scope at once
-        (AGENT_RUNTIME_SCOPE_DEPLOY_CONCURRENCY)."""
+        (AGENT_RUNTIME_SCOPE_DEPLOY_CONCURRENCY). ``tracing``: spans of acquire, deploy and
+        follower wait (off unless given)."""
         metrics = metrics or Metrics()
+        tracing = tracing or Tracing()
+        self._tracing = tracing
         self._acquired = metrics.acquires
         self._claims = metrics.deploy_claims
         self._state = state
         self._deploy_state = DeployState(state)
         self._k8s = k8s
-        self._default_namespace = default_namespace
+        # the operator's bulk delete and its dry run (the facade's cleanup calls)
+        self.cleanup = BulkCleanup(k8s=k8s, default_namespace=default_namespace)
         self._deployer = Deployer(
             state=state,
             deploys=self._deploy_state,
@@ -111,6 +116,7 @@ class ResourceOrchestrator:
             metrics=metrics,
             lease=deploy_lease,
             identity=identity,
+            tracing=tracing,
         )
         self._followers = FollowerRoom(
             state=state,
@@ -119,6 +125,7 @@ class ResourceOrchestrator:
             waits=metrics.follower_waits,
             deploy_lease=deploy_lease,
             seat_hold=math.ceil(deploy_lease),
+            tracing=tracing,
         )
         self._deploys = BackgroundTasks()
         self.deploy_lease = deploy_lease
@@ -150,36 +157,39 @@ class ResourceOrchestrator:
         asked_at: float | None = None,
         demand_id: str = "",
     ) -> AcquiredPod:
-        source = "failed"
-        try:
-            call = AcquireCall(
-                scope_id,
-                pod_spec,
-                pool_config,
-                request_id,
-                0.0,
-                on_ready,
-                rule_id,
-                rule_pod_budget,
-                asyncio.get_running_loop().time() if asked_at is None else asked_at,
-                demand_id,
-            )
-            result, source = await self._acquire(call)
-            return result
-        except DeployInProgress:
-            source = "in_progress"
-            raise
-        except MaxPodsReached:
-            source = "max_pods"
-            raise
-        except PodBudgetReached:
-            source = "budget"
-            raise
-        except DeployTimedOut:
-            source = "timeout"
-            raise
-        finally:
-            self._acquired.labels(source).inc()
+        # the slow path's own span: the deploy or follower wait under it (no-op when off)
+        with self._tracing.span("acquire", attributes={SCOPE_ID: scope_id}) as span:
+            source = "failed"
+            try:
+                call = AcquireCall(
+                    scope_id,
+                    pod_spec,
+                    pool_config,
+                    request_id,
+                    0.0,
+                    on_ready,
+                    rule_id,
+                    rule_pod_budget,
+                    asyncio.get_running_loop().time() if asked_at is None else asked_at,
+                    demand_id,
+                )
+                result, source = await self._acquire(call)
+                return result
+            except DeployInProgress:
+                source = "in_progress"
+                raise
+            except MaxPodsReached:
+                source = "max_pods"
+                raise
+            except PodBudgetReached:
+                source = "budget"
+                raise
+            except DeployTimedOut:
+                source = "timeout"
+                raise
+            finally:
+                self._acquired.labels(source).inc()
+                span.set_attribute(ACQUIRE_SOURCE, source)
 
     async def _acquire(self, call: AcquireCall) -> tuple[AcquiredPod, str]:
         """The pod and where it came from: replay, warm, deploy or follower."""
@@ -382,26 +392,6 @@ class ResourceOrchestrator:
 
     async def expire_scope(self, scope_id: str) -> bool:
         return await self._state.expire_scope(scope_id)
-
-    async def cleanup(self, namespace: str | None = None, label_selector: str | None = None) -> int:
-        """Delete AgentServer pods matching the selector (the component label and the
-        existence of our scope label always ANDed in: another tool's AgentServer is never
-        ours to delete), in the process default cluster only: pods of a named cluster are
-        never touched. Redis is not touched: watch and reconcile notice the deleted pods."""
-        ns = namespace or self._default_namespace
-        # ValueError for a selector we do not accept; what Kubernetes gets is its canonical
-        # form, so the API server never refuses (502) what we validated (400)
-        terms = selectors.parse(label_selector or "")
-        selector = ",".join([OWN_PODS_SELECTOR, *(term.render() for term in terms)])
-        pods = await self._k8s.list_pods(ns, selector)
-        gate = asyncio.Semaphore(CLEANUP_CONCURRENCY)
-
-        async def delete(pod_id: str) -> bool:
-            async with gate:
-                return await self._k8s.delete(pod_id, ns)
-
-        deleted = await asyncio.gather(*(delete(p.pod_id) for p in pods))
-        return sum(1 for d in deleted if d)
 
     async def close(self) -> None:
         """Let running deploys finish or clean up (they give back their placeholders)."""

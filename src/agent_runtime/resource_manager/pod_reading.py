@@ -54,12 +54,13 @@ def pod_status_from_json(pod: dict[str, Any]) -> PodStatus:
         image=(specs[0] or {}).get("image") or "",
         deletion_at=_unix_seconds(meta.get("deletionTimestamp")),
         node=spec.get("nodeName") or "",
+        created=_unix_seconds(meta.get("creationTimestamp")),
     )
 
 
 def _unix_seconds(value: Any) -> float | None:
     """An RFC 3339 time (``2026-12-03T14:00:00Z``) or a ``datetime`` as Unix seconds; None
-    for none or one that cannot be read (the deletion then counts as due: dead)."""
+    for none or one that cannot be read (a deletion then counts as due: dead)."""
     if isinstance(value, datetime.datetime):
         when = value
     elif isinstance(value, str) and len(value) <= 64:
@@ -139,6 +140,7 @@ def pod_status(v1pod: Any) -> PodStatus:
                 "annotations": meta.annotations,
                 "uid": meta.uid,
                 "deletionTimestamp": meta.deletion_timestamp,
+                "creationTimestamp": meta.creation_timestamp,
             },
             "spec": None
             if spec is None

@@ -41,11 +41,13 @@ from agent_runtime.session_manager.scope_state import ScopeState
 from agent_runtime.session_manager.state import SessionState
 from agent_runtime.single_flight import SingleFlight
 from agent_runtime.spec_fields import clear_env_values
+from agent_runtime.tracing import SCOPE_ID, Tracing
 from agent_runtime.util import rule_id_of, scope_id_of
 
 log = logging.getLogger(__name__)
 
 PROPAGATION_CONCURRENCY = 8  # scopes written at once by one propagation (a few calls each)
+RESOLVED_FROM = "agent_runtime.resolve.from"  # the resolve span's: cache or db
 MAX_REPLANS = 20  # fresh snapshots one scope's write may need while later syncs keep coming
 
 LOCAL_DEFAULT_TEMPLATE = TemplateItem(template_id="default", image="agentserver:local")
@@ -65,11 +67,13 @@ class ConfigStore:
         default_namespace: str = "default",
         wildcard_rule_pod_budget: int = 100,
         default_session_ttl: int = 60,
+        tracing: Tracing | None = None,
     ) -> None:
         """``clusters``: the names a template's ``kubeconfig`` may hold; ``namespaces``: where a
         template may deploy (None: anywhere; the wiring passes the settings' allow-list).
         ``state``: the pods (a version change sunsets candidates); ``scopes``: the cache, the
-        registry and its indexes, the lock."""
+        registry and its indexes, the lock. ``tracing``: the resolve's span (off unless given)."""
+        self._tracing = tracing or Tracing()
         self._db = db
         self._state = state
         self._scopes = scopes
@@ -86,15 +90,20 @@ class ConfigStore:
 
     async def resolve(self, scope_id: str, group_id: str, bot_id: str) -> ScopeConfig:
         """The scope's configuration: the Redis cache, else the DB (then cached)."""
-        cached = await self._scopes.get_scope_config(scope_id)  # None: absent or malformed
-        if cached is not None and cached.rule_id is not None:
-            logs.add_secret_values(clear_env_values(cached.pod_spec))  # masked in logs
-            return cached
-        # none, or written without the scope → rule link (config_sync's version change, an
-        # older replica): the DB says which rule, and so which pod budget
-        config = await self._loading.run(scope_id, lambda: self._load(scope_id, group_id, bot_id))
-        logs.add_secret_values(clear_env_values(config.pod_spec))  # masked in log lines
-        return config
+        with self._tracing.span("resolve", attributes={SCOPE_ID: scope_id}) as span:
+            cached = await self._scopes.get_scope_config(scope_id)  # None: absent or malformed
+            if cached is not None and cached.rule_id is not None:
+                span.set_attribute(RESOLVED_FROM, "cache")
+                logs.add_secret_values(clear_env_values(cached.pod_spec))  # masked in logs
+                return cached
+            # none, or written without the scope → rule link (config_sync's version change, an
+            # older replica): the DB says which rule, and so which pod budget
+            span.set_attribute(RESOLVED_FROM, "db")
+            config = await self._loading.run(
+                scope_id, lambda: self._load(scope_id, group_id, bot_id)
+            )
+            logs.add_secret_values(clear_env_values(config.pod_spec))  # masked in log lines
+            return config
 
     async def _load(self, scope_id: str, group_id: str, bot_id: str) -> ScopeConfig:
         """One DB read for the scope, then the cache filled (unless a config change came)."""

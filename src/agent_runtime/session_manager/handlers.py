@@ -8,9 +8,12 @@ only, nothing at run time).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
+from collections.abc import Iterator
 from http import HTTPStatus
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
@@ -21,7 +24,7 @@ from agent_runtime.api.openapi import documented_responses, inline_schema, json_
 from agent_runtime.api.request import AdminEnvelope, parse_rawdata, read_envelope
 from agent_runtime.auth import check_bearer
 from agent_runtime.errors import K8sError, ValidationFailed
-from agent_runtime.resource_manager.facade import K8sApiError
+from agent_runtime.resource_manager.facade import CleanupPreview, K8sApiError
 from agent_runtime.session_manager.handler_deps import HandlerDeps, handler_deps
 from agent_runtime.session_manager.models import (
     CleanupEnvelope,
@@ -113,20 +116,45 @@ async def config_sync(envelope: AdminBody, deps: Deps) -> JSONResponse:
     responses=documented_responses(CleanupOk, 400, 401, 500, 502, 503),
 )
 async def cleanup(envelope: AdminBody, deps: Deps) -> JSONResponse:
-    """Bulk-delete AgentServer pods in Kubernetes (admin); Redis is left to watch/reconcile."""
+    """Bulk-delete AgentServer pods in Kubernetes (admin); Redis is left to watch/reconcile.
+    With ``rawdata.dry_run``: the pods the same call would delete, none deleted."""
     body = parse_rawdata(CleanupRequest, envelope.rawdata)
-    if (body.namespace or deps.default_namespace) not in deps.cleanup_namespaces:
-        # never outside the operator's allow-list: none of our pods can be there
-        return ok(envelope.metadata.request_id, {"cleaned": 0})
+    request_id = envelope.metadata.request_id
+    # never outside the operator's allow-list: none of our pods can be there
+    allowed = (body.namespace or deps.default_namespace) in deps.cleanup_namespaces
+    with _k8s_refusals(request_id):
+        if body.dry_run:
+            preview = CleanupPreview(0, ())
+            if allowed:
+                preview = await deps.resources.cleanup_preview(body.namespace, body.label_selector)
+            return ok(request_id, _preview_data(preview))
+        cleaned = 0
+        if allowed:
+            cleaned = await deps.resources.cleanup(body.namespace, body.label_selector)
+    return ok(request_id, {"cleaned": cleaned})
+
+
+def _preview_data(preview: CleanupPreview) -> dict[str, Any]:
+    return {
+        "cleaned": 0,
+        "dry_run": True,
+        "matched": preview.matched,
+        "truncated": preview.truncated,
+        "pods": [dataclasses.asdict(pod) for pod in preview.pods],
+    }
+
+
+@contextlib.contextmanager
+def _k8s_refusals(request_id: str) -> Iterator[None]:
+    """A selector the resource manager refuses is 400; a Kubernetes refusal is 502 with its
+    status only (the API server's body — names, paths — goes to the log)."""
     try:
-        cleaned = await deps.resources.cleanup(body.namespace, body.label_selector)
+        yield
     except ValueError as exc:
         raise ValidationFailed(f"rawdata.label_selector: {exc}") from None
     except K8sApiError as exc:
-        # the API server's body (names, paths) goes to the log; the caller gets the status
-        log.warning("cleanup %s: %s", envelope.metadata.request_id, exc)
+        log.warning("cleanup %s: %s", request_id, exc)
         raise K8sError(_refusal(exc.status)) from None
-    return ok(envelope.metadata.request_id, {"cleaned": cleaned})
 
 
 def _refusal(status: int | None) -> str:

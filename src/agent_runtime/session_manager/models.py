@@ -101,7 +101,8 @@ class TouchEnvelope(BaseModel):
 
 
 class CleanupRequest(BaseModel):
-    """``rawdata`` of cleanup: both optional (default namespace; the component label)."""
+    """``rawdata`` of cleanup: all optional (default namespace; the component label; a real
+    cleanup)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     namespace: DnsLabel | None = None
@@ -114,6 +115,11 @@ class CleanupRequest(BaseModel):
         ]
         | None
     ) = None
+    dry_run: bool = Field(
+        default=False,
+        description="list what the same call would delete, delete nothing (answer: matched, "
+        "pods, truncated)",
+    )
 
 
 # a field name of a config_sync item (the longest real one is 19 characters)
@@ -244,8 +250,34 @@ class ConfigSyncOk(BaseModel):
     data: ConfigSyncData
 
 
+class CleanupPod(BaseModel):
+    """A pod a cleanup's dry run says the same call would delete (Kubernetes' view)."""
+
+    pod_id: str
+    namespace: str
+    scope_id: str = Field(description="its scope label")
+    deploy_ver: str = Field(description="its deploy-ver label (empty: none)")
+    phase: str = Field(description="Pending, Running, Terminating, CrashLoopBackOff, …")
+    ready: bool
+    node: str = Field(description="the node it runs on (empty: not scheduled yet)")
+    created: float | None = Field(description="Unix seconds (creationTimestamp), or null")
+
+
 class CleanupData(BaseModel):
-    cleaned: Annotated[int, Field(ge=0)]
+    cleaned: Annotated[int, Field(ge=0)] = Field(description="pods deleted (0 in a dry run)")
+    # the dry run's only: absent from a real cleanup's answer (the contract's {"cleaned": n})
+    dry_run: Literal[True] | SkipJsonSchema[None] = Field(
+        None, description="present (true) in a dry run's answer only"
+    )
+    matched: Annotated[int, Field(ge=0)] | SkipJsonSchema[None] = Field(
+        None, description="dry run: how many pods the same call would delete"
+    )
+    truncated: bool | SkipJsonSchema[None] = Field(
+        None, description="dry run: more pods matched than pods lists"
+    )
+    pods: list[CleanupPod] | SkipJsonSchema[None] = Field(
+        None, description="dry run: the first 500 of them by name"
+    )
 
 
 class CleanupOk(BaseModel):

@@ -43,6 +43,7 @@ from agent_runtime.session_manager.pod_report import PodReport
 from agent_runtime.session_manager.replies import PLACING, Placement
 from agent_runtime.session_manager.slow_route import RouteContext, SlowRoute, reused
 from agent_runtime.session_manager.state import SessionState
+from agent_runtime.tracing import Tracing
 from agent_runtime.util import scope_id_of
 
 
@@ -56,8 +57,11 @@ class SessionOrchestrator:
         notifier: Notifier,
         scope_full_timeout: float,
         metrics: Metrics | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         metrics = metrics or Metrics()
+        # off: annotate is a no-op method (no span, no OpenTelemetry call on the hot path)
+        self._tracing = tracing = tracing or Tracing()
         self._placements = {
             p.value: metrics.placements.labels(p.value) for p in (*PLACING, Placement.REPLAY)
         }
@@ -71,6 +75,7 @@ class SessionOrchestrator:
             notifier=notifier,
             scope_full_timeout=scope_full_timeout,
             until_drained=self._until_drained,
+            tracing=tracing,
         )
         self._reports = PodReport(state=state, resources=resources, metrics=metrics)
         self.draining = False
@@ -128,12 +133,15 @@ class SessionOrchestrator:
         answers ``rebound`` (``pod_report.py``; the slow path: without it, one EVALSHA)."""
         self._refuse_if_draining()
         scope_id = scope_id_of(group_id, bot_id)
+        self._tracing.annotate(scope_id=scope_id, session_id=session_id)
         with logs.bound(request_id=request_id, session_id=session_id, scope_id=scope_id):
             if failed_pod_id:
                 await self._reports.check(session_id, scope_id, failed_pod_id)
-            return await self._route(
+            answer = await self._route(
                 request_id, session_id, group_id, bot_id, scope_id, disconnected
             )
+        self._tracing.annotate(placement=answer.get("placement"))
+        return answer
 
     async def _route(
         self,
@@ -201,6 +209,7 @@ class SessionOrchestrator:
     ) -> dict[str, bool]:
         """``request_id``: an eos re-sent with it (its reply lost) gets the first answer.
         ``scope_id``: the scope the gateway named (bot_id + extra.group_id), or None."""
+        self._tracing.annotate(scope_id=scope_id, session_id=session_id)
         outcome = await self._state.touch(
             session_id, eos=eos, request_id=request_id, scope_id=scope_id
         )

@@ -44,10 +44,12 @@ from agent_runtime.session_manager.config_store import ConfigStore
 from agent_runtime.session_manager.replies import Placement, RoutePlacement
 from agent_runtime.session_manager.scope_cache import ScopeConfig
 from agent_runtime.session_manager.state import ROUTE_LEASE, SessionState, scope_free_channel
+from agent_runtime.tracing import SCOPE_ID, OpenSpan, Tracing
 
 log = logging.getLogger(__name__)
 
 POLL = 0.5  # safety net under the free signal
+WAITING = frozenset({Placement.SCOPE_FULL, Placement.IN_FLIGHT})  # a queue wait goes on
 # max_pods reported while the scope had fewer candidates: the cap may be held by a pod another
 # call has just got and is about to make a candidate (it signals `free` when it does); such a
 # route waits and looks again for this long before the cap counts as real (NO_POD_AVAILABLE)
@@ -72,6 +74,7 @@ class RouteContext:
     scope_full_timeout: float  # a route's wait for a slot, from its first wait
     # a block whose wait ends with 503 the moment the replica starts to stop
     until_drained: Callable[[], AbstractAsyncContextManager[None]]
+    tracing: Tracing  # the queue wait's span
 
 
 class SlowRoute:
@@ -99,6 +102,7 @@ class SlowRoute:
         self.listening: contextlib.AsyncExitStack | None = None
         self.listener: Listener | None = None
         self.closed = False
+        self.queue_span: OpenSpan | None = None  # the queue wait's span while the route waits
         self.lease = asyncio.create_task(self._keep_lease(), name=f"route-lease:{request_id}")
 
     async def _keep_lease(self) -> None:
@@ -119,6 +123,8 @@ class SlowRoute:
         steps = attempts = 0  # steps: what must converge; attempts: acquires made
         while True:
             action = placement.action
+            if action not in WAITING:
+                self._waited()
             if placement.answered:
                 return placement.answer()
             if action is Placement.NEED_CONFIG:
@@ -146,6 +152,12 @@ class SlowRoute:
                 token=self.token,
                 slow=True,
             )
+
+    def _waited(self) -> None:
+        """The queue wait is over (a slot, a pod to acquire, the answer): its span ends."""
+        if self.queue_span is not None:
+            self.queue_span.end()
+            self.queue_span = None
 
     async def scope_config(self, *, fresh: bool = False) -> ScopeConfig:
         """The scope's configuration, resolved once per route: the cache fill, the acquire
@@ -253,6 +265,10 @@ class SlowRoute:
                 raise ScopeQueueFull(
                     f"scope {self.scope_id} is full and so is its wait queue", retry_after=1
                 )
+        if self.queue_span is None:  # one span from the first poll to the wait's end
+            self.queue_span = self.ctx.tracing.open_span(
+                "queue wait", attributes={SCOPE_ID: self.scope_id, "agent_runtime.seated": seat}
+            )
         fresh = self.listener is None
         if self.listener is None:
             self.listening = contextlib.AsyncExitStack()
@@ -281,6 +297,7 @@ class SlowRoute:
         """Stop renewing and listening; what is held was given back by the script that placed,
         or by release_route on failure."""
         self.closed = True
+        self._waited()
         self.lease.cancel()
         await asyncio.wait([self.lease], timeout=1.0)  # never swallows a cancel of our own
         if self.listening is not None:
