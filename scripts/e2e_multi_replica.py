@@ -50,6 +50,16 @@ from typing import Any
 import httpx
 from redis.asyncio import Redis
 
+from agent_runtime_client import (
+    AgentRuntimeError,
+    AsyncGatewayClient,
+    GatewayClientError,
+    RetryPolicy,
+    Route,
+    Unavailable,
+    UnexpectedAnswer,
+)
+
 OUR_PREFIXES = ("session_manager:", "resource_manager:", "agent_runtime:")
 SM, RM = "session_manager:", "resource_manager:resource:"
 
@@ -165,12 +175,49 @@ def kubesim(port: int, workdir: Path) -> Any:
 # --- the service's API, as the gateway and the claw manager call it --------------------------
 
 
+@dataclass(frozen=True)
+class Answer:
+    """A gateway call's outcome through the gateway's client: ``code`` is "OK", the error
+    code (``HTTP_<status>`` for an answer that is no envelope) or, when no answer came, the
+    transport error's class name."""
+
+    code: str
+    route: Route | None = None
+    retry_after: float | None = None
+    text: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.code == "OK"
+
+
 @dataclass
 class Api:
+    """The claw manager's calls over ``http``; the gateway's (route, eos) through the gateway's
+    client, one per replica, retries off: each check sees what the replica answered."""
+
     http: httpx.AsyncClient
     admin_token: str | None
     gateway_token: str | None
+    limits: httpx.Limits
     prefix: str = ""  # of every session and request id: runs never meet
+    gateways: dict[str, AsyncGatewayClient] = field(default_factory=dict)
+
+    def gateway(self, url: str) -> AsyncGatewayClient:
+        if url not in self.gateways:
+            self.gateways[url] = AsyncGatewayClient(
+                url,
+                token=self.gateway_token or "",
+                deadline=SCOPE_FULL_TIMEOUT + 30,
+                retry=RetryPolicy(max_attempts=1),
+                limits=self.limits,
+                trust_env=False,
+            )
+        return self.gateways[url]
+
+    async def aclose(self) -> None:
+        for client in self.gateways.values():
+            await client.aclose()
 
     def rid(self, name: str) -> str:
         return f"{self.prefix}{name}"
@@ -187,24 +234,34 @@ class Api:
 
     async def route(
         self, url: str, scope: tuple[str, str], session_id: str, request_id: str | None = None
-    ) -> httpx.Response:
-        meta = {"request_id": self.rid(request_id or uuid.uuid4().hex),
-                "session_id": self.rid(session_id), "bot_id": scope[1],
-                "extra": {"group_id": scope[0]}}  # fmt: skip
-        return await self.http.post(
-            f"{url}/api/session/route",
-            json={"metadata": meta, "rawdata": {}},
-            headers=self._auth(self.gateway_token),
-            timeout=SCOPE_FULL_TIMEOUT + 30,
-        )
+    ) -> Answer:
+        try:
+            route = await self.gateway(url).route(
+                self.rid(session_id),
+                scope[1],
+                scope[0],
+                request_id=self.rid(request_id or uuid.uuid4().hex),
+            )
+        except GatewayClientError as exc:  # every outcome is an answer the check judges
+            return failed(exc)
+        return Answer("OK", route)
 
-    async def eos(self, url: str, session_id: str) -> httpx.Response:
-        meta = {"request_id": uuid.uuid4().hex, "session_id": self.rid(session_id)}
-        return await self.http.post(
-            f"{url}/api/session/touch",
-            json={"metadata": meta, "rawdata": {"eos": True}},
-            headers=self._auth(self.gateway_token),
-        )
+    async def eos(self, url: str, session_id: str) -> Answer:
+        try:
+            ended = await self.gateway(url).end(self.rid(session_id))
+        except GatewayClientError as exc:
+            return failed(exc)
+        return Answer("OK", text=f"touched={ended.touched} released={ended.released}")
+
+
+def failed(exc: GatewayClientError) -> Answer:
+    if isinstance(exc, AgentRuntimeError):
+        return Answer(exc.code, retry_after=exc.retry_after, text=str(exc))
+    if isinstance(exc, UnexpectedAnswer):
+        return Answer(exc.code, text=f"{exc}: {exc.excerpt}")
+    if isinstance(exc, Unavailable) and exc.cause is not None:
+        return Answer(type(exc.cause).__name__, text=str(exc))
+    return Answer(type(exc).__name__, text=str(exc))
 
 
 def scope_id(scope: tuple[str, str]) -> str:
@@ -212,13 +269,8 @@ def scope_id(scope: tuple[str, str]) -> str:
     return hashlib.md5(f"{scope[0]}\x00{scope[1]}".encode()).hexdigest()
 
 
-def code(resp: httpx.Response) -> str:
-    if resp.status_code == 200:
-        return "OK"
-    try:
-        return str(resp.json()["error_code"])
-    except Exception:
-        return f"HTTP_{resp.status_code}"
+def code(answer: Answer | BaseException) -> str:
+    return answer.code if isinstance(answer, Answer) else type(answer).__name__
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -360,7 +412,7 @@ async def check_cold_burst_one_deploy(run: Run) -> str:
     )
     codes = collections.Counter(code(a) for a in answers)
     expect(codes == {"OK": 12}, f"cold burst: {codes}")
-    pods = {a.json()["data"]["pod_id"] for a in answers}
+    pods = {a.route.pod_id for a in answers if a.route is not None}
     deploys = await run.creates() - before
     expect(len(pods) == 1 and deploys == 1, f"pods {pods}, creates {deploys}")
     await run.nothing_held(scope_id(scope), 5)
@@ -398,9 +450,7 @@ async def check_no_over_admission(run: Run) -> str:
     finally:
         done.set()
         await sampler
-    codes = collections.Counter(
-        code(a) if isinstance(a, httpx.Response) else type(a).__name__ for a in answers
-    )
+    codes = collections.Counter(code(a) for a in answers)
     expect(peaks["scope"] <= sc and peaks["pod"] <= pc, f"over the limits: {peaks}")
     expect(peaks["waiters"] <= 2 * sc, f"queue over 2 × scope_concurrency: {peaks}")
     expect(codes["OK"] == sc, f"the scope did not fill exactly: {codes}")
@@ -418,9 +468,9 @@ async def check_replay_across_replicas(run: Run) -> str:
     scope = await run.scope("replay", scope_concurrency=4, pod_concurrency=4)
     first = await run.api.route(live[0].url, scope, "replay-s", "replay-r")
     again = await run.api.route(live[1].url, scope, "replay-s", "replay-r")
-    expect(first.status_code == 200, f"first: {first.text}")
-    expect(again.json() == first.json(), f"{first.text} != {again.text}")
-    expect(first.json()["data"]["placement"] == "placed", first.text)
+    expect(first.ok and first.route is not None, f"first: {first}")
+    expect(again == first, f"{first} != {again}")
+    expect(first.route is not None and first.route.placement == "placed", str(first))
     return "identical answer from the other replica"
 
 
@@ -428,11 +478,11 @@ async def check_config_propagation(run: Run) -> str:
     live = run.live()
     scope = await run.scope("conf", scope_concurrency=4, pod_concurrency=4, session_ttl=60)
     sid = scope_id(scope)
-    expect((await run.api.route(live[1].url, scope, "conf-1")).status_code == 200, "route")
+    expect((await run.api.route(live[1].url, scope, "conf-1")).ok, "route")
     tpl = {"template_id": f"e2e-{run.run_id}-conf", "session_ttl": 123}
     resp = await run.api.sync(live[0].url, "template", "update", tpl)
     expect(resp.status_code == 200, f"update: {resp.text}")
-    expect((await run.api.route(live[1].url, scope, "conf-2")).status_code == 200, "route 2")
+    expect((await run.api.route(live[1].url, scope, "conf-2")).ok, "route 2")
     ttl = str(await run.redis.hget(f"{SM}session:{{{sid}}}:{run.api.rid('conf-2')}", "session_ttl"))
     expect(ttl == "123", f"new session_ttl not seen: {ttl}")
     await run.nothing_held(sid, 5)
@@ -463,7 +513,7 @@ async def check_failover(run: Run) -> str:
     its_jobs = [job for job, who in led.items() if victim.index in who]
     scope = await run.scope("failover", scope_concurrency=1, pod_concurrency=1)
     sid = scope_id(scope)
-    expect((await run.api.route(victim.url, scope, "fo-held")).status_code == 200, "held")
+    expect((await run.api.route(victim.url, scope, "fo-held")).ok, "held")
     waiting = asyncio.create_task(run.api.route(victim.url, scope, "fo-wait", "fo-wait-r"))
     deadline = time.monotonic() + 5
     while await run.redis.zscore(f"{SM}scope:{{{sid}}}:waiters", run.api.rid("fo-wait-r")) is None:
@@ -488,8 +538,8 @@ async def check_failover(run: Run) -> str:
     expect(not marker.startswith("pending:"), f"pending marker left: {marker}")
     # the others carry on
     other = run.live()[0]
-    expect((await run.api.eos(other.url, "fo-held")).status_code == 200, "eos on survivor")
-    expect((await run.api.route(other.url, scope, "fo-next")).status_code == 200, "route")
+    expect((await run.api.eos(other.url, "fo-held")).ok, "eos on survivor")
+    expect((await run.api.route(other.url, scope, "fo-next")).ok, "route")
     victim.start()  # as Kubernetes would restart it
     await wait_healthy(run.api.http, victim)
     slowest = max(taken.values(), default=0.0)
@@ -538,7 +588,7 @@ async def kill_the_leader_once(
     created = (await run.sim_pods(sid))[0]
     expect(not created["ready"], "the pod was Ready before the kill")
     sessions: list[str] = []
-    waiting: list[asyncio.Task[httpx.Response]] = []
+    waiting: list[asyncio.Task[Answer]] = []
 
     def route_on(replica: Replica, session: str) -> None:
         sessions.append(session)
@@ -559,7 +609,7 @@ async def kill_the_leader_once(
     i = 0
     while served_at is None:
         for task in waiting:
-            if task.done() and not task.exception() and task.result().status_code == 200:
+            if task.done() and not task.exception() and task.result().ok:
                 served_at = time.monotonic()
         expect(time.monotonic() - killed_at < 40, "the scope never served again")
         if served_at is None and time.monotonic() - killed_at >= 0.3 * i:
@@ -567,14 +617,12 @@ async def kill_the_leader_once(
             i += 1
         await asyncio.sleep(0.02)
     answers = await asyncio.gather(*waiting, return_exceptions=True)
-    codes = collections.Counter(
-        code(a) if isinstance(a, httpx.Response) else type(a).__name__ for a in answers
-    )
+    codes = collections.Counter(code(a) for a in answers)
     expect(not any(c.startswith("HTTP_") for c in codes), f"answers without an envelope: {codes}")
     placed = {
-        session: a.json()["data"]["pod_id"]
+        session: a.route.pod_id
         for session, a in zip(sessions, answers, strict=True)
-        if isinstance(a, httpx.Response) and a.status_code == 200
+        if isinstance(a, Answer) and a.route is not None
     }
     fate = "adopted" if created["name"] in placed.values() else "replaced"
     if fate == "adopted":  # signed for its incarnation (by its leader, or by the taker)
@@ -607,8 +655,8 @@ async def check_drain(run: Run) -> str:
     scope = await run.scope("drain", scope_concurrency=2, pod_concurrency=2)
     sid = scope_id(scope)
     for i in range(2):
-        expect((await run.api.route(victim.url, scope, f"dr-held-{i}")).status_code == 200, "h")
-    waiting: dict[str, asyncio.Task[httpx.Response]] = {}
+        expect((await run.api.route(victim.url, scope, f"dr-held-{i}")).ok, "h")
+    waiting: dict[str, asyncio.Task[Answer]] = {}
 
     def start(replica: Replica, target: tuple[str, str], name: str) -> None:
         waiting[name] = asyncio.create_task(run.api.route(replica.url, target, name, f"{name}-r"))
@@ -641,7 +689,7 @@ async def check_drain(run: Run) -> str:
         on_victim = [n for n in waiting if n != "dr-leader-elsewhere"]
         answered: dict[str, float] = {}
 
-        async def timed(name: str) -> httpx.Response:
+        async def timed(name: str) -> Answer:
             answer = await waiting[name]
             answered[name] = time.monotonic() - signalled
             return answer
@@ -649,13 +697,11 @@ async def check_drain(run: Run) -> str:
         answers = await asyncio.gather(*(timed(n) for n in on_victim), return_exceptions=True)
     finally:
         await run.sim_ready_delay(RESTING_READY_DELAY)
-    codes = collections.Counter(
-        code(a) if isinstance(a, httpx.Response) else type(a).__name__ for a in answers
-    )
+    codes = collections.Counter(code(a) for a in answers)
     expect(codes == {"BACKEND_UNAVAILABLE": len(on_victim)}, f"waiting routes got {codes}")
     for answer in answers:
-        assert isinstance(answer, httpx.Response)
-        expect(answer.headers.get("retry-after") == "1", f"no Retry-After: {answer.headers}")
+        assert isinstance(answer, Answer)
+        expect(answer.retry_after == 1, f"no Retry-After: {answer}")
     slowest = max(answered.values())
     expect(slowest < 2.0, f"answered {slowest:.2f} s after the signal: {answered}")
     try:
@@ -665,7 +711,7 @@ async def check_drain(run: Run) -> str:
     took = time.monotonic() - signalled
     expect(status == 0, f"exit status {status}")
     elsewhere = await waiting["dr-leader-elsewhere"]
-    expect(elsewhere.status_code == 200, f"the other replica's deploy: {elsewhere.text}")
+    expect(elsewhere.ok, f"the other replica's deploy: {elsewhere}")
     for target in (scope, follow, own):
         await run.nothing_held(scope_id(target), 6)
         untracked = await run.untracked_pods(scope_id(target))
@@ -764,14 +810,14 @@ async def deployment(args: argparse.Namespace, workdir: Path) -> AsyncIterator[R
                 max_connections=1200, max_keepalive_connections=200, keepalive_expiry=2.0
             )
             async with httpx.AsyncClient(limits=limits, timeout=30) as http:
+                tokens = settings.get("AGENT_RUNTIME_ADMIN_TOKENS", "").split(",")
+                gateway = settings.get("AGENT_RUNTIME_GATEWAY_TOKENS", "").split(",")
+                api = Api(http, tokens[0] or None, gateway[0] or None, limits)
                 try:
                     for replica in replicas:
                         replica.start()
                     for replica in replicas:
                         await wait_healthy(http, replica)
-                    tokens = settings.get("AGENT_RUNTIME_ADMIN_TOKENS", "").split(",")
-                    gateway = settings.get("AGENT_RUNTIME_GATEWAY_TOKENS", "").split(",")
-                    api = Api(http, tokens[0] or None, gateway[0] or None)
                     run = Run(
                         api,
                         redis,
@@ -783,6 +829,7 @@ async def deployment(args: argparse.Namespace, workdir: Path) -> AsyncIterator[R
                     api.prefix = f"e2e-{run.run_id}-"
                     yield run
                 finally:
+                    await api.aclose()
                     for replica in replicas:
                         replica.stop()
     finally:

@@ -2,7 +2,10 @@
 """Load generator for agent-runtime: the gateway's calls (route, touch) at a chosen concurrency,
 with latency percentiles, an error-code histogram and, for long runs, interval reports.
 
-Run it with the project's venv (it needs httpx and the standard library only):
+Run it with the project's venv (it needs httpx, the standard library and the gateway's client,
+``agent-runtime-client``: ``pip install -e ./client``, which scripts/test.sh does). The route and
+touch calls go through that client, as a gateway makes them, with its retries off: each
+measured request is one attempt, its answer classified as it came.
 
     # placement of new sessions: a fresh session_id per request; --configure gives the scope
     # room (the local default template allows 10 live sessions per scope)
@@ -81,6 +84,15 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import httpx
+
+from agent_runtime_client import (
+    AgentRuntimeError,
+    AsyncGatewayClient,
+    RetryPolicy,
+    Route,
+    Unavailable,
+    UnexpectedAnswer,
+)
 
 API = "/api/session"
 EXIT_OK, EXIT_SETUP, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -315,10 +327,14 @@ def released(data: dict[str, Any]) -> str:
 
 
 class Api:
-    """The gateway's and the claw manager's calls, each one measured into ``stats``."""
+    """The gateway's and the claw manager's calls, each one measured into ``stats``: route and
+    touch through the gateway's client (``gateway``), config_sync over plain HTTP."""
 
-    def __init__(self, client: httpx.AsyncClient, args: argparse.Namespace) -> None:
+    def __init__(
+        self, client: httpx.AsyncClient, gateway: AsyncGatewayClient, args: argparse.Namespace
+    ) -> None:
         self.client = client
+        self.gateway = gateway
         self.args = args
         self.run_id = uuid.uuid4().hex[:8]
         self._ids = 0
@@ -353,22 +369,53 @@ class Api:
         stats.record(step, t_start, ms, answer.status, answer.code, said)
         return answer
 
+    async def gateway_call(
+        self, stats: Stats, step: str, call: Awaitable[dict[str, Any]], outcome: Outcome
+    ) -> Answer:
+        """One call of the gateway's client (one attempt), measured like ``post``."""
+        t_start = time.perf_counter()
+        try:
+            data = await call
+            answer = Answer(200, "OK", data)
+        except AgentRuntimeError as exc:  # a failure envelope
+            answer = Answer(exc.http_status, exc.code, {}, exc.message)
+        except UnexpectedAnswer as exc:  # not an envelope: HTTP_<status>
+            answer = Answer(exc.http_status, exc.code, {}, exc.excerpt)
+        except Unavailable as exc:  # no (usable) answer: connect, timeout, dropped
+            cause = exc.cause if exc.cause is not None else exc
+            answer = Answer(0, transport_code(cause), {}, f"{type(cause).__name__}: {cause}")
+        ms = (time.perf_counter() - t_start) * 1000
+        said = outcome(answer.data) if answer.ok else None
+        stats.record(step, t_start, ms, answer.status, answer.code, said)
+        return answer
+
+    def _scope_ids(self) -> dict[str, str]:
+        if self.args.touch_without_ids:  # the index path: a second round trip
+            return {}
+        return {"bot_id": self.args.bot_id, "group_id": self.args.group_id}
+
     async def route(self, stats: Stats, step: str, session_id: str) -> Answer:
-        metadata = {
-            "request_id": self.new_id("r"),
-            "session_id": session_id,
-            "bot_id": self.args.bot_id,
-            "extra": {"group_id": self.args.group_id},
-        }
-        body = {"metadata": metadata, "rawdata": {}}
-        return await self.post(stats, step, "/route", body, outcome=placement)
+        async def call() -> dict[str, Any]:
+            route: Route = await self.gateway.route(
+                session_id, self.args.bot_id, self.args.group_id, request_id=self.new_id("r")
+            )
+            return {"pod_id": route.pod_id, "placement": route.placement.value}
+
+        return await self.gateway_call(stats, step, call(), placement)
 
     async def touch(self, stats: Stats, step: str, session_id: str, *, eos: bool = False) -> Answer:
-        metadata: dict[str, Any] = {"request_id": self.new_id("t"), "session_id": session_id}
-        if not self.args.touch_without_ids:  # as the API reference tells a gateway: one EVALSHA
-            metadata |= {"bot_id": self.args.bot_id, "extra": {"group_id": self.args.group_id}}
-        body = {"metadata": metadata, "rawdata": {"eos": True} if eos else {}}
-        return await self.post(stats, step, "/touch", body, outcome=released if eos else touched)
+        # as the API reference tells a gateway: with the ids, one EVALSHA
+        rid = self.new_id("t")
+
+        async def call() -> dict[str, Any]:
+            if eos:
+                ended = await self.gateway.end(session_id, request_id=rid, **self._scope_ids())
+                return {"touched": ended.touched, "released": ended.released}
+            return {
+                "touched": await self.gateway.touch(session_id, request_id=rid, **self._scope_ids())
+            }
+
+        return await self.gateway_call(stats, step, call(), released if eos else touched)
 
     async def config_sync(self, stats: Stats, kind: str, item: dict[str, Any]) -> Answer:
         body = {
@@ -388,8 +435,9 @@ def _bearer(token: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"} if token else {}
 
 
-def transport_code(exc: httpx.RequestError) -> str:
-    if isinstance(exc, httpx.TimeoutException):  # ConnectTimeout too: it never answered
+def transport_code(exc: BaseException) -> str:
+    # ConnectTimeout too: it never answered; TimeoutError: the gateway client's deadline
+    if isinstance(exc, httpx.TimeoutException | TimeoutError):
         return "TIMEOUT"
     if isinstance(exc, httpx.ConnectError):
         return "CONNECT_ERROR"
@@ -705,15 +753,26 @@ async def main_async(args: argparse.Namespace, csv_file: TextIO | None) -> Finis
         keepalive_expiry=2.0,
     )
     timeout = httpx.Timeout(args.timeout, connect=min(args.timeout, 5.0))
-    async with httpx.AsyncClient(
-        base_url=args.base_url, limits=limits, timeout=timeout, trust_env=False
-    ) as client:
+    gateway = AsyncGatewayClient(
+        args.base_url,
+        token=args.token or "",  # never the environment's AGENT_RUNTIME_GATEWAY_TOKEN
+        deadline=args.timeout,
+        retry=RetryPolicy(max_attempts=1),  # a measured request is one attempt, as it came
+        limits=limits,
+        trust_env=False,
+    )
+    async with (
+        httpx.AsyncClient(
+            base_url=args.base_url, limits=limits, timeout=timeout, trust_env=False
+        ) as client,
+        gateway,
+    ):
         reason = await check_health(client, args.base_url)
         if reason:
             print(f"{PROG}: error: {reason}", file=sys.stderr)
             return Finished(EXIT_USAGE)
 
-        api = Api(client, args)
+        api = Api(client, gateway, args)
         origin = time.perf_counter()
         side = Stats(origin)  # setup and teardown: counted apart from the run
         writer = csv.writer(csv_file) if csv_file else None

@@ -28,13 +28,15 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ] || [ ! -x .venv/bin/pip ]; then
   "$PY" -m venv --clear .venv
 fi
-stamp=.venv/.installed-$(cat requirements.lock pyproject.toml kubesim/pyproject.toml | sha256sum | cut -c1-16)
+stamp=.venv/.installed-$(cat requirements.lock pyproject.toml kubesim/pyproject.toml client/pyproject.toml | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -r requirements.lock
   .venv/bin/python -m pip install -q --no-deps -e .
   # the Kubernetes API simulator: its own distribution, which the tests use (docs/spec/kubesim.md)
   .venv/bin/python -m pip install -q --no-deps -e ./kubesim
+  # the gateway's client: its own distribution, which the e2e scripts and the load test use
+  .venv/bin/python -m pip install -q --no-deps -e ./client
   rm -f .venv/.installed-* && touch "$stamp"
 fi
 

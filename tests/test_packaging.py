@@ -1,5 +1,6 @@
-"""The two distributions of this repository: the service (``agent-runtime``, ``src/``) and the
-Kubernetes API simulator (``agent-runtime-kubesim``, ``kubesim/``).
+"""The three distributions of this repository: the service (``agent-runtime``, ``src/``), the
+Kubernetes API simulator (``agent-runtime-kubesim``, ``kubesim/``) and the gateway's client
+(``agent-runtime-client``, ``client/``: httpx alone, nothing of the service).
 
 Both wheels are built here, offline, with the venv's own build backend (``pip wheel --no-deps
 --no-build-isolation``; hatchling is in requirements.lock): the service's wheel carries no
@@ -51,6 +52,11 @@ def kubesim_wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
     return build_wheel(ROOT / "kubesim", tmp_path_factory.mktemp("kubesim-wheel"))
 
 
+@pytest.fixture(scope="module")
+def client_wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
+    return build_wheel(ROOT / "client", tmp_path_factory.mktemp("client-wheel"))
+
+
 def top_level(wheel: zipfile.ZipFile) -> set[str]:
     """The wheel's top-level folders, its one .dist-info folder named as ``*.dist-info``."""
     names = {name.split("/")[0] for name in wheel.namelist()}
@@ -88,6 +94,7 @@ def test_the_service_wheel_carries_no_simulator(service_wheel: zipfile.ZipFile) 
     names = service_wheel.namelist()
     assert top_level(service_wheel) == {"agent_runtime", "*.dist-info"}
     assert not [n for n in names if "kubesim" in n], "a simulator file in the service's wheel"
+    assert not [n for n in names if "agent_runtime_client" in n], "a client file in the service's"
     assert {"agent_runtime/cli.py", "agent_runtime/session_manager/lua/touch.lua"} <= set(names)
     name, requires, entry_points = metadata(service_wheel)
     assert name == "agent-runtime"
@@ -109,6 +116,22 @@ def test_the_simulator_wheel_is_the_simulator_alone(kubesim_wheel: zipfile.ZipFi
     allowed = set(sys.stdlib_module_names) | {"kubesim", *requires}
     for source in sources:
         imported = imported_top_levels(kubesim_wheel.read(source).decode())
+        assert imported <= allowed, f"{source} imports {sorted(imported - allowed)}"
+
+
+@pytest.mark.timeout(2 * BUILD_TIMEOUT)
+def test_the_client_wheel_is_the_client_alone_over_httpx(client_wheel: zipfile.ZipFile) -> None:
+    assert top_level(client_wheel) == {"agent_runtime_client", "*.dist-info"}
+    name, requires, entry_points = metadata(client_wheel)
+    assert name == "agent-runtime-client"
+    assert requires == ["httpx"]  # no FastAPI, Redis or SQL: a gateway installs it alone
+    assert entry_points == ""
+    sources = [n for n in client_wheel.namelist() if n.endswith(".py")]
+    assert "agent_runtime_client/core.py" in sources
+    assert "agent_runtime_client/py.typed" in client_wheel.namelist()
+    allowed = set(sys.stdlib_module_names) | {"agent_runtime_client", *requires}
+    for source in sources:
+        imported = imported_top_levels(client_wheel.read(source).decode())
         assert imported <= allowed, f"{source} imports {sorted(imported - allowed)}"
 
 

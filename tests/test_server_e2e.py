@@ -43,6 +43,7 @@ from redis.asyncio import Redis
 
 from agent_runtime.resource_manager.identity import PodIdentity
 from agent_runtime.scope_buckets import bucket_of
+from agent_runtime_client import AsyncGatewayClient, Placement, RetryPolicy
 from contract_keys import rm_deploy_lock, rm_pod_known, rm_pods_index
 from helpers import (
     CLAIM_KEY,
@@ -383,6 +384,7 @@ class Scenario:
     sim: httpx.AsyncClient
     redis: Redis
     letter: str
+    gateway: AsyncGatewayClient  # the gateway's client, retries off: what the service answered
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
     configured: bool = False
 
@@ -458,25 +460,26 @@ class Scenario:
         return await self.http.post(ROUTE, json=body, headers=GATEWAY)
 
     async def routed(self, session_id: str, request_id: str | None = None) -> dict[str, Any]:
+        """A route through the gateway's client that must succeed; its data as a dict."""
         rid = request_id or self.rid(uuid.uuid4().hex[:8])
-        resp = await self.route(session_id, rid)
-        assert resp.status_code == 200, resp.text
-        body = resp.json()
-        assert body["ok"] is True and body["request_id"] == rid, body
-        data: dict[str, Any] = body["data"]
-        expected = {"pod_id", "pod_sse_url", "placement"}
-        if data["placement"] == "rebound":
-            expected.add("previous_pod_id")
-        assert data["placement"] in ("refresh", "placed", "rebound") and set(data) == expected
+        route = await self.gateway.route(self.sid(session_id), self.bot, self.group, request_id=rid)
+        assert route.request_id == rid
+        data: dict[str, Any] = {
+            "pod_id": route.pod_id,
+            "pod_sse_url": route.pod_sse_url,
+            "placement": route.placement.value,
+        }
+        assert (route.previous_pod_id is not None) == (route.placement is Placement.REBOUND)
+        if route.previous_pod_id is not None:
+            data["previous_pod_id"] = route.previous_pod_id
         return data
 
     async def touch(self, session_id: str, *, eos: bool = False) -> dict[str, Any]:
-        rawdata = {"eos": True} if eos else {}
-        body = envelope(rawdata, session_id=self.sid(session_id))
-        resp = await self.http.post(TOUCH, json=body, headers=GATEWAY)
-        assert resp.status_code == 200, resp.text
-        data: dict[str, Any] = resp.json()["data"]
-        return data
+        """A touch (without the scope's ids: the index path) through the gateway's client."""
+        if eos:
+            ended = await self.gateway.end(self.sid(session_id))
+            return {"touched": ended.touched, "released": ended.released}
+        return {"touched": await self.gateway.touch(self.sid(session_id))}
 
     async def cleanup(self, **rawdata: str) -> httpx.Response:
         return await self.http.post(CLEANUP, json=envelope(rawdata), headers=ADMIN)
@@ -704,12 +707,20 @@ async def w(stack: Stack, request: pytest.FixtureRequest) -> AsyncIterator[Scena
     if stack.server is not None:
         request.node.stash[_LOG_FROM] = (stack.server, stack.server.log_path.stat().st_size)
     letter = request.node.name.removeprefix("test_")[0]
+    gateway = AsyncGatewayClient(
+        stack.base_url,
+        token=GATEWAY_TOKEN,
+        deadline=DEADLINE,
+        retry=RetryPolicy(max_attempts=1),
+        trust_env=False,
+    )
     async with (
         httpx.AsyncClient(base_url=stack.base_url, timeout=DEADLINE, trust_env=False) as http,
         httpx.AsyncClient(base_url=stack.sim_url, timeout=DEADLINE, trust_env=False) as sim,
+        gateway,
     ):
         redis = Redis.from_url(stack.redis_url, decode_responses=True)
-        scenario = Scenario(stack, http, sim, redis, letter)
+        scenario = Scenario(stack, http, sim, redis, letter, gateway)
         try:
             yield scenario
             if scenario.configured:  # no warm floor to refill, then the scope's pods go
