@@ -22,8 +22,12 @@ SCRIPT = ROOT / "scripts" / "e2e_multi_replica.py"
 
 
 def free_ports(n: int) -> int:
-    """The first of ``n`` consecutive free loopback ports."""
-    for base in range(21000 + os.getpid() % 2000 * 10, 60000, 17):
+    """The first of ``n`` consecutive free loopback ports, below Linux's ephemeral range
+    (32768–60999): a port there can be taken by any outgoing connection between this check
+    and the replica's bind ("address already in use" on a busy machine)."""
+    low, high = 20000, 32700
+    start = low + os.getpid() % ((high - low) // 17) * 17
+    for base in [*range(start, high, 17), *range(low, start, 17)]:
         sockets = []
         try:
             for port in range(base, base + n):
