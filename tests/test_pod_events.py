@@ -8,6 +8,7 @@ the sender finds a uid the caller did not know, and ``stop`` keeps its bound.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -187,6 +188,9 @@ async def test_the_sender_finds_a_uid_the_caller_did_not_know() -> None:
 async def test_messages_are_bounded_and_every_reason_has_a_type() -> None:
     assert {kind for kind, _ in REASONS.values()} == {"Normal", "Warning"}
     assert set(REASONS) == set(PodEventReason)
+    reference = (Path(__file__).parents[1] / "docs/reference/kubernetes.md").read_text()
+    for reason, (kind, _) in REASONS.items():  # the reference's table lists each, typed
+        assert f"| `{reason}` | {kind} |" in reference, reason
     k8s, clock, metrics = FakeK8sPodClient(), Clock(), Metrics()
     events = recorder(k8s, clock, metrics)
     events.record(POD, PodEventReason.DEPLOYED, "é" * 5000)

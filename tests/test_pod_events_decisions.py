@@ -1,7 +1,8 @@
 """The decisions the kubectl test (``test_pod_events_sim.py``) does not reach, through the app
 over HTTP with the fake Kubernetes (which keeps the Events it is sent): a half-dead pod's
 DeletedHalfDead (with its uid), reconcile's Adopted after a resource-manager wipe and its
-DeletedOrphan for a pod of ours it cannot adopt, and ``AGENT_RUNTIME_POD_EVENTS=false``
+DeletedOrphan for a pod of ours it cannot adopt, a deploy whose pod never became Ready
+(DeployFailed on the pod it made and deleted), and ``AGENT_RUNTIME_POD_EVENTS=false``
 recording nothing while every decision still happens.
 """
 
@@ -40,6 +41,22 @@ async def test_a_half_dead_pod_is_deleted_with_its_reason(redis: Redis, db: Data
         assert deleted["involvedObject"]["uid"] == uid
         assert deleted["source"] == {"component": "agent-runtime", "host": "replica-h"}
         assert "the watch pass" in deleted["message"]
+
+
+async def test_a_deploy_that_never_gets_ready_records_why_its_pod_went(
+    redis: Redis, db: Database
+) -> None:
+    async with world(redis, db) as w:
+        await w.configure(scope_concurrency=2, pod_concurrency=2, ready_timeout=0.5)
+        w.k8s.never_ready = True
+        resp = await w.route("s1")
+        assert resp.status_code == 503 and resp.json()["error_code"] == "NO_POD_AVAILABLE"
+        (pod,) = w.k8s.deleted  # the one pod the deploy made, deleted by the client
+        (failed,) = await events_on(w, pod)
+        assert (failed["reason"], failed["type"]) == ("DeployFailed", "Warning")
+        assert failed["involvedObject"]["uid"]  # the incarnation that was made
+        assert "not Ready within" in failed["message"], failed["message"]
+        assert "pod deleted" in failed["message"], failed["message"]
 
 
 async def test_reconcile_records_its_adoptions_and_deletions(redis: Redis, db: Database) -> None:

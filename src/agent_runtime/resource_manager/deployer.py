@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -51,6 +50,14 @@ log = logging.getLogger(__name__)
 DEPLOY_KIND = "agent_runtime.deploy.kind"  # cold (a route's) or warm (the pool's)
 DEPLOY_ADOPTS = "agent_runtime.deploy.adopts"  # a lapsed leader's pod taken over
 POD_ID = "agent_runtime.pod_id"
+
+
+@dataclass(slots=True)
+class _CreatedPod:
+    """The pod a deploy's create made (set by ``on_created``): what its failure's event
+    names, since the client deletes that pod before the failure reaches the deployer."""
+
+    pod: PodRef | None = None
 
 
 @dataclass
@@ -113,6 +120,7 @@ class Deployer:
         logs.add_secret_values(spec_fields.clear_env_values(pod_spec))  # an error may echo them
         kind = "warm" if warm else "cold"
         started = time.perf_counter()
+        created = _CreatedPod()
         try:
             refusal = self._bounds and self._bounds.refusal(pod_spec, self._default_namespace)
             if refusal:
@@ -126,7 +134,9 @@ class Deployer:
             with self._tracing.span("deploy", attributes=attributes) as span:
                 async with lease.kept():
                     with admission.parked():  # a cold route waits on Kubernetes, not on Redis
-                        info = await self._bring_pod(scope_id, version, pod_spec, lease, orphan)
+                        info = await self._bring_pod(
+                            scope_id, version, pod_spec, lease, orphan, created
+                        )
                 span.set_attribute(POD_ID, info.pod_id)
         except LeaseLost:
             self._deploys.labels(kind, "lost").inc()
@@ -134,6 +144,11 @@ class Deployer:
         except BaseException as exc:
             cancelled = isinstance(exc, asyncio.CancelledError)
             self._deploys.labels(kind, "cancelled" if cancelled else "failed").inc()
+            if created.pod is not None and not cancelled:  # the client deleted the pod it made
+                self._events.record(
+                    created.pod, PodEventReason.DEPLOY_FAILED,
+                    logs.redact(f"deploy for scope {scope_id} failed, pod deleted: {exc}"),
+                )  # fmt: skip
             with contextlib.suppress(Exception):
                 await lease.give_back()
             if isinstance(exc, DeployFailed | asyncio.CancelledError):
@@ -177,10 +192,16 @@ class Deployer:
                 warm=warm,
                 cluster=info.cluster,
             )
-        except BaseException:
+        except BaseException as exc:
             # Ready in Kubernetes but not in Redis: delete it rather than leak it
             self._deploys.labels(kind, "unregistered").inc()
             await self._discard_pod(info, lease)
+            self._events.record(
+                PodRef(info.pod_id, info.namespace, info.uid, info.cluster),
+                PodEventReason.DEPLOY_FAILED,
+                f"Ready, but its registration for scope {scope_id} failed "
+                f"({type(exc).__name__}): deleted",
+            )  # fmt: skip
             raise
         self._deploys.labels(kind, "ok").inc()
         if orphan is None:  # a deploy of ours, create to Ready: what a predictive pool plans by
@@ -233,21 +254,29 @@ class Deployer:
         pod_spec: dict[str, Any],
         lease: DeployLease,
         orphan: OrphanPod | None,
+        created: _CreatedPod,
     ) -> PodDeployInfo:
         """The inherited pod once Ready, else a new one (recorded under the lease once
-        created, for whoever takes over should this replica die)."""
+        created, for whoever takes over should this replica die; noted in ``created`` for
+        the event of its failure)."""
         if orphan is not None:
             adopted = await self._adopt_orphan(scope_id, version, pod_spec, orphan)
             if adopted is not None:
                 return adopted
         # recorded with the cluster the deploy goes to: a taker looks for the pod there
-        record = functools.partial(lease.record_pod, cluster=template_cluster(pod_spec))
+        cluster = template_cluster(pod_spec)
+
+        async def on_created(pod_id: str, namespace: str, uid: str) -> None:
+            created.pod = PodRef(pod_id, namespace, uid, cluster)
+            if lease.cold:
+                await lease.record_pod(pod_id, namespace, uid, cluster=cluster)
+
         return await self._k8s.deploy(
             scope_id=scope_id,
             deploy_ver=version,
             pod_spec=pod_spec,
             identity=self._identity,
-            on_created=record if lease.cold else None,
+            on_created=on_created,
         )
 
     async def _adopt_orphan(

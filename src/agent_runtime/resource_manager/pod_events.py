@@ -58,6 +58,7 @@ OUTCOMES = ("sent", "aggregated", "dropped_full", "dropped_spam", "dropped_stop"
 
 class PodEventReason(StrEnum):
     DEPLOYED = "Deployed"
+    DEPLOY_FAILED = "DeployFailed"
     ADOPTED = "Adopted"
     RECLAIMED = "Reclaimed"
     DELETED_DEAD = "DeletedDead"
@@ -71,6 +72,11 @@ class PodEventReason(StrEnum):
 # reason → (type, when it is recorded): the reference (docs/reference/kubernetes.md) lists it
 REASONS: dict[PodEventReason, tuple[str, str]] = {
     PodEventReason.DEPLOYED: ("Normal", "a deploy of ours created the pod and registered it"),
+    PodEventReason.DEPLOY_FAILED: (
+        "Warning",
+        "a deploy of ours created the pod but it did not become Ready (dead, not Ready within "
+        "ready_timeout, its signature refused) or could not be registered: deleted",
+    ),
     PodEventReason.ADOPTED: (
         "Normal",
         "a pod of ours that Redis did not hold (a dead deploy leader's, or after a data loss) "
