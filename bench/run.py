@@ -6,6 +6,7 @@ measure; they never assert timings. See docs/performance.md.
     .venv/bin/python bench/run.py --quick               # shorter runs, smaller scale
     .venv/bin/python bench/run.py --only refresh touch  # some (baseline comes along)
     .venv/bin/python bench/run.py --only cluster        # opt-in: Redis Cluster vs one server
+    .venv/bin/python bench/run.py --only tracing        # opt-in: refresh, tracing off vs on
     .venv/bin/python bench/run.py --only refresh --profile   # + pyinstrument top frames
     .venv/bin/python bench/run.py --json /tmp/out.json
 
@@ -50,10 +51,11 @@ ORDER = [
     "overload",
     "drains",
     "pod_events",
+    "tracing",
 ]
 # only when named (--only): the Redis Cluster of scripts/redis_topologies.sh, and minutes of
-# setup at 1,000 scopes
-OPT_IN = {"cluster"}
+# setup at 1,000 scopes; tracing's alternating rounds (about 3.5 minutes)
+OPT_IN = {"cluster", "tracing"}
 NEEDS_BASELINE = {"refresh", "placed", "touch"}
 THROUGHPUT = ["baseline", "refresh", "placed", "touch", "baseline_after"]
 
@@ -508,6 +510,11 @@ def details(results: dict[str, Any]) -> list[str]:
         from bench.pod_events import summary as pod_events_summary
 
         out += ["", pod_events_summary(events)]
+    traced = results.get("tracing")
+    if traced and "error" not in traced:
+        from bench.tracing import table as tracing_table
+
+        out += ["", tracing_table(traced)]
     loop = results.get("loop_check")
     if loop and "error" not in loop:
         out += [
