@@ -32,6 +32,7 @@ pytestmark = [
 ]
 
 SESSION_TTL = 600  # the sessions must outlive the copy on a slow machine
+LASTING = 30  # seconds of TTL a key must have left to be sure to outlive the copy
 
 
 def _redis_cli() -> str:
@@ -86,12 +87,16 @@ async def test_sessions_keep_their_pods_when_the_keys_move_to_a_cluster(
         output, _ = await asyncio.wait_for(proc.communicate(), 120)
         assert proc.returncode == 0, output.decode(errors="replace")[-2000:]
 
-        assert await _keys(cluster) == set(ttls_before)  # every key, under its own name
+        # every key arrives under its own name, but those that lapse meanwhile: a deploy's
+        # record lives one deploy lease (5 s), and a loaded machine takes longer than that
+        lasting = {k: ttl for k, ttl in ttls_before.items() if ttl == -1 or ttl >= LASTING}
+        arrived = await _keys(cluster)
+        assert set(lasting) <= arrived <= set(ttls_before), set(lasting) ^ arrived
         assert await cluster.exists(sm_session(scope, sessions[0]))
-        for key, before in ttls_before.items():  # the copy kept every TTL (MIGRATE carries it)
+        for key, before in lasting.items():  # the copy kept every TTL (MIGRATE carries it)
             after = await cluster.ttl(key)
             assert (0 < after <= before) if before > 0 else after == before, (key, before, after)
-        assert any(ttl > 0 for ttl in ttls_before.values())  # some did have one
+        assert any(ttl > 0 for ttl in lasting.values())  # some did have one
 
         async with running_app(cluster, db, k8s=k8s) as app:
             for session in sessions:
