@@ -284,7 +284,7 @@ def test_cleanup_dry_run_lists_the_pods_and_deletes_nothing_then_cleanup_deletes
         {"NAMESPACE": "default", "POD": pod, "SCOPE": sid, "PHASE": "Running", "READY": "true",
          "NODE": table(dry.stdout)[0]["NODE"], "AGE": table(dry.stdout)[0]["AGE"]}
     ]  # fmt: skip
-    assert "1 pods would be deleted (dry run: none was)." in dry.stderr
+    assert "1 pod would be deleted (dry run: none was)." in dry.stderr
     everything = json.loads(ok(run_cli("cleanup", "--dry-run", "--json", url=server.base_url)))
     assert everything["dry_run"] is True and everything["matched"] >= 1
     assert pod in [p["pod_id"] for p in everything["pods"]]

@@ -296,7 +296,8 @@ def cleanup(client: AdminClient, args: argparse.Namespace, now: float) -> Shown:
         for p in pods
     ]  # fmt: skip
     matched = _read(data, "matched")
-    notes = [f"{matched} pods would be deleted (dry run: none was)."]
+    pods_word = "pod" if matched == 1 else "pods"
+    notes = [f"{matched} {pods_word} would be deleted (dry run: none was)."]
     if _read(data, "truncated"):
         notes.append(f"The first {len(pods)} by name are shown.")
     headers = ["namespace", "pod", "scope", "phase", "ready", "node", "age"]
