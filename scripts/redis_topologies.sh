@@ -134,6 +134,22 @@ cluster_ok() { # every node: ok, 3 masters with slots, 3 replicas
   local port
   for port in "${cluster_ports[@]}"; do [ "$(cluster_counts "$port")" = "ok 3 3" ] || return 1; done
 }
+open_slots() { # port -> the slots that node has in a migrating or importing state
+  cli "$1" cluster nodes | awk '$3 ~ /myself/ { for (i = 9; i <= NF; i++) if ($i ~ /^\[[0-9]+-[<>]-/) { s = $i; sub(/^\[/, "", s); sub(/-.*/, "", s); print s } }'
+}
+settle_open_slots() { # a slot move a test left half done (interrupted): back to stable
+  local port slot
+  for port in "${cluster_ports[@]}"; do
+    for slot in $(open_slots "$port"); do
+      if [ "$action" = start ]; then
+        change "slot $slot of the redis cluster node $HOST:$port was left migrating or importing: set stable"
+        cli "$port" cluster setslot "$slot" stable > /dev/null || return 1
+      else
+        say "slot $slot of the redis cluster node $HOST:$port is migrating or importing (\`$0 start\` sets it stable)"
+      fi
+    done
+  done
+}
 cluster_fresh() { # every node knows only itself and holds no slot
   local port
   for port in "${cluster_ports[@]}"; do
@@ -166,7 +182,10 @@ cluster_up() { # -> 0 usable
     say "redis cluster ${cluster_ports[0]}-${cluster_ports[5]}: not usable (a node is down or not ours)"
     return 1
   fi
-  if cluster_ok; then say "redis cluster ${addrs[0]}-${cluster_ports[5]}: usable (3 masters, 3 replicas, started by this script)"; return 0; fi
+  if cluster_ok; then
+    settle_open_slots || return 1
+    say "redis cluster ${addrs[0]}-${cluster_ports[5]}: usable (3 masters, 3 replicas, started by this script)"; return 0
+  fi
   if [ "$action" = start ] && cluster_fresh; then
     change "creating the redis cluster over ${addrs[*]} (3 masters, 1 replica each)"
     timeout "$WAIT" redis-cli --cluster create "${addrs[@]}" --cluster-replicas 1 --cluster-yes \

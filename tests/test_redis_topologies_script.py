@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from redis import Redis
 
 from helpers import IN_CI
 
@@ -114,6 +115,26 @@ def test_start_check_stop_and_a_foreign_server_is_left_alone(topo: dict[str, str
     checked = run(topo, "check")
     assert checked.returncode == 0 and "CHANGE" not in checked.stderr, checked.stderr
     assert checked.stderr.count(": usable") == 2
+
+    # a slot move a test left half done (its node MIGRATING): check names it, start settles it
+    # (`--cluster create` gave slot 0 to the first node)
+    port = int(ports["cluster"])
+    node = Redis(host="127.0.0.1", port=port, decode_responses=True)
+    try:
+        nodes = [line.split() for line in node.execute_command("CLUSTER", "NODES").splitlines()]
+        other = next(n[0] for n in nodes if "master" in n[2] and "myself" not in n[2])
+        node.execute_command("CLUSTER", "SETSLOT", 0, "MIGRATING", other)
+        named = run(topo, "check")
+        assert f"slot 0 of the redis cluster node 127.0.0.1:{port} is migrating" in named.stderr
+        assert "CHANGE" not in named.stderr, named.stderr
+        settled = run(topo, "start")
+        assert settled.returncode == 0, settled.stderr
+        assert f"CHANGE: slot 0 of the redis cluster node 127.0.0.1:{port}" in settled.stderr
+        myself = next(line for line in node.execute_command("CLUSTER", "NODES").splitlines()
+                      if "myself" in line)  # fmt: skip
+        assert "->-" not in myself, myself
+    finally:
+        node.close()
 
     # a sentinel dies; a stranger takes its port: check and start name it, never touch it
     sentinel = int(ports["sentinel"])
