@@ -7,7 +7,9 @@
 #                                        --cluster create` on six fresh nodes; the sentinel
 #                                        set's servers, then its sentinels) and wait until the
 #                                        cluster says cluster_state:ok with 3 masters + 3
-#                                        replicas and the sentinels agree on the master
+#                                        replicas and the sentinels agree on the master; a
+#                                        slot a test left migrating or importing (a slot move
+#                                        it did not finish) is set stable
 #   scripts/redis_topologies.sh check    say what is usable, change nothing; exit 1 if not
 #   scripts/redis_topologies.sh stop     stop the servers this script started (by PID), nothing
 #                                        else, and forget their state (the next start is fresh)
