@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import base64
 import json
+import os
 import re
 import signal
 import socket
@@ -25,6 +26,7 @@ import httpx
 import pytest
 
 from kubesim import KubeSim
+from kubesim.agentserver import listen_on
 from kubesim.kubeconfig import render_kubeconfig
 from kubesim.labels import SelectorError, parse_field_selector, parse_selector
 from kubesim.paging import Pager, decode_token, encode_token
@@ -299,6 +301,65 @@ async def test_each_pod_has_its_own_loopback_ip_and_a_real_agentserver(
     data = json.loads(hello.split("data: ", 1)[1])
     assert data == {"pod": "p2", "namespace": "default", "ip": ips[1], "path": "/some/sse"}
     assert "event: ping" in ping
+
+
+async def test_an_address_another_program_listens_on_is_skipped() -> None:
+    """Two simulators on one machine start at the same address; the second one's pod takes
+    the next address instead of crash-looping on ``address already in use``."""
+    first = f"127.{64 + os.getpid() % 128}.11.2"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:
+        other.bind((first, 9000))
+        other.listen()
+        async with (
+            KubeSim(ready_delay=0.01, probe_period=0.05, first_pod_ip=first, seed=3) as sim,
+            httpx.AsyncClient(base_url=sim.url, trust_env=False, timeout=5) as http,
+        ):
+            for name in ("p1", "p2"):
+                assert (await http.post(PODS, json=pod_body(name, port=9000))).status_code == 201
+                pod = await running_pod(http, name)
+                assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+            ips = [(await get_pod(http, name))["status"]["podIP"] for name in ("p1", "p2")]
+            base = first.rsplit(".", 1)[0]
+            assert ips == [f"{base}.3", f"{base}.4"]  # .2 is the other program's
+            async with httpx.AsyncClient(trust_env=False, timeout=3) as plain:
+                health = await plain.get(f"http://{ips[0]}:9000/health")
+                assert health.json()["pod"] == "p1"
+
+
+async def test_a_pod_holds_its_address_from_allocation_and_frees_it_if_it_never_serves() -> None:
+    """The ports are bound when the IP is given (nothing can take them during the pull), and
+    closed again when the pod crash-loops or is deleted before its server starts."""
+    first = f"127.{64 + os.getpid() % 128}.12.2"
+    async with (
+        KubeSim(ready_delay=0.5, grace_period=0.1, probe_period=0.05, first_pod_ip=first) as sim,
+        httpx.AsyncClient(base_url=sim.url, trust_env=False, timeout=5) as http,
+    ):
+        await add_fault(http, kind="crash_loop", labels="app=crash")
+        for name, app in (("p1", "crash"), ("p2", "x")):
+            body = pod_body(name, labels={"app": app})
+            assert (await http.post(PODS, json=body)).status_code == 201
+        ips: dict[str, str] = {}
+
+        async def sandboxes() -> bool:
+            for name in ("p1", "p2"):
+                ips[name] = (await get_pod(http, name))["status"].get("podIP", "")
+            return all(ips.values())
+
+        await eventually(sandboxes, what="both pods given an IP")
+        assert listen_on(ips["p2"], [8080]) is None, "the pulling pod's port is held"
+        gone = await http.delete(f"{PODS}/p2", params={"gracePeriodSeconds": 0})
+        assert gone.status_code == 200
+
+        async def crashing() -> bool:
+            return waiting_reason(await get_pod(http, "p1")) == "CrashLoopBackOff"
+
+        await eventually(crashing, what="p1 CrashLoopBackOff")
+        for ip in ips.values():
+            assert not port_open(ip, 8080)
+            mine = listen_on(ip, [8080])
+            assert mine is not None, f"{ip}:8080 left held"
+            for sock in mine:
+                sock.close()
 
 
 async def test_generate_name(sim: KubeSim, http: httpx.AsyncClient) -> None:

@@ -1,10 +1,14 @@
 """The little AgentServer each simulated pod runs: ``GET /health`` and an SSE stream.
 
-It is a real HTTP server (aiohttp) bound on the pod's own loopback IP at each of the pod's
-container ports, inside the simulator's process. The SSE path is not part of a Pod (the
-template's ``sse_path`` lives in the URL the control plane builds), so every path other than
-``/health`` streams: one ``hello`` event naming the pod at once, then a ``ping`` event every
-``sse_interval`` seconds until the client leaves or the pod stops (a last ``bye`` event).
+It is a real HTTP server (aiohttp) inside the simulator's process, serving on listening
+sockets the kubelet bound on the pod's own loopback IP at each of the pod's container ports
+(``listen_on``) when it gave the pod that IP: held from then on, the address cannot be taken
+by another program between the IP's allocation and the server's start.
+
+The SSE path is not part of a Pod (the template's ``sse_path`` lives in the URL the control
+plane builds), so every path other than ``/health`` streams: one ``hello`` event naming the
+pod at once, then a ``ping`` event every ``sse_interval`` seconds until the client leaves or
+the pod stops (a last ``bye`` event).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -33,15 +38,17 @@ class AgentServer:
         *,
         namespace: str,
         name: str,
-        ip: str,
-        ports: list[int],
+        sockets: list[socket.socket],
         health: HealthCheck,
         sse_interval: float = 1.0,
     ) -> None:
+        """``sockets``: listening, from ``listen_on``; the server owns them from here on (its
+        stop closes them, started or not)."""
         self.namespace = namespace
         self.name = name
-        self.ip = ip
-        self.ports = ports
+        self.ip = str(sockets[0].getsockname()[0])
+        self.ports = [int(sock.getsockname()[1]) for sock in sockets]
+        self._sockets = sockets
         self._health = health
         self._sse_interval = sse_interval
         self._stopping = asyncio.Event()
@@ -53,7 +60,7 @@ class AgentServer:
         return self._runner is not None
 
     async def start(self) -> None:
-        """Bind every port; ``OSError`` (nothing left bound) when one cannot be bound."""
+        """Serve on every socket (a start after a stop serves nothing)."""
         app = web.Application()
         app.router.add_get(HEALTH_PATH, self._handle_health)
         app.router.add_get("/{tail:.*}", self._handle_sse)
@@ -67,10 +74,11 @@ class AgentServer:
             runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT)
             await runner.setup()
             try:
-                for port in self.ports:
-                    await web.TCPSite(runner, self.ip, port).start()
+                for sock in self._sockets:
+                    await web.SockSite(runner, sock).start()
             except BaseException:
                 await runner.cleanup()
+                self._close_sockets()
                 raise
             self._runner = runner
 
@@ -81,6 +89,11 @@ class AgentServer:
             if self._runner is not None:
                 await self._runner.cleanup()  # interrupted: the next stop() finishes it
                 self._runner = None
+            self._close_sockets()  # never started, or left open by a cleanup cut short
+
+    def _close_sockets(self) -> None:
+        for sock in self._sockets:
+            sock.close()  # closing twice is a no-op
 
     def _identity(self) -> dict[str, Any]:
         return {"pod": self.name, "namespace": self.namespace, "ip": self.ip}
@@ -119,3 +132,24 @@ class AgentServer:
 
 async def _event(response: web.StreamResponse, event: str, data: dict[str, Any], seq: int) -> None:
     await response.write(f"id: {seq}\nevent: {event}\ndata: {json.dumps(data)}\n\n".encode())
+
+
+def listen_on(ip: str, ports: list[int]) -> list[socket.socket] | None:
+    """Listening sockets on ``ip`` at each port, or ``None`` (nothing left open) when one is in
+    use. SO_REUSEADDR as asyncio's servers set it: a connection of an earlier pod in TIME_WAIT
+    does not block the address; a listener of another program does. Non-blocking syscalls on
+    loopback."""
+    sockets: list[socket.socket] = []
+    try:
+        for port in ports:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((ip, port))
+            sock.listen(128)
+            sock.setblocking(False)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        return None
+    return sockets

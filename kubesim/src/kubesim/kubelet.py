@@ -2,7 +2,9 @@
 
 Per pod, one task: schedule (``spec.nodeName``: the schedulable node with the fewest pods,
 ``nodes.py``; none: Pending ``Unschedulable`` until a node changes), give it the next free
-loopback IP (127.0.0.2, 127.0.0.3, …), wait ``ready_delay`` plus up to ``jitter`` seconds
+loopback IP (127.0.0.2, 127.0.0.3, …; its ports are bound and held at once, and an address
+where another program on this machine already listens is skipped, as an IPAM skips an address
+in use), wait ``ready_delay`` plus up to ``jitter`` seconds
 (pulling and starting), then start its AgentServer on that IP and report Running and Ready.
 While it runs, a readiness check every ``probe_period`` keeps the Ready condition in line with
 the pod's ``/health`` faults.
@@ -15,13 +17,14 @@ import asyncio
 import ipaddress
 import logging
 import random
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from kubesim import pod_status
-from kubesim.agentserver import AgentServer
+from kubesim.agentserver import AgentServer, listen_on
 from kubesim.faults import Fault, Faults
 from kubesim.nodes import Nodes
 from kubesim.store import Obj, Store
@@ -41,6 +44,7 @@ class _Runtime:
     task: asyncio.Task[None] | None = None
     server: AgentServer | None = None
     ip: str | None = None
+    sockets: list[socket.socket] = field(default_factory=list)  # held until the server owns them
     never_ready: bool = False
     labels: dict[str, str] = field(default_factory=dict)
 
@@ -155,6 +159,10 @@ class Kubelet:
             raise
         except Exception:  # a simulator bug must not kill the loop silently
             log.exception("kubelet: pod %s/%s", *key)
+        finally:  # a pod that fails, or goes, before its server starts frees its ports
+            for sock in runtime.sockets:
+                sock.close()
+            runtime.sockets = []
 
     async def _lifecycle(self, key: Key, runtime: _Runtime) -> None:
         pull = self._draw("image_pull", key, runtime)
@@ -171,7 +179,10 @@ class Kubelet:
                 return
             await self._nodes.changed()
             node = self._nodes.pick()
-        runtime.ip = self._allocate_ip()
+        current = self._store.get_pod(*key)
+        if current is None:
+            return
+        runtime.ip, runtime.sockets = self._allocate_ip(pod_ports(current))
         ip, chosen = runtime.ip, node
 
         def start_sandbox(pod: Obj) -> None:
@@ -192,18 +203,19 @@ class Kubelet:
             code = int(crash.params["exit_code"])
             self._update(key, runtime, lambda p: pod_status.crash_loop(p, code))
             return
+        sockets, runtime.sockets = runtime.sockets, []
         server = AgentServer(
             namespace=key[0],
             name=key[1],
-            ip=ip,
-            ports=pod_ports(pod),
+            sockets=sockets,
             health=lambda: self._health_mode(key, runtime),
             sse_interval=self.sse_interval,
         )
-        runtime.server = server  # before it binds: a halt during start() still stops it
+        runtime.server = server  # before it starts: a halt during start() still stops it
         try:
             await server.start()
         except OSError as exc:
+            await server.stop()
             runtime.server = None
             message = f"listen on {ip}: {exc}"
             self._update(key, runtime, lambda p: pod_status.crash_loop(p, 1, message))
@@ -242,16 +254,26 @@ class Kubelet:
         fault = self._faults.active("health", namespace=key[0], name=key[1], labels=runtime.labels)
         return fault is None
 
-    def _allocate_ip(self) -> str:
-        """The next free loopback address (round robin: a freed IP is not reused at once)."""
+    def _allocate_ip(self, ports: list[int]) -> tuple[str, list[socket.socket]]:
+        """The next free loopback address (round robin: a freed IP is not reused at once) and
+        listening sockets on it at each of ``ports``.
+
+        Free means unused by this simulator and bindable: two simulators on one machine (two
+        test runs, a run beside a local-mode service) start at the same address, and the
+        second one's pod used to crash-loop on ``address already in use``. The sockets are
+        held from here on, so nothing can take the address before the pod's server starts."""
         for _ in range(_LAST_POD_IP - self._first_ip + 1):
             candidate = ipaddress.IPv4Address(self._next_ip)
             self._next_ip = self._next_ip + 1 if self._next_ip < _LAST_POD_IP else self._first_ip
             text = str(candidate)
             if text.endswith((".0", ".255")) or text in self._ips:
                 continue
+            sockets = listen_on(text, ports)
+            if sockets is None:
+                log.info("kubelet: %s is in use by another program, skipped", text)
+                continue
             self._ips.add(text)
-            return text
+            return text, sockets
         raise RuntimeError("kubesim: no loopback address left for a pod")
 
     def describe(self, namespace: str, name: str) -> dict[str, Any]:
