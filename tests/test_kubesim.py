@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from kubesim import KubeSim
-from kubesim.agentserver import listen_on
+from kubesim.agentserver import reserve_ports
 from kubesim.kubeconfig import render_kubeconfig
 from kubesim.labels import SelectorError, parse_field_selector, parse_selector
 from kubesim.paging import Pager, decode_token, encode_token
@@ -326,6 +326,31 @@ async def test_an_address_another_program_listens_on_is_skipped() -> None:
                 assert health.json()["pod"] == "p1"
 
 
+async def test_a_port_taken_on_every_address_crash_loops_the_pod_without_a_long_search() -> None:
+    """A listener on 0.0.0.0 takes its port on every loopback address: the kubelet gives up
+    after MAX_SKIPPED addresses and the pod crash-loops on the bind, as it did before."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as everywhere:
+        everywhere.bind(("0.0.0.0", 0))
+        everywhere.listen()
+        taken = everywhere.getsockname()[1]
+        first = f"127.{64 + os.getpid() % 128}.13.2"
+        async with (
+            KubeSim(ready_delay=0.01, probe_period=0.05, first_pod_ip=first) as sim,
+            httpx.AsyncClient(base_url=sim.url, trust_env=False, timeout=5) as http,
+        ):
+            assert (await http.post(PODS, json=pod_body("p1", port=taken))).status_code == 201
+
+            async def crashing() -> bool:
+                return waiting_reason(await get_pod(http, "p1")) == "CrashLoopBackOff"
+
+            await eventually(crashing, what="p1 CrashLoopBackOff")
+            pod = await get_pod(http, "p1")
+            message = pod["status"]["containerStatuses"][0]["lastState"]["terminated"]["message"]
+            assert "address already in use" in message
+            assert (await http.post(PODS, json=pod_body("p2", port=9000))).status_code == 201
+            await running_pod(http, "p2")  # other ports still find an address
+
+
 async def test_a_pod_holds_its_address_from_allocation_and_frees_it_if_it_never_serves() -> None:
     """The ports are bound when the IP is given (nothing can take them during the pull), and
     closed again when the pod crash-loops or is deleted before its server starts."""
@@ -346,7 +371,8 @@ async def test_a_pod_holds_its_address_from_allocation_and_frees_it_if_it_never_
             return all(ips.values())
 
         await eventually(sandboxes, what="both pods given an IP")
-        assert listen_on(ips["p2"], [8080]) is None, "the pulling pod's port is held"
+        assert reserve_ports(ips["p2"], [8080]) is None, "the pulling pod's port is held"
+        assert not port_open(ips["p2"], 8080), "and refuses connections, as a pod's before it runs"
         gone = await http.delete(f"{PODS}/p2", params={"gracePeriodSeconds": 0})
         assert gone.status_code == 200
 
@@ -356,7 +382,7 @@ async def test_a_pod_holds_its_address_from_allocation_and_frees_it_if_it_never_
         await eventually(crashing, what="p1 CrashLoopBackOff")
         for ip in ips.values():
             assert not port_open(ip, 8080)
-            mine = listen_on(ip, [8080])
+            mine = reserve_ports(ip, [8080])
             assert mine is not None, f"{ip}:8080 left held"
             for sock in mine:
                 sock.close()

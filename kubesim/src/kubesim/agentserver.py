@@ -2,8 +2,8 @@
 
 It is a real HTTP server (aiohttp) inside the simulator's process, serving on listening
 sockets the kubelet bound on the pod's own loopback IP at each of the pod's container ports
-(``listen_on``) when it gave the pod that IP: held from then on, the address cannot be taken
-by another program between the IP's allocation and the server's start.
+(``reserve_ports``) when it gave the pod that IP: held from then on, the address cannot be
+taken by another program between the IP's allocation and the server's start (which listens).
 
 The SSE path is not part of a Pod (the template's ``sse_path`` lives in the URL the control
 plane builds), so every path other than ``/health`` streams: one ``hello`` event naming the
@@ -42,7 +42,7 @@ class AgentServer:
         health: HealthCheck,
         sse_interval: float = 1.0,
     ) -> None:
-        """``sockets``: listening, from ``listen_on``; the server owns them from here on (its
+        """``sockets``: bound, from ``reserve_ports``; the server owns them from here on (its
         stop closes them, started or not)."""
         self.namespace = namespace
         self.name = name
@@ -134,19 +134,18 @@ async def _event(response: web.StreamResponse, event: str, data: dict[str, Any],
     await response.write(f"id: {seq}\nevent: {event}\ndata: {json.dumps(data)}\n\n".encode())
 
 
-def listen_on(ip: str, ports: list[int]) -> list[socket.socket] | None:
-    """Listening sockets on ``ip`` at each port, or ``None`` (nothing left open) when one is in
-    use. SO_REUSEADDR as asyncio's servers set it: a connection of an earlier pod in TIME_WAIT
-    does not block the address; a listener of another program does. Non-blocking syscalls on
-    loopback."""
+def reserve_ports(ip: str, ports: list[int]) -> list[socket.socket] | None:
+    """Sockets bound on ``ip`` at each port, not yet listening, or ``None`` (nothing left open)
+    when one is taken. Bound without SO_REUSEADDR, so the reservation is exclusive: a second
+    simulator's bind there fails, as does ours beside a listener of another program (on this
+    address or on 0.0.0.0). Not listening, the address refuses connections until the server
+    starts, as a pod's does before its container runs. Non-blocking syscalls on loopback."""
     sockets: list[socket.socket] = []
     try:
         for port in ports:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((ip, port))
-            sock.listen(128)
             sock.setblocking(False)
     except OSError:
         for sock in sockets:

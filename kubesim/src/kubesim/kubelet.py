@@ -3,8 +3,8 @@
 Per pod, one task: schedule (``spec.nodeName``: the schedulable node with the fewest pods,
 ``nodes.py``; none: Pending ``Unschedulable`` until a node changes), give it the next free
 loopback IP (127.0.0.2, 127.0.0.3, …; its ports are bound and held at once, and an address
-where another program on this machine already listens is skipped, as an IPAM skips an address
-in use), wait ``ready_delay`` plus up to ``jitter`` seconds
+where another program on this machine holds one of them is skipped, as an IPAM skips an
+address in use), wait ``ready_delay`` plus up to ``jitter`` seconds
 (pulling and starting), then start its AgentServer on that IP and report Running and Ready.
 While it runs, a readiness check every ``probe_period`` keeps the Ready condition in line with
 the pod's ``/health`` faults.
@@ -24,7 +24,7 @@ from functools import partial
 from typing import Any
 
 from kubesim import pod_status
-from kubesim.agentserver import AgentServer, listen_on
+from kubesim.agentserver import AgentServer, reserve_ports
 from kubesim.faults import Fault, Faults
 from kubesim.nodes import Nodes
 from kubesim.store import Obj, Store
@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 8080
 FIRST_POD_IP = "127.0.0.2"
 _LAST_POD_IP = int(ipaddress.IPv4Address("127.255.255.254"))
+# addresses in use by other programs skipped for one pod at most: a listener on 0.0.0.0 at a
+# pod's port takes that port on every address, and 16M binds would stall the loop
+MAX_SKIPPED = 256
 
 Key = tuple[str, str]
 
@@ -203,7 +206,12 @@ class Kubelet:
             code = int(crash.params["exit_code"])
             self._update(key, runtime, lambda p: pod_status.crash_loop(p, code))
             return
-        sockets, runtime.sockets = runtime.sockets, []
+        sockets = runtime.sockets or reserve_ports(ip, pod_ports(pod))
+        runtime.sockets = []
+        if sockets is None:  # taken by another program (MAX_SKIPPED reached at allocation)
+            message = f"listen on {ip}: [Errno 98] address already in use"
+            self._update(key, runtime, lambda p: pod_status.crash_loop(p, 1, message))
+            return
         server = AgentServer(
             namespace=key[0],
             name=key[1],
@@ -214,8 +222,7 @@ class Kubelet:
         runtime.server = server  # before it starts: a halt during start() still stops it
         try:
             await server.start()
-        except OSError as exc:
-            await server.stop()
+        except OSError as exc:  # start() closed the sockets
             runtime.server = None
             message = f"listen on {ip}: {exc}"
             self._update(key, runtime, lambda p: pod_status.crash_loop(p, 1, message))
@@ -256,20 +263,24 @@ class Kubelet:
 
     def _allocate_ip(self, ports: list[int]) -> tuple[str, list[socket.socket]]:
         """The next free loopback address (round robin: a freed IP is not reused at once) and
-        listening sockets on it at each of ``ports``.
+        sockets bound on it at each of ``ports`` (``reserve_ports``).
 
         Free means unused by this simulator and bindable: two simulators on one machine (two
         test runs, a run beside a local-mode service) start at the same address, and the
         second one's pod used to crash-loop on ``address already in use``. The sockets are
-        held from here on, so nothing can take the address before the pod's server starts."""
+        held from here on, so nothing can take the address before the pod's server starts.
+        After ``MAX_SKIPPED`` addresses in use, the next one unused by this simulator is given
+        without sockets: the pod crash-loops on the bind, as a pod whose port is taken does."""
+        skipped = 0
         for _ in range(_LAST_POD_IP - self._first_ip + 1):
             candidate = ipaddress.IPv4Address(self._next_ip)
             self._next_ip = self._next_ip + 1 if self._next_ip < _LAST_POD_IP else self._first_ip
             text = str(candidate)
             if text.endswith((".0", ".255")) or text in self._ips:
                 continue
-            sockets = listen_on(text, ports)
+            sockets = reserve_ports(text, ports) if skipped < MAX_SKIPPED else []
             if sockets is None:
+                skipped += 1
                 log.info("kubelet: %s is in use by another program, skipped", text)
                 continue
             self._ips.add(text)
