@@ -5,6 +5,7 @@ same client against the running service over real HTTP: tests/test_client_servic
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import threading
 import time
@@ -70,7 +71,8 @@ class Script:
             step = self.steps.pop(0) if len(self.steps) > 1 else self.steps[0]
         if isinstance(step, Exception):
             raise step
-        return step
+        # a response of its own per request, as a transport gives (one is read only once)
+        return httpx.Response(step.status_code, headers=step.headers, stream=step.stream)
 
     def bodies(self) -> list[dict[str, Any]]:
         return [json.loads(r.content) for r in self.requests]
@@ -144,6 +146,9 @@ def test_url_and_token_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     with GatewayClient(token="mine", transport=httpx.MockTransport(script)) as client:
         client.touch("s")
     assert script.requests[1].headers["authorization"] == "Bearer mine"
+    with GatewayClient(token="", transport=httpx.MockTransport(script)) as client:
+        client.touch("s")
+    assert "authorization" not in script.requests[2].headers  # "": none, the variable unread
 
 
 # --- retries -----------------------------------------------------------------------------------
@@ -331,6 +336,37 @@ async def test_an_answer_over_the_bound_async() -> None:
     async with async_client(script, max_answer_bytes=1024) as client:
         with pytest.raises(UnexpectedAnswer, match="over the client's bound"):
             await client.touch("s")
+
+
+def test_answers_are_asked_uncompressed_and_bounded_as_sent() -> None:
+    """A compressed answer is not inflated to be measured: the client asks for identity, and
+    reads what a server sends anyway as it was sent (a bomb is a few KB of nonsense to it)."""
+    bomb = gzip.compress(b'{"ok": true, "data": {"touched": true, "pad": "' + b"x" * 10_000_000)
+    assert len(bomb) < 64 * 1024
+    script = Script(httpx.Response(200, content=bomb, headers={"content-encoding": "gzip"}))
+    with (
+        sync_client(script, max_answer_bytes=64 * 1024) as client,
+        pytest.raises(UnexpectedAnswer),
+    ):
+        client.touch("s")
+    assert script.requests[0].headers["accept-encoding"] == "identity"
+
+
+async def test_a_compressed_answer_is_unexpected_async() -> None:
+    body = gzip.compress(json.dumps({"ok": True, "data": {"touched": True}}).encode())
+    script = Script(httpx.Response(200, content=body, headers={"content-encoding": "gzip"}))
+    async with async_client(script) as client:
+        with pytest.raises(UnexpectedAnswer):
+            await client.touch("s")
+    assert script.requests[0].headers["accept-encoding"] == "identity"
+
+
+@pytest.mark.parametrize("token", ["a b", "line\nbreak", "caf\u00e9", "x" * 4097])
+def test_a_token_that_cannot_be_sent_is_refused_at_construction(token: str) -> None:
+    with pytest.raises(ValueError, match="visible ASCII"):
+        GatewayClient(URL, token=token)
+    with pytest.raises(ValueError, match="visible ASCII"):
+        AsyncGatewayClient(URL, token=token)
 
 
 def test_a_success_without_the_referenced_data_is_unexpected() -> None:

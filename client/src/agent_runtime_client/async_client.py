@@ -133,7 +133,7 @@ class AsyncGatewayClient:
         response = await self._http.send(request, stream=True)
         try:
             reader = attempts.reader(response.status_code, response.headers.get("content-length"))
-            async for chunk in response.aiter_bytes():
+            async for chunk in response.aiter_raw():
                 reader.feed(chunk)
         finally:
             await response.aclose()

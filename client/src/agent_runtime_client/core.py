@@ -48,6 +48,7 @@ ROUTE_PATH = "/api/session/route"
 TOUCH_PATH = "/api/session/touch"
 URL_ENV = "AGENT_RUNTIME_URL"
 TOKEN_ENV = "AGENT_RUNTIME_GATEWAY_TOKEN"
+MAX_TOKEN = 4096  # characters: a bearer token in one header line
 
 DEFAULT_DEADLINE = 35.0  # a route may wait scope_full_timeout (30 s) in its scope's queue
 DEFAULT_MAX_ATTEMPTS = 4
@@ -88,7 +89,13 @@ class ClientConfig:
     max_answer_bytes: int
 
     def headers(self) -> dict[str, str]:
-        headers = {"content-type": "application/json", "accept": "application/json"}
+        # identity: the answer's size is bounded as it arrives; a compressed answer would be
+        # bounded only after decompression (a 200 KB gzip body can inflate to gigabytes)
+        headers = {
+            "content-type": "application/json",
+            "accept": "application/json",
+            "accept-encoding": "identity",
+        }
         if self.token:
             headers["authorization"] = f"Bearer {self.token}"
         return headers
@@ -117,13 +124,21 @@ def resolve_config(
         raise ValueError("deadline must be a positive number of seconds")
     if max_answer_bytes < 1:
         raise ValueError("max_answer_bytes must be at least 1")
+    token = (token if token is not None else environ.get(TOKEN_ENV)) or None  # "": none
+    if token is not None and not _valid_token(token):
+        # else every attempt fails in httpx before it is sent, and the call ends `Unavailable`
+        raise ValueError(f"a token is 1-{MAX_TOKEN} visible ASCII characters, no spaces")
     return ClientConfig(
         base_url=url.rstrip("/"),
-        token=token if token is not None else environ.get(TOKEN_ENV) or None,
+        token=token,
         deadline=deadline,
         retry=retry or RetryPolicy(),
         max_answer_bytes=max_answer_bytes,
     )
+
+
+def _valid_token(token: str) -> bool:
+    return 0 < len(token) <= MAX_TOKEN and all("!" <= c <= "~" for c in token)
 
 
 # --- requests ------------------------------------------------------------------------------------

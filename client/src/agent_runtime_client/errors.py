@@ -174,9 +174,9 @@ def error_for(
 class Unavailable(GatewayClientError):
     """No usable answer came and no attempt is left (``attempts`` were made).
 
-    ``cause`` is the last failure: the transport error (``httpx.ConnectError``, a read error
-    or timeout, a connection the server closed) or the last retryable failure answer (an
-    ``AgentRuntimeError`` with ``retry_after``).
+    ``cause`` is the last attempt's transport error (``httpx.ConnectError``, a read error or
+    timeout, a connection the server closed). When the last attempt got a retryable answer
+    instead, that answer's ``AgentRuntimeError`` is raised itself, not this.
     """
 
     def __init__(

@@ -124,7 +124,7 @@ class GatewayClient:
         response = self._http.send(request, stream=True)
         try:
             reader = attempts.reader(response.status_code, response.headers.get("content-length"))
-            for chunk in response.iter_bytes():
+            for chunk in response.iter_raw():
                 reader.feed(chunk)
         finally:
             response.close()
