@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import contextvars
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -221,10 +220,8 @@ class DetachedWrites(Generic[T]):
                 return
         self._queue.append(item)
         if self._worker is None:
-            # a context of its own: the request's log fields are not the batch's
-            self._worker = asyncio.create_task(
-                self._run(), name=f"detached-writes:{self._name}", context=contextvars.Context()
-            )
+            # the request's log fields are not the batch's
+            self._worker = logs.detached_task(self._run(), name=f"detached-writes:{self._name}")
 
     async def _run(self) -> None:
         try:

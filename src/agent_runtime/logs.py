@@ -9,15 +9,16 @@ and passwords in URLs are masked, whatever the message or extra says.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import logging
 import re
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Coroutine, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 CONTEXT_FIELDS = ("request_id", "session_id", "scope_id", "pod_id", "job")
 _context: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
@@ -53,6 +54,16 @@ MIN_SECRET_LENGTH = 6
 MAX_SECRET_VALUES = 1000
 _secret_values: dict[str, None] = {}  # insertion-ordered set
 _secret_pattern: re.Pattern[str] | None = None
+
+
+T = TypeVar("T")
+
+
+def detached_task(coro: Coroutine[Any, Any, T], *, name: str) -> asyncio.Task[T]:
+    """A task that outlives the request or job that starts it (a reader, a sender, a watch),
+    started in an empty context: it must not carry that caller's log fields or trace span
+    (its own log lines and Kubernetes calls would wear them for ever after)."""
+    return asyncio.create_task(coro, name=name, context=contextvars.Context())
 
 
 def add_secret_values(values: Iterable[str]) -> None:

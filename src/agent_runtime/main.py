@@ -93,6 +93,11 @@ def create_app(
                 )
             yield
         finally:
+            # one stop bound for all of it: what the cli left of it (set at the signal), else
+            # the whole shutdown_timeout from now
+            deadline: float = getattr(app.state, "stop_deadline", None) or (
+                time.monotonic() + settings.shutdown_timeout
+            )
             governing: asyncio.Task[None] | None = getattr(app.state, "admission_governor", None)
             if governing is not None:
                 governing.cancel()
@@ -101,19 +106,12 @@ def create_app(
             if svc_now is not None:
                 svc_now.ready = False
                 svc_now.drain()
-                # what is left of the stop bound (cli sets it at the signal), else the whole
-                deadline = getattr(app.state, "stop_deadline", None)
-                budget = settings.shutdown_timeout
-                if deadline is not None:
-                    budget = max(1.0, deadline - time.monotonic())
                 try:
-                    await asyncio.wait_for(svc_now.stop(), budget)
+                    await asyncio.wait_for(svc_now.stop(), max(1.0, deadline - time.monotonic()))
                 except Exception:
                     log.exception("shutdown: services did not stop cleanly")
             # last: the spans of the stop itself (deploys that finished) go out too
-            deadline = getattr(app.state, "stop_deadline", None)
-            left = settings.shutdown_timeout if deadline is None else deadline - time.monotonic()
-            await traces.shutdown(max(left, TRACES_FLUSH_MIN))
+            await traces.shutdown(max(deadline - time.monotonic(), TRACES_FLUSH_MIN))
             if owned:
                 await live.close()
 

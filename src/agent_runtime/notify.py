@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, cast
@@ -42,6 +41,7 @@ from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.exceptions import SlotNotCoveredError
 
+from agent_runtime import logs
 from agent_runtime.redis_client import is_cluster
 
 log = logging.getLogger(__name__)
@@ -204,9 +204,7 @@ class Notifier:
         task never writes on the connection (redis-py swallows a cancellation that lands in
         a pub/sub send: the waiter would not stop)."""
         if shard.syncer is None or shard.syncer.done():
-            shard.syncer = asyncio.create_task(
-                self._sync_soon(shard), name="notifier-sync", context=contextvars.Context()
-            )
+            shard.syncer = logs.detached_task(self._sync_soon(shard), name="notifier-sync")
         else:
             shard.again = True
 
@@ -232,11 +230,8 @@ class Notifier:
             shard.wanted = set(old.wanted) if old is not None else set()
             shard.idle_since = asyncio.get_running_loop().time()
             if not self._stopped:
-                # a context of its own (as the syncer's): the reader outlives the route whose
-                # listen started it, whose log ids and trace it must not carry
-                shard.task = asyncio.create_task(
-                    self._run(shard), name=f"notifier:{name}", context=contextvars.Context()
-                )
+                # the reader outlives the route whose listen started it
+                shard.task = logs.detached_task(self._run(shard), name=f"notifier:{name}")
         return shard
 
     def _reroute(self, shard: _Shard) -> None:

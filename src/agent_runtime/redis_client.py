@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import re
 import time
 from collections.abc import Iterable
@@ -248,7 +249,11 @@ class SentinelBlockingPool(SentinelConnectionPool, BlockingConnectionPool):
     async def get_connection(self, *args: Any, **options: Any) -> Any:
         self._last_use = time.monotonic()
         if self._watch is None or self._watch.done():
-            self._watch = asyncio.create_task(self._watch_master(), name="sentinel-master-watch")
+            # often (re)started by a request's command: an empty context, not that request's
+            # log ids and trace (logs.detached_task, which this bottom floor cannot import)
+            self._watch = asyncio.create_task(
+                self._watch_master(), name="sentinel-master-watch", context=contextvars.Context()
+            )
         connection = await super().get_connection(*args, **options)
         master = self.master_address
         if master is not None and (connection.host, connection.port) != tuple(master):

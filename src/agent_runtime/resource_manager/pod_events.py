@@ -27,7 +27,6 @@ Metric ``agent_runtime_pod_events_total{reason,outcome}``: ``sent`` (created), `
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import dataclasses
 import logging
 import time
@@ -37,6 +36,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Protocol
 
+from agent_runtime import logs
 from agent_runtime.metrics import Metrics
 from agent_runtime.resource_manager.k8s import K8sPodClient
 from agent_runtime.resource_manager.models import K8sApiError
@@ -206,12 +206,8 @@ class PodEvents:
             self._count(reason, "dropped_full")
             return
         if self._sender is None or self._sender.done():  # first record, or a sender that died
-            # an empty context: the sender outlives the request or job whose record started
-            # it, so it must not carry that caller's span (its Kubernetes calls would join the
-            # caller's trace for ever after) or its log ids
-            self._sender = asyncio.create_task(
-                self._send_all(), name="pod-events-sender", context=contextvars.Context()
-            )
+            # the sender outlives the request or job whose record started it
+            self._sender = logs.detached_task(self._send_all(), name="pod-events-sender")
 
     async def _send_all(self) -> None:
         while True:
