@@ -380,7 +380,8 @@ class OneShotServer:
 
 class FakeAdminApi:
     """An HTTP server on 127.0.0.1 whose ``GET /api/session/admin/scopes`` answers what
-    ``pages(cursor)`` gives (the envelope around it); it counts the calls."""
+    ``pages(cursor)`` gives (the envelope around it); it counts the calls. A POST is
+    recorded (its ``X-Request-Id`` and body) and answered ``{"cleaned": 0}``."""
 
     def __init__(self, pages: Callable[[int], dict[str, Any]]) -> None:
         api = self
@@ -398,10 +399,21 @@ class FakeAdminApi:
                 self.end_headers()
                 self.wfile.write(body.encode())
 
+            def do_POST(self) -> None:
+                sent = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                api.posts.append((self.headers["X-Request-Id"], sent))
+                body = json.dumps({"ok": True, "request_id": "x", "data": {"cleaned": 0}})
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body.encode())
+
             def log_message(self, *args: Any) -> None:  # quiet
                 pass
 
         self.calls = 0
+        self.posts: list[tuple[str, dict[str, Any]]] = []
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -422,6 +434,14 @@ def fake_scope(group: str) -> dict[str, Any]:
         "scope_id": f"sid-{group}", "group_id": group, "bot_id": "b", "config": None,
         "live_sessions": 1, "waiters": 0, "reserved": 0, "candidate_pods": 1, "pods": pods,
     }  # fmt: skip
+
+
+def test_a_cleanup_sends_one_request_id_in_the_envelope_and_the_header() -> None:
+    with FakeAdminApi(lambda cursor: {}) as api:
+        assert ok(run_cli("cleanup", "-l", "app=x", "--yes", url=api.url)) == "cleaned 0\n"
+    ((header, sent),) = api.posts
+    assert sent["metadata"]["request_id"] == header and len(header) >= 16
+    assert sent["rawdata"] == {"dry_run": False, "label_selector": "app=x"}
 
 
 def test_scopes_walks_every_page_once_per_scope_and_stops_at_its_bound() -> None:

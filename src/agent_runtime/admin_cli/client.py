@@ -96,6 +96,14 @@ class AdminClient:
         """``POST /api/session{path}`` with a JSON body (None: none): the answer's ``data``."""
         return self._call("POST", path, body=body)
 
+    def call(self, endpoint: str, rawdata: Mapping[str, Any]) -> Any:
+        """One of the service's envelope endpoints (``/cleanup``): one request id, in the
+        envelope's metadata and in ``X-Request-Id`` alike, so the logs agree."""
+        rid = request_id()
+        return self._call(
+            "POST", endpoint, body={"metadata": {"request_id": rid}, "rawdata": rawdata}, rid=rid
+        )
+
     def _call(
         self,
         method: str,
@@ -103,11 +111,12 @@ class AdminClient:
         *,
         params: Mapping[str, str | int] | None = None,
         body: Mapping[str, Any] | None = None,
+        rid: str | None = None,
     ) -> Any:
         url = self._target.url.copy_with(
             path=self._target.url.path.rstrip("/") + "/api/session" + path
         )
-        headers = {"X-Request-Id": request_id()}
+        headers = {"X-Request-Id": rid or request_id()}
         content = None
         if body is not None:
             content = json.dumps(body).encode()

@@ -16,7 +16,6 @@ from typing import Any
 
 from agent_runtime.admin_cli import output
 from agent_runtime.admin_cli.client import AdminClient, path_id
-from agent_runtime.admin_cli.client import request_id as new_request_id
 
 MAX_PAGE = 200  # the admin API's largest page (scopes, drains)
 WALK_MAX_SCOPES = 10_000  # ``scopes`` without --limit/--cursor stops after this many
@@ -284,9 +283,7 @@ def cleanup(client: AdminClient, args: argparse.Namespace, now: float) -> Shown:
         rawdata["namespace"] = args.namespace
     if args.selector:
         rawdata["label_selector"] = args.selector
-    data = client.post(
-        "/cleanup", {"metadata": {"request_id": new_request_id()}, "rawdata": rawdata}
-    )
+    data = client.call("/cleanup", rawdata)
     if not args.dry_run:
         return Shown(data, f"cleaned {output.cell(_read(data, 'cleaned'))}")
     pods = _list(data, "pods")

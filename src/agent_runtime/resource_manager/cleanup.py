@@ -48,13 +48,11 @@ class BulkCleanup:
         deleted = await asyncio.gather(*(delete(p.pod_id) for p in pods))
         return sum(1 for d in deleted if d)
 
-    async def preview(
-        self, namespace: str | None, label_selector: str | None, *, limit: int = PREVIEW_MAX
-    ) -> CleanupPreview:
+    async def preview(self, namespace: str | None, label_selector: str | None) -> CleanupPreview:
         """What ``delete`` with the same arguments would delete now, deleting nothing: the
-        count, and the first ``limit`` pods by name. The same errors as ``delete``'s LIST."""
+        count, and the first ``PREVIEW_MAX`` pods by name. The same errors as ``delete``'s LIST."""
         _, pods = await self._targets(namespace, label_selector)
-        first = heapq.nsmallest(max(limit, 0), pods, key=lambda p: p.pod_id)
+        first = heapq.nsmallest(PREVIEW_MAX, pods, key=lambda p: p.pod_id)
         return CleanupPreview(len(pods), tuple(_candidate(p) for p in first))
 
     async def _targets(

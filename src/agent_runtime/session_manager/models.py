@@ -13,6 +13,7 @@ from pydantic.json_schema import SkipJsonSchema
 from agent_runtime import label_selector
 from agent_runtime.api.ids import Id
 from agent_runtime.api.request import AdminMetadata, validate_as
+from agent_runtime.resource_manager.facade import CLEANUP_PREVIEW_MAX
 from agent_runtime.session_manager.items import (
     DnsLabel,
     RoutingRuleItem,
@@ -276,7 +277,7 @@ class CleanupData(BaseModel):
         None, description="dry run: more pods matched than pods lists"
     )
     pods: list[CleanupPod] | SkipJsonSchema[None] = Field(
-        None, description="dry run: the first 500 of them by name"
+        None, description=f"dry run: the first {CLEANUP_PREVIEW_MAX} of them by name"
     )
 
 
