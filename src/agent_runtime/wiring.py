@@ -323,8 +323,6 @@ class Services:
             resources=self.resources,
             gateway_tokens=tuple(self.settings.gateway_tokens),
             admin_tokens=tuple(self.settings.admin_tokens),
-            default_namespace=self.settings.default_namespace,
-            cleanup_namespaces=self.settings.allowed_namespaces(),
             serving=lambda: self.ready,
         )
 

@@ -30,9 +30,15 @@ PREVIEW_MAX = 500  # pods a dry run names; ``matched`` counts them all
 
 
 class BulkCleanup:
-    def __init__(self, *, k8s: K8sPodClient, default_namespace: str) -> None:
+    def __init__(
+        self, *, k8s: K8sPodClient, default_namespace: str, namespaces: frozenset[str] | None
+    ) -> None:
+        """``namespaces``: the operator's allow-list (None: any, for tests that build the
+        orchestrator by hand); none of our pods can be elsewhere, so a call there selects none
+        and asks Kubernetes nothing."""
         self._k8s = k8s
         self._default_namespace = default_namespace
+        self._namespaces = namespaces
 
     async def delete(self, namespace: str | None, label_selector: str | None) -> int:
         """Delete the selected pods; how many were deleted (one already gone is not counted).
@@ -59,6 +65,8 @@ class BulkCleanup:
         self, namespace: str | None, label_selector: str | None
     ) -> tuple[str, list[PodStatus]]:
         ns = namespace or self._default_namespace
+        if self._namespaces is not None and ns not in self._namespaces:
+            return ns, []  # before the selector is read: no call there fails
         # ValueError for a selector we do not accept; what Kubernetes gets is its canonical
         # form, so the API server never refuses (502) what we validated (400)
         terms = selectors.parse(label_selector or "")

@@ -108,7 +108,11 @@ class ResourceOrchestrator:
         self._deploy_state = DeployState(state)
         self._k8s = k8s
         # the operator's bulk delete and its dry run (the facade's cleanup calls)
-        self.cleanup = BulkCleanup(k8s=k8s, default_namespace=default_namespace)
+        self.cleanup = BulkCleanup(
+            k8s=k8s,
+            default_namespace=default_namespace,
+            namespaces=bounds.namespaces if bounds is not None else None,
+        )
         self._deployer = Deployer(
             state=state,
             deploys=self._deploy_state,

@@ -30,8 +30,6 @@ class HandlerDeps:
     resources: ResourceManagerFacade
     gateway_tokens: Sequence[str]
     admin_tokens: Sequence[str]
-    default_namespace: str  # cleanup without a namespace
-    cleanup_namespaces: frozenset[str]  # the operator's allow-list: none of our pods elsewhere
     # False while the process starts or stops: every handler answers 503 then
     serving: Callable[[], bool]
 

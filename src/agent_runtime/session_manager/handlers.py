@@ -120,17 +120,12 @@ async def cleanup(envelope: AdminBody, deps: Deps) -> JSONResponse:
     With ``rawdata.dry_run``: the pods the same call would delete, none deleted."""
     body = parse_rawdata(CleanupRequest, envelope.rawdata)
     request_id = envelope.metadata.request_id
-    # never outside the operator's allow-list: none of our pods can be there
-    allowed = (body.namespace or deps.default_namespace) in deps.cleanup_namespaces
+    if body.dry_run:
+        with _k8s_refusals(request_id):
+            preview = await deps.resources.cleanup_preview(body.namespace, body.label_selector)
+        return ok(request_id, _preview_data(preview))
     with _k8s_refusals(request_id):
-        if body.dry_run:
-            preview = CleanupPreview(0, ())
-            if allowed:
-                preview = await deps.resources.cleanup_preview(body.namespace, body.label_selector)
-            return ok(request_id, _preview_data(preview))
-        cleaned = 0
-        if allowed:
-            cleaned = await deps.resources.cleanup(body.namespace, body.label_selector)
+        cleaned = await deps.resources.cleanup(body.namespace, body.label_selector)
     return ok(request_id, {"cleaned": cleaned})
 
 
