@@ -31,6 +31,7 @@ from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from opentelemetry.context import Context
 from opentelemetry.trace import Span as OtelSpan
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -167,12 +168,20 @@ class OtelTracing(Tracing):
 
     @contextmanager
     def _current(
-        self, name: str, kind: Kind, attributes: Mapping[str, Any] | None
+        self,
+        name: str,
+        kind: SpanKind,
+        attributes: Mapping[str, Any] | None,
+        *,
+        context: Context | None = None,
     ) -> Iterator[OtelSpan]:
+        """The span, current and in the log fields for the block; an exception marks it
+        (``failed``). ``context``: the parent (a caller's, from ``traceparent``)."""
         # not the SDK's exception handling: it puts the exception's text on the span
         starting = self.tracer.start_as_current_span(
             name,
-            kind=_KINDS[kind],
+            context=context,
+            kind=kind,
             attributes=attributes,
             record_exception=False,
             set_status_on_exception=False,
@@ -187,7 +196,7 @@ class OtelTracing(Tracing):
     def span(
         self, name: str, *, kind: Kind = "internal", attributes: Mapping[str, Any] | None = None
     ) -> AbstractContextManager[Span]:
-        return self._current(name, kind, attributes)
+        return self._current(name, _KINDS[kind], attributes)
 
     def open_span(
         self, name: str, *, kind: Kind = "internal", attributes: Mapping[str, Any] | None = None
@@ -299,15 +308,8 @@ class ServerSpans:
         }
         if path in self.known_paths:
             attributes["http.route"] = path
-        tracer = self.tracing.tracer
-        with tracer.start_as_current_span(
-            name,
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes=attributes,
-            record_exception=False,  # ``failed``: never the exception's text
-            set_status_on_exception=False,
-        ) as span:
+        # an exception past the guard (the server's own 500) marks it, as any span's
+        with self.tracing._current(name, SpanKind.SERVER, attributes, context=parent) as span:
             slot = self.tracing.request_span.set(span)
 
             async def record(message: Message) -> None:
@@ -322,11 +324,7 @@ class ServerSpans:
                 await send(message)
 
             try:
-                with logs.bound(**ids_of(span)):
-                    await self.app(scope, receive, record)
-            except Exception as exc:  # past the guard: the server's own 500
-                failed(span, exc)
-                raise
+                await self.app(scope, receive, record)
             finally:
                 self.tracing.request_span.reset(slot)
 
