@@ -511,3 +511,14 @@ def test_every_command_has_help() -> None:
         assert proc.returncode == 0 and f"agent-runtime admin {command}" in proc.stdout
     top = " ".join(ok(run_cli("--help")).split())
     assert "A token on the command line shows in `ps`" in top
+
+
+def test_the_bounds_the_cli_copies_are_the_services() -> None:
+    """The CLI keeps its own copies (it imports none of the service's floors, for a quick
+    start); they must say what the service enforces."""
+    from agent_runtime import admin
+    from agent_runtime.admin_cli import commands
+    from agent_runtime.resource_manager import drains
+
+    assert commands.MAX_PAGE == admin.MAX_PAGE
+    assert commands.MAX_DRAIN_SECONDS == drains.MAX_DRAIN_SECONDS
